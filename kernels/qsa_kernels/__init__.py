@@ -1,0 +1,1 @@
+"""qsa_kernels: Triton kernels behind `qsa_core.ops` (same names as the references)."""

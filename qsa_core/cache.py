@@ -1,0 +1,117 @@
+"""Cache layouts (SPEC.md section 4): the plan, validated once, and the per-layer views.
+
+Main K/V are views `[num_pages, page_size, Hkv, D]` with any page / row / head strides and a
+contiguous last dim, so vLLM's side-by-side page and SGLang's separate buffers both fit.
+Compressed keys are flat rows `[num_pages * page_size / r, Di]` (row = main slot of the
+group's first token // r). The raw-key ring is `[ring_rows * C, Di]`, row
+`ring_index * C + p % C`, with `[.., 3]` int64 positions for MRoPE models.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .config import QSAConfig, resolve_dtype
+
+
+def ring_capacity(compress_ratio: int, num_speculative_tokens: int = 0) -> int:
+    """C = r * ceil((r + num_spec) / r): the open group plus room for rejected drafts."""
+    r = compress_ratio
+    return r * math.ceil((r + num_speculative_tokens) / r)
+
+
+@dataclass
+class QSALayerCache:
+    """The three caches of one QSA layer (views; the owner may be an engine)."""
+
+    k: torch.Tensor  # [num_pages, page_size, Hkv, D]
+    v: torch.Tensor  # [num_pages, page_size, Hkv, D]
+    compressed: torch.Tensor  # [num_pages * page_size / r, Di]
+    ring: torch.Tensor  # [ring_rows * C, Di], model dtype
+    ring_positions: torch.Tensor | None  # [ring_rows * C, 3] int64 (MRoPE only)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+class QSACacheLayout(BaseModel):
+    """How the caches of N QSA layers are laid out; validated once at allocation."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_layers: int = Field(gt=0)
+    page_size: int = Field(gt=0)
+    num_pages: int = Field(gt=0)
+    ring_rows: int = Field(gt=0, description="requests that can hold a ring row at once")
+    num_speculative_tokens: int = Field(0, ge=0)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def ring_capacity(self, config: QSAConfig) -> int:
+        return ring_capacity(config.compress_ratio, self.num_speculative_tokens)
+
+    def check(self, config: QSAConfig) -> None:
+        if self.page_size % config.compress_ratio:
+            raise ValueError(
+                f"page_size ({self.page_size}) must be a multiple of compress_ratio "
+                f"({config.compress_ratio})"
+            )
+
+    def allocate(
+        self, config: QSAConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> list[QSALayerCache]:
+        """Allocate all caches; main K/V live side by side in one page buffer per layer."""
+        self.check(config)
+        kv_dtype = resolve_dtype(config.kv_cache_dtype, dtype)
+        index_dtype = resolve_dtype(config.index_dtype, dtype)
+        C = self.ring_capacity(config)
+        D, Hkv, Di = config.head_dim, config.num_kv_heads, config.index_head_dim
+        caches = []
+        for _ in range(self.num_layers):
+            kv = torch.zeros(self.num_pages, self.page_size, Hkv, 2 * D, dtype=kv_dtype, device=device)
+            caches.append(
+                QSALayerCache(
+                    k=kv[..., :D],
+                    v=kv[..., D:],
+                    compressed=torch.zeros(
+                        self.num_slots // config.compress_ratio, Di, dtype=index_dtype, device=device
+                    ),
+                    ring=torch.zeros(self.ring_rows * C, Di, dtype=dtype, device=device),
+                    ring_positions=(
+                        torch.zeros(self.ring_rows * C, 3, dtype=torch.int64, device=device)
+                        if config.uses_mrope
+                        else None
+                    ),
+                )
+            )
+        return caches
+
+
+def validate_layer_cache(cache: QSALayerCache, config: QSAConfig, page_size: int) -> None:
+    """Shape/dtype checks of cache views (once, at allocation or binding; no tensor reads)."""
+    D, Hkv, Di = config.head_dim, config.num_kv_heads, config.index_head_dim
+    for name in ("k", "v"):
+        t = getattr(cache, name)
+        if t.dim() != 4 or t.shape[1] != page_size or tuple(t.shape[2:]) != (Hkv, D):
+            raise ValueError(
+                f"cache.{name} must be [num_pages, {page_size}, {Hkv}, {D}], got {tuple(t.shape)}"
+            )
+        if t.stride(-1) != 1:
+            raise ValueError(f"cache.{name} must have a contiguous last dim")
+    slots = cache.k.shape[0] * page_size
+    if cache.compressed.dim() != 2 or cache.compressed.shape[1] != Di:
+        raise ValueError(f"cache.compressed must be [rows, {Di}], got {tuple(cache.compressed.shape)}")
+    if cache.compressed.shape[0] < slots // config.compress_ratio:
+        raise ValueError(
+            f"cache.compressed needs >= {slots // config.compress_ratio} rows "
+            f"(main slots / compress_ratio), got {cache.compressed.shape[0]}"
+        )
+    if cache.ring.dim() != 2 or cache.ring.shape[1] != Di:
+        raise ValueError(f"cache.ring must be [rows, {Di}], got {tuple(cache.ring.shape)}")
+    if config.uses_mrope and cache.ring_positions is None:
+        raise ValueError("cache.ring_positions is required for an MRoPE model")

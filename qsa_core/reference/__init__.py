@@ -1,0 +1,22 @@
+"""Pure-PyTorch references: the definition of every QSA op (SPEC.md section 5).
+
+Each function has a Triton twin of the same name in `qsa_kernels` that must match it.
+"""
+
+from .attention import qsa_sparse_attention
+from .expand import qsa_expand
+from .metadata import qsa_build_metadata
+from .prepare import qsa_compress_groups, qsa_prepare, qsa_store_kv, qsa_store_rows
+from .select import qsa_select_decode, qsa_select_prefill
+
+__all__ = [
+    "qsa_build_metadata",
+    "qsa_compress_groups",
+    "qsa_expand",
+    "qsa_prepare",
+    "qsa_select_decode",
+    "qsa_select_prefill",
+    "qsa_sparse_attention",
+    "qsa_store_kv",
+    "qsa_store_rows",
+]

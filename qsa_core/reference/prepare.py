@@ -1,0 +1,137 @@
+"""Reference of the write side of a QSA step: store rows, compress groups, the fused prepare."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .common import apply_rope, gemma_rms_norm, rope_cos_sin
+
+if TYPE_CHECKING:
+    from ..cache import QSALayerCache
+    from ..metadata import QSAForwardMetadata
+
+
+def qsa_store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0) -> None:
+    """cache[slots[t]] = rows[t] / scale for 0 <= slots[t] < len(cache); other rows skip.
+
+    cache [N, ...] (any float dtype, fp8 included), slots int64 [T], rows [T, ...].
+    """
+    keep = (slots >= 0) & (slots < cache.shape[0])
+    src = rows[keep]
+    if scale != 1.0:
+        src = src.float() / scale
+    cache[slots[keep]] = src.to(cache.dtype)
+
+
+def qsa_store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:
+    """Write K/V [T, Hkv, D] into paged caches [pages, page_size, Hkv, D] at main slots."""
+    page = k_cache.shape[1]
+    keep = (slots >= 0) & (slots < k_cache.shape[0] * page)
+    s = slots[keep]
+    for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        cache[s // page, s % page] = (x[keep].float() / scale).to(cache.dtype)
+
+
+def _group_first_rope_positions(
+    rope_positions: torch.Tensor, meta: "QSAForwardMetadata", cache: "QSALayerCache",
+    rows: torch.Tensor, in_step: torch.Tensor, ring_rows: torch.Tensor, first_pos: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE position of each group's first token: [G] (1-D) or [3, G] (MRoPE, from the ring)."""
+    if rope_positions.dim() == 1 and cache.ring_positions is None:
+        return first_pos
+    here = rope_positions.view(-1, rope_positions.shape[-1]).expand(3, -1)[:, rows.clamp(min=0)]
+    if cache.ring_positions is None:
+        raise ValueError("3-axis rope_positions need a cache with ring_positions (MRoPE layout)")
+    from_ring = cache.ring_positions[ring_rows.clamp(min=0)].T
+    return torch.where(in_step[None, :], here, from_ring)
+
+
+def qsa_compress_groups(
+    raw_keys: torch.Tensor,
+    rope_positions: torch.Tensor,
+    *,
+    k_norm: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    rope_axes: torch.Tensor,
+    cache: "QSALayerCache",
+    meta: "QSAForwardMetadata",
+) -> None:
+    """Compress every group this step closes and store it in cache.compressed.
+
+    A row with compressed_slot >= 0 closes group g = (p + 1) / r - 1. Its r raw keys
+    [T, Di] come from this step's rows, or from the ring for tokens of earlier steps (read
+    before this step's ring writes). pooled = dtype(fp32 sum / r); key =
+    RoPE(GemmaRMSNorm(pooled, k_norm), position of the group's first token).
+    """
+    r, C = meta.compress_ratio, meta.ring_capacity
+    closing = (meta.compressed_slot >= 0).nonzero().flatten()
+    if closing.numel() == 0:
+        return
+    req = meta.token_to_req[closing].long()
+    step_first_row = meta.query_start_loc[req].long()
+    offsets = torch.arange(-(r - 1), 1, device=closing.device)
+    rows = closing[:, None] + offsets[None, :]  # [G, r] rows of the group's tokens
+    pos = meta.positions[closing][:, None] + offsets[None, :]
+    in_step = rows >= step_first_row[:, None]
+    ring_rows = meta.ring_index[req].long()[:, None] * C + pos.remainder(C)
+    keys = torch.where(
+        in_step[..., None], raw_keys[rows.clamp(min=0)], cache.ring[ring_rows].to(raw_keys.dtype)
+    )
+    pooled = (keys.float().sum(1) / r).to(raw_keys.dtype)
+    normed = gemma_rms_norm(pooled, k_norm, eps)
+    first = _group_first_rope_positions(
+        rope_positions, meta, cache, rows[:, 0], in_step[:, 0], ring_rows[:, 0], pos[:, 0]
+    )
+    cos, sin = rope_cos_sin(first, inv_freq, rope_axes)
+    keys_out = apply_rope(normed[:, None, :], cos, sin)[:, 0]
+    qsa_store_rows(cache.compressed, meta.compressed_slot[closing], keys_out)
+
+
+def qsa_prepare(
+    index_q: torch.Tensor,
+    raw_keys: torch.Tensor,
+    q_gate: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope_positions: torch.Tensor,
+    *,
+    index_q_norm: torch.Tensor,
+    index_k_norm: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    rope_axes: torch.Tensor,
+    index_dtype: torch.dtype,
+    cache: "QSALayerCache",
+    meta: "QSAForwardMetadata",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused write side of a QSA layer for one step.
+
+    Inputs (model dtype): index_q [T, Hi*Di], raw_keys [T, Di], q_gate [T, Hq*2D] (per head
+    [q | gate]), k and v [T, Hkv*D]. Writes compressed keys, the raw-key ring (+ MRoPE
+    positions) and main K/V. Returns q_idx [T, Hi, Di] (index_dtype), q and gate [T, Hq, D].
+    """
+    T, Di = raw_keys.shape
+    D = k_norm.shape[0]
+    cos, sin = rope_cos_sin(rope_positions, inv_freq, rope_axes)
+    q_idx = apply_rope(gemma_rms_norm(index_q.view(T, -1, Di), index_q_norm, eps), cos, sin)
+    qsa_compress_groups(
+        raw_keys, rope_positions, k_norm=index_k_norm, eps=eps, inv_freq=inv_freq,
+        rope_axes=rope_axes, cache=cache, meta=meta,
+    )
+    qsa_store_rows(cache.ring, meta.ring_slot, raw_keys)
+    if cache.ring_positions is not None:
+        rows3 = rope_positions.view(-1, T).expand(3, -1).T
+        qsa_store_rows(cache.ring_positions, meta.ring_slot, rows3)
+    qg = q_gate.view(T, -1, 2 * D)
+    q = apply_rope(gemma_rms_norm(qg[..., :D], q_norm, eps), cos, sin)
+    k_out = apply_rope(gemma_rms_norm(k.view(T, -1, D), k_norm, eps), cos, sin)
+    qsa_store_kv(cache.k, cache.v, meta.slot_mapping, k_out, v.view(T, -1, D), cache.k_scale, cache.v_scale)
+    return q_idx.to(index_dtype), q, qg[..., D:]

@@ -1,0 +1,192 @@
+"""`Runner`: the embedded default engine. Owns paged caches and runs QSA layers with no engine.
+
+It builds its per-step metadata with the same `QSAMetadataBuilder` the adapters use, so a
+standalone run exercises exactly the path an engine integration takes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import QSACacheLayout, QSALayerCache
+from .layer import QSAAttention
+from .metadata import QSAForwardMetadata, QSAMetadataBuilder
+
+
+@dataclass
+class _Request:
+    ring: int
+    pages: list[int] = field(default_factory=list)
+    seq_len: int = 0
+
+
+class Runner:
+    """Runs a stack of `QSAAttention` layers (output of layer i feeds layer i + 1).
+
+    `step({request_id: hidden [n, hidden_size]})` runs one mixed step: new and continuing
+    requests, any chunk length. Requests whose chunk has `1 + num_speculative_tokens` rows
+    and that already hold context are decodes and go first; the rest are prefills.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[QSAAttention],
+        *,
+        page_size: int,
+        num_pages: int,
+        max_requests: int,
+        num_speculative_tokens: int = 0,
+        shuffle_pages: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if not layers:
+            raise ValueError("layers must hold at least one QSAAttention")
+        self.layers = list(layers)
+        self.config = self.layers[0].config
+        for i, layer in enumerate(self.layers):
+            if layer.config != self.config:
+                raise ValueError(f"layers[{i}] has a different QSAConfig than layers[0]")
+        p = next(self.layers[0].parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.layout = QSACacheLayout(
+            num_layers=len(self.layers),
+            page_size=page_size,
+            num_pages=num_pages,
+            ring_rows=max_requests,
+            num_speculative_tokens=num_speculative_tokens,
+        )
+        self.caches: list[QSALayerCache] = self.layout.allocate(self.config, self.dtype, self.device)
+        self.builder = QSAMetadataBuilder(
+            self.config.compress_ratio, page_size, self.layout.ring_capacity(self.config), self.device
+        )
+        self.decode_query_len = 1 + num_speculative_tokens
+        self._free_pages = list(range(num_pages))
+        if shuffle_pages:
+            random.Random(seed).shuffle(self._free_pages)
+        self._free_rings = list(range(max_requests))
+        self._requests: dict[Hashable, _Request] = {}
+        self.last_metadata: QSAForwardMetadata | None = None
+        self.last_padding_output: torch.Tensor | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    def seq_len(self, request_id: Hashable) -> int:
+        return self._requests[request_id].seq_len
+
+    def free(self, request_id: Hashable) -> None:
+        """Release a request's pages and ring row for reuse."""
+        req = self._requests.pop(request_id)
+        self._free_pages.extend(req.pages)
+        self._free_rings.append(req.ring)
+
+    def truncate(self, request_id: Hashable, seq_len: int) -> None:
+        """Drop tokens past `seq_len` (rejected speculative drafts); pages stay allocated."""
+        req = self._requests[request_id]
+        if not 0 <= seq_len <= req.seq_len:
+            raise ValueError(f"seq_len must be in [0, {req.seq_len}], got {seq_len}")
+        req.seq_len = seq_len
+
+    def _admit(self, request_id: Hashable) -> _Request:
+        if request_id not in self._requests:
+            if not self._free_rings:
+                raise RuntimeError("no free ring row: raise max_requests or free a request")
+            self._requests[request_id] = _Request(ring=self._free_rings.pop(0))
+        return self._requests[request_id]
+
+    def _grow(self, req: _Request, seq_len: int) -> None:
+        need = -(-seq_len // self.page_size) - len(req.pages)
+        if need > len(self._free_pages):
+            raise RuntimeError(f"out of KV pages: need {need}, {len(self._free_pages)} free")
+        for _ in range(max(0, need)):
+            req.pages.append(self._free_pages.pop(0))
+
+    def step(
+        self,
+        chunks: Mapping[Hashable, torch.Tensor],
+        rope_positions: Mapping[Hashable, torch.Tensor] | None = None,
+        padding: torch.Tensor | None = None,
+    ) -> dict[Hashable, torch.Tensor]:
+        """Run one step; returns {request_id: output [n, hidden_size]}.
+
+        rope_positions: optional per-request int64 [n] or [3, n] (MRoPE); default logical.
+        padding: optional [k, hidden_size] rows appended as inert CUDA-graph-style padding.
+        """
+        rope_positions = rope_positions or {}
+        ids = list(chunks)
+        for rid in ids:
+            if chunks[rid].dim() != 2 or chunks[rid].shape[0] == 0:
+                raise ValueError(f"chunk of request {rid!r} must be [n >= 1, hidden_size]")
+        is_decode = {
+            rid: rid in self._requests
+            and self._requests[rid].seq_len > 0
+            and chunks[rid].shape[0] == self.decode_query_len
+            for rid in ids
+        }
+        order = [rid for rid in ids if is_decode[rid]] + [rid for rid in ids if not is_decode[rid]]
+        reqs = [self._admit(rid) for rid in order]
+        qlens = [chunks[rid].shape[0] for rid in order]
+        new_lens = [req.seq_len + n for req, n in zip(reqs, qlens)]
+        for req, n in zip(reqs, new_lens):
+            self._grow(req, n)
+
+        ps = self.page_size
+        slots, positions = [], []
+        for req, n in zip(reqs, qlens):
+            pos = torch.arange(req.seq_len, req.seq_len + n)
+            pages = torch.tensor(req.pages, dtype=torch.int64)
+            slots.append(pages[pos // ps] * ps + pos % ps)
+            positions.append(pos)
+        num_pad = 0 if padding is None else padding.shape[0]
+        slots.append(torch.full((num_pad,), -1, dtype=torch.int64))
+        max_pages = max([len(r.pages) for r in reqs] + [1])
+        table = torch.full((len(reqs), max_pages), -1, dtype=torch.int32)
+        for i, req in enumerate(reqs):
+            table[i, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int32)
+        qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+        mrope = any(rope_positions.get(rid, torch.empty(0)).dim() == 2 for rid in order)
+        rope_rows = []
+        for rid, pos in zip(order, positions):
+            given = rope_positions.get(rid)
+            rp = pos if given is None else given.to(torch.int64)
+            rope_rows.append(rp.expand(3, -1) if mrope and rp.dim() == 1 else rp)
+        pad_pos = torch.zeros((3, num_pad) if mrope else (num_pad,), dtype=torch.int64)
+        rope = torch.cat(rope_rows + [pad_pos], dim=-1)
+
+        dev = self.device
+        num_decodes = sum(is_decode.values())
+        meta = self.builder.build(
+            query_start_loc=qsl.to(dev),
+            seq_lens=torch.tensor(new_lens, dtype=torch.int32, device=dev),
+            block_table=table.to(dev),
+            slot_mapping=torch.cat(slots).to(dev),
+            ring_index=torch.tensor([r.ring for r in reqs], dtype=torch.int32, device=dev),
+            rope_positions=rope.to(dev),
+            num_decodes=num_decodes,
+            decode_query_len=self.decode_query_len,
+            max_query_len=max(qlens),
+            max_seq_len=max(new_lens),
+            num_padding_rows=num_pad,
+        )
+        self.last_metadata = meta
+        hidden = [chunks[rid].to(device=dev, dtype=self.dtype) for rid in order]
+        if padding is not None:
+            hidden.append(padding.to(device=dev, dtype=self.dtype))
+        x = torch.cat(hidden)
+        with torch.no_grad():
+            for layer, cache in zip(self.layers, self.caches):
+                x = layer(x, meta, cache)
+        for req, n in zip(reqs, new_lens):
+            req.seq_len = n
+        out, start = {}, 0
+        for rid, n in zip(order, qlens):
+            out[rid] = x[start : start + n]
+            start += n
+        self.last_padding_output = x[start:]
+        return out
