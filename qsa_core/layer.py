@@ -58,6 +58,12 @@ class QSAAttention(nn.Module):
         # MTP draft steps may keep the step-0 selection while the caches still update.
         self.skip_topk = False
 
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) would round the RoPE frequencies; they stay fp32 like HF's.
+        super()._apply(fn, recurse)
+        self.inv_freq = self.config.inv_freq().to(self.inv_freq.device)
+        return self
+
     @classmethod
     def from_hf(cls, hf_attention: nn.Module, **overrides: Any) -> "QSAAttention":
         """Copy a transformers `Qwen4ExpTextAttention` (weights and rotary settings)."""

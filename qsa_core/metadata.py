@@ -158,6 +158,7 @@ class QSAMetadataBuilder:
 
     With `max_num_tokens`, the derived fields live in persistent buffers and `build` writes
     into them in place, so a CUDA graph captured on one step replays on the next.
+    `num_slots` / `num_ring_rows` bound the slot and ring checks of `QSA_DEBUG=1`.
     """
 
     def __init__(
@@ -167,6 +168,8 @@ class QSAMetadataBuilder:
         ring_capacity: int,
         device: torch.device | str = "cpu",
         max_num_tokens: int | None = None,
+        num_slots: int | None = None,
+        num_ring_rows: int | None = None,
     ) -> None:
         if page_size % compress_ratio:
             raise ValueError(f"page_size ({page_size}) must be a multiple of compress_ratio ({compress_ratio})")
@@ -174,6 +177,7 @@ class QSAMetadataBuilder:
         self.page_size = page_size
         self.ring_capacity = ring_capacity
         self.device = torch.device(device)
+        self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
         self._buffers: dict[str, torch.Tensor] | None = None
         if max_num_tokens is not None:
             self._buffers = self._allocate(max_num_tokens)
@@ -220,7 +224,7 @@ class QSAMetadataBuilder:
             ring_capacity=self.ring_capacity,
             num_tokens=T,
             num_padding_rows=num_padding_rows,
-            num_reqs=seq_lens.shape[0],
+            num_reqs=query_start_loc.shape[0] - 1,
             num_decodes=num_decodes,
             decode_query_len=decode_query_len,
             max_query_len=max_query_len,
@@ -239,5 +243,5 @@ class QSAMetadataBuilder:
             derived["ring_slot"], derived["compressed_slot"],
         )
         if debug_enabled():
-            meta.check_values()
+            meta.check_values(self.num_slots, self.num_ring_rows)
         return meta

@@ -48,6 +48,7 @@ def _op(name: str, device_arg: int = 0) -> Callable[..., Any]:
 
 build_metadata = _op("qsa_build_metadata")
 store_rows = _op("qsa_store_rows")
+store_kv = _op("qsa_store_kv")
 compress_groups = _op("qsa_compress_groups")
 prepare = _op("qsa_prepare")
 select_decode = _op("qsa_select_decode")

@@ -61,7 +61,8 @@ class Runner:
         )
         self.caches: list[QSALayerCache] = self.layout.allocate(self.config, self.dtype, self.device)
         self.builder = QSAMetadataBuilder(
-            self.config.compress_ratio, page_size, self.layout.ring_capacity(self.config), self.device
+            self.config.compress_ratio, page_size, self.layout.ring_capacity(self.config), self.device,
+            num_slots=self.layout.num_slots, num_ring_rows=max_requests,
         )
         self.decode_query_len = 1 + num_speculative_tokens
         self._free_pages = list(range(num_pages))

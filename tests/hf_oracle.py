@@ -49,6 +49,14 @@ def random_hf_attention(config: Qwen4ExpTextConfig, seed: int, dtype=torch.float
                 p.copy_(torch.randn_like(p) * 0.3)
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        # Trained indexers score most groups above zero; correlate each query head with the
+        # key projection so that exact ReLU-zero ties (where torch.topk's order, and so the
+        # oracle, is undefined) stay rare at the top-k boundary.
+        w = attn.indexer.index_qk_proj.weight
+        di = attn.indexer.index_head_dim
+        k_rows = w[-di:]
+        for h in range(attn.indexer.index_n_heads):
+            w[h * di : (h + 1) * di] = 0.5 * w[h * di : (h + 1) * di] + k_rows
     return attn.to(dtype).eval()
 
 

@@ -1,0 +1,555 @@
+"""Triton write side of a QSA step: row stores, K/V store, group compression, fused prepare.
+
+Mirrors `qsa_core.reference.prepare`. Numerics follow the reference's dtype path: norms in
+fp32 rounded to the model dtype, RoPE with the cos/sin table rounded to the model dtype and
+every product and sum rounded to it, as torch does for bf16 tensors.
+
+`qsa_prepare` is two launches. Launch 1, grid (T, 3 + ceil(Hq / heads per program)):
+task 0 the indexer query, task 1 the compression of the group the row closes (if any),
+task 2 the row's K/V store, tasks 3.. blocks of main query heads. Launch 2 stores the raw
+keys (and MRoPE positions) into the ring. It must follow launch 1: compression reads ring
+rows of earlier steps, and a chunk's last C rows map onto those same ring slots.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from qsa_core.cache import QSALayerCache
+    from qsa_core.metadata import QSAForwardMetadata
+
+# Elements of one [heads, dims] tile of the main-query task.
+MAIN_TILE = 2048
+STORE_BLOCK = 1024
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+@triton.jit
+def _rne_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
+    """fp32 x rounded to nearest even on a float grid with MANT mantissa bits and minimum
+    normal exponent EMIN (subnormals included), saturated at +-FMAX."""
+    e = ((tl.abs(x).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    quantum = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    y = x / quantum  # exact: power-of-two scale
+    y = (y + 12582912.0) - 12582912.0  # 1.5 * 2**23: fp32 adds round y to an integer (RNE)
+    return tl.minimum(tl.maximum(y * quantum, -FMAX), FMAX)
+
+
+@triton.jit
+def _cvt(x, DT: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 -> DT with round-to-nearest-even.
+
+    The interpreter truncates fp32 -> bf16 and mis-rounds fp8, so it first snaps x to the
+    target grid in fp32 (the final cast is then exact); compiled code casts directly.
+    """
+    if INTERP:
+        if DT == tl.bfloat16:
+            b = x.to(tl.int32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+            x = b.to(tl.float32, bitcast=True)
+        elif DT == tl.float8e4nv:
+            x = _rne_grid(x, 3, -6, 448.0)
+        elif DT == tl.float8e5:
+            x = _rne_grid(x, 2, -14, 57344.0)
+    return x.to(DT)
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr, INTERP: tl.constexpr):
+    """fp32 x rounded to DT, returned as fp32 (a torch op on DT tensors rounds like this)."""
+    return _cvt(x, DT, INTERP).to(tl.float32)
+
+
+@triton.jit
+def _partner(d, RD: tl.constexpr):
+    """Rotate-half partner lane of each lane d (itself beyond the rotary dims)."""
+    half: tl.constexpr = RD // 2
+    return tl.where(d < half, d + half, tl.where(d < RD, d - half, d))
+
+
+@triton.jit
+def _rope_cos_sin(pos, inv_freq_ptr, d, RD: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr):
+    """cos, sin [BD] (fp32 values rounded to DT) of lanes d; pos [BD] int64 per lane."""
+    inv = tl.load(inv_freq_ptr + d % (RD // 2), mask=d < RD, other=0.0)
+    f = pos.to(tl.float32) * inv
+    return _round(tl.cos(f), DT, INTERP), _round(tl.sin(f), DT, INTERP)
+
+
+@triton.jit
+def _lane_axes(rope_axes_ptr, d, RD: tl.constexpr):
+    """Position axis (0 T, 1 H, 2 W) of each lane's frequency, int64 [BD]."""
+    return tl.load(rope_axes_ptr + d % (RD // 2), mask=d < RD, other=0).to(tl.int64)
+
+
+@triton.jit
+def _norm_rope(x, xp, w_ptr, d, n_dims, eps, cos, sin,
+               RD: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr):
+    """RoPE(GemmaRMSNorm(x)) of a tile [BH, BD] as fp32 values of dtype DT.
+
+    x, xp: fp32 [BH, BD], xp = x at each lane's rotate-half partner; lanes >= n_dims are 0.
+    """
+    dmask = d < n_dims
+    pd = _partner(d, RD)
+    w1 = 1.0 + tl.load(w_ptr + d, mask=dmask, other=0.0).to(tl.float32)
+    wp1 = 1.0 + tl.load(w_ptr + pd, mask=dmask, other=0.0).to(tl.float32)
+    mean_sq = tl.div_rn(tl.sum(x * x, axis=1), n_dims.to(tl.float32))
+    rstd = tl.div_rn(tl.full(mean_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean_sq + eps))[:, None]
+    normed = _round(x * rstd * w1[None, :], DT, INTERP)
+    normed_p = _round(xp * rstd * wp1[None, :], DT, INTERP)
+    a = _round(normed * cos[None, :], DT, INTERP)
+    b = _round(normed_p * sin[None, :], DT, INTERP)
+    b = tl.where((d < RD // 2)[None, :], -b, b)
+    return tl.where((d < RD)[None, :], _round(a + b, DT, INTERP), normed)
+
+
+@triton.jit
+def _load_heads(ptr, row_off, h, h_mask, stride_h, d, n_dims, RD: tl.constexpr):
+    """x and its rotate-half partner xp, fp32 [BH, BD], of heads h of one row."""
+    mask = h_mask[:, None] & (d < n_dims)[None, :]
+    base = ptr + row_off + h[:, None] * stride_h
+    x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(base + _partner(d, RD)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x, xp
+
+
+@triton.jit
+def _row_cos_sin(t, rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, d,
+                 RD: tl.constexpr, DT: tl.constexpr, INTERP: tl.constexpr):
+    """cos, sin [BD] of row t's RoPE position(s) (rope_stride_axis 0 for 1-D positions)."""
+    axes = _lane_axes(rope_axes_ptr, d, RD)
+    pos = tl.load(rope_ptr + axes * rope_stride_axis + t * rope_stride_t)
+    return _rope_cos_sin(pos, inv_freq_ptr, d, RD, DT, INTERP)
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+@triton.jit
+def _compress_row(
+    t, raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
+    w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
+    comp_ptr, stride_comp, comp_rows, ring_ptr, stride_ring,
+    ring_pos_ptr, stride_rp0, stride_rp1,
+    comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
+    r: tl.constexpr, C: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr,
+    LOGICAL_POS: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Compress and store the group that row t closes (nothing if it closes none).
+
+    The r raw keys are this step's rows t-r+1..t, or ring rows for tokens of earlier steps.
+    pooled = dtype(fp32 sequential sum / r); key = RoPE(GemmaRMSNorm(pooled)) at the
+    group's first token: its logical position (LOGICAL_POS) or its rope position(s) from
+    this step or from cache.ring_positions.
+    """
+    slot = tl.load(comp_slot_ptr + t)
+    if (slot >= 0) & (slot < comp_rows):
+        DT: tl.constexpr = raw_ptr.dtype.element_ty
+        d = tl.arange(0, BD)
+        dmask = d < Di
+        pd = _partner(d, RD)
+        req = tl.load(to_req_ptr + t)
+        first_row = tl.load(qsl_ptr + req).to(tl.int64)
+        p = tl.load(pos_ptr + t)
+        ring_base = tl.load(ring_index_ptr + req).to(tl.int64) * C
+        acc = tl.zeros([BD], dtype=tl.float32)
+        acc_p = tl.zeros([BD], dtype=tl.float32)
+        for j in tl.static_range(r):
+            row = t - (r - 1) + j
+            in_step = row >= first_row
+            ring_row = ring_base + (p - (r - 1) + j) % C  # positions >= 0 here
+            here = raw_ptr + tl.maximum(row, 0) * stride_raw
+            there = ring_ptr + ring_row * stride_ring
+            k = tl.where(in_step, tl.load(here + d, mask=dmask & in_step, other=0.0).to(tl.float32),
+                         _round(tl.load(there + d, mask=dmask & ~in_step, other=0.0).to(tl.float32), DT, INTERP))
+            kp = tl.where(in_step, tl.load(here + pd, mask=dmask & in_step, other=0.0).to(tl.float32),
+                          _round(tl.load(there + pd, mask=dmask & ~in_step, other=0.0).to(tl.float32), DT, INTERP))
+            acc += k
+            acc_p += kp
+        pooled = _round(tl.div_rn(acc, tl.full([BD], r, tl.float32)), DT, INTERP)
+        pooled_p = _round(tl.div_rn(acc_p, tl.full([BD], r, tl.float32)), DT, INTERP)
+        if LOGICAL_POS:
+            first_pos = tl.zeros([BD], dtype=tl.int64) + (p - (r - 1))
+        else:
+            row0 = t - (r - 1)
+            axes = _lane_axes(rope_axes_ptr, d, RD)
+            ring_row0 = ring_base + (p - (r - 1)) % C
+            in_step0 = row0 >= first_row
+            from_step = tl.load(rope_ptr + axes * rope_stride_axis + tl.maximum(row0, 0) * rope_stride_t,
+                                mask=(d < RD) & in_step0, other=0)
+            from_ring = tl.load(ring_pos_ptr + ring_row0 * stride_rp0 + axes * stride_rp1,
+                                mask=(d < RD) & ~in_step0, other=0)
+            first_pos = tl.where(in_step0, from_step, from_ring)
+        cos, sin = _rope_cos_sin(first_pos, inv_freq_ptr, d, RD, DT, INTERP)
+        key = _norm_rope(pooled[None, :], pooled_p[None, :], w_ptr, d, Di, eps, cos, sin, RD, DT, INTERP)
+        out_dt: tl.constexpr = comp_ptr.dtype.element_ty
+        tl.store(comp_ptr + slot * stride_comp + d[None, :], _cvt(key, out_dt, INTERP), mask=dmask[None, :])
+
+
+@triton.jit
+def _store_kv_row(
+    slot, k_vals, v_ptr, v_row_off, v_stride_h, h, h_mask, d, D,
+    kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size,
+    k_scale, v_scale, INTERP: tl.constexpr,
+):
+    """Write one row's K (fp32 values [BH, BD]) and V (loaded here) at a valid main slot."""
+    page = slot // page_size
+    off = slot % page_size
+    mask = h_mask[:, None] & (d < D)[None, :]
+    k_dst = kc_ptr + page * kc_sp + off * kc_so + h[:, None] * kc_sh + d[None, :]
+    k_out = tl.div_rn(k_vals, tl.full(k_vals.shape, k_scale, tl.float32))
+    tl.store(k_dst, _cvt(k_out, kc_ptr.dtype.element_ty, INTERP), mask=mask)
+    v = tl.load(v_ptr + v_row_off + h[:, None] * v_stride_h + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    v_dst = vc_ptr + page * vc_sp + off * vc_so + h[:, None] * vc_sh + d[None, :]
+    v_out = tl.div_rn(v, tl.full(v.shape, v_scale, tl.float32))
+    tl.store(v_dst, _cvt(v_out, vc_ptr.dtype.element_ty, INTERP), mask=mask)
+
+
+@triton.jit
+def _heads_task(
+    t, x_ptr, x_stride_t, x_stride_h, w_ptr, out_ptr, h0, H, Dx,
+    rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, eps,
+    RD: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+):
+    """out[t, h0 + i] = RoPE(GemmaRMSNorm(x[t, h0 + i])) for BH heads; out [T, H, Dx]
+    contiguous. Rounded to the input dtype first, then cast to out's dtype (index fp8)."""
+    DT: tl.constexpr = x_ptr.dtype.element_ty
+    d = tl.arange(0, BD)
+    h = h0 + tl.arange(0, BH)
+    cos, sin = _row_cos_sin(t, rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, d, RD, DT, INTERP)
+    x, xp = _load_heads(x_ptr, t * x_stride_t, h, h < H, x_stride_h, d, Dx, RD)
+    y = _norm_rope(x, xp, w_ptr, d, Dx, eps, cos, sin, RD, DT, INTERP)
+    dst = out_ptr + t * H * Dx + h[:, None] * Dx + d[None, :]
+    tl.store(dst, _cvt(y, out_ptr.dtype.element_ty, INTERP), mask=(h < H)[:, None] & (d < Dx)[None, :])
+
+
+@triton.jit
+def _kv_task(
+    t, k_ptr, k_stride_t, w_ptr, v_ptr, v_stride_t, Hkv, D, slot_ptr,
+    kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size, num_slots, k_scale, v_scale,
+    rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, eps,
+    RD: tl.constexpr, BKV: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+):
+    """Main K norm + RoPE (rounded to the model dtype) and the row's K/V store."""
+    slot = tl.load(slot_ptr + t)
+    if (slot >= 0) & (slot < num_slots):
+        DT: tl.constexpr = k_ptr.dtype.element_ty
+        d = tl.arange(0, BD)
+        h = tl.arange(0, BKV)
+        cos, sin = _row_cos_sin(t, rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, d, RD, DT, INTERP)
+        x, xp = _load_heads(k_ptr, t * k_stride_t, h, h < Hkv, D, d, D, RD)
+        k = _norm_rope(x, xp, w_ptr, d, D, eps, cos, sin, RD, DT, INTERP)
+        _store_kv_row(slot, k, v_ptr, t * v_stride_t, D, h, h < Hkv, d, D,
+                      kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size,
+                      k_scale, v_scale, INTERP)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit(do_not_specialize=["rope_stride_axis"])
+def _prepare_kernel(
+    # indexer query
+    iq_ptr, iq_stride_t, iq_w_ptr, qidx_ptr, Hi, Di,
+    # raw keys, compression, compressed cache
+    raw_ptr, stride_raw, ik_w_ptr, comp_ptr, stride_comp, comp_rows,
+    ring_ptr, stride_ring, ring_pos_ptr, stride_rp0, stride_rp1,
+    # main q / k / v
+    qg_ptr, qg_stride_t, q_w_ptr, q_out_ptr, Hq, D,
+    k_ptr, k_stride_t, k_w_ptr, v_ptr, v_stride_t, Hkv,
+    kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size, num_slots,
+    k_scale, v_scale,
+    # positions and metadata
+    rope_ptr, rope_stride_axis, rope_stride_t, inv_freq_ptr, rope_axes_ptr, eps,
+    slot_ptr, comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr,
+    r: tl.constexpr, C: tl.constexpr, RD: tl.constexpr,
+    BHI: tl.constexpr, BDI: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr, BKV: tl.constexpr,
+    LOGICAL_POS: tl.constexpr, INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    task = tl.program_id(1)
+    if task == 0:
+        _heads_task(t, iq_ptr, iq_stride_t, Di, iq_w_ptr, qidx_ptr, 0, Hi, Di,
+                    rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, eps,
+                    RD, BHI, BDI, INTERP)
+    elif task == 1:
+        _compress_row(
+            t, raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
+            ik_w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
+            comp_ptr, stride_comp, comp_rows, ring_ptr, stride_ring,
+            ring_pos_ptr, stride_rp0, stride_rp1,
+            comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
+            r, C, RD, BDI, LOGICAL_POS, INTERP,
+        )
+    elif task == 2:
+        _kv_task(t, k_ptr, k_stride_t, k_w_ptr, v_ptr, v_stride_t, Hkv, D, slot_ptr,
+                 kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size, num_slots, k_scale, v_scale,
+                 rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, eps,
+                 RD, BKV, BD, INTERP)
+    else:  # a block of main query heads; per head [q | gate] in q_gate
+        _heads_task(t, qg_ptr, qg_stride_t, 2 * D, q_w_ptr, q_out_ptr, (task - 3) * BHQ, Hq, D,
+                    rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, eps,
+                    RD, BHQ, BD, INTERP)
+
+
+@triton.jit(do_not_specialize=["rope_stride_axis"])
+def _ring_store_kernel(
+    raw_ptr, stride_raw, ring_ptr, stride_ring, ring_rows, ring_slot_ptr, Di,
+    ring_pos_ptr, stride_rp0, stride_rp1, rope_ptr, rope_stride_axis, rope_stride_t,
+    HAS_POS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+):
+    """ring[ring_slot[t]] = raw[t] (+ the row's 3 rope positions) for valid ring slots."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(ring_slot_ptr + t)
+    if (slot >= 0) & (slot < ring_rows):
+        d = tl.arange(0, BD)
+        x = tl.load(raw_ptr + t * stride_raw + d, mask=d < Di, other=0.0).to(tl.float32)
+        tl.store(ring_ptr + slot * stride_ring + d, _cvt(x, ring_ptr.dtype.element_ty, INTERP), mask=d < Di)
+        if HAS_POS:
+            a = tl.arange(0, 4)
+            pos = tl.load(rope_ptr + a * rope_stride_axis + t * rope_stride_t, mask=a < 3, other=0)
+            tl.store(ring_pos_ptr + slot * stride_rp0 + a * stride_rp1, pos, mask=a < 3)
+
+
+@triton.jit(do_not_specialize=["rope_stride_axis"])
+def _compress_kernel(
+    raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
+    w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
+    comp_ptr, stride_comp, comp_rows, ring_ptr, stride_ring,
+    ring_pos_ptr, stride_rp0, stride_rp1,
+    comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
+    r: tl.constexpr, C: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr,
+    LOGICAL_POS: tl.constexpr, INTERP: tl.constexpr,
+):
+    _compress_row(
+        tl.program_id(0).to(tl.int64), raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
+        w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
+        comp_ptr, stride_comp, comp_rows, ring_ptr, stride_ring,
+        ring_pos_ptr, stride_rp0, stride_rp1,
+        comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
+        r, C, RD, BD, LOGICAL_POS, INTERP,
+    )
+
+
+@triton.jit
+def _store_rows_kernel(
+    cache_ptr, stride_n, stride_f, N, slots_ptr, rows_ptr, stride_t, stride_rf, F, scale,
+    IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t)
+    if (slot >= 0) & (slot < N):
+        for f0 in range(0, F, BLOCK):
+            f = f0 + tl.arange(0, BLOCK)
+            x = tl.load(rows_ptr + t * stride_t + f * stride_rf, mask=f < F)
+            if IS_FLOAT:
+                x = _cvt(tl.div_rn(x.to(tl.float32), tl.full([BLOCK], scale, tl.float32)),
+                         cache_ptr.dtype.element_ty, INTERP)
+            else:
+                x = x.to(cache_ptr.dtype.element_ty)
+            tl.store(cache_ptr + slot * stride_n + f * stride_f, x, mask=f < F)
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, slots_ptr, Hkv, D,
+    kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size, num_slots,
+    k_scale, v_scale, BKV: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t)
+    if (slot >= 0) & (slot < num_slots):
+        d = tl.arange(0, BD)
+        h = tl.arange(0, BKV)
+        mask = (h < Hkv)[:, None] & (d < D)[None, :]
+        k = tl.load(k_ptr + t * k_stride_t + h[:, None] * k_stride_h + d[None, :], mask=mask, other=0.0)
+        _store_kv_row(slot, k.to(tl.float32), v_ptr, t * v_stride_t, v_stride_h, h, h < Hkv, d, D,
+                      kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size,
+                      k_scale, v_scale, INTERP)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _rope_args(rope_positions: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(tensor, axis stride, row stride); a 1-D tensor feeds all three axes (stride 0)."""
+    if rope_positions.dim() == 1:
+        return rope_positions, 0, rope_positions.stride(0)
+    return rope_positions, rope_positions.stride(0), rope_positions.stride(1)
+
+
+def _ring_pos_args(cache: "QSALayerCache", fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    rp = cache.ring_positions
+    if rp is None:
+        return fallback, 0, 0
+    return rp, rp.stride(0), rp.stride(1)
+
+
+def _kv_cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> list:
+    return [k_cache, v_cache, *k_cache.stride()[:3], *v_cache.stride()[:3]]
+
+
+def _compress_pos_mode(rope_positions: torch.Tensor, cache: "QSALayerCache") -> bool:
+    """True: the group key uses the logical position (1-D model); else rope positions."""
+    if rope_positions.dim() == 1 and cache.ring_positions is None:
+        return True
+    if cache.ring_positions is None:
+        raise ValueError("3-axis rope_positions need a cache with ring_positions (MRoPE layout)")
+    return False
+
+
+def qsa_store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0) -> None:
+    """cache[slots[t]] = rows[t] / scale for 0 <= slots[t] < len(cache); other rows skip.
+
+    cache [N, ...] (a view whose trailing dims flatten; float, fp8 or integer), slots int64
+    [T], rows [T, ...]. Integer caches copy without scaling.
+    """
+    T = slots.shape[0]
+    if T == 0:
+        return
+    flat = cache.view(cache.shape[0], -1)
+    src = rows.reshape(T, -1)
+    _store_rows_kernel[(T,)](
+        flat, flat.stride(0), flat.stride(1), flat.shape[0], slots, src, src.stride(0), src.stride(1),
+        flat.shape[1], float(scale),
+        IS_FLOAT=cache.dtype.is_floating_point, BLOCK=min(STORE_BLOCK, _pow2(flat.shape[1])),
+        INTERP=_interpreting(),
+    )
+
+
+def qsa_store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:
+    """Write K/V [T, Hkv, D] into paged caches [pages, page_size, Hkv, D] at main slots."""
+    T, Hkv, D = k.shape
+    if T == 0:
+        return
+    page = k_cache.shape[1]
+    _store_kv_kernel[(T,)](
+        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slots, Hkv, D,
+        *_kv_cache_args(k_cache, v_cache), page, k_cache.shape[0] * page,
+        float(k_scale), float(v_scale), BKV=_pow2(Hkv), BD=_pow2(D), INTERP=_interpreting(),
+    )
+
+
+def qsa_compress_groups(
+    raw_keys: torch.Tensor,
+    rope_positions: torch.Tensor,
+    *,
+    k_norm: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    rope_axes: torch.Tensor,
+    cache: "QSALayerCache",
+    meta: "QSAForwardMetadata",
+) -> None:
+    """Compress every group this step closes into cache.compressed (one program per row).
+
+    raw_keys [T, Di] (contiguous last dim), rope_positions int64 [T] or [3, T]; the ring is
+    only read, so call this before the step's ring store.
+    """
+    T, Di = raw_keys.shape
+    if T == 0:
+        return
+    logical = _compress_pos_mode(rope_positions, cache)
+    rope, rs_axis, rs_t = _rope_args(rope_positions)
+    ring_pos, rp0, rp1 = _ring_pos_args(cache, rope)
+    _compress_kernel[(T,)](
+        raw_keys, raw_keys.stride(0), rope, rs_axis, rs_t,
+        k_norm, float(eps), inv_freq, rope_axes,
+        cache.compressed, cache.compressed.stride(0), cache.compressed.shape[0], cache.ring, cache.ring.stride(0),
+        ring_pos, rp0, rp1,
+        meta.compressed_slot, meta.token_to_req, meta.positions, meta.query_start_loc, meta.ring_index, Di,
+        r=meta.compress_ratio, C=meta.ring_capacity, RD=2 * inv_freq.shape[0], BD=_pow2(Di),
+        LOGICAL_POS=logical, INTERP=_interpreting(),
+    )
+
+
+def _store_ring(raw_keys: torch.Tensor, rope_positions: torch.Tensor, cache: "QSALayerCache",
+                meta: "QSAForwardMetadata") -> None:
+    """The step's ring store (launch 2 of prepare): raw keys and, for MRoPE, positions."""
+    T, Di = raw_keys.shape
+    rope, rs_axis, rs_t = _rope_args(rope_positions)
+    ring_pos, rp0, rp1 = _ring_pos_args(cache, rope)
+    _ring_store_kernel[(T,)](
+        raw_keys, raw_keys.stride(0), cache.ring, cache.ring.stride(0), cache.ring.shape[0], meta.ring_slot, Di,
+        ring_pos, rp0, rp1, rope, rs_axis, rs_t,
+        HAS_POS=cache.ring_positions is not None, BD=_pow2(Di), INTERP=_interpreting(),
+    )
+
+
+def qsa_prepare(
+    index_q: torch.Tensor,
+    raw_keys: torch.Tensor,
+    q_gate: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope_positions: torch.Tensor,
+    *,
+    index_q_norm: torch.Tensor,
+    index_k_norm: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    rope_axes: torch.Tensor,
+    index_dtype: torch.dtype,
+    cache: "QSALayerCache",
+    meta: "QSAForwardMetadata",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused write side of a QSA layer for one step (same contract as the reference).
+
+    Inputs (model dtype, rows of any stride, contiguous within a row): index_q [T, Hi*Di],
+    raw_keys [T, Di], q_gate [T, Hq*2D], k and v [T, Hkv*D]. Returns q_idx [T, Hi, Di]
+    (index_dtype), q [T, Hq, D] and gate [T, Hq, D] (a view of q_gate, as the reference).
+    """
+    T, Di = raw_keys.shape
+    D = k_norm.shape[0]
+    Hi, Hq, Hkv = index_q.shape[1] // Di, q_gate.shape[1] // (2 * D), k.shape[1] // D
+    q_idx = torch.empty(T, Hi, Di, dtype=index_dtype, device=index_q.device)
+    q = torch.empty(T, Hq, D, dtype=q_gate.dtype, device=q_gate.device)
+    gate = q_gate.view(T, Hq, 2 * D)[..., D:]
+    if T == 0:
+        return q_idx, q, gate
+    logical = _compress_pos_mode(rope_positions, cache)
+    rope, rs_axis, rs_t = _rope_args(rope_positions)
+    ring_pos, rp0, rp1 = _ring_pos_args(cache, rope)
+    BD = _pow2(D)
+    heads_per_prog = min(_pow2(Hq), max(1, MAIN_TILE // BD))
+    page = cache.k.shape[1]
+    interp = _interpreting()
+    grid = (T, 3 + triton.cdiv(Hq, heads_per_prog))
+    _prepare_kernel[grid](
+        index_q, index_q.stride(0), index_q_norm, q_idx, Hi, Di,
+        raw_keys, raw_keys.stride(0), index_k_norm, cache.compressed, cache.compressed.stride(0),
+        cache.compressed.shape[0], cache.ring, cache.ring.stride(0), ring_pos, rp0, rp1,
+        q_gate, q_gate.stride(0), q_norm, q, Hq, D,
+        k, k.stride(0), k_norm, v, v.stride(0), Hkv,
+        *_kv_cache_args(cache.k, cache.v), page, cache.k.shape[0] * page,
+        float(cache.k_scale), float(cache.v_scale),
+        rope, rs_axis, rs_t, inv_freq, rope_axes, float(eps),
+        meta.slot_mapping, meta.compressed_slot, meta.token_to_req, meta.positions,
+        meta.query_start_loc, meta.ring_index,
+        r=meta.compress_ratio, C=meta.ring_capacity, RD=2 * inv_freq.shape[0],
+        BHI=_pow2(Hi), BDI=_pow2(Di), BHQ=heads_per_prog, BD=BD, BKV=_pow2(Hkv),
+        LOGICAL_POS=logical, INTERP=interp,
+    )
+    _store_ring(raw_keys, rope_positions, cache, meta)
+    return q_idx, q, gate

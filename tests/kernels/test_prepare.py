@@ -1,0 +1,392 @@
+"""Triton write side (store rows, store K/V, group compression, fused prepare) vs the reference.
+
+Realistic steps come from `QSAMetadataBuilder` + `QSACacheLayout`: chunked prefills that end
+inside a group and are longer than the ring, decodes, speculative ring capacity, MRoPE
+positions, fp8 index and main-KV dtypes, NaN-poisoned padding rows. Each step runs the
+reference on a copy of the caches and the kernel on the caches; all three caches and the
+returned tensors are compared.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from qsa_core import reference  # noqa: E402
+from qsa_core.cache import QSACacheLayout, QSALayerCache  # noqa: E402
+from qsa_core.config import QSAConfig, resolve_dtype  # noqa: E402
+from qsa_core.metadata import QSAMetadataBuilder  # noqa: E402
+from qsa_kernels import prepare as kernels  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (TRITON_INTERPRET=1, CPU tensors)")
+
+# Max |a - b| allowed per dtype: one unit in the last place (relative) plus a subnormal step.
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
+    torch.float8_e4m3fn: dict(rtol=0.13, atol=2**-8),
+    torch.float8_e5m2: dict(rtol=0.26, atol=2**-15),
+}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype], msg=lambda m: f"{what}: {m}")
+
+
+def small_config(mrope: bool, index_dtype: str = "auto", kv_dtype: str = "auto") -> QSAConfig:
+    return QSAConfig(
+        hidden_size=64, num_heads=6, num_kv_heads=2, head_dim=32, index_n_heads=2, index_head_dim=32,
+        token_topk=16, compress_ratio=4, rotary_dim=16, rope_theta=10000.0,
+        mrope_section=(3, 3, 2) if mrope else None, index_dtype=index_dtype, kv_cache_dtype=kv_dtype,
+    )
+
+
+def production_config(mrope: bool, index_dtype: str = "auto", kv_dtype: str = "auto", Hq: int = 24) -> QSAConfig:
+    return QSAConfig(
+        hidden_size=2048, num_heads=Hq, num_kv_heads=2, head_dim=256, index_n_heads=4, index_head_dim=128,
+        token_topk=2048, compress_ratio=4, rotary_dim=64, rope_theta=10_000_000.0,
+        mrope_section=(11, 11, 10) if mrope else None, index_dtype=index_dtype, kv_cache_dtype=kv_dtype,
+    )
+
+
+class Scheduler:
+    """A tiny engine: pages, ring rows and seq_lens per request; builds step metadata."""
+
+    def __init__(self, cfg: QSAConfig, layout: QSACacheLayout, device: str, seed: int) -> None:
+        self.cfg, self.layout, self.device = cfg, layout, device
+        self.C = layout.ring_capacity(cfg)
+        self.builder = QSAMetadataBuilder(cfg.compress_ratio, layout.page_size, self.C, device)
+        self.free_pages = list(range(layout.num_pages))
+        random.Random(seed).shuffle(self.free_pages)
+        self.free_rings = list(range(layout.ring_rows))[::-1]
+        self.reqs: dict[str, dict] = {}
+
+    def rope(self, rid: str, pos: torch.Tensor) -> torch.Tensor:
+        """3-axis MRoPE positions that differ from the logical ones, per request."""
+        k = sum(map(ord, rid)) % 5
+        return torch.stack((pos + 7 + k, (pos * 5 + k) % 11, pos // 3 + 2 * k))
+
+    def step(self, chunks: list[tuple[str, int]], num_pad: int, num_decodes: int):
+        """chunks: (request, rows) in batch order (decodes first). Returns meta, rope_positions."""
+        ps = self.layout.page_size
+        slots, qlens, seqs, rings, tables, ropes = [], [], [], [], [], []
+        for rid, n in chunks:
+            if rid not in self.reqs:
+                self.reqs[rid] = dict(ring=self.free_rings.pop(), pages=[], seq_len=0)
+            req = self.reqs[rid]
+            pos = torch.arange(req["seq_len"], req["seq_len"] + n)
+            while len(req["pages"]) * ps < req["seq_len"] + n:
+                req["pages"].append(self.free_pages.pop())
+            pages = torch.tensor(req["pages"])
+            slots.append(pages[pos // ps] * ps + pos % ps)
+            qlens.append(n)
+            seqs.append(req["seq_len"] + n)
+            rings.append(req["ring"])
+            tables.append(req["pages"])
+            ropes.append(self.rope(rid, pos) if self.cfg.uses_mrope else pos)
+            req["seq_len"] += n
+        slots.append(torch.full((num_pad,), -1))
+        ropes.append(torch.zeros((3, num_pad) if self.cfg.uses_mrope else (num_pad,), dtype=torch.int64))
+        width = max(len(t) for t in tables) + 2
+        table = torch.full((len(chunks), width), -1, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = self.builder.build(
+            query_start_loc=torch.tensor([0] + qlens).cumsum(0).to(torch.int32).to(dev),
+            seq_lens=torch.tensor(seqs, dtype=torch.int32, device=dev),
+            block_table=table.to(dev),
+            slot_mapping=torch.cat(slots).to(torch.int64).to(dev),
+            ring_index=torch.tensor(rings, dtype=torch.int32, device=dev),
+            rope_positions=torch.cat(ropes, -1).to(dev) if self.cfg.uses_mrope else None,
+            num_decodes=num_decodes,
+            decode_query_len=1 + self.layout.num_speculative_tokens,
+            max_query_len=max(qlens),
+            max_seq_len=max(seqs),
+            num_padding_rows=num_pad,
+        )
+        return meta, meta.rope_positions
+
+    def truncate(self, rid: str, seq_len: int) -> None:
+        """Rejected speculative drafts: roll the request back to seq_len."""
+        self.reqs[rid]["seq_len"] = seq_len
+
+
+def random_caches(cfg: QSAConfig, layout: QSACacheLayout, dtype: torch.dtype, device: str, fp8_scales: bool):
+    """Two identical cache sets filled with random background (so stray writes show)."""
+    a = layout.allocate(cfg, dtype, device)[0]
+    b = layout.allocate(cfg, dtype, device)[0]
+    for name in ("k", "v", "compressed", "ring"):
+        t = getattr(a, name)
+        t.copy_(torch.randn(t.shape, device=device).to(t.dtype))
+        getattr(b, name).copy_(t)
+    if a.ring_positions is not None:
+        a.ring_positions.copy_(torch.randint(-50, 50, a.ring_positions.shape, device=device))
+        b.ring_positions.copy_(a.ring_positions)
+    if fp8_scales:
+        a.k_scale = b.k_scale = 0.75
+        a.v_scale = b.v_scale = 1.5
+    return a, b
+
+
+def step_inputs(cfg: QSAConfig, T: int, num_pad: int, dtype: torch.dtype, device: str) -> dict:
+    """Projections of one step as the layer slices them; padding rows are NaN."""
+    Hi, Di, Hq, Hkv, D = cfg.index_n_heads, cfg.index_head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    index_qk = torch.randn(T, (Hi + 1) * Di, device=device).to(dtype)
+    kv = torch.randn(T, 2 * Hkv * D, device=device).to(dtype)
+    q_gate = torch.randn(T, Hq * 2 * D, device=device).to(dtype)
+    for t in (index_qk, kv, q_gate):
+        t[T - num_pad :] = float("nan")
+    return dict(
+        index_q=index_qk[:, : Hi * Di], raw_keys=index_qk[:, Hi * Di :], q_gate=q_gate,
+        k=kv[:, : Hkv * D], v=kv[:, Hkv * D :],
+    )
+
+
+def layer_weights(cfg: QSAConfig, dtype: torch.dtype, device: str) -> dict:
+    w = lambda n: (torch.randn(n, device=device) * 0.3).to(dtype)  # noqa: E731
+    return dict(
+        index_q_norm=w(cfg.index_head_dim), index_k_norm=w(cfg.index_head_dim),
+        q_norm=w(cfg.head_dim), k_norm=w(cfg.head_dim), eps=cfg.rms_norm_eps,
+        inv_freq=cfg.inv_freq().to(device), rope_axes=cfg.rope_axes().to(device),
+    )
+
+
+def compare_caches(got: QSALayerCache, want: QSALayerCache, cfg: QSAConfig) -> None:
+    assert torch.equal(got.ring, want.ring), "ring differs"
+    if want.ring_positions is not None:
+        assert torch.equal(got.ring_positions, want.ring_positions), "ring positions differ"
+    assert_close(got.compressed, want.compressed, got.compressed.dtype, "compressed keys")
+    assert_close(got.k, want.k, got.k.dtype, "K cache")
+    assert_close(got.v, want.v, got.v.dtype, "V cache")
+
+
+def run_prepare_step(cfg, sched, caches, weights, chunks, num_pad, num_decodes, dtype, device):
+    """One step through reference and kernel; compares outputs and caches."""
+    got_cache, want_cache = caches
+    meta, rope = sched.step(chunks, num_pad, num_decodes)
+    inputs = step_inputs(cfg, meta.num_tokens, num_pad, dtype, device)
+    index_dtype = resolve_dtype(cfg.index_dtype, dtype)
+    args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
+    kw = dict(weights, index_dtype=index_dtype, meta=meta)
+    want = reference.qsa_prepare(*args, **kw, cache=want_cache)
+    got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
+    live = meta.positions >= 0
+    assert got[0].dtype == index_dtype and got[0].shape == want[0].shape
+    assert_close(got[0][live], want[0][live], index_dtype, "q_idx")
+    assert_close(got[1][live], want[1][live], dtype, "q")
+    assert got[2].shape == want[2].shape and torch.equal(got[2][live], want[2][live]), "gate"
+    compare_caches(got_cache, want_cache, cfg)
+    return meta
+
+
+def run_scenario(cfg, layout, dtype, device, schedule, seed=0):
+    """schedule: list of (chunks, num_pad, num_decodes, truncate {rid: seq_len} or None)."""
+    torch.manual_seed(seed)
+    sched = Scheduler(cfg, layout, device, seed)
+    caches = random_caches(cfg, layout, dtype, device, fp8_scales=cfg.kv_cache_dtype != "auto")
+    weights = layer_weights(cfg, dtype, device)
+    closed = 0
+    for chunks, num_pad, num_decodes, truncate in schedule:
+        meta = run_prepare_step(cfg, sched, caches, weights, chunks, num_pad, num_decodes, dtype, device)
+        closed += int((meta.compressed_slot >= 0).sum())
+        for rid, n in (truncate or {}).items():
+            sched.truncate(rid, n)
+    assert closed > 0, "the scenario closed no group"
+
+
+def chunked_schedule(spec: int) -> list:
+    """Prefills whose chunks end inside groups and exceed the ring, then decodes.
+
+    With spec > 0 the decodes carry drafts and some are rejected (seq_len rolled back).
+    """
+    dq = 1 + spec
+    steps = [
+        ([("a", 6), ("b", 13)], 3, 0, None),  # both end inside a group
+        ([("a", dq), ("b", 22), ("c", 3)], 2, 1, None),  # b's chunk >> C, first group from the ring
+        ([("a", dq), ("c", 9)], 0, 1, None),
+        ([("a", dq), ("b", dq), ("c", dq)], 5, 3, None),
+    ]
+    if spec:
+        steps += [
+            ([("a", dq), ("b", dq), ("c", dq)], 1, 3, {"a": 6 + 3 * dq + 2, "b": 35 + dq + 1}),
+            ([("a", dq), ("b", dq), ("c", dq)], 0, 3, {"c": 12 + 2 * dq + 1}),
+            ([("a", dq), ("b", dq), ("c", dq)], 2, 3, None),
+        ]
+    else:
+        steps += [([("a", 1), ("b", 1), ("c", 1)], i % 2, 3, None) for i in range(4)]
+    return steps
+
+
+CASES = [
+    # (mrope, model dtype, index dtype, kv dtype, spec)
+    (False, torch.bfloat16, "auto", "auto", 0),
+    (True, torch.bfloat16, "fp8_e4m3", "fp8_e4m3", 0),
+    (False, torch.bfloat16, "fp8_e4m3", "fp8_e5m2", 3),
+    (True, torch.float32, "auto", "auto", 3),
+]
+
+
+@interp
+@pytest.mark.parametrize("mrope,dtype,index_dtype,kv_dtype,spec", CASES)
+def test_prepare_scenario(mrope, dtype, index_dtype, kv_dtype, spec):
+    cfg = small_config(mrope, index_dtype, kv_dtype)
+    layout = QSACacheLayout(num_layers=1, page_size=8, num_pages=24, ring_rows=5, num_speculative_tokens=spec)
+    run_scenario(cfg, layout, dtype, "cpu", chunked_schedule(spec))
+
+
+@interp
+def test_prepare_one_d_rope_differs_from_logical():
+    """1-D model: queries use rope_positions, group keys the logical position (reference)."""
+    cfg = small_config(False)
+    layout = QSACacheLayout(num_layers=1, page_size=8, num_pages=8, ring_rows=2)
+    torch.manual_seed(1)
+    sched = Scheduler(cfg, layout, "cpu", 1)
+    got_cache, want_cache = random_caches(cfg, layout, torch.bfloat16, "cpu", fp8_scales=False)
+    weights = layer_weights(cfg, torch.bfloat16, "cpu")
+    meta, _ = sched.step([("a", 11)], 1, 0)
+    rope = meta.positions * 3 + 5
+    inputs = step_inputs(cfg, meta.num_tokens, 1, torch.bfloat16, "cpu")
+    args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
+    kw = dict(weights, index_dtype=torch.bfloat16, meta=meta)
+    want = reference.qsa_prepare(*args, **kw, cache=want_cache)
+    got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
+    live = meta.positions >= 0
+    assert_close(got[0][live], want[0][live], torch.bfloat16, "q_idx")
+    compare_caches(got_cache, want_cache, cfg)
+
+
+@interp
+@pytest.mark.parametrize("mrope", [False, True])
+def test_compress_groups(mrope):
+    """Standalone compression over a step whose first group completes from the ring."""
+    cfg = small_config(mrope, "fp8_e4m3")
+    layout = QSACacheLayout(num_layers=1, page_size=8, num_pages=12, ring_rows=3)
+    torch.manual_seed(2)
+    sched = Scheduler(cfg, layout, "cpu", 2)
+    got_cache, want_cache = random_caches(cfg, layout, torch.bfloat16, "cpu", fp8_scales=False)
+    weights = layer_weights(cfg, torch.bfloat16, "cpu")
+    kw = dict(k_norm=weights["index_k_norm"], eps=cfg.rms_norm_eps, inv_freq=weights["inv_freq"],
+              rope_axes=weights["rope_axes"])
+    for chunks, pad in (([("a", 7), ("b", 2)], 2), ([("b", 13), ("a", 10)], 1)):
+        meta, rope = sched.step(chunks, pad, 0)
+        raw = step_inputs(cfg, meta.num_tokens, pad, torch.bfloat16, "cpu")["raw_keys"]
+        reference.qsa_compress_groups(raw, rope, **kw, cache=want_cache, meta=meta)
+        kernels.qsa_compress_groups(raw, rope, **kw, cache=got_cache, meta=meta)
+        assert_close(got_cache.compressed, want_cache.compressed, got_cache.compressed.dtype, "compressed")
+        # Feed the ring as prepare would, so the next step's groups start from it.
+        reference.qsa_store_rows(want_cache.ring, meta.ring_slot, raw)
+        reference.qsa_store_rows(got_cache.ring, meta.ring_slot, raw)
+        if mrope:
+            rows3 = rope.T
+            reference.qsa_store_rows(want_cache.ring_positions, meta.ring_slot, rows3)
+            reference.qsa_store_rows(got_cache.ring_positions, meta.ring_slot, rows3)
+
+
+@interp
+@pytest.mark.parametrize(
+    "cache_dtype,row_dtype,scale",
+    [(torch.bfloat16, torch.bfloat16, 1.0), (torch.float8_e4m3fn, torch.bfloat16, 0.5),
+     (torch.float8_e5m2, torch.float32, 2.0), (torch.int64, torch.int64, 1.0), (torch.float32, torch.bfloat16, 1.0)],
+)
+def test_store_rows(cache_dtype, row_dtype, scale):
+    torch.manual_seed(3)
+    N, T, F = 10, 9, 12
+    if cache_dtype.is_floating_point:
+        cache = torch.randn(N, F).to(cache_dtype)
+        rows = torch.randn(T, F).to(row_dtype)
+    else:
+        cache = torch.randint(-9, 9, (N, F))
+        rows = torch.randint(-99, 99, (T, F))
+    slots = torch.tensor([3, -1, 0, 9, 10, 25, 7, -5, 1])
+    if rows.is_floating_point():
+        rows[slots < 0] = float("nan")
+        rows[slots >= N] = float("nan")
+    want = cache.clone()
+    reference.qsa_store_rows(want, slots, rows, scale)
+    kernels.qsa_store_rows(cache, slots, rows, scale)
+    if cache_dtype.is_floating_point:
+        assert_close(cache, want, cache_dtype, "store_rows")
+    else:
+        assert torch.equal(cache, want)
+
+
+@interp
+def test_store_rows_transposed_positions():
+    """The ring-position store passes a transposed [T, 3] view of rope positions."""
+    rope = torch.randint(0, 1000, (3, 6))
+    cache = torch.zeros(8, 3, dtype=torch.int64)
+    want = cache.clone()
+    slots = torch.tensor([5, -1, 2, 8, 0, 3])
+    reference.qsa_store_rows(want, slots, rope.T)
+    kernels.qsa_store_rows(cache, slots, rope.T)
+    assert torch.equal(cache, want)
+
+
+@interp
+@pytest.mark.parametrize("kv_dtype,scales", [(torch.bfloat16, (1.0, 1.0)), (torch.float8_e4m3fn, (0.5, 2.0))])
+def test_store_kv(kv_dtype, scales):
+    torch.manual_seed(4)
+    pages, page, Hkv, D, T = 3, 4, 2, 16, 7
+    kv = torch.randn(pages, page, Hkv, 2 * D).to(kv_dtype)
+    want_kv = kv.clone()
+    k = torch.randn(T, Hkv, D).to(torch.bfloat16)
+    v = torch.randn(T, Hkv, D).to(torch.bfloat16)
+    slots = torch.tensor([0, 5, -1, 11, 12, 40, 3])
+    k[slots < 0] = float("nan")
+    v[slots >= pages * page] = float("nan")
+    reference.qsa_store_kv(want_kv[..., :D], want_kv[..., D:], slots, k, v, *scales)
+    kernels.qsa_store_kv(kv[..., :D], kv[..., D:], slots, k, v, *scales)
+    assert_close(kv, want_kv, kv_dtype, "kv")
+
+
+@interp
+def test_prepare_empty_step():
+    cfg = small_config(False)
+    layout = QSACacheLayout(num_layers=1, page_size=8, num_pages=4, ring_rows=2)
+    sched = Scheduler(cfg, layout, "cpu", 0)
+    got_cache, want_cache = random_caches(cfg, layout, torch.bfloat16, "cpu", fp8_scales=False)
+    meta = sched.builder.build(
+        query_start_loc=torch.zeros(1, dtype=torch.int32), seq_lens=torch.zeros(0, dtype=torch.int32),
+        block_table=torch.zeros(0, 1, dtype=torch.int32), slot_mapping=torch.full((3,), -1),
+        ring_index=torch.zeros(0, dtype=torch.int32), num_decodes=0, max_query_len=0, max_seq_len=0,
+        num_padding_rows=3,
+    )
+    inputs = step_inputs(cfg, 3, 3, torch.bfloat16, "cpu")
+    args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [meta.rope_positions]
+    got = kernels.qsa_prepare(*args, **layer_weights(cfg, torch.bfloat16, "cpu"), index_dtype=torch.bfloat16,
+                              cache=got_cache, meta=meta)
+    assert got[0].shape == (3, cfg.index_n_heads, cfg.index_head_dim)
+    compare_caches(got_cache, want_cache, cfg)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def production_schedule(spec: int) -> list:
+    """Decodes of long-running requests next to chunked prefills longer than the ring."""
+    dq = 1 + spec
+    return [
+        ([("a", 1021), ("b", 2050), ("c", 7)], 16, 0, None),
+        ([("a", dq), ("b", 3001), ("c", 514)], 8, 1, None),
+        ([("a", dq), ("b", dq), ("c", dq)], 13, 3, {"b": 5051 + dq - 2} if spec else None),
+        ([("a", dq), ("b", dq), ("c", dq), ("d", 4095)], 1, 3, None),
+    ] + [([("a", dq), ("b", dq), ("c", dq), ("d", dq)], 4, 4, None) for _ in range(3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mrope,index_dtype,kv_dtype,spec,Hq",
+    [(False, "auto", "auto", 0, 24), (True, "fp8_e4m3", "fp8_e4m3", 3, 24), (False, "fp8_e4m3", "auto", 0, 16)],
+)
+def test_prepare_production_gpu(mrope, index_dtype, kv_dtype, spec, Hq):
+    cfg = production_config(mrope, index_dtype, kv_dtype, Hq)
+    layout = QSACacheLayout(num_layers=1, page_size=64, num_pages=400, ring_rows=8, num_speculative_tokens=spec)
+    run_scenario(cfg, layout, torch.bfloat16, "cuda", production_schedule(spec))

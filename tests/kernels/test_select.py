@@ -1,0 +1,276 @@
+"""Triton selection kernels against the reference (interpreter on CPU, compiled on GPU)."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from qsa_core.reference import select as ref  # noqa: E402
+from qsa_kernels import select as ker  # noqa: E402
+
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def make_problem(
+    seq_lens, query_lens, *, r=4, page=16, Hi=4, Di=32, kind="int", pad_rows=0, device="cpu", seed=0,
+):
+    """A ragged batch with shuffled pages. Compressed rows of groups no row may see are NaN.
+
+    kind: "int" (integer-valued fp32, tie-heavy), "bf16", "fp8" (e4m3 keys and queries).
+    Returns (q_idx, compressed, block_table, token_to_req, visible, max_seq_len).
+    """
+    g = torch.Generator().manual_seed(seed)
+    R = len(seq_lens)
+    pages_per_req = [math.ceil(s / page) for s in seq_lens]
+    P = max(pages_per_req) + 1
+    num_pages = sum(pages_per_req) + 3
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.full((R, P), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages_per_req):
+        table[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    rows_per_page = page // r
+    comp = torch.full((num_pages * rows_per_page, Di), float("nan"))
+    for i, s in enumerate(seq_lens):
+        rows = ref.compressed_rows(table, i, s // r, page, r)
+        comp[rows] = _values(kind, (rows.numel(), Di), g)
+    reqs, vis = [], []
+    for i, (s, lq) in enumerate(zip(seq_lens, query_lens)):
+        for j in range(lq):
+            p = s - lq + j
+            reqs.append(i)
+            vis.append(max(0, min((p + 1) // r, s // r)))
+    T = len(reqs) + pad_rows
+    q = _values(kind, (T, Hi, Di), g)
+    if pad_rows:
+        q[-pad_rows:] = float("nan")
+    token_to_req = torch.tensor(reqs + [0] * pad_rows, dtype=torch.int32)
+    visible = torch.tensor(vis + [0] * pad_rows, dtype=torch.int32)
+    dtype = {"int": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kind]
+    tensors = (q.to(dtype), comp.to(dtype), table, token_to_req, visible)
+    return tuple(t.to(device) for t in tensors) + (max(seq_lens),)
+
+
+def _values(kind, shape, g):
+    if kind == "int":
+        return torch.randint(-2, 3, shape, generator=g).float()
+    return torch.randn(shape, generator=g)
+
+
+def run_both(problem, *, r=4, page=16, Kb=8, decode=False, ref_device=None):
+    q, comp, table, to_req, vis, max_seq = problem
+    kw = dict(page_size=page, compress_ratio=r, block_topk=Kb, max_seq_len=max_seq)
+    fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
+    out = fn(q, comp, table, to_req, vis, out=torch.full((q.shape[0], Kb), 7, dtype=torch.int32, device=q.device), **kw)
+    dev = ref_device or q.device
+    args = [t.to(dev) for t in (q, comp, table, to_req, vis)]
+    expect = ref.qsa_select_prefill(*args, out=torch.empty(q.shape[0], Kb, dtype=torch.int32, device=dev), **kw)
+    return out, expect.to(out.device)
+
+
+def scores_of(problem, sel, r=4, page=16):
+    """Reference scores of the selected groups, sorted descending per row (fp64 host)."""
+    q, comp, table, to_req, vis, _ = problem
+    rows = []
+    for t in range(q.shape[0]):
+        idx = sel[t][sel[t] >= 0].long()
+        if idx.numel() == 0:
+            rows.append(torch.empty(0))
+            continue
+        keys = comp[ref.compressed_rows(table, int(to_req[t]), int(vis[t]), page, r)][idx]
+        rows.append(ref.group_scores(q[t : t + 1], keys)[0].double().sort(descending=True).values.cpu())
+    return rows
+
+
+def check_valid(sel, vis, Kb):
+    """Ascending, unique, < visible, exactly min(Kb, visible) entries, -1 padded."""
+    for t in range(sel.shape[0]):
+        n = min(Kb, int(vis[t]))
+        row = sel[t].tolist()
+        assert all(x == -1 for x in row[n:]), (t, row)
+        chosen = row[:n]
+        assert chosen == sorted(set(chosen)) and all(0 <= x < int(vis[t]) for x in chosen), (t, row)
+
+
+@pytest.fixture
+def nan_scratch(monkeypatch):
+    """Poison the score scratch: any read of an unscored column would show up."""
+    monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full((rows, cols), float("nan"), device=device))
+
+
+# Requests of 120 and 64 tokens in one prefill; visible crosses Kb = 8 inside the request.
+RAGGED = dict(seq_lens=[120, 64, 37, 33], query_lens=[50, 64, 3, 1])
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_int_ties_bitwise(nan_scratch, decode):
+    problem = make_problem(**RAGGED, kind="int", pad_rows=3)
+    out, expect = run_both(problem, decode=decode)
+    assert torch.equal(out, expect)
+
+
+def test_visible_around_kb(nan_scratch):
+    # Kb = 8, r = 4: visible 0 (padding), 7 (< Kb), 8 (== Kb), 9 (just above), and long.
+    seq_lens, qlens = [28, 32, 36, 40, 200], [1, 1, 1, 1, 1]
+    problem = make_problem(seq_lens, qlens, kind="int", pad_rows=2, seed=3)
+    out, expect = run_both(problem, decode=True)
+    assert torch.equal(out, expect)
+    assert out[0].tolist() == list(range(7)) + [-1] and out[1].tolist() == list(range(8))
+    assert (out[-2:] == -1).all()
+
+
+def test_all_zero_scores_take_lowest_groups(nan_scratch):
+    problem = make_problem([160], [2], kind="int")
+    q, comp, *rest = problem
+    problem = (torch.zeros_like(q), comp, *rest)  # every score is +0.0
+    out, expect = run_both(problem)
+    assert torch.equal(out, expect) and out[0].tolist() == list(range(8))
+
+
+def test_negative_zero_ties(nan_scratch):
+    # -0.0 products and +0.0 products must tie: the lower group index wins.
+    problem = make_problem([96], [1], kind="int", Hi=1)
+    q, comp, table, to_req, vis, ms = problem
+    q = torch.zeros_like(q)
+    q[..., 0] = -1.0
+    comp = torch.where(comp.isnan(), comp, comp.clamp(min=0.0))  # q.k in {-2, -1, -0.0}
+    out, expect = run_both((q, comp, table, to_req, vis, ms))
+    assert torch.equal(out, expect)
+
+
+def test_row_chunks_under_memory_cap(nan_scratch, monkeypatch):
+    # A 3-row cap forces many chunks, with row tiles that do not align with them.
+    problem = make_problem(**RAGGED, kind="int", pad_rows=1, seed=5)
+    monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 3 * 4 * (RAGGED["seq_lens"][0] // 4))
+    out, expect = run_both(problem)
+    assert torch.equal(out, expect)
+
+
+def test_non_power_of_two_heads_and_dim(nan_scratch):
+    problem = make_problem([100, 60], [20, 5], kind="int", Hi=3, Di=24, seed=7)
+    out, expect = run_both(problem)
+    assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_float_kinds_by_score_values(nan_scratch, kind):
+    problem = make_problem(**RAGGED, kind=kind, pad_rows=2, seed=11)
+    out, expect = run_both(problem)
+    check_valid(out, problem[4], 8)
+    for a, b in zip(scores_of(problem, out), scores_of(problem, expect)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bigger_kb_and_page(nan_scratch):
+    problem = make_problem([300, 90], [6, 90], kind="int", page=32, seed=13)
+    out, expect = run_both(problem, page=32, Kb=20)
+    assert torch.equal(out, expect)
+
+
+def test_empty_batch():
+    problem = make_problem([40], [1], kind="int")
+    q, comp, table, to_req, vis, ms = problem
+    out = torch.empty(0, 8, dtype=torch.int32)
+    ker.qsa_select_decode(q[:0], comp, table, to_req[:0], vis[:0], page_size=16, compress_ratio=4,
+                          block_topk=8, max_seq_len=ms, out=out)
+    assert out.shape == (0, 8)
+
+
+# ---------------------------------------------------------------- GPU, production shapes
+
+PROD = dict(r=4, page=64, Kb=512)
+
+
+def _prod_problem(seq_lens, query_lens, kind, pad_rows=0, seed=0):
+    return make_problem(seq_lens, query_lens, r=4, page=64, Hi=4, Di=128, kind=kind, pad_rows=pad_rows,
+                        device="cuda", seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int", "bf16", "fp8"])
+def test_gpu_decode_long(nan_scratch, kind):
+    seq_lens = [131072, 65536, 2049, 2048, 2052, 100_000]
+    problem = _prod_problem(seq_lens, [1] * len(seq_lens), kind, pad_rows=2)
+    out, expect = run_both(problem, decode=True, **PROD)
+    check_valid(out.cpu(), problem[4].cpu(), 512)
+    if kind == "int":
+        assert torch.equal(out, expect)
+    else:
+        for a, b in zip(scores_of(problem, out, 4, 64), scores_of(problem, expect, 4, 64)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_1m_and_batch_invariance(nan_scratch):
+    problem = _prod_problem([1 << 20, 4096, 131072], [4, 1, 2], "bf16", seed=1)
+    q, comp, table, to_req, vis, ms = problem
+    kw = dict(page_size=64, compress_ratio=4, block_topk=512)
+
+    def run(sl):
+        o = torch.empty(q[sl].shape[0], 512, dtype=torch.int32, device="cuda")
+        return ker.qsa_select_decode(q[sl], comp, table, to_req[sl], vis[sl], out=o, max_seq_len=ms, **kw)
+
+    full = run(slice(None))
+    assert torch.equal(full, run(slice(None)))  # deterministic across runs
+    assert torch.equal(full[:4], run(slice(0, 4)))  # same rows, another batch composition
+    assert torch.equal(full[4:], run(slice(4, None)))
+    _, expect = run_both(problem, decode=True, **PROD)
+    check_valid(full.cpu(), vis.cpu(), 512)
+    for a, b in zip(scores_of(problem, full, 4, 64), scores_of(problem, expect, 4, 64)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int", "bf16"])
+def test_gpu_prefill_chunked(nan_scratch, monkeypatch, kind):
+    # A 64K-token request whose last 1024 tokens are prefilled, a fresh 3000-token prompt,
+    # a short one and padding; a 16 MiB cap forces several row chunks.
+    problem = _prod_problem([65536, 3000, 700], [1024, 3000, 700], kind, pad_rows=5, seed=2)
+    monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 16 << 20)
+    out, expect = run_both(problem, **PROD)
+    check_valid(out.cpu(), problem[4].cpu(), 512)
+    if kind == "int":
+        assert torch.equal(out, expect)
+    else:
+        for a, b in zip(scores_of(problem, out, 4, 64), scores_of(problem, expect, 4, 64)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_batch_invariance(nan_scratch):
+    problem = _prod_problem([131072, 8192], [512, 2048], "bf16", seed=4)
+    q, comp, table, to_req, vis, ms = problem
+    kw = dict(page_size=64, compress_ratio=4, block_topk=512, max_seq_len=ms)
+
+    def run(sl):
+        o = torch.empty(q[sl].shape[0], 512, dtype=torch.int32, device="cuda")
+        return ker.qsa_select_prefill(q[sl], comp, table, to_req[sl], vis[sl], out=o, **kw)
+
+    full = run(slice(None))
+    assert torch.equal(full, run(slice(None)))
+    assert torch.equal(full[512:], run(slice(512, None)))
+    assert torch.equal(full[100:300], run(slice(100, 300)))
+
+
+@pytest.mark.gpu
+def test_gpu_timing(capsys):
+    """Not an assertion: prints decode (1M, 4 rows) and prefill (8K rows at 128K) timings."""
+    import triton.testing
+
+    kw = dict(page_size=64, compress_ratio=4, block_topk=512)
+    for name, seq, ql, fn in [
+        ("decode 4x1M", [1 << 20] * 4, [1] * 4, ker.qsa_select_decode),
+        ("decode 64x128K", [131072] * 64, [1] * 64, ker.qsa_select_decode),
+        ("prefill 8K rows @128K", [131072], [8192], ker.qsa_select_prefill),
+    ]:
+        q, comp, table, to_req, vis, ms = _prod_problem(seq, ql, "bf16")
+        comp = torch.nan_to_num(comp)
+        o = torch.empty(q.shape[0], 512, dtype=torch.int32, device="cuda")
+        ms_t = triton.testing.do_bench(lambda: fn(q, comp, table, to_req, vis, out=o, max_seq_len=ms, **kw))
+        with capsys.disabled():
+            print(f"\nselect {name}: {ms_t * 1e3:.1f} us")

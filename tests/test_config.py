@@ -1,0 +1,76 @@
+"""QSAConfig and the cache plan: read from HF as it is, bad geometry rejected by field name."""
+
+import json
+
+import pytest
+import torch
+
+from hf_oracle import tiny_config
+from qsa_core import QSACacheLayout, QSAConfig, ring_capacity
+
+GOOD = dict(
+    hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, index_n_heads=4, index_head_dim=128,
+    token_topk=16, compress_ratio=4, rotary_dim=32, rope_theta=1e4,
+)
+
+
+def test_from_hf_config_object_dict_and_path(tmp_path):
+    hf = tiny_config()
+    from_obj = QSAConfig.from_hf(hf)
+    assert from_obj == QSAConfig(**GOOD)
+    assert QSAConfig.from_hf(hf.to_dict()) == from_obj
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": hf.to_dict()}))
+    assert QSAConfig.from_hf(tmp_path) == from_obj
+    assert (from_obj.block_topk, from_obj.selection_width, from_obj.packed_width) == (4, 19, 20)
+
+
+def test_from_hf_production_geometry_and_mrope():
+    cfg = QSAConfig.from_hf(
+        dict(
+            hidden_size=2048, num_attention_heads=24, num_key_value_heads=2, head_dim=256,
+            indexer_n_heads=4, indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048,
+            indexer_compress_ratio=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                             "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        )
+    )
+    assert (cfg.rotary_dim, cfg.block_topk, cfg.selection_width) == (64, 512, 2051)
+    assert cfg.mrope_section == (11, 11, 10)
+    axes = cfg.rope_axes().tolist()
+    assert axes[:6] == [0, 1, 2, 0, 1, 2] and axes[30:] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(compress_ratio=1, token_topk=16), "compress_ratio"),
+        (dict(token_topk=18), "token_topk"),
+        (dict(index_kv_heads=2), "index_kv_heads"),
+        (dict(rotary_dim=256, head_dim=256), "rotary_dim"),
+        (dict(num_heads=5), "num_heads"),
+        (dict(index_dtype="fp16"), "index_dtype"),
+        (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
+    ],
+)
+def test_invalid_config_names_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        QSAConfig(**{**GOOD, **change})
+
+
+def test_from_hf_rejects_a_config_without_qsa():
+    with pytest.raises(ValueError, match="indexer_n_heads"):
+        QSAConfig.from_hf(dict(hidden_size=8, num_attention_heads=2))
+
+
+def test_ring_capacity_and_allocation():
+    assert [ring_capacity(4, s) for s in (0, 1, 3, 4, 5)] == [4, 8, 8, 8, 12]
+    cfg = QSAConfig(**GOOD, index_dtype="fp8_e4m3", mrope_section=(6, 5, 5))
+    layout = QSACacheLayout(num_layers=2, page_size=8, num_pages=5, ring_rows=3, num_speculative_tokens=3)
+    caches = layout.allocate(cfg, torch.bfloat16)
+    c = caches[0]
+    assert c.k.shape == (5, 8, 2, 64) and c.v.shape == (5, 8, 2, 64) and c.k.stride(-1) == 1
+    assert c.k.data_ptr() != c.v.data_ptr()
+    assert c.compressed.shape == (10, 128) and c.compressed.dtype == torch.float8_e4m3fn
+    assert c.ring.shape == (24, 128) and c.ring_positions.shape == (24, 3)
+    with pytest.raises(ValueError, match="page_size"):
+        QSACacheLayout(num_layers=1, page_size=6, num_pages=2, ring_rows=1).allocate(cfg, torch.bfloat16)

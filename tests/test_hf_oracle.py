@@ -1,0 +1,199 @@
+"""The core against the HF oracle (`Qwen4ExpTextAttention`, random weights, budget 16, r 4).
+
+Every schedule (one shot, chunks, decode, mixed ragged batches, speculative rollback) must
+reproduce the HF output of the whole sequence at each position.
+"""
+
+import pytest
+import torch
+
+from hf_oracle import hf_forward, random_hf_attention, tiny_config
+from qsa_core import QSAAttention
+from qsa_core.standalone import Runner
+
+HIDDEN = 256
+# fp32: the same math up to summation order. bf16: HF rounds K/V, probabilities and the
+# gate product to bf16 where the core keeps fp32, so allow bf16-sized error.
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def depth(dtype):
+    """Chains of two layers run in fp32: in bf16, layer 1's rounding (HF rounds logits and
+    probabilities to bf16) can flip a near-tie in layer 2's top-k, a legitimate difference."""
+    return 2 if dtype == torch.float32 else 1
+
+
+def make(dtype=torch.float32, layers=1, mrope=None, seed=0, **config):
+    cfg = tiny_config(mrope_section=mrope, **config)
+    hf = [random_hf_attention(cfg, seed + i, dtype, layer_idx=i) for i in range(layers)]
+    return hf, [QSAAttention.from_hf(h) for h in hf]
+
+
+def runner(layers, **kw):
+    args = dict(page_size=8, num_pages=96, max_requests=6, shuffle_pages=True)
+    args.update(kw)
+    return Runner(layers, **args)
+
+
+def close(out, ref, dtype):
+    err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+
+
+def run_chunks(r, rid, x, bounds, rope=None):
+    outs = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        rp = None if rope is None else {rid: rope[..., a:b]}
+        outs.append(r.step({rid: x[a:b]}, rope_positions=rp)[rid])
+    return torch.cat(outs)
+
+
+def inputs(L, dtype, seed=1):
+    """Hidden states with a shared component, as real sequences have: together with the
+    correlated indexer weights of `random_hf_attention` it keeps most scores above zero."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(L, HIDDEN, generator=g) + torch.randn(HIDDEN, generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L", [13, 16, 75])  # below, at and above the budget of 16 tokens
+def test_one_shot_prefill(dtype, L):
+    hf, layers = make(dtype)
+    x = inputs(L, dtype)
+    out = runner(layers).step({"a": x})["a"]
+    close(out, hf_forward(hf, x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_prefill_inside_and_on_group_edges(dtype):
+    hf, layers = make(dtype, layers=depth(dtype))
+    x = inputs(90, dtype)
+    # chunk ends inside groups (5, 11, 37), on edges (8, 24, 64), longer than the ring (26)
+    out = run_chunks(runner(layers), "a", x, [0, 5, 8, 11, 24, 37, 63, 64, 90])
+    close(out, hf_forward(hf, x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_by_token_decode(dtype):
+    hf, layers = make(dtype)
+    x = inputs(48, dtype)
+    out = run_chunks(runner(layers), "a", x, [0, 3] + list(range(4, 49)))
+    close(out, hf_forward(hf, x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_requests_in_mixed_steps_with_shuffled_pages(dtype):
+    """Decodes and prefills share steps; requests hold different data at equal positions."""
+    hf, layers = make(dtype, layers=depth(dtype))
+    lens = {"a": 70, "b": 41, "c": 57, "d": 23}
+    xs = {k: inputs(n, dtype, seed=i + 10) for i, (k, n) in enumerate(lens.items())}
+    sched = {  # per step: {request: chunk length}
+        0: {"a": 30, "b": 17},
+        1: {"a": 1, "b": 1, "c": 19},
+        2: {"a": 1, "b": 9, "c": 1, "d": 23},
+        3: {"a": 20, "b": 1, "c": 37},
+        4: {"a": 18, "b": 13},
+    }
+    r = runner(layers)
+    done = {k: 0 for k in lens}
+    outs = {k: [] for k in lens}
+    for step in sched.values():
+        res = r.step({k: xs[k][done[k] : done[k] + n] for k, n in step.items()})
+        for k, n in step.items():
+            outs[k].append(res[k])
+            done[k] += n
+    assert done == lens
+    for k in lens:
+        close(torch.cat(outs[k]), hf_forward(hf, xs[k]), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mrope_three_axis_positions(dtype):
+    """Groups are keyed by their first token's exact 3-axis position, across chunk edges."""
+    hf, layers = make(dtype, mrope=[6, 5, 5])
+    L = 60
+    t = torch.arange(L)
+    pos = torch.stack([t, (t * 7) % 13, (t * 5) % 11 + 3])
+    x = inputs(L, dtype)
+    out = run_chunks(runner(layers), "a", x, [0, 6, 9, 23, 30] + list(range(31, L + 1)), rope=pos)
+    close(out, hf_forward(hf, x, pos), dtype)
+
+
+def test_freed_request_pages_and_ring_are_reused():
+    hf, layers = make()
+    r = runner(layers, num_pages=8, max_requests=1)  # room for exactly one 64-token request
+    xa, xb = inputs(62, torch.float32, 3), inputs(64, torch.float32, 4)
+    run_chunks(r, "a", xa, [0, 30, 61, 62])
+    with pytest.raises(RuntimeError, match="ring row"):
+        r.step({"b": xb[:4]})
+    r.free("a")
+    out = run_chunks(r, "b", xb, [0, 31, 45] + list(range(46, 65)))
+    close(out, hf_forward(hf, xb), torch.float32)
+
+
+def test_speculative_rows_rolled_back_never_corrupt_the_ring():
+    """Verify steps of 1 + 3 rows; rejected drafts are overwritten by the accepted tokens."""
+    hf, layers = make()
+    x = inputs(60, torch.float32, 5)
+    junk = inputs(60, torch.float32, 6)
+    r = runner(layers, num_speculative_tokens=3)
+    outs = [r.step({"a": x[:21]})["a"]]
+    n = 21
+    for accepted in [2, 4, 1, 3, 0, 4, 2, 1, 3, 4, 2]:
+        # rows n .. n+accepted-1 are the real tokens, the rest are drafts to be rejected
+        rows = torch.cat([x[n : n + accepted], junk[n + accepted : n + 4]])
+        outs.append(r.step({"a": rows})["a"][:accepted])
+        n += accepted
+        r.truncate("a", n)
+        if n >= 44:
+            break
+    out = torch.cat(outs)
+    close(out, hf_forward(hf, x[:n]), torch.float32)
+
+
+def test_fp8_compressed_keys_select_the_same_scores():
+    """fp8 keys may pick other groups among near-ties: compare selected score values."""
+    hf, [_] = make()
+    L = 80
+    x = inputs(L, torch.float32)
+    scores = hf_group_scores(hf[0], x)
+    picks = {}
+    for index_dtype in ("auto", "fp8_e4m3"):
+        layer = QSAAttention.from_hf(hf[0], index_dtype=index_dtype)
+        r = runner([layer])
+        sel = torch.empty(L, layer.config.packed_width, dtype=torch.int32)
+        r.step({"a": x})  # fills the caches; re-run the same step's selection below
+        meta = r.last_metadata
+        with torch.no_grad():
+            layer(x, meta, r.caches[0], selection_out=sel)
+        picks[index_dtype] = sel
+    for t in range(16, L):
+        vis = (t + 1) // 4
+        got = {}
+        for name, sel in picks.items():
+            toks = sel[t, : sel[t, -1]]
+            groups = torch.unique(toks[toks < vis * 4] // 4)
+            assert groups.numel() == 4 and int(groups.max()) < vis
+            got[name] = scores[t, groups].sort().values
+        assert torch.equal(got["auto"], scores[t, :vis].topk(4).values.sort().values)
+        spread = scores[t, :vis].max()
+        assert (got["fp8_e4m3"] - got["auto"]).abs().max() <= 0.08 * spread, t
+
+
+def hf_group_scores(attn, x):
+    """[L, L / r] indexer scores from the HF module's own norms and rotary (fp32)."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import (
+        Qwen4ExpTextRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    idx = attn.indexer
+    L = x.shape[0]
+    cos, sin = Qwen4ExpTextRotaryEmbedding(attn.config)(x[None], torch.arange(L)[None])
+    with torch.no_grad():
+        q, k = idx.index_qk_proj(x[None]).split([4 * 128, 128], -1)
+        q = apply_rotary_pos_emb(idx.q_layernorm(q.view(1, L, 4, 128)), cos=cos, sin=sin, unsqueeze_dim=2)[0]
+        pooled = idx.k_layernorm(k[0].view(L // 4, 4, 128).mean(1))
+        starts = torch.arange(0, L, 4)
+        kc = apply_rotary_pos_emb(pooled[:, None], cos=cos[0, starts], sin=sin[0, starts])[:, 0]
+        return torch.einsum("thd,gd->tgh", q, kc).relu().sum(-1) / 128**0.5
