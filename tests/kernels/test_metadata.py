@@ -1,0 +1,156 @@
+"""Triton metadata build vs the reference: every derived field bitwise, padding rows inert."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from qsa_core.metadata import QSAMetadataBuilder  # noqa: E402
+from qsa_core.reference import qsa_build_metadata as reference_build  # noqa: E402
+from qsa_kernels.metadata import qsa_build_metadata  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (TRITON_INTERPRET=1, CPU tensors)")
+
+FIELDS = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot")
+
+
+def make_step(qlens, context, num_pad, gen, device, num_slots=10_000, ring_rows=64):
+    """Engine inputs of a step with the given query lengths (0 allowed) and contexts."""
+    R = len(qlens)
+    qsl = torch.tensor([0] + list(qlens), dtype=torch.int64).cumsum(0).to(torch.int32)
+    seq = torch.tensor([c + q for c, q in zip(context, qlens)], dtype=torch.int32)
+    T = int(qsl[-1]) + num_pad
+    slots = torch.randint(0, num_slots, (T,), generator=gen)
+    slots[torch.rand(T, generator=gen) < 0.15] = -1  # rows without a main slot
+    slots[T - num_pad :] = -1
+    ring = torch.randperm(ring_rows, generator=gen)[:R].to(torch.int32)
+    return [t.to(device) for t in (qsl, seq, slots, ring)]
+
+
+def run_both(qsl, seq, slots, ring, r, C):
+    """(kernel outputs, reference outputs); kernel buffers start as garbage."""
+    T = slots.shape[0]
+    dev = slots.device
+
+    def buffers(fill):
+        return [
+            torch.full((T,), fill, dtype=torch.int32, device=dev),
+            torch.full((T,), fill, dtype=torch.int64, device=dev),
+            torch.full((T,), fill, dtype=torch.int32, device=dev),
+            torch.full((T,), fill, dtype=torch.int64, device=dev),
+            torch.full((T,), fill, dtype=torch.int64, device=dev),
+        ]
+
+    got, want = buffers(12345), buffers(0)
+    qsa_build_metadata(qsl, seq, slots, ring, r, C, *got)
+    reference_build(qsl, seq, slots, ring, r, C, *want)
+    return got, want
+
+
+def assert_same(got, want):
+    for name, g, w in zip(FIELDS, got, want):
+        assert g.dtype == w.dtype, name
+        assert torch.equal(g, w), f"{name}: {g.tolist()} != {w.tolist()}"
+
+
+@interp
+@pytest.mark.parametrize("r,C", [(4, 4), (4, 8), (2, 6), (3, 3)])
+def test_ragged_batches(r, C):
+    gen = torch.Generator().manual_seed(r * 10 + C)
+    cases = [
+        ([1, 1, 1, 5, 17, 2], [30, 3, 0, 0, 11, 6], 4),  # decodes then prefills, padding
+        ([4, 4, 9, 1], [8, 21, 0, 3], 0),
+        ([3, 0, 6, 0, 2], [1, 5, 2, 0, 9], 3),  # zero-length requests
+        ([300], [1000], 5),  # one long chunk: ring only on its last C rows
+        ([1] * 40 + [7, 13], list(range(40)) + [2, 0], 9),  # more rows than one block
+    ]
+    for qlens, ctx, pad in cases:
+        got, want = run_both(*make_step(qlens, ctx, pad, gen, "cpu"), r, C)
+        assert_same(got, want)
+
+
+@interp
+def test_idle_step_all_padding():
+    """R == 0: every row is padding (request 0, position -1, everything inert)."""
+    gen = torch.Generator().manual_seed(0)
+    qsl, seq, slots, ring = make_step([], [], 7, gen, "cpu")
+    got, want = run_both(qsl, seq, slots, ring, 4, 4)
+    assert_same(got, want)
+    assert torch.equal(got[1], torch.full((7,), -1))
+
+
+@interp
+def test_empty_step():
+    gen = torch.Generator().manual_seed(0)
+    got, want = run_both(*make_step([], [], 0, gen, "cpu"), 4, 4)
+    assert_same(got, want)
+
+
+@interp
+def test_builder_persistent_buffers(monkeypatch):
+    """The builder path (ops dispatch to Triton) fills its persistent buffers in place."""
+    monkeypatch.setenv("QSA_BACKEND", "triton")
+    gen = torch.Generator().manual_seed(1)
+    builder = QSAMetadataBuilder(4, 8, 8, "cpu", max_num_tokens=64)
+    for qlens, ctx, pad in (([1, 1, 6], [9, 4, 0], 3), ([2, 9], [5, 14], 0)):
+        qsl, seq, slots, ring = make_step(qlens, ctx, pad, gen, "cpu", num_slots=200, ring_rows=4)
+        table = torch.arange(len(qlens) * 4, dtype=torch.int32).view(len(qlens), 4)
+        meta = builder.build(
+            query_start_loc=qsl, seq_lens=seq, block_table=table, slot_mapping=slots, ring_index=ring,
+            num_decodes=2 if qlens[0] == 1 else 0, max_query_len=max(qlens), max_seq_len=int(seq.max()),
+            num_padding_rows=pad,
+        )
+        _, want = run_both(qsl, seq, slots, ring, 4, 8)
+        assert_same([getattr(meta, f) for f in FIELDS], want)
+
+
+def compiled_variants(kernel) -> int:
+    """Number of compiled specializations of a Triton kernel on the current device."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_production_batch_gpu():
+    """256 decodes with 3 drafts, a few long prefills and CUDA-graph padding, on the GPU;
+    batch-varying R and T compile one variant only."""
+    from qsa_kernels.metadata import _metadata_kernel
+
+    gen = torch.Generator().manual_seed(2)
+    qlens = [4] * 256 + [8192, 1, 3001, 513]
+    ctx = torch.randint(1, 131072, (256,), generator=gen).tolist() + [0, 70000, 4096, 2]
+    qsl, seq, slots, ring = make_step(qlens, ctx, 77, gen, "cuda", num_slots=1 << 22, ring_rows=512)
+    assert_same(*run_both(qsl, seq, slots, ring, 4, 8))
+    before = compiled_variants(_metadata_kernel)
+    for qlens, ctx, pad in (([1] * 17, list(range(17)), 15), ([16, 1, 32], [0, 5, 7], 0), ([], [], 33)):
+        assert_same(*run_both(*make_step(qlens, ctx, pad, gen, "cuda"), 4, 8))
+    assert compiled_variants(_metadata_kernel) == before
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gpu():
+    """Captured once, replayed on new step values of the same shape."""
+    gen = torch.Generator().manual_seed(3)
+    qlens, ctx = [4] * 8 + [100, 37], [50] * 8 + [0, 900]
+    static = make_step(qlens, ctx, 11, gen, "cuda")
+    T = static[2].shape[0]
+    dtypes = (torch.int32, torch.int64, torch.int32, torch.int64, torch.int64)
+    outs = [torch.empty(T, dtype=d, device="cuda") for d in dtypes]
+    qsa_build_metadata(*static, 4, 8, *outs)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qsa_build_metadata(*static, 4, 8, *outs)
+    for qlens, ctx in (([4] * 8 + [120, 17], [9] * 8 + [3, 0]), ([4] * 8 + [137, 0], [1] * 8 + [0, 5])):
+        fresh = make_step(qlens, ctx, 11, gen, "cuda")
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        want = [torch.empty_like(o) for o in outs]
+        reference_build(*fresh, 4, 8, *want)
+        assert_same(outs, want)
