@@ -8,7 +8,8 @@
 # wheels torch needs come from the package index), sglang==0.5.23 without its
 # heavy dependencies, and just enough light packages for SGLang's attention /
 # memory-pool / plugin modules to import on a CPU-only machine.
-# Skips the install when VENV_DIR/bin/python already imports everything.
+# Skips the install when VENV_DIR/bin/python already imports everything; tops up
+# an existing Python 3.11 venv that misses something; otherwise builds it anew.
 # Non-interactive; safe to run in CI (CI=true, 2 cores, registries only).
 set -euo pipefail
 
@@ -22,7 +23,14 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 export PIP_NO_INPUT=1
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-export PYTHONDONTWRITEBYTECODE=1
+export PIP_PROGRESS_BAR=off
+
+case "$VENV_DIR" in
+    "" | "/" | "$HOME" | "$REPO_ROOT")
+        echo "env_sglang.sh: refusing VENV_DIR=$VENV_DIR" >&2
+        exit 2
+        ;;
+esac
 
 TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
 SGLANG_PIN=sglang==0.5.23
@@ -55,10 +63,10 @@ print("ok: sglang", sglang.__version__, "torch", torch.__version__,
       "torchvision", torchvision.__version__, "triton", triton.__version__)
 '
 
+# One interpreter start: `import sglang` alone already costs several seconds.
 venv_ok() {
     [[ -x "$VENV_DIR/bin/python" ]] || return 1
-    "$VENV_DIR/bin/python" -c 'import sglang' >/dev/null 2>&1 || return 1
-    "$VENV_DIR/bin/python" -c "$CHECK_PY" >/dev/null 2>&1
+    "$VENV_DIR/bin/python" -c "$CHECK_PY" 2>/dev/null | grep '^ok: '
 }
 
 find_python311() {
@@ -76,23 +84,35 @@ find_python311() {
 
 start=$(date +%s)
 
-if venv_ok; then
-    echo "env_sglang.sh: reusing $VENV_DIR (sglang imports)"
-else
-    PY311="$(find_python311)"
-    echo "env_sglang.sh: creating $VENV_DIR with $PY311"
-    rm -rf "$VENV_DIR"
-    "$PY311" -m venv "$VENV_DIR"
-    PIP=("$VENV_DIR/bin/python" -m pip)
-    "${PIP[@]}" install --upgrade pip setuptools wheel
-
+install_packages() {
+    local pip=("$VENV_DIR/bin/python" -m pip)
     # torch + torchvision first (local wheels; CUDA libs from the index), and
     # triton at whatever version torch 2.14.1 pins (pulled in as its dependency).
-    "${PIP[@]}" install "${TORCH_PINS[@]}"
+    "${pip[@]}" install "${TORCH_PINS[@]}"
     # Light dependencies; keep torch pinned so nothing re-resolves it.
-    "${PIP[@]}" install "${TORCH_PINS[@]}" "${LIGHT_DEPS[@]}"
+    "${pip[@]}" install "${TORCH_PINS[@]}" "${LIGHT_DEPS[@]}"
     # SGLang itself without its dependency tree (which pulls GPU kernels).
-    "${PIP[@]}" install --no-deps "$SGLANG_PIN"
+    "${pip[@]}" install --no-deps "$SGLANG_PIN"
+}
+
+if venv_ok; then
+    echo "env_sglang.sh: reusing $VENV_DIR (sglang and the checked modules import)"
+    reused=1
+else
+    reused=0
+    if [[ -x "$VENV_DIR/bin/python" ]] &&
+       "$VENV_DIR/bin/python" -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else 1)' 2>/dev/null; then
+        # A usable venv that misses something (e.g. a package added to this
+        # script later): top it up instead of rebuilding the 6 GB from scratch.
+        echo "env_sglang.sh: updating $VENV_DIR"
+    else
+        PY311="$(find_python311)"
+        echo "env_sglang.sh: creating $VENV_DIR with $PY311"
+        rm -rf "$VENV_DIR"
+        "$PY311" -m venv "$VENV_DIR"
+        "$VENV_DIR/bin/python" -m pip install --upgrade pip setuptools wheel
+    fi
+    install_packages
 fi
 
 # The repository itself, editable, without touching the pinned environment.
@@ -100,5 +120,7 @@ if [[ -f "$REPO_ROOT/pyproject.toml" ]]; then
     "$VENV_DIR/bin/python" -m pip install --no-deps -e "$REPO_ROOT"
 fi
 
-"$VENV_DIR/bin/python" -c "$CHECK_PY"
+if [[ "$reused" == 0 ]]; then
+    "$VENV_DIR/bin/python" -c "$CHECK_PY"
+fi
 echo "env_sglang.sh: done in $(( $(date +%s) - start )) s"

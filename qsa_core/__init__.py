@@ -7,7 +7,7 @@ Config and cache layouts are validated once; `QSAForwardMetadata` is built once 
 
 from .cache import QSACacheLayout, QSALayerCache, ring_capacity, validate_layer_cache
 from .config import QSAConfig
-from .layer import QSAAttention
+from .layer import QSAAttention, QSANormWeights, qsa_attend, qsa_select
 from .metadata import QSAForwardMetadata, QSAMetadataBuilder
 
 __all__ = [
@@ -17,6 +17,9 @@ __all__ = [
     "QSAForwardMetadata",
     "QSALayerCache",
     "QSAMetadataBuilder",
+    "QSANormWeights",
+    "qsa_attend",
+    "qsa_select",
     "ring_capacity",
     "validate_layer_cache",
 ]
