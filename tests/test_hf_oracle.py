@@ -4,6 +4,8 @@ Every schedule (one shot, chunks, decode, mixed ragged batches, speculative roll
 reproduce the HF output of the whole sequence at each position.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,9 @@ from qsa_core import QSAAttention
 from qsa_core.standalone import Runner
 
 HIDDEN = 256
+# QSA_TEST_DEVICE=cuda runs the core (and so the Triton kernels) on the GPU against the
+# same CPU oracle.
+DEVICE = torch.device(os.environ.get("QSA_TEST_DEVICE", "cpu"))
 # fp32: the same math up to summation order. bf16: HF rounds K/V, probabilities and the
 # gate product to bf16 where the core keeps fp32, so allow bf16-sized error.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -26,7 +31,7 @@ def depth(dtype):
 def make(dtype=torch.float32, layers=1, mrope=None, seed=0, **config):
     cfg = tiny_config(mrope_section=mrope, **config)
     hf = [random_hf_attention(cfg, seed + i, dtype, layer_idx=i) for i in range(layers)]
-    return hf, [QSAAttention.from_hf(h) for h in hf]
+    return hf, [QSAAttention.from_hf(h).to(DEVICE) for h in hf]
 
 
 def runner(layers, **kw):
@@ -36,6 +41,7 @@ def runner(layers, **kw):
 
 
 def close(out, ref, dtype):
+    out = out.cpu()
     err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
     assert err < TOL[dtype], f"relative error {err:.2e}"
 
@@ -159,14 +165,14 @@ def test_fp8_compressed_keys_select_the_same_scores():
     scores = hf_group_scores(hf[0], x)
     picks = {}
     for index_dtype in ("auto", "fp8_e4m3"):
-        layer = QSAAttention.from_hf(hf[0], index_dtype=index_dtype)
+        layer = QSAAttention.from_hf(hf[0], index_dtype=index_dtype).to(DEVICE)
         r = runner([layer])
-        sel = torch.empty(L, layer.config.packed_width, dtype=torch.int32)
+        sel = torch.empty(L, layer.config.packed_width, dtype=torch.int32, device=DEVICE)
         r.step({"a": x})  # fills the caches; re-run the same step's selection below
         meta = r.last_metadata
         with torch.no_grad():
-            layer(x, meta, r.caches[0], selection_out=sel)
-        picks[index_dtype] = sel
+            layer(x.to(DEVICE), meta, r.caches[0], selection_out=sel)
+        picks[index_dtype] = sel.cpu()
     for t in range(16, L):
         vis = (t + 1) // 4
         got = {}

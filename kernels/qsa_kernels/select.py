@@ -2,9 +2,11 @@
 
 Contract: `qsa_core/reference/select.py`. Per chunk of rows (host ints only, no sync):
 
-1. `_scores_kernel` (grid: row tiles x column tiles) writes s(t, g) = sum_h relu(q[t,h].k_g)
-   / sqrt(Di) in fp32 into a capped scratch [chunk rows, max_seq_len // r], only for rows
-   with visible > Kb and only for columns g < visible. Nothing else of the scratch is read.
+1. Scores s(t, g) = sum_h relu(q[t,h].k_g) / sqrt(Di) in fp32 go to a capped scratch
+   [chunk rows, max_seq_len // r], only for rows with visible > Kb and columns g < visible;
+   nothing else of the scratch is read. Decode (`_scores_decode_kernel`, grid: rows x column
+   tiles): a row's heads are the dot's M. Prefill (`_scores_prefill_kernel`, grid: row tiles
+   x column tiles): rows of one request are the dot's M, one dot per head.
 2. Radix select on the score bit pattern (scores >= 0, -0.0 folded into +0.0, so the int32
    bits order like the values): four passes of `_hist_kernel` (grid: rows x column tiles,
    atomic 256-bin histograms of the next digit among keys that match the prefix so far)
@@ -26,7 +28,7 @@ import triton
 import triton.language as tl
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
-SCORE_SCRATCH_BYTES = 256 << 20
+SCORE_SCRATCH_BYTES = 64 << 20
 
 _BINS = 256
 # (shift, width) of the radix digits of a non-negative fp32 bit pattern (bit 31 is 0).
@@ -43,28 +45,78 @@ def _score_scratch(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     return torch.empty(rows, cols, dtype=torch.float32, device=device)
 
 
-def _tiles(num_heads_p2: int, decode: bool) -> dict[str, int]:
-    """Tile sizes. The interpreter uses small tiles so that tests cross tile borders."""
+def _tiles(decode: bool) -> dict[str, int]:
+    """Tile sizes. block_r x block_g: prefill score tile (block_r rows feed tl.dot); block_g
+    alone for decode (one row per program, heads feed tl.dot); scan: columns per radix tile;
+    rows / resolve_rows: rows per radix / resolve program. The interpreter uses small column
+    tiles (tests cross tile borders) and many rows per program (its cost is per program)."""
     if _interpreting():
-        return dict(block_r=max(1, 16 // num_heads_p2), block_g=16, scan=32)
-    rows = 16 if decode else 128
-    return dict(block_r=max(1, rows // num_heads_p2), block_g=128 if decode else 64, scan=4096)
+        return dict(block_r=16, block_g=16, scan=32, rows=8, resolve_rows=16)
+    return dict(block_r=64, block_g=128 if decode else 64, scan=4096, rows=1, resolve_rows=4)
+
+
+@triton.jit
+def _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kr, stride_kd, stride_btr, stride_btp,
+               DI: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Compressed keys [BLOCK_G, DP] of groups g of request req, through its block table:
+    row(g) = block_table[req, g*R // PAGE] * (PAGE / R) + (g*R % PAGE) / R."""
+    tok = g * R
+    page = tl.load(bt_ptr + req.to(tl.int64) * stride_btr + (tok // PAGE) * stride_btp, mask=g_mask, other=0)
+    krow = page.to(tl.int64) * (PAGE // R) + (tok % PAGE) // R
+    keys = tl.load(k_ptr + krow[:, None] * stride_kr + d[None, :] * stride_kd,
+                   mask=g_mask[:, None] & (d[None, :] < DI), other=0.0)
+    return keys.to(DOT_DTYPE)
+
+
+@triton.jit
+def _finish(relu_sum, norm):
+    """Divide by sqrt(Di) with IEEE rounding (as the reference) and fold -0.0 into +0.0."""
+    s = tl.math.div_rn(relu_sum, norm)
+    return tl.where(s == 0.0, 0.0, s)
+
+
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
+def _scores_decode_kernel(
+    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
+    row0, n_cols, norm,
+    stride_qt, stride_qh, stride_qd, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
+    HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
+    PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """Scores of one row x groups [pid1*BLOCK_G, +BLOCK_G): its heads (padded to HM >= 16)
+    are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols]."""
+    lr = tl.program_id(0)
+    row = row0 + lr
+    col0 = tl.program_id(1) * BLOCK_G
+    vis = tl.load(vis_ptr + row)
+    vis = tl.where(vis > KB, tl.minimum(vis, n_cols), 0)  # <= Kb: chosen without scores
+    if col0 < vis:
+        req = tl.load(req_ptr + row)
+        h = tl.arange(0, HM)
+        d = tl.arange(0, DP)
+        q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
+                    mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
+        g = col0 + tl.arange(0, BLOCK_G)
+        g_mask = g < vis
+        keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kr, stride_kd, stride_btr, stride_btp,
+                          DI, PAGE, R, DOT_DTYPE)
+        dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # fp32 [HM, BLOCK_G]
+        s = _finish(tl.sum(tl.maximum(dots, 0.0), 0), norm)
+        tl.store(s_ptr + lr.to(tl.int64) * stride_sr + g, s, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr"])
-def _scores_kernel(
+def _scores_prefill_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
     row0, n_rows, n_cols, norm,
     stride_qt, stride_qh, stride_qd, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
-    HI: tl.constexpr, DI: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+    HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*BLOCK_G, +BLOCK_G).
-
-    q [T, HI, DI], keys [rows, DI] (bf16 / fp8 / fp32) -> s fp32 [chunk rows, n_cols].
-    A row tile may span requests: each request in it loads its own keys once.
-    """
+    """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*BLOCK_G, +BLOCK_G):
+    rows are the dot's M, one dot per head. A row tile may span requests: each request in it
+    loads its own keys once."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * BLOCK_G
     in_chunk = lr < n_rows
@@ -76,175 +128,172 @@ def _scores_kernel(
         req = tl.load(req_ptr + rows, mask=active, other=0)
         req_lo = tl.min(tl.where(active, req, 2147483647), 0)
         req_hi = tl.max(tl.where(active, req, -1), 0)
-        h = tl.arange(0, HP)
         d = tl.arange(0, DP)
-        q_off = (rows.to(tl.int64)[:, None, None] * stride_qt + h[None, :, None] * stride_qh
-                 + d[None, None, :] * stride_qd)
-        q_mask = active[:, None, None] & (h[None, :, None] < HI) & (d[None, None, :] < DI)
-        q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0).to(DOT_DTYPE)
-        q = tl.reshape(q, (BLOCK_R * HP, DP))
         g = col0 + tl.arange(0, BLOCK_G)
-        tok = g * R
+        q_row = q_ptr + rows.to(tl.int64)[:, None] * stride_qt + d[None, :] * stride_qd
         cur = req_lo
         while cur <= req_hi:  # (a while loop: the interpreter cannot range over reductions)
             mine = active & (req == cur)
             g_end = tl.max(tl.where(mine, vis, 0), 0)
             if g_end > col0:
-                g_mask = g < g_end
-                page = tl.load(bt_ptr + cur.to(tl.int64) * stride_btr + (tok // PAGE) * stride_btp,
-                               mask=g_mask, other=0)
-                krow = page.to(tl.int64) * (PAGE // R) + (tok % PAGE) // R
-                keys = tl.load(k_ptr + krow[:, None] * stride_kr + d[None, :] * stride_kd,
-                               mask=g_mask[:, None] & (d[None, :] < DI), other=0.0).to(DOT_DTYPE)
-                dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # fp32 [BLOCK_R*HP, BLOCK_G]
-                dots = tl.reshape(tl.maximum(dots, 0.0), (BLOCK_R, HP, BLOCK_G))
-                s = tl.math.div_rn(tl.sum(dots, 1), norm)
-                s = tl.where(s == 0.0, 0.0, s)  # -0.0 == +0.0: one bit pattern for ties
+                keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kr, stride_kd, stride_btr,
+                                  stride_btp, DI, PAGE, R, DOT_DTYPE)
+                acc = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
+                for h in range(HI):
+                    q = tl.load(q_row + h * stride_qh, mask=mine[:, None] & (d < DI)[None, :], other=0.0)
+                    dots = tl.dot(q.to(DOT_DTYPE), tl.trans(keys), input_precision="ieee")
+                    acc += tl.maximum(dots, 0.0)
                 s_off = lr.to(tl.int64)[:, None] * stride_sr + g[None, :]
-                tl.store(s_ptr + s_off, s, mask=mine[:, None] & (g[None, :] < vis[:, None]))
+                tl.store(s_ptr + s_off, _finish(acc, norm), mask=mine[:, None] & (g[None, :] < vis[:, None]))
             cur += 1
 
 
 @triton.jit
-def _row_visible(vis_ptr, row, n_cols):
-    return tl.minimum(tl.load(vis_ptr + row), n_cols)
+def _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS: tl.constexpr):
+    """Local rows [ROWS] of this program, their mask and visible groups (clamped to n_cols)."""
+    lr = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    in_chunk = lr < n_rows
+    vis = tl.minimum(tl.load(vis_ptr + row0 + lr, mask=in_chunk, other=0), n_cols)
+    return lr, in_chunk, vis
 
 
 @triton.jit
-def _keys(s_ptr, lr, cols, col_mask, stride_sr):
-    """int32 keys of scores (>= 0, or NaN): the bit pattern orders like the value."""
-    s = tl.load(s_ptr + lr.to(tl.int64) * stride_sr + cols, mask=col_mask, other=0.0)
+def _keys(s_ptr, lr, cols, mask, stride_sr):
+    """int32 keys [ROWS, BLOCK] of scores (>= 0, or NaN): the bits order like the values."""
+    s = tl.load(s_ptr + lr.to(tl.int64)[:, None] * stride_sr + cols, mask=mask, other=0.0)
     return s.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
-@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
+@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr"])
 def _hist_kernel(
-    s_ptr, vis_ptr, state_ptr, hist_ptr, row0, n_cols, stride_sr,
+    s_ptr, vis_ptr, state_ptr, hist_ptr, row0, n_rows, n_cols, stride_sr,
     KB: tl.constexpr, FIRST: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
-    BINS: tl.constexpr, BLOCK: tl.constexpr,
+    BINS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """One radix pass, one tile: histogram of digit (key >> SHIFT) & (2^WIDTH - 1) over keys
-    whose bits above SHIFT + WIDTH equal the row's prefix; hist int32 [rows, BINS] += ."""
-    lr = tl.program_id(0)
+    """One radix pass over one column tile of ROWS rows: histogram of the digit
+    (key >> SHIFT) & (2^WIDTH - 1) of keys whose bits above SHIFT + WIDTH equal the row's
+    prefix; hist int32 [rows, BINS] += (row r's digits are binned at r * BINS + digit)."""
+    lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
     start = tl.program_id(1) * BLOCK
-    vis = _row_visible(vis_ptr, row0 + lr, n_cols)
     if FIRST:
-        prefix = 0
-        refine = vis > KB
+        prefix = lr * 0
+        refine = in_chunk & (vis > KB)
     else:
-        prefix = tl.load(state_ptr + lr * 4)
-        refine = tl.load(state_ptr + lr * 4 + 3) != 0
-    if refine & (start < vis):
-        cols = start + tl.arange(0, BLOCK)
-        col_mask = cols < vis
-        key = _keys(s_ptr, lr, cols, col_mask, stride_sr)
-        match = col_mask & ((key >> (SHIFT + WIDTH)) == prefix)
-        digit = (key >> SHIFT) & ((1 << WIDTH) - 1)
-        counts = tl.histogram(digit, BINS, mask=match)
-        tl.atomic_add(hist_ptr + lr * BINS + tl.arange(0, BINS), counts, mask=counts > 0, sem="relaxed")
+        prefix = tl.load(state_ptr + lr * 4, mask=in_chunk, other=0)
+        refine = tl.load(state_ptr + lr * 4 + 3, mask=in_chunk, other=0) != 0
+    refine = refine & (start < vis)
+    if tl.max(refine.to(tl.int32), 0) > 0:
+        cols = start + tl.arange(0, BLOCK)[None, :]
+        mask = refine[:, None] & (cols < vis[:, None])
+        key = _keys(s_ptr, lr, cols, mask, stride_sr)
+        match = mask & ((key >> (SHIFT + WIDTH)) == prefix[:, None])
+        local = tl.arange(0, ROWS)[:, None] * BINS + ((key >> SHIFT) & ((1 << WIDTH) - 1))
+        counts = tl.histogram(tl.reshape(local, (ROWS * BLOCK,)), ROWS * BINS,
+                              mask=tl.reshape(match, (ROWS * BLOCK,)))
+        slot = (tl.program_id(0) * ROWS).to(tl.int64) * BINS + tl.arange(0, ROWS * BINS)
+        tl.atomic_add(hist_ptr + slot, counts, mask=counts > 0, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["row0", "n_cols"])
+@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols"])
 def _resolve_kernel(
-    vis_ptr, state_ptr, hist_ptr, row0, n_cols,
+    vis_ptr, state_ptr, hist_ptr, row0, n_rows, n_cols,
     KB: tl.constexpr, FIRST: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
-    BINS: tl.constexpr,
+    BINS: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Pick the digit holding the need-th largest key; state int32 [rows, 4] =
+    """Pick the digit holding each row's need-th largest key; state int32 [rows, 4] =
     (prefix, need: keys still to take from the prefix's bin, shift of the prefix, refine)."""
-    lr = tl.program_id(0)
-    vis = _row_visible(vis_ptr, row0 + lr, n_cols)
+    lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
     if FIRST:
-        prefix = vis * 0
-        need = vis * 0 + KB
-        shift = vis * 0 + 31
+        prefix = lr * 0
+        need = lr * 0 + KB
+        shift = lr * 0 + 31
         refine = vis > KB
     else:
-        prefix = tl.load(state_ptr + lr * 4)
-        need = tl.load(state_ptr + lr * 4 + 1)
-        shift = tl.load(state_ptr + lr * 4 + 2)
-        refine = tl.load(state_ptr + lr * 4 + 3) != 0
-    bins = tl.arange(0, BINS)
-    counts = tl.load(hist_ptr + lr * BINS + bins)
-    tl.store(hist_ptr + lr * BINS + bins, counts * 0)  # zero for the next pass / chunk
-    at_or_above = tl.sum(counts, 0) - tl.cumsum(counts, 0) + counts
-    b = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
-    in_b = tl.sum(tl.where(bins == b, counts, 0), 0)
-    above_b = tl.sum(tl.where(bins == b, at_or_above, 0), 0) - in_b
-    new_need = need - above_b
-    tl.store(state_ptr + lr * 4, tl.where(refine, (prefix << WIDTH) | b, prefix))
-    tl.store(state_ptr + lr * 4 + 1, tl.where(refine, new_need, need))
-    tl.store(state_ptr + lr * 4 + 2, tl.where(refine, SHIFT, shift))
-    tl.store(state_ptr + lr * 4 + 3, (refine & (in_b > new_need)).to(tl.int32))
+        prefix = tl.load(state_ptr + lr * 4, mask=in_chunk, other=0)
+        need = tl.load(state_ptr + lr * 4 + 1, mask=in_chunk, other=0)
+        shift = tl.load(state_ptr + lr * 4 + 2, mask=in_chunk, other=0)
+        refine = tl.load(state_ptr + lr * 4 + 3, mask=in_chunk, other=0) != 0
+    bins = tl.arange(0, BINS)[None, :]
+    h_off = lr.to(tl.int64)[:, None] * BINS + bins
+    counts = tl.load(hist_ptr + h_off, mask=in_chunk[:, None], other=0)
+    tl.store(hist_ptr + h_off, counts * 0, mask=in_chunk[:, None])  # zero for the next pass
+    at_or_above = tl.sum(counts, 1)[:, None] - tl.cumsum(counts, 1) + counts
+    b = tl.max(tl.where(at_or_above >= need[:, None], bins, -1), 1)
+    in_b = tl.sum(tl.where(bins == b[:, None], counts, 0), 1)
+    new_need = need - (tl.sum(tl.where(bins == b[:, None], at_or_above, 0), 1) - in_b)
+    tl.store(state_ptr + lr * 4, tl.where(refine, (prefix << WIDTH) | b, prefix), mask=in_chunk)
+    tl.store(state_ptr + lr * 4 + 1, tl.where(refine, new_need, need), mask=in_chunk)
+    tl.store(state_ptr + lr * 4 + 2, tl.where(refine, SHIFT, shift), mask=in_chunk)
+    tl.store(state_ptr + lr * 4 + 3, (refine & (in_b > new_need)).to(tl.int32), mask=in_chunk)
 
 
 @triton.jit
-def _take(key, col_mask, prefix, shift):
-    """(above, equal) int32 masks of keys against the threshold prefix."""
-    top = key >> shift
-    return (col_mask & (top > prefix)).to(tl.int32), (col_mask & (top == prefix)).to(tl.int32)
+def _take(s_ptr, state_ptr, lr, live, cols, vis, stride_sr):
+    """(above, equal) int32 [ROWS, BLOCK]: keys above / at the row's threshold prefix."""
+    mask = live[:, None] & (cols < vis[:, None])
+    key = _keys(s_ptr, lr, cols, mask, stride_sr)
+    prefix = tl.load(state_ptr + lr * 4, mask=live, other=0)
+    shift = tl.load(state_ptr + lr * 4 + 2, mask=live, other=0)
+    top = key >> shift[:, None]
+    return (mask & (top > prefix[:, None])).to(tl.int32), (mask & (top == prefix[:, None])).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["row0", "n_cols", "n_tiles", "stride_sr"])
+@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "n_tiles", "stride_sr"])
 def _count_kernel(
-    s_ptr, vis_ptr, state_ptr, cnt_ptr, row0, n_cols, n_tiles, stride_sr,
-    KB: tl.constexpr, BLOCK: tl.constexpr,
+    s_ptr, vis_ptr, state_ptr, cnt_ptr, row0, n_rows, n_cols, n_tiles, stride_sr,
+    KB: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Per tile: keys above the threshold and keys equal to it; cnt int32 [rows, tiles, 2]."""
-    lr = tl.program_id(0)
+    """Per row and tile: keys above the threshold and keys equal to it; cnt int32 [rows, tiles, 2]."""
+    lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
     tile = tl.program_id(1)
-    vis = _row_visible(vis_ptr, row0 + lr, n_cols)
     start = tile * BLOCK
-    if (vis > KB) & (start < vis):
-        cols = start + tl.arange(0, BLOCK)
-        col_mask = cols < vis
-        key = _keys(s_ptr, lr, cols, col_mask, stride_sr)
-        above, equal = _take(key, col_mask, tl.load(state_ptr + lr * 4), tl.load(state_ptr + lr * 4 + 2))
+    live = in_chunk & (vis > KB) & (start < vis)
+    if tl.max(live.to(tl.int32), 0) > 0:
+        cols = start + tl.arange(0, BLOCK)[None, :]
+        above, equal = _take(s_ptr, state_ptr, lr, live, cols, vis, stride_sr)
         base = (lr.to(tl.int64) * n_tiles + tile) * 2
-        tl.store(cnt_ptr + base, tl.sum(above, 0))
-        tl.store(cnt_ptr + base + 1, tl.sum(equal, 0))
+        tl.store(cnt_ptr + base, tl.sum(above, 1), mask=live)
+        tl.store(cnt_ptr + base + 1, tl.sum(equal, 1), mask=live)
 
 
-@triton.jit(do_not_specialize=["row0", "n_cols", "n_tiles", "stride_sr"])
+@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "n_tiles", "stride_sr"])
 def _emit_kernel(
-    s_ptr, vis_ptr, state_ptr, cnt_ptr, out_ptr, row0, n_cols, n_tiles, stride_sr,
+    s_ptr, vis_ptr, state_ptr, cnt_ptr, out_ptr, row0, n_rows, n_cols, n_tiles, stride_sr,
     stride_or, stride_oc,
-    KB: tl.constexpr, KBP: tl.constexpr, BLOCK: tl.constexpr, PREV: tl.constexpr,
+    KB: tl.constexpr, KBP: tl.constexpr, BLOCK: tl.constexpr, PREV: tl.constexpr, ROWS: tl.constexpr,
 ):
     """Write the chosen groups of one tile at their ascending-order positions in out
     int32 [T, KB]; tile 0 of a row with visible <= KB writes 0..visible-1 then -1."""
-    lr = tl.program_id(0)
+    lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
     tile = tl.program_id(1)
-    row = row0 + lr
-    vis = _row_visible(vis_ptr, row, n_cols)
-    out_row = out_ptr + row.to(tl.int64) * stride_or
+    out_row = out_ptr + (row0 + lr).to(tl.int64)[:, None] * stride_or
+    short = in_chunk & (vis <= KB)
+    if tile == 0:
+        j = tl.arange(0, KBP)[None, :]
+        tl.store(out_row + j * stride_oc, tl.where(j < vis[:, None], j, -1), mask=short[:, None] & (j < KB))
     start = tile * BLOCK
-    if vis <= KB:
-        if tile == 0:
-            j = tl.arange(0, KBP)
-            tl.store(out_row + j * stride_oc, tl.where(j < vis, j, -1), mask=j < KB)
-    elif start < vis:
-        taken = 0
-        equal_before = 0
-        cnt_row = cnt_ptr + lr.to(tl.int64) * n_tiles * 2
-        t0 = 0
+    live = in_chunk & (vis > KB) & (start < vis)
+    if tl.max(live.to(tl.int32), 0) > 0:
+        # Chosen keys in earlier tiles: above-threshold counts and threshold ties.
+        taken = lr * 0
+        equal_before = lr * 0
+        cnt_row = cnt_ptr + lr.to(tl.int64)[:, None] * n_tiles * 2
+        t0 = tile * 0
         while t0 < tile:
-            t = t0 + tl.arange(0, PREV)
-            t_mask = t < tile
-            taken += tl.sum(tl.load(cnt_row + t * 2, mask=t_mask, other=0), 0)
-            equal_before += tl.sum(tl.load(cnt_row + t * 2 + 1, mask=t_mask, other=0), 0)
+            t = t0 + tl.arange(0, PREV)[None, :]
+            t_mask = live[:, None] & (t < tile)
+            taken += tl.sum(tl.load(cnt_row + t * 2, mask=t_mask, other=0), 1)
+            equal_before += tl.sum(tl.load(cnt_row + t * 2 + 1, mask=t_mask, other=0), 1)
             t0 += PREV
-        need = tl.load(state_ptr + lr * 4 + 1)
-        cols = start + tl.arange(0, BLOCK)
-        col_mask = cols < vis
-        key = _keys(s_ptr, lr, cols, col_mask, stride_sr)
-        above, equal = _take(key, col_mask, tl.load(state_ptr + lr * 4), tl.load(state_ptr + lr * 4 + 2))
+        need = tl.load(state_ptr + lr * 4 + 1, mask=live, other=0)
+        cols = start + tl.arange(0, BLOCK)[None, :]
+        above, equal = _take(s_ptr, state_ptr, lr, live, cols, vis, stride_sr)
         # Ties at the threshold: the lowest group indices first (exclusive running rank).
-        tie_rank = equal_before + tl.cumsum(equal, 0) - equal
-        chosen = (above + equal * (tie_rank < need).to(tl.int32)) > 0
+        tie_rank = equal_before[:, None] + tl.cumsum(equal, 1) - equal
+        chosen = above + equal * (tie_rank < need[:, None]).to(tl.int32)
         taken += tl.minimum(equal_before, need)
-        pos = taken + tl.cumsum(chosen.to(tl.int32), 0) - chosen.to(tl.int32)
-        tl.store(out_row + pos * stride_oc, cols, mask=chosen)
+        pos = taken[:, None] + tl.cumsum(chosen, 1) - chosen
+        tl.store(out_row + pos * stride_oc, cols + lr[:, None] * 0, mask=chosen > 0)
 
 
 def _select(
@@ -267,50 +316,54 @@ def _select(
     dev = q_idx.device
     Kb = block_topk
     n_cols = max(max_seq_len // compress_ratio, 1)
-    HP = triton.next_power_of_2(Hi)
-    tiles = _tiles(HP, decode)
+    tiles = _tiles(decode)
     scan = tiles["scan"]
     n_tiles = triton.cdiv(n_cols, scan)
     scored = n_cols > Kb  # else every row takes all its visible groups
     chunk = min(T, max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))) if scored else T
+    rows = tiles["rows"]
     if scored:
         scores = _score_scratch(chunk, n_cols, dev)
-        hist = torch.zeros(chunk, _BINS, dtype=torch.int32, device=dev)
+        hist = torch.zeros(triton.cdiv(chunk, rows) * rows, _BINS, dtype=torch.int32, device=dev)
         state = torch.empty(chunk, 4, dtype=torch.int32, device=dev)
         counts = torch.empty(chunk, n_tiles, 2, dtype=torch.int32, device=dev)
     else:
         scores = hist = state = counts = out  # never dereferenced: every row has visible <= Kb
     bf16_dot = not _interpreting() and q_idx.dtype in _EXACT_DOT_DTYPES and compressed.dtype in _EXACT_DOT_DTYPES
-    scan_warps = 8 if scan >= 2048 else 4
+    scan = dict(BLOCK=scan, ROWS=rows, num_warps=8 if scan >= 2048 else 4)
     for row0 in range(0, T, chunk):
         n = min(chunk, T - row0)
+        scan_grid = (triton.cdiv(n, rows), n_tiles)
         if scored:
-            grid = (triton.cdiv(n, tiles["block_r"]), triton.cdiv(n_cols, tiles["block_g"]))
-            _scores_kernel[grid](
+            args = (
                 q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
-                row0, n, n_cols, math.sqrt(Di),
+                row0, *(() if decode else (n,)), n_cols, math.sqrt(Di),
                 q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), compressed.stride(0), compressed.stride(1),
                 block_table.stride(0), block_table.stride(1), scores.stride(0),
-                HI=Hi, DI=Di, HP=HP, DP=triton.next_power_of_2(Di), PAGE=page_size, R=compress_ratio, KB=Kb,
-                BLOCK_R=tiles["block_r"], BLOCK_G=tiles["block_g"],
-                DOT_DTYPE=tl.bfloat16 if bf16_dot else tl.float32, num_warps=4 if decode else 8,
             )
+            common = dict(HI=Hi, DI=Di, DP=triton.next_power_of_2(Di), PAGE=page_size, R=compress_ratio, KB=Kb,
+                          BLOCK_G=tiles["block_g"], DOT_DTYPE=tl.bfloat16 if bf16_dot else tl.float32)
+            col_tiles = triton.cdiv(n_cols, tiles["block_g"])
+            if decode:
+                _scores_decode_kernel[(n, col_tiles)](
+                    *args, HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=4)
+            else:
+                _scores_prefill_kernel[(triton.cdiv(n, tiles["block_r"]), col_tiles)](
+                    *args, BLOCK_R=tiles["block_r"], **common, num_warps=8)
             for i, (shift, width) in enumerate(_PASSES):
-                _hist_kernel[(n, n_tiles)](
-                    scores, visible_blocks, state, hist, row0, n_cols, scores.stride(0),
-                    KB=Kb, FIRST=i == 0, SHIFT=shift, WIDTH=width, BINS=_BINS, BLOCK=scan, num_warps=scan_warps,
+                radix = dict(KB=Kb, FIRST=i == 0, SHIFT=shift, WIDTH=width, BINS=_BINS)
+                _hist_kernel[scan_grid](
+                    scores, visible_blocks, state, hist, row0, n, n_cols, scores.stride(0), **radix, **scan,
                 )
-                _resolve_kernel[(n,)](
-                    visible_blocks, state, hist, row0, n_cols, KB=Kb, FIRST=i == 0, SHIFT=shift, WIDTH=width, BINS=_BINS,
+                _resolve_kernel[(triton.cdiv(n, tiles["resolve_rows"]),)](
+                    visible_blocks, state, hist, row0, n, n_cols, **radix, ROWS=tiles["resolve_rows"],
                 )
-            _count_kernel[(n, n_tiles)](
-                scores, visible_blocks, state, counts, row0, n_cols, n_tiles, scores.stride(0),
-                KB=Kb, BLOCK=scan, num_warps=scan_warps,
+            _count_kernel[scan_grid](
+                scores, visible_blocks, state, counts, row0, n, n_cols, n_tiles, scores.stride(0), KB=Kb, **scan,
             )
-        _emit_kernel[(n, n_tiles)](
-            scores, visible_blocks, state, counts, out, row0, n_cols, n_tiles, scores.stride(0),
-            out.stride(0), out.stride(1),
-            KB=Kb, KBP=triton.next_power_of_2(Kb), BLOCK=scan, PREV=64, num_warps=scan_warps,
+        _emit_kernel[scan_grid](
+            scores, visible_blocks, state, counts, out, row0, n, n_cols, n_tiles, scores.stride(0),
+            out.stride(0), out.stride(1), KB=Kb, KBP=triton.next_power_of_2(Kb), PREV=64, **scan,
         )
     return out
 

@@ -1,0 +1,266 @@
+"""Triton sparse paged attention: GQA over each row's selected tokens, gated.
+
+Contract: `qsa_core/reference/attention.py`. One program per (row, KV head[, split]) holds
+the head group's queries as a [GP, D] tile (GP = group size padded to a power of two >= 16
+for tl.dot) and runs an online softmax (fp32, exp2) over blocks of selection columns,
+gathering K/V rows through the block table. Many rows: one pass (`_attn_kernel`, SPLIT off)
+that also applies the gate. Few rows (decode): flash-decoding, each split writes (m, l, acc)
+partials and `_combine_kernel` merges them and applies the gate. Entries < 0, >= the
+request's seq_len or at columns >= the count column are ignored; rows with none left are 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_SPLITS = 32
+# Rows above which the one-pass kernel already fills the GPU.
+_SPLIT_MAX_ROWS = 128
+_LOG2E = 1.4426950408889634
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _dot_dtype(q: torch.Tensor, kv: torch.Tensor) -> tl.dtype:
+    """tl.dot operand dtype: q's 16-bit type when K/V convert to it exactly, else fp32 (ieee).
+    The interpreter computes bf16 dots wrongly, so it always gets fp32."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if not _interpreting():
+        if q.dtype == torch.bfloat16 and kv.dtype in (torch.bfloat16, *fp8):
+            return tl.bfloat16
+        if q.dtype == torch.float16 and kv.dtype in (torch.float16, *fp8):
+            return tl.float16
+    return tl.float32
+
+
+@triton.jit
+def _attend_block(
+    q, m, l, acc, c0, hi, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
+    D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """Online-softmax update with selection columns [c0, min(c0 + BLOCK_N, hi))."""
+    d = tl.arange(0, DP)
+    d_mask = d < D
+    cols = c0 + tl.arange(0, BLOCK_N)
+    idx = tl.load(sel_row + cols * stride_sc, mask=cols < hi, other=-1)
+    valid = (idx >= 0) & (idx < seq_len)
+    safe = tl.where(valid, idx, 0)
+    page = tl.maximum(tl.load(bt_row + (safe // PAGE) * stride_btp, mask=valid, other=0), 0).to(tl.int64)
+    off = (safe % PAGE).to(tl.int64)
+    kv_mask = valid[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [GP, BLOCK_N], log2 units
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    # A head with nothing valid yet keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_shift)
+    p = tl.math.exp2(s - m_shift[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit
+def _attend(
+    q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr,
+    row, kvh, split, n_splits, W, qk_scale,
+    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_btr, stride_btp, stride_st, stride_sc,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Online softmax of one row and KV head over the split's share of the selection.
+
+    Returns m [GP] (running max, log2 units), l [GP] (sum of exp2), acc [GP, DP] fp32
+    (unnormalised P @ V, before v_scale)."""
+    req = tl.load(req_ptr + row)
+    seq_len = tl.load(seq_ptr + req)
+    sel_row = sel_ptr + row.to(tl.int64) * stride_st
+    count = tl.minimum(tl.maximum(tl.load(sel_row + W * stride_sc), 0), W)
+    per_split = tl.cdiv(tl.cdiv(count, BLOCK_N), n_splits) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(count, lo + per_split)
+
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    q_off = row.to(tl.int64) * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_off, mask=(g < G)[:, None] & (d < D)[None, :], other=0.0).to(DOT_DTYPE)
+    m = tl.full((GP,), float("-inf"), tl.float32)
+    l = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, DP), tl.float32)
+    bt_row = bt_ptr + req.to(tl.int64) * stride_btr
+    if INTERPRET:  # the interpreter cannot range over tensor bounds
+        c0 = lo
+        while c0 < hi:
+            m, l, acc = _attend_block(
+                q, m, l, acc, c0, hi, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
+                D, DP, PAGE, BLOCK_N, DOT_DTYPE,
+            )
+            c0 += BLOCK_N
+    else:
+        for c0 in range(lo, hi, BLOCK_N):
+            m, l, acc = _attend_block(
+                q, m, l, acc, c0, hi, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
+                D, DP, PAGE, BLOCK_N, DOT_DTYPE,
+            )
+    return m, l, acc
+
+
+@triton.jit
+def _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask):
+    """out = dtype(o) * sigmoid(gate) multiplied in fp32; exact 0 where has_any is false
+    (whatever the gate holds, NaN included)."""
+    out_dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gate_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
+    gated = o.to(out_dtype).to(tl.float32) * tl.sigmoid(gate)
+    tl.store(out_ptr + o_off, tl.where(has_any, gated, 0.0).to(out_dtype), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n_splits", "W"])
+def _attn_kernel(
+    q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
+    n_splits, W, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_gt, stride_gh,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_btr, stride_btp, stride_st, stride_sc,
+    HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Grid (rows, KV heads, splits). SPLIT off: out [T, HQ*D] directly. SPLIT on: partials
+    ml fp32 [T, HQ, n_splits, 2] (m, l) and acc fp32 [T, HQ, n_splits, D]."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    m, l, acc = _attend(
+        q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, row, kvh, split, n_splits, W, qk_scale,
+        stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+        stride_btr, stride_btp, stride_st, stride_sc,
+        G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, INTERPRET,
+    )
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    heads = kvh * G + g
+    mask = (g < G)[:, None] & (d < D)[None, :]
+    if SPLIT:
+        slot = (row.to(tl.int64) * HQ + heads) * n_splits + split
+        tl.store(part_ml_ptr + slot * 2, m, mask=g < G)
+        tl.store(part_ml_ptr + slot * 2 + 1, l, mask=g < G)
+        tl.store(part_acc_ptr + slot[:, None] * D + d[None, :], acc, mask=mask)
+    else:
+        has_any = (l > 0.0)[:, None]
+        o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
+        g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
+        o_off = row.to(tl.int64) * (HQ * D) + heads[:, None] * D + d[None, :]
+        _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+
+
+@triton.jit(do_not_specialize=["n_splits"])
+def _combine_kernel(
+    gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, n_splits, v_scale, stride_gt, stride_gh,
+    HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+):
+    """Grid (rows, HQ): merge the splits' (m, l, acc) of one head, normalise, gate, store."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SP)
+    d = tl.arange(0, DP)
+    slot = (row.to(tl.int64) * HQ + head) * n_splits + sp
+    m = tl.load(part_ml_ptr + slot * 2, mask=sp < n_splits, other=float("-inf"))
+    l = tl.load(part_ml_ptr + slot * 2 + 1, mask=sp < n_splits, other=0.0)
+    acc = tl.load(part_acc_ptr + slot[:, None] * D + d[None, :], mask=(sp < n_splits)[:, None] & (d < D)[None, :],
+                  other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # empty splits: weight 0
+    l_all = tl.sum(w * l, 0)
+    has_any = l_all > 0.0
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(has_any, l_all, 1.0) * v_scale
+    mask = d < D
+    g_off = row.to(tl.int64) * stride_gt + head * stride_gh + d
+    o_off = row.to(tl.int64) * (HQ * D) + head * D + d
+    _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+
+
+def _num_splits(rows: int, kv_heads: int, width: int, block_n: int, device: torch.device) -> int:
+    """Splits of the selection per (row, KV head): enough programs for about two waves of
+    the GPU when rows are few; 1 (one pass) when rows alone fill it. Host ints only."""
+    if rows > _SPLIT_MAX_ROWS:
+        return 1
+    want = triton.cdiv(2 * _num_sms(device), rows * kv_heads)
+    return max(1, min(_MAX_SPLITS, triton.cdiv(width, block_n), want))
+
+
+def qsa_sparse_attention(
+    q: torch.Tensor,
+    gate: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    selection: torch.Tensor,
+    *,
+    softmax_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """out [T, Hq*D] (q.dtype) = dtype(softmax(q.k * scale) v) * sigmoid(gate), fp32 math.
+
+    q, gate [T, Hq, D] (last dim contiguous); k_cache, v_cache [pages, page_size, Hkv, D]
+    (any strides, contiguous last dim; bf16 or fp8 with per-tensor k_scale / v_scale);
+    selection int32 [T, W + 1] with the count in the last column.
+    """
+    T, Hq, D = q.shape
+    _, page, Hkv, _ = k_cache.shape
+    W = selection.shape[1] - 1
+    out = torch.empty(T, Hq * D, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    G = Hq // Hkv
+    block_n = 32 if _interpreting() else 64
+    n_splits = _num_splits(T, Hkv, W, block_n, q.device)
+    split = n_splits > 1
+    if split:
+        part_ml = torch.empty(T, Hq, n_splits, 2, dtype=torch.float32, device=q.device)
+        part_acc = torch.empty(T, Hq, n_splits, D, dtype=torch.float32, device=q.device)
+    else:
+        part_ml = part_acc = out  # unused by the one-pass kernel
+    DP = triton.next_power_of_2(D)
+    _attn_kernel[(T, Hkv, n_splits)](
+        q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, out, part_ml, part_acc,
+        n_splits, W, softmax_scale * k_scale * _LOG2E, v_scale,
+        q.stride(0), q.stride(1), gate.stride(0), gate.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1),
+        HQ=Hq, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page, BLOCK_N=block_n,
+        DOT_DTYPE=_dot_dtype(q, k_cache), SPLIT=split, INTERPRET=_interpreting(),
+        num_warps=8 if DP >= 256 else 4, num_stages=2 if DP >= 256 else 3,  # K+V stages in shared memory
+    )
+    if split:
+        _combine_kernel[(T, Hq)](
+            gate, out, part_ml, part_acc, n_splits, v_scale, gate.stride(0), gate.stride(1),
+            HQ=Hq, D=D, DP=DP, SP=_MAX_SPLITS,
+        )
+    return out

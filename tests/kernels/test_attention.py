@@ -1,0 +1,193 @@
+"""Triton sparse attention against the reference (interpreter on CPU, compiled on GPU)."""
+
+import math
+import os
+
+import pytest
+import torch
+
+# Small-shape tests run on the GPU when there is one, else in the Triton interpreter.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from qsa_core.reference.attention import qsa_sparse_attention as reference  # noqa: E402
+from qsa_kernels import attention as ker  # noqa: E402
+
+
+def make_problem(
+    seq_lens, query_lens, *, Hq=6, Hkv=2, D=32, page=16, W=35, dtype=torch.float32, kv_dtype=None,
+    layout="vllm", pad_rows=0, device=DEV, seed=0,
+):
+    """A ragged batch over a shuffled paged KV cache; selections hold junk to be ignored.
+
+    layout "vllm": one [pages, Hkv, page, 2D] buffer, K and V side by side; "sglang":
+    separate [slots, Hkv, D] buffers. Padding rows have NaN q and gate, all -1, count 0.
+    Returns (q, gate, k, v, block_table, token_to_req, seq_lens, selection).
+    """
+    g = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    R = len(seq_lens)
+    pages_per_req = [math.ceil(s / page) for s in seq_lens]
+    P = max(pages_per_req) + 2
+    num_pages = sum(pages_per_req) + 2
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.full((R, P), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(pages_per_req):
+        table[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    if layout == "vllm":
+        kv = torch.randn(num_pages, Hkv, page, 2 * D, generator=g).to(kv_dtype)
+        k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)
+    else:
+        k = torch.randn(num_pages * page, Hkv, D, generator=g).to(kv_dtype).view(num_pages, page, Hkv, D)
+        v = torch.randn(num_pages * page, Hkv, D, generator=g).to(kv_dtype).view(num_pages, page, Hkv, D)
+    reqs, sel = [], []
+    for i, (s, lq) in enumerate(zip(seq_lens, query_lens)):
+        for j in range(lq):
+            p = s - lq + j
+            n = min(W, p + 1)
+            if p + 1 > 16 * W:  # long context: sample with replacement (duplicates count twice in both)
+                idx = torch.randint(0, p + 1, (n,), generator=g).sort().values.int()
+            else:
+                idx = torch.randperm(p + 1, generator=g)[:n].sort().values.int()
+            row = torch.full((W + 1,), -1, dtype=torch.int32)
+            row[:n] = idx
+            row[W] = n
+            junk = torch.randint(0, n + 1, (3,), generator=g)
+            row[junk[0]] = -1 if junk[0] < n else row[junk[0]]  # holes inside the count
+            if n < W:
+                row[n] = int(junk[1])  # beyond the count: ignored
+            reqs.append(i)
+            sel.append(row)
+    if sel:
+        sel[0][0] = seq_lens[0] + 5  # >= seq_len: ignored
+    for _ in range(pad_rows):
+        row = torch.full((W + 1,), -1, dtype=torch.int32)
+        row[W] = 0
+        sel.append(row)
+        reqs.append(0)
+    T = len(reqs)
+    q = torch.randn(T, Hq, D, generator=g)
+    gate = torch.randn(T, Hq, D, generator=g) * 2
+    if pad_rows:
+        q[-pad_rows:] = float("nan")
+        gate[-pad_rows:] = float("nan")
+    tensors = (q.to(dtype), gate.to(dtype), k, v, table, torch.tensor(reqs, dtype=torch.int32),
+               torch.tensor(seq_lens, dtype=torch.int32), torch.stack(sel))
+    return tuple(t.to(device) for t in tensors)
+
+
+def compare(problem, *, k_scale=1.0, v_scale=1.0, tol=1e-5, ref_device=None):
+    q, D = problem[0], problem[0].shape[-1]
+    kw = dict(softmax_scale=D**-0.5, k_scale=k_scale, v_scale=v_scale)
+    out = ker.qsa_sparse_attention(*problem, **kw)
+    expect = reference(*[t.to(ref_device or q.device) for t in problem], **kw).to(q.device)
+    torch.testing.assert_close(out.float(), expect.float(), rtol=tol, atol=tol)
+    return out
+
+
+def _empty_rows_zero(out, problem):
+    sel = problem[-1]
+    W = sel.shape[1] - 1
+    empty = (sel[:, W] == 0)
+    assert empty.any() and torch.equal(out[empty], torch.zeros_like(out[empty]))
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("layout", ["vllm", "sglang"])
+def test_fp32_ragged(monkeypatch, split, layout):
+    if not split:
+        monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
+    else:
+        monkeypatch.setattr(ker, "_num_splits", lambda *a: 3)  # W = 35, BLOCK_N 32: an empty split
+    problem = make_problem([40, 9, 70], [5, 2, 3], layout=layout, pad_rows=2)
+    out = compare(problem)
+    _empty_rows_zero(out, problem)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(24, 2), (3, 1), (8, 8), (10, 2)])
+def test_group_sizes(Hq, Hkv):
+    problem = make_problem([50, 20], [2, 1], Hq=Hq, Hkv=Hkv, pad_rows=1, seed=Hq)
+    compare(problem)
+
+
+@pytest.mark.parametrize("D", [128, 256])
+def test_head_dims(monkeypatch, D):
+    monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
+    problem = make_problem([45], [2], Hq=4, Hkv=2, D=D, page=32, pad_rows=1, seed=D)
+    compare(problem)
+
+
+def test_bf16():
+    problem = make_problem([60, 33], [3, 2], dtype=torch.bfloat16, pad_rows=1, seed=5)
+    out = compare(problem, tol=2e-2)
+    assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_scales(kv_dtype):
+    problem = make_problem([60, 33], [3, 2], dtype=torch.bfloat16, kv_dtype=kv_dtype, pad_rows=1, seed=6)
+    compare(problem, k_scale=0.37, v_scale=1.9, tol=2e-2)
+
+
+def test_all_rows_empty_and_nan_gate():
+    problem = make_problem([10], [1], pad_rows=3)
+    q, gate, k, v, table, to_req, seq, sel = problem
+    sel = sel.clone()
+    sel[0, :-1] = -1  # the real row keeps a count but no valid entry
+    out = ker.qsa_sparse_attention(q, torch.full_like(gate, float("nan")), k, v, table, to_req, seq, sel,
+                                   softmax_scale=0.1)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_empty_batch():
+    problem = make_problem([10], [1])
+    q, gate, k, v, table, to_req, seq, sel = problem
+    out = ker.qsa_sparse_attention(q[:0], gate[:0], k, v, table, to_req[:0], seq, sel[:0], softmax_scale=0.1)
+    assert out.shape == (0, q.shape[1] * q.shape[2])
+
+
+# ---------------------------------------------------------------- GPU, production shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Hq", [24, 16])
+@pytest.mark.parametrize("D", [256, 128])
+@pytest.mark.parametrize("layout", ["vllm", "sglang"])
+@pytest.mark.parametrize("rows", ["decode", "prefill"])
+def test_gpu_production(Hq, D, layout, rows):
+    seq = [131072, 70000, 2051, 100] if rows == "decode" else [131072, 5000]
+    ql = [1, 4, 1, 1] if rows == "decode" else [300, 200]
+    problem = make_problem(seq, ql, Hq=Hq, Hkv=2, D=D, page=64, W=2051, dtype=torch.bfloat16,
+                           layout=layout, pad_rows=3, device="cuda", seed=D + Hq)
+    out = compare(problem, tol=2e-2)
+    _empty_rows_zero(out, problem)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("rows", ["decode", "prefill"])
+def test_gpu_fp8(kv_dtype, rows):
+    ql = [1, 1] if rows == "decode" else [300, 100]
+    problem = make_problem([131072, 9000], ql, Hq=24, Hkv=2, D=256, page=64, W=2051, dtype=torch.bfloat16,
+                           kv_dtype=kv_dtype, pad_rows=2, device="cuda", seed=9)
+    compare(problem, k_scale=0.6, v_scale=1.7, tol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_and_timing(capsys):
+    """Attention replays from a CUDA graph bitwise as run eagerly; prints graph-replay
+    timings and a per-kernel breakdown (no assertion on speed)."""
+    from test_select import graph_replay, kernel_breakdown
+
+    for name, ql in [("decode 4 rows", [1] * 4), ("decode 64 rows", [1] * 64), ("prefill 4096 rows", [4096])]:
+        problem = make_problem([131072] * len(ql), ql, Hq=24, Hkv=2, D=256, page=64, W=2051, dtype=torch.bfloat16,
+                               device="cuda")
+        run = lambda: ker.qsa_sparse_attention(*problem, softmax_scale=256**-0.5)  # noqa: E731
+        eager = run()
+        replayed, us = graph_replay(run)
+        assert torch.equal(replayed, eager)
+        with capsys.disabled():
+            print(f"\nattention {name}: {us:.1f} us (graph replay); {kernel_breakdown(run)}")
