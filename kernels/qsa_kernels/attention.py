@@ -211,6 +211,17 @@ def _num_splits(rows: int, kv_heads: int, width: int, block_n: int, device: torc
     return max(1, min(_MAX_SPLITS, triton.cdiv(width, block_n), want))
 
 
+def _launch_config(rows: int, dp: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the attention kernel; K and V stages share memory.
+
+    D 256 on the H200 (benchmarks/sweep_attention.py, 18 configs): 2 warps, no pipelining
+    was fastest for prefill (16K rows at 128K: 12.4 vs 16.4 ms for 8 warps / 2 stages),
+    decode of 256 rows (267 vs 354 us) and decode of 4 rows (10.4 vs 11.2 us)."""
+    if _interpreting():
+        return 32, 4, 1
+    return (64, 2, 1) if dp >= 256 else (64, 4, 3)
+
+
 def qsa_sparse_attention(
     q: torch.Tensor,
     gate: torch.Tensor,
@@ -238,7 +249,8 @@ def qsa_sparse_attention(
     if T == 0:
         return out
     G = Hq // Hkv
-    block_n = 32 if _interpreting() else 64
+    DP = triton.next_power_of_2(D)
+    block_n, num_warps, num_stages = _launch_config(T, DP)
     n_splits = _num_splits(T, Hkv, W, block_n, q.device)
     split = n_splits > 1
     if split:
@@ -246,7 +258,6 @@ def qsa_sparse_attention(
         part_acc = torch.empty(T, Hq, n_splits, D, dtype=torch.float32, device=q.device)
     else:
         part_ml = part_acc = out  # unused by the one-pass kernel
-    DP = triton.next_power_of_2(D)
     _attn_kernel[(T, Hkv, n_splits)](
         q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, out, part_ml, part_acc,
         n_splits, W, softmax_scale * k_scale * _LOG2E, v_scale,
@@ -256,7 +267,7 @@ def qsa_sparse_attention(
         block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1),
         HQ=Hq, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page, BLOCK_N=block_n,
         DOT_DTYPE=_dot_dtype(q, k_cache), SPLIT=split, INTERPRET=_interpreting(),
-        num_warps=8 if DP >= 256 else 4, num_stages=2 if DP >= 256 else 3,  # K+V stages in shared memory
+        num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _combine_kernel[(T, Hq)](

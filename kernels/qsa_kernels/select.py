@@ -7,7 +7,11 @@ Contract: `qsa_core/reference/select.py`. Per chunk of rows (host ints only, no 
    nothing else of the scratch is read. Decode (`_scores_decode_kernel`, grid: rows x column
    tiles): a row's heads are the dot's M. Prefill (`_scores_prefill_kernel`, grid: row tiles
    x column tiles): rows of one request are the dot's M, one dot per head.
-2. Radix select on the score bit pattern (scores >= 0, -0.0 folded into +0.0, so the int32
+2. Top-k, fused (`_topk_row_kernel`, grid: rows; used for few rows over few columns):
+   one program per row runs the four radix passes over its scores with in-register
+   histograms, then emits the chosen groups in ascending order - one launch. Otherwise
+   (few rows over very many columns, where one program per row would idle the GPU):
+   radix select on the score bit pattern (scores >= 0, -0.0 folded into +0.0, so the int32
    bits order like the values): four passes of `_hist_kernel` (grid: rows x column tiles,
    atomic 256-bin histograms of the next digit among keys that match the prefix so far)
    and `_resolve_kernel` (grid: rows) that picks the digit holding the k-th largest key.
@@ -29,6 +33,12 @@ import triton.language as tl
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
+# Fused per-row top-k only for few rows over few columns, where the ten launches of the
+# radix passes dominate (H200, 8K context: 4 rows 33 -> 24 us, 256 rows 78 -> 64 us); one
+# program per row is slower than the passes beyond ~4K columns (4 rows at 128K: 135 vs
+# 45 us) or for many rows (16K rows at 16K context: 1.9 vs 1.7 ms).
+_FUSED_MAX_COLS = 4096
+_FUSED_MAX_ROWS = 256
 
 _BINS = 256
 # (shift, width) of the radix digits of a non-negative fp32 bit pattern (bit 31 is 0).
@@ -296,6 +306,61 @@ def _emit_kernel(
         tl.store(out_row + pos * stride_oc, cols + lr[:, None] * 0, mask=chosen > 0)
 
 
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
+def _topk_row_kernel(
+    s_ptr, vis_ptr, out_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
+    KB: tl.constexpr, KBP: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Whole top-k of one row in one program: four radix passes over the bytes of the fp32
+    score bits (high byte first) with in-register histograms narrow the threshold to the
+    exact k-th key; one more sweep writes keys above it and the lowest-index ties, ascending."""
+    lr = tl.program_id(0)
+    row = row0 + lr
+    vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
+    out_row = out_ptr + row.to(tl.int64) * stride_or
+    s_row = s_ptr + lr.to(tl.int64) * stride_sr
+    j = tl.arange(0, KBP)
+    if vis <= KB:
+        tl.store(out_row + j * stride_oc, tl.where(j < vis, j, -1), mask=j < KB)
+    else:
+        bins = tl.arange(0, BINS)
+        prefix = vis * 0  # the threshold's bytes resolved so far
+        need = vis * 0 + KB  # keys still to take from the threshold's bin
+        for p in tl.static_range(4):
+            hist = tl.zeros((BINS,), tl.int32)
+            start = vis * 0
+            while start < vis:  # (while: the interpreter cannot range over loaded values)
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < vis
+                key = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+                if p == 0:
+                    match = mask
+                else:
+                    match = mask & ((key >> (32 - 8 * p)) == prefix)
+                hist += tl.histogram((key >> (24 - 8 * p)) & 255, BINS, mask=match)
+                start += BLOCK
+            at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+            b = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
+            need -= tl.sum(tl.where(bins == b, at_or_above - hist, 0), 0)
+            prefix = (prefix << 8) | b
+        taken = vis * 0
+        ties = vis * 0
+        start = vis * 0
+        while start < vis:
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < vis
+            key = tl.load(s_row + cols, mask=mask, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            above = (mask & (key > prefix)).to(tl.int32)
+            equal = (mask & (key == prefix)).to(tl.int32)
+            rank = ties + tl.cumsum(equal, 0) - equal  # ties go to the lowest group indices
+            chosen = above + equal * (rank < need).to(tl.int32)
+            pos = taken + tl.cumsum(chosen, 0) - chosen
+            tl.store(out_row + pos * stride_oc, cols, mask=chosen > 0)
+            taken += tl.sum(chosen, 0)
+            ties += tl.sum(equal, 0)
+            start += BLOCK
+
+
 def _select(
     q_idx: torch.Tensor,
     compressed: torch.Tensor,
@@ -322,13 +387,14 @@ def _select(
     scored = n_cols > Kb  # else every row takes all its visible groups
     chunk = min(T, max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))) if scored else T
     rows = tiles["rows"]
+    fused = n_cols <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS
+    scores = hist = state = counts = out  # placeholders, never dereferenced when unused
     if scored:
         scores = _score_scratch(chunk, n_cols, dev)
+    if scored and not fused:
         hist = torch.zeros(triton.cdiv(chunk, rows) * rows, _BINS, dtype=torch.int32, device=dev)
         state = torch.empty(chunk, 4, dtype=torch.int32, device=dev)
         counts = torch.empty(chunk, n_tiles, 2, dtype=torch.int32, device=dev)
-    else:
-        scores = hist = state = counts = out  # never dereferenced: every row has visible <= Kb
     bf16_dot = not _interpreting() and q_idx.dtype in _EXACT_DOT_DTYPES and compressed.dtype in _EXACT_DOT_DTYPES
     scan = dict(BLOCK=scan, ROWS=rows, num_warps=8 if scan >= 2048 else 4)
     for row0 in range(0, T, chunk):
@@ -350,6 +416,13 @@ def _select(
             else:
                 _scores_prefill_kernel[(triton.cdiv(n, tiles["block_r"]), col_tiles)](
                     *args, BLOCK_R=tiles["block_r"], **common, num_warps=8)
+        if fused:
+            _topk_row_kernel[(n,)](
+                scores, visible_blocks, out, row0, n_cols, scores.stride(0), out.stride(0), out.stride(1),
+                KB=Kb, KBP=triton.next_power_of_2(Kb), BINS=_BINS, BLOCK=scan["BLOCK"], num_warps=8,
+            )
+            continue
+        if scored:
             for i, (shift, width) in enumerate(_PASSES):
                 radix = dict(KB=Kb, FIRST=i == 0, SHIFT=shift, WIDTH=width, BINS=_BINS)
                 _hist_kernel[scan_grid](

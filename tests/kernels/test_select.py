@@ -97,13 +97,17 @@ def check_valid(sel, vis, Kb):
         assert chosen == sorted(set(chosen)) and all(0 <= x < int(vis[t]) for x in chosen), (t, row)
 
 
-@pytest.fixture
-def nan_scratch(monkeypatch):
-    """Poison the score scratch: any read of an unscored column would show up."""
+@pytest.fixture(params=["fused", "passes"])
+def nan_scratch(request, monkeypatch):
+    """Poison the score scratch (any read of an unscored column would show up), and run
+    both top-k routes: the fused per-row kernel and the multi-launch radix passes."""
     def poisoned(rows, cols, device):
         return torch.full((rows, cols), float("nan"), device=device)
 
     monkeypatch.setattr(ker, "_score_scratch", poisoned)
+    fused = request.param == "fused"
+    monkeypatch.setattr(ker, "_FUSED_MAX_COLS", 1 << 30 if fused else 0)
+    monkeypatch.setattr(ker, "_FUSED_MAX_ROWS", 1 << 30 if fused else 0)
 
 
 # A 48-token prompt prefilled from 0 (visible crosses Kb = 8 inside it), a 30-token chunk
