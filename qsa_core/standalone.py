@@ -11,6 +11,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from .cache import QSACacheLayout, QSALayerCache
 from .layer import QSAAttention
@@ -27,6 +28,9 @@ class _Request:
 class Runner:
     """Runs a stack of `QSAAttention` layers (output of layer i feeds layer i + 1).
 
+    A layer may also be any module with `.config: QSAConfig` and
+    `forward(hidden, meta, cache) -> hidden` (e.g. a decoder block around a `QSAAttention`).
+
     `step({request_id: hidden [n, hidden_size]})` runs one mixed step: new and continuing
     requests, any chunk length. Requests whose chunk has `1 + num_speculative_tokens` rows
     and that already hold context are decodes and go first; the rest are prefills.
@@ -34,7 +38,7 @@ class Runner:
 
     def __init__(
         self,
-        layers: Sequence[QSAAttention],
+        layers: Sequence[QSAAttention | nn.Module],
         *,
         page_size: int,
         num_pages: int,

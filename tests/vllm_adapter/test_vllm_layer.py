@@ -1,0 +1,225 @@
+"""The vLLM QSA layer over caches that vLLM's own allocator lays out, against the core.
+
+Two `QSAAttentionLayer`s register their specs; vLLM's grouping, layout resolution,
+allocation and binding (`get_kv_cache_groups`, `allocate_kv_cache`, ...) give the packed
+block-outermost views; the layers then run steps whose metadata comes from the real
+builder. Outputs and cache contents must equal a core `Runner` with the same weights.
+"""
+
+import tempfile
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from vllm.distributed.parallel_state import model_parallel_is_initialized  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.model_executor.model_loader.utils import process_weights_after_loading  # noqa: E402
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: E402
+from vllm.plugins import load_general_plugins  # noqa: E402
+from vllm.v1.attention.backends.utils import resolve_kv_cache_layout  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache, bind_kv_cache_to_layers  # noqa: E402
+from vllm_batches import common_metadata  # noqa: E402
+
+from qsa_adapters.vllm.attention import QSAAttentionLayer  # noqa: E402
+from qsa_adapters.vllm.backend import QSACoreBackend, QSAStepMetadataBuilder  # noqa: E402
+from qsa_adapters.vllm.tiny_checkpoint import random_tiny_weights, save_tiny_checkpoint, tiny_config  # noqa: E402
+from qsa_core import QSAAttention, QSAConfig  # noqa: E402
+from qsa_core.standalone import Runner  # noqa: E402
+
+PAGE = 16
+NUM_PAGES = 48
+RING_BLOCKS = NUM_PAGES + 1  # ring blocks after the main pages: one pool serves both groups
+
+
+class Stack:
+    """Two vLLM QSA layers bound to vLLM-allocated caches, and their core twins in a Runner."""
+
+    def __init__(self) -> None:
+        load_general_plugins()
+        self.hf = tiny_config()
+        weights = random_tiny_weights(self.hf, seed=3)
+        folder = tempfile.mkdtemp()
+        save_tiny_checkpoint(folder, self.hf, weights)
+        model_config = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+        self.vllm_config = vc = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=PAGE))
+        with set_current_vllm_config(vc):
+            if not model_parallel_is_initialized():
+                init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, backend="gloo")
+                initialize_model_parallel(1, 1)
+            self.layers = nn.ModuleList(
+                QSAAttentionLayer(vllm_config=vc, config=self.hf, layer_id=i, prefix=f"model.layers.{i}.self_attn")
+                for i in range(2)
+            )
+        core = []
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}.self_attn."
+            mine = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+            for name, param in layer.named_parameters():
+                getattr(param, "weight_loader", default_weight_loader)(param, mine[name])
+            twin = QSAAttention(QSAConfig.from_hf(self.hf))
+            twin.load_state_dict(mine, strict=True)
+            core.append(twin)
+        process_weights_after_loading(self.layers, model_config, torch.device("cpu"))
+        self.runner = Runner(core, page_size=PAGE, num_pages=NUM_PAGES, max_requests=4, shuffle_pages=True)
+        self.bind()
+
+    def bind(self) -> None:
+        vc = self.vllm_config
+        context = vc.compilation_config.static_forward_context
+        specs = {name: layer.get_kv_cache_spec(vc) for name, layer in context.items()}
+        names = [[layout.name for layout in QSACoreBackend.supported_kv_cache_layouts()]]
+        layout = resolve_kv_cache_layout(vc, names, specs.values())
+        groups = get_kv_cache_groups(vc, specs)
+        kv_config = get_kv_cache_config_from_groups(vc, groups, 8 << 20)
+        assert kv_config.num_blocks > RING_BLOCKS + 4
+        bind_kv_cache_to_layers(allocate_kv_cache(kv_config, torch.device("cpu"), layout), context)
+        self.groups = [
+            (group.layer_names, QSAStepMetadataBuilder(group.kv_cache_spec, group.layer_names, vc, torch.device("cpu")))
+            for group in groups
+        ]
+        self.ring_names = {layer.indexer.raw_key_cache.prefix for layer in self.layers}
+
+    def attn_metadata(self, common, ring_table):
+        out = {}
+        for names, builder in self.groups:
+            is_ring = any(name in self.ring_names for name in names)
+            record = builder.build(0, common.replace(block_table_tensor=ring_table) if is_ring else common)
+            out.update({name: record for name in names})
+        return out
+
+    def step(self, chunks):
+        """Run one step on both sides: ({id: runner output}, {id: vLLM layer output})."""
+        ref = self.runner.step(chunks)
+        meta = self.runner.last_metadata
+        common, ring = common_metadata(meta, block_offset=1, ring_offset=RING_BLOCKS)
+        x = torch.cat([chunks[k] for k in ref])
+        with set_forward_context(self.attn_metadata(common, ring), self.vllm_config), torch.no_grad():
+            for layer in self.layers:
+                x = layer(common.positions, x)
+        mine, start = {}, 0
+        for k, out in ref.items():
+            mine[k] = x[start : start + out.shape[0]]
+            start += out.shape[0]
+        return ref, mine
+
+
+@pytest.fixture(scope="module")
+def stack():
+    return Stack()
+
+
+def test_packed_views_and_geometry(stack):
+    layer = stack.layers[0]
+    cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
+    # one block holds 2 layers x (main page + compressed page): 34 compressed pages wide
+    assert (geometry.page_size, geometry.ring_capacity) == (PAGE, 4)
+    assert geometry.page_scale == layer.kv_cache.stride(0) // (PAGE // 4 * 64) > 1
+    assert geometry.ring_stride == layer.indexer.raw_key_cache.kv_cache.stride(0) // (4 * 64)
+    assert cache.k.data_ptr() == layer.kv_cache.data_ptr()
+
+
+def test_layers_match_the_core_runner_over_vllm_caches(stack):
+    g = torch.Generator().manual_seed(5)
+    hid = stack.hf.hidden_size
+    schedule = [{"a": 37, "b": 11}, {"b": 1, "a": 30, "c": 20}, {"b": 1, "c": 1, "a": 13}]
+    schedule += [{"a": 1, "b": 1, "c": 1}] * 6
+    for step in schedule:
+        chunks = {k: torch.randn(n, hid, generator=g) for k, n in step.items()}
+        ref, mine = stack.step(chunks)
+        for k in ref:
+            torch.testing.assert_close(mine[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"request {k}, step {step}")
+    # what the core Runner wrote into its caches, vLLM's views hold at the mapped pages
+    meta = stack.runner.last_metadata
+    common, ring = common_metadata(meta, block_offset=1, ring_offset=RING_BLOCKS)
+    for layer, core_cache in zip(stack.layers, stack.runner.caches):
+        cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
+        for req in range(meta.num_reqs):
+            n = int(meta.seq_lens[req])
+            pages = meta.block_table[req, : -(-n // PAGE)].long()
+            vpages = common.block_table_tensor[req, : len(pages)].long() * geometry.page_scale
+            torch.testing.assert_close(cache.k[vpages].flatten(0, 1)[:n], core_cache.k[pages].flatten(0, 1)[:n])
+            torch.testing.assert_close(cache.v[vpages].flatten(0, 1)[:n], core_cache.v[pages].flatten(0, 1)[:n])
+            rows = (pages[:, None] * (PAGE // 4) + torch.arange(PAGE // 4)).flatten()[: n // 4]
+            vrows = (vpages[:, None] * (PAGE // 4) + torch.arange(PAGE // 4)).flatten()[: n // 4]
+            torch.testing.assert_close(cache.compressed[vrows], core_cache.compressed[rows], rtol=1e-4, atol=1e-5)
+
+
+def test_without_step_metadata_the_layer_is_inert(stack):
+    """Profiling and dummy runs carry no metadata: inert selection rows, zero output."""
+    layer = stack.layers[0]
+    x = torch.randn(5, stack.hf.hidden_size)
+    positions = torch.arange(5)
+    with torch.no_grad():
+        assert torch.equal(layer(positions, x), torch.zeros(5, stack.hf.hidden_size))
+        selection, prepared = layer.indexer(layer.indexer.index_qk_proj(x), positions, attn=layer)
+    width = layer.indexer.packed_output_width
+    assert prepared is None and selection.shape == (5, width) == (5, 16 + 4)
+    assert (selection[:, :-1] == -1).all() and (selection[:, -1] == 0).all()
+
+
+def test_skip_topk_keeps_the_step0_selection_while_caches_update(stack):
+    """MTP steps after the first reuse the selection; the ring still takes the new raw key."""
+    g = torch.Generator().manual_seed(9)
+    hid = stack.hf.hidden_size
+    stack.step({"d": torch.randn(30, hid, generator=g)})
+    stack.runner.step({"d": torch.randn(1, hid, generator=g)})  # the next step's metadata
+    meta = stack.runner.last_metadata
+    common, ring = common_metadata(meta, block_offset=1, ring_offset=RING_BLOCKS)
+    layer = stack.layers[0]
+    idx = layer.indexer
+    cache, geometry = idx.layer_cache(layer.kv_cache)
+    x = torch.randn(1, hid, generator=g)
+    qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), -1)
+    kept = torch.full((1, idx.packed_output_width), 7, dtype=torch.int32)
+    before = cache.ring.clone()
+    idx.skip_topk = True
+    try:
+        with set_forward_context(stack.attn_metadata(common, ring), stack.vllm_config), torch.no_grad():
+            out, prepared = idx(idx.index_qk_proj(x), common.positions, kept, attn=layer, qkv=qkv)
+    finally:
+        idx.skip_topk = False
+    assert out is kept and (kept == 7).all() and prepared is not None
+    C, p = geometry.ring_capacity, int(meta.positions[0])
+    slot = int(ring[0, 0]) * geometry.ring_stride * C + p % C
+    changed = (cache.ring != before).any(-1).nonzero().flatten()
+    ring_rows = changed[changed % (geometry.ring_stride * C) < C]  # the flat view spans other pages too
+    assert ring_rows.tolist() == [slot]
+
+
+def test_indexer_interface_and_checkpoint_names(stack):
+    idx = stack.layers[1].indexer
+    assert sorted(n for n, _ in idx.named_parameters()) == [
+        "index_qk_proj.weight", "k_layernorm.weight", "q_layernorm.weight"]
+    assert idx.prefix == "model.layers.1.self_attn.indexer" and idx.layer_id == 1
+    assert (idx.output_width, idx.packed_output_width) == (19, 20)
+    context = stack.vllm_config.compilation_config.static_forward_context
+    for name in ("raw_key_cache", "compressed_key_cache"):
+        assert context[f"{idx.prefix}.{name}"] is getattr(idx, name)
+    assert context["model.layers.1.self_attn.attn"] is stack.layers[1]
+
+
+def test_a_rotary_embedding_that_disagrees_is_refused(stack):
+    from qsa_adapters.vllm.indexer import QSAIndexer
+
+    rotary = stack.layers[0].rotary_emb
+    bad = type("Rope", (), {"rotary_dim": rotary.rotary_dim // 2, "base": rotary.base, "is_neox_style": True})()
+    with set_current_vllm_config(stack.vllm_config), pytest.raises(ValueError, match="rotary_emb.rotary_dim must be 32"):
+        QSAIndexer(vllm_config=stack.vllm_config, config=stack.hf, layer_id=0, rotary_emb=bad, prefix="x.indexer")
+
+
+def test_plugin_registers_backend_and_model_idempotently():
+    from vllm import ModelRegistry
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from qsa_adapters.vllm.plugin import register
+
+    register()
+    register()
+    assert "QSATinyForCausalLM" in ModelRegistry.get_supported_archs()
+    assert AttentionBackendEnum["QSA_CORE"].get_class() is QSACoreBackend

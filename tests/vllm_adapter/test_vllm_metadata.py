@@ -1,0 +1,168 @@
+"""CommonAttentionMetadata (+ the ring block table) -> QSAForwardMetadata, against the Runner.
+
+Every step a core `Runner` runs is restated as the real vLLM metadata object vLLM's model
+runner would build for it; the adapter's map must give the Runner's own step record.
+"""
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, VllmConfig  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm_batches import common_metadata  # noqa: E402
+
+from qsa_adapters.vllm.backend import QSACoreBackend, QSAStepMetadata, QSAStepMetadataBuilder  # noqa: E402
+from qsa_adapters.vllm.metadata import (  # noqa: E402
+    PagedGeometry,
+    QSAMetadataMapper,
+    core_slot_mapping,
+    uniform_decode_split,
+)
+from qsa_core import QSAAttention, QSAConfig  # noqa: E402
+from qsa_core.standalone import Runner  # noqa: E402
+
+CONFIG = QSAConfig(
+    hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32, index_n_heads=2, index_head_dim=32,
+    token_topk=16, compress_ratio=4, rotary_dim=16, rope_theta=1e4,
+)
+PAGE = 16
+FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "ring_index", "rope_positions",
+          "token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot")
+INTS = ("num_tokens", "num_padding_rows", "num_reqs", "num_decodes", "decode_query_len", "max_query_len",
+        "max_seq_len", "page_size", "ring_capacity", "compress_ratio")
+
+
+def make_runner(num_spec=0):
+    torch.manual_seed(0)
+    return Runner([QSAAttention(CONFIG)], page_size=PAGE, num_pages=64, max_requests=6, shuffle_pages=True,
+                  num_speculative_tokens=num_spec)
+
+
+def mapper(num_spec=0, **kw):
+    C = 4 * -(-(4 + num_spec) // 4)
+    return QSAMetadataMapper(PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=C, **kw), "cpu")
+
+
+def run(runner, step, padding=0):
+    x = {k: torch.randn(n, CONFIG.hidden_size) for k, n in step.items()}
+    runner.step(x, padding=torch.zeros(padding, CONFIG.hidden_size) if padding else None)
+    return runner.last_metadata
+
+
+def assert_same(mapped, ref, num_reqs=None):
+    R = ref.num_reqs if num_reqs is None else num_reqs
+    for name in INTS:
+        if name != "num_reqs" or num_reqs is None:
+            assert getattr(mapped, name) == getattr(ref, name), name
+    for name in FIELDS:
+        got, want = getattr(mapped, name), getattr(ref, name)
+        if name in ("query_start_loc",):
+            got = got[: R + 1]
+        elif name in ("seq_lens", "block_table", "ring_index"):
+            got, want = got[:R], want[:R]
+        if name == "block_table":  # pages past a request's length: -1 here, the null block in vLLM
+            got = torch.where(want >= 0, got, -1)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+SCHEDULES = {
+    # new prefills, then decodes first beside a new prompt and a continuing chunk
+    "mixed": [{"a": 37, "b": 11}, {"b": 1, "a": 30, "c": 20}, {"b": 1, "c": 1, "a": 23, "d": 5}],
+    # one prompt in chunks that end inside groups and pages (37 = 9 groups + 1, 67, 90)
+    "chunked_prefill": [{"a": 37}, {"a": 30}, {"a": 23, "b": 3}, {"a": 1, "b": 1}, {"a": 1, "b": 6}],
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_steps_map_to_the_runner_metadata(name):
+    runner, m = make_runner(), mapper()
+    for step in SCHEDULES[name]:
+        ref = run(runner, step)
+        common, ring = common_metadata(ref)
+        assert_same(m.map(common, ring), ref)
+
+
+@pytest.mark.parametrize("pad_reqs, pad_tokens", [(1, 1), (3, 5)])
+def test_padded_uniform_decode_batch(pad_reqs, pad_tokens):
+    """FULL CUDA graph: zero-length padding requests and -1 slots are inert rows."""
+    runner, m = make_runner(), mapper()
+    run(runner, {"a": 21, "b": 9, "c": 40})
+    ref = run(runner, {"a": 1, "b": 1, "c": 1}, padding=pad_tokens)
+    common, ring = common_metadata(ref, pad_reqs=pad_reqs)
+    mapped = m.map(common, ring)
+    assert_same(mapped, ref, num_reqs=3)
+    assert mapped.num_reqs == 3 + pad_reqs and mapped.num_decodes == 3
+    pad = slice(3, None)
+    assert mapped.positions[pad].tolist() == [-1] * pad_tokens
+    assert mapped.ring_slot[pad].tolist() == [-1] * pad_tokens
+    assert mapped.compressed_slot[pad].tolist() == [-1] * pad_tokens
+    assert mapped.visible_blocks[pad].tolist() == [0] * pad_tokens
+
+
+def test_padded_mixed_batch_and_spec_decode_length():
+    """Decodes of 1 + 2 draft tokens first, a chunked prefill after them, padded rows last."""
+    runner, m = make_runner(num_spec=2), mapper(num_spec=2)
+    run(runner, {"a": 22, "b": 13})
+    ref = run(runner, {"a": 3, "b": 3, "c": 17}, padding=4)
+    assert (ref.num_decodes, ref.decode_query_len) == (2, 3)
+    common, ring = common_metadata(ref, pad_reqs=2)
+    assert_same(m.map(common, ring, decode_threshold=3), ref, num_reqs=3)
+
+
+def test_packed_blocks_scale_pages_and_ring_rows():
+    """page_scale / ring_stride renumber pages and rings; per-row fields do not change."""
+    runner = make_runner()
+    run(runner, {"a": 37, "b": 11})
+    ref = run(runner, {"b": 1, "a": 30, "c": 20}, padding=2)
+    common, ring = common_metadata(ref, block_offset=1)
+    plain = mapper().map(common, ring)
+    packed = mapper(page_scale=5, ring_stride=7).map(common, ring)
+    assert torch.equal(packed.block_table, plain.block_table * 5)
+    assert torch.equal(packed.ring_index, plain.ring_index * 7)
+    s = plain.slot_mapping
+    want = torch.where(s >= 0, (s // PAGE) * 5 * PAGE + s % PAGE, -1)
+    assert torch.equal(packed.slot_mapping, want)
+    assert torch.equal(packed.compressed_slot, torch.where(plain.compressed_slot >= 0, want // 4, -1))
+    C = plain.ring_capacity
+    live = plain.ring_slot >= 0
+    assert torch.equal(packed.ring_slot[live], plain.ring_index.long()[plain.token_to_req[live]] * 7 * C
+                       + plain.positions[live] % C)
+    for name in ("token_to_req", "positions", "visible_blocks"):
+        assert torch.equal(getattr(packed, name), getattr(plain, name)), name
+
+
+def test_core_slot_mapping_keeps_padding():
+    g = PagedGeometry(compress_ratio=4, page_size=16, ring_capacity=4, page_scale=3)
+    slots = torch.tensor([0, 15, 16, 47, -1], dtype=torch.int64)
+    assert core_slot_mapping(slots, 5, g).tolist() == [0, 15, 48, 47 + 2 * 2 * 16, -1]
+
+
+@pytest.mark.parametrize("qsl, threshold, want", [
+    ([0, 1, 2, 9], 1, (2, 1)),        # two decodes, a prefill
+    ([0, 7, 8], 1, (0, 1)),           # a prefill first: no decodes
+    ([0, 1, 2, 3, 3, 3], 1, (3, 1)),  # zero-length padding requests are not decodes
+    ([0, 3, 6, 7, 12], 3, (2, 3)),    # spec decode: the leading run of 1 + 2 drafts
+    ([0, 0, 0], 1, (0, 1)),           # an all-padding step
+])
+def test_uniform_decode_split(qsl, threshold, want):
+    assert uniform_decode_split(torch.tensor(qsl, dtype=torch.int32), threshold) == want
+
+
+def test_builder_asks_for_decodes_first_and_resolves_once_per_step():
+    vllm_config = VllmConfig(cache_config=CacheConfig(block_size=PAGE))
+    spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=1, head_size=32, dtype=torch.float32)
+    builder = QSACoreBackend.get_builder_cls()(spec, ["l.attn"], vllm_config, torch.device("cpu"))
+    assert isinstance(builder, QSAStepMetadataBuilder) and builder.reorder_batch_threshold == 1
+    runner = make_runner()
+    run(runner, {"a": 21, "b": 9})
+    ref = run(runner, {"a": 1, "b": 5})
+    common, ring = common_metadata(ref)
+    main = builder.build(0, common)
+    ring_record = builder.build(0, common.replace(block_table_tensor=ring))
+    assert isinstance(main, QSAStepMetadata)
+    geometry = PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=4)
+    first = main.resolve(ring_record, geometry, common.positions)
+    assert main.resolve(ring_record, geometry, common.positions) is first
+    assert_same(first, ref)
