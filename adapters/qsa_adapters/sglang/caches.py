@@ -1,0 +1,76 @@
+"""`QSALayerCache` views over SGLang's own `QSATokenToKVPool` buffers (no second copy).
+
+| core cache | SGLang buffer (per layer unless noted) | view |
+|---|---|---|
+| k, v | `get_key_buffer` / `get_value_buffer` [slots, Hkv, D] | [slots / page, page, Hkv, D] |
+| compressed | `get_qsa_compressed_k_buffer` [cap, 1, Di], row = main slot // r | [cap, Di] |
+| ring (C = r) | `get_qsa_key_state_buffer` [request slots * r, 1, Di] bf16, row req * r + p % r | [rows, Di] |
+| ring_positions | `qsa_rope_position_buffer` [request slots * r, 3] int64, shared by all layers | as is (MRoPE only) |
+
+The getters are called per forward so that the pool's layer-wise transfer waits still apply.
+"""
+
+from __future__ import annotations
+
+import torch
+from qsa_core import QSAConfig, QSALayerCache, validate_layer_cache
+
+INDEX_DTYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
+
+
+def check_pool(pool, config: QSAConfig) -> None:
+    """The pool's QSA geometry must be the model's (checked once, at backend construction)."""
+    from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
+
+    if not isinstance(pool, QSATokenToKVPool):
+        raise TypeError(f"qsa_core needs runner.token_to_kv_pool to be a QSATokenToKVPool, got {type(pool).__name__}")
+    expected = {
+        "qsa_compress_ratio": config.compress_ratio,
+        "qsa_index_head_dim": config.index_head_dim,
+        "qsa_index_kv_heads": 1,
+        "qsa_token_topk": config.token_topk,
+    }
+    for name, want in expected.items():
+        got = getattr(pool, name)
+        if got != want:
+            raise ValueError(f"QSATokenToKVPool.{name} must be {want} for this model, got {got}")
+    if pool.page_size % config.compress_ratio:
+        raise ValueError(
+            f"qsa_core needs page_size to be a multiple of indexer_compress_ratio "
+            f"({config.compress_ratio}); got page_size {pool.page_size}"
+        )
+    if pool.qsa_compressed_dtype not in INDEX_DTYPES:
+        raise ValueError(f"QSATokenToKVPool.qsa_compressed_dtype must be one of {list(INDEX_DTYPES)}, got {pool.qsa_compressed_dtype}")
+
+
+def _pages(buf: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[slots, Hkv, D] -> [slots // page, page, Hkv, D] (a view)."""
+    n = buf.shape[0] // page_size
+    return buf[: n * page_size].view(n, page_size, *buf.shape[1:])
+
+
+def _rows(buf: torch.Tensor) -> torch.Tensor:
+    """[rows, 1, Di] -> [rows, Di] (a view)."""
+    return buf.view(buf.shape[0], -1)
+
+
+def layer_cache(
+    pool, layer_id: int, *, page_size: int, mrope: bool, k_scale: float = 1.0, v_scale: float = 1.0
+) -> QSALayerCache:
+    """The core's view of one QSA layer's caches in `pool` (global `layer_id`)."""
+    return QSALayerCache(
+        k=_pages(pool.get_key_buffer(layer_id), page_size),
+        v=_pages(pool.get_value_buffer(layer_id), page_size),
+        compressed=_rows(pool.get_qsa_compressed_k_buffer(layer_id)),
+        ring=_rows(pool.get_qsa_key_state_buffer(layer_id)),
+        ring_positions=pool.qsa_rope_position_buffer if mrope else None,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+
+
+def checked_layer_cache(pool, layer_id: int, config: QSAConfig, **kw) -> QSALayerCache:
+    """`layer_cache` plus the core's shape checks (run once per layer)."""
+    cache = layer_cache(pool, layer_id, **kw)
+    validate_layer_cache(cache, config, kw["page_size"])
+    return cache

@@ -1,0 +1,50 @@
+"""What `--attention-backend qsa_core` refuses to serve, checked once when the backend is built."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qsa_core import QSAConfig
+
+from .caches import INDEX_DTYPES
+
+SPECULATIVE_REFUSAL = (
+    "qsa_core does not serve speculative decoding. SGLang's raw-key ring holds r rows per request "
+    "(row req_pool_idx * r + position % r), so with 3 or more draft tokens a rejected draft overwrites "
+    "a committed raw key of the still-open group (the core needs C = r * ceil((r + num_spec) / r) "
+    "rows, and the issue rules out a second ring), and SGLang's MTP draft backends are hard-wired to "
+    "its own QSA backend. Drop --speculative-algorithm, or serve with --attention-backend qsa "
+    "(SGLang's own QSA)."
+)
+
+
+def check_runner(runner: Any) -> None:
+    """Refuse runner settings the adapter cannot serve correctly."""
+    spec = getattr(runner, "spec_algorithm", None)
+    if getattr(runner, "is_draft_worker", False) or (spec is not None and not spec.is_none()):
+        raise NotImplementedError(SPECULATIVE_REFUSAL)
+    prefill = getattr(runner, "prefill_attention_backend_str", None)
+    decode = getattr(runner, "decode_attention_backend_str", None)
+    if prefill is not None and decode is not None and prefill != decode:
+        raise ValueError(
+            "qsa_core must run both prefill and decode (the caches it writes are its own): use "
+            "--attention-backend qsa_core without --prefill-attention-backend / "
+            f"--decode-attention-backend; got prefill={prefill!r}, decode={decode!r}"
+        )
+
+
+def model_qsa_config(runner: Any) -> QSAConfig:
+    """The model's `QSAConfig` with the index dtype of the runner's pool (heads: the whole model)."""
+    model_config = runner.model_config
+    hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    pool = runner.token_to_kv_pool
+    index_dtype = INDEX_DTYPES.get(getattr(pool, "qsa_compressed_dtype", None), "auto")
+    try:
+        return QSAConfig.from_hf(hf, index_dtype=index_dtype)
+    except ValueError as err:
+        arch = getattr(model_config.hf_config, "architectures", None)
+        raise ValueError(
+            f"--attention-backend qsa_core serves Qwen4-Exp models with a QSA profile "
+            f"(indexer_n_heads, indexer_head_dim, indexer_budget, indexer_compress_ratio); "
+            f"model {arch} cannot be served: {err}"
+        ) from err

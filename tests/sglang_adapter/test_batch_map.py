@@ -1,0 +1,143 @@
+"""SGLang ForwardBatch -> QSAForwardMetadata, per forward mode, on real SGLang pools."""
+
+import pytest
+
+pytest.importorskip("sglang.srt.plugins")
+
+import types  # noqa: E402
+
+import torch  # noqa: E402
+from qsa_adapters.sglang.batch_map import step_inputs  # noqa: E402
+from qsa_adapters.sglang.ring_guard import RingContinuity  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang_harness import PAGE, Env, ensure_plugin  # noqa: E402
+
+R = 4  # indexer_compress_ratio of the tiny config
+
+
+@pytest.fixture
+def env():
+    ensure_plugin()
+    return Env()
+
+
+def meta_of(env, fb):
+    env.backend.init_forward_metadata(fb)
+    return env.backend.forward_metadata
+
+
+def expect_common(env, fb, meta, rids):
+    rows = torch.tensor([env.rows[r] for r in rids])
+    table = env.r2t.req_to_token[rows, ::PAGE] // PAGE
+    assert torch.equal(meta.block_table, table[:, : meta.block_table.shape[1]].to(torch.int32))
+    assert torch.equal(meta.slot_mapping, fb.out_cache_loc)
+    assert torch.equal(meta.ring_index, rows.to(torch.int32))
+    # SGLang's ring row req * r + p % r for each request's last r rows; compressed at slot // r.
+    req = meta.token_to_req.long()
+    p = meta.positions
+    last = torch.arange(meta.num_tokens) >= meta.query_start_loc[1:].long()[req] - R
+    assert torch.equal(meta.ring_slot, torch.where(last, rows[req] * R + p % R, -1))
+    closes = (p + 1) % R == 0
+    assert torch.equal(meta.compressed_slot, torch.where(closes, fb.out_cache_loc // R, -1))
+
+
+def test_extend_with_cached_prefix_and_chunk(env):
+    env.admit("a")
+    meta_of(env, env.extend({"a": 70}))
+    env.admit("c", prefix_from="a", prefix=64)  # radix hit on a's first page
+    fb = env.extend({"a": 10, "c": 7})
+    meta = meta_of(env, fb)
+    assert meta.query_start_loc.tolist() == [0, 10, 17] and meta.seq_lens.tolist() == [80, 71]
+    assert meta.num_decodes == 0 and meta.max_seq_len == 80 and meta.max_query_len == 10
+    assert torch.equal(meta.positions, fb.positions)
+    assert torch.equal(meta.block_table[1, :1], meta.block_table[0, :1])  # the shared page
+    expect_common(env, fb, meta, ["a", "c"])
+
+
+def test_decode_and_mixed(env):
+    env.admit("a"), env.admit("b")
+    meta_of(env, env.extend({"a": 9, "b": 64}))
+    fb = env.decode(["a", "b"])
+    meta = meta_of(env, fb)
+    assert meta.num_decodes == 2 and meta.decode_query_len == 1 and meta.query_start_loc.tolist() == [0, 1, 2]
+    assert torch.equal(meta.positions, fb.seq_lens - 1)
+    expect_common(env, fb, meta, ["a", "b"])
+    env.admit("n")
+    fb = env.extend({"n": 6, "a": 1, "b": 1}, mode=ForwardMode.MIXED)  # prefill first, then decodes
+    meta = meta_of(env, fb)
+    assert meta.num_decodes == 0 and meta.query_start_loc.tolist() == [0, 6, 7, 8]
+    assert meta.positions.tolist() == [0, 1, 2, 3, 4, 5, 10, 65]
+    expect_common(env, fb, meta, ["n", "a", "b"])
+
+
+def test_target_verify_counts_the_draft_window(env):
+    env.admit("a"), env.admit("b")
+    meta_of(env, env.extend({"a": 70, "b": 10}))
+    fb = env.verify(["a", "b"], draft_tokens=3)
+    meta = meta_of(env, fb)
+    assert fb.seq_lens.tolist() == [70, 10]  # SGLang's seq_lens exclude the window
+    assert meta.seq_lens.tolist() == [73, 13] and meta.max_seq_len == 73
+    assert meta.num_decodes == 2 and meta.decode_query_len == 3
+    assert torch.equal(meta.positions, fb.spec_info.positions)
+    expect_common(env, fb, meta, ["a", "b"])
+    fb.spec_info.topk = 2
+    with pytest.raises(NotImplementedError, match="topk must be 1"):
+        meta_of(env, fb)
+
+
+def test_draft_extend_v2_includes_the_window(env):
+    env.admit("a"), env.admit("b")
+    meta_of(env, env.extend({"a": 9, "b": 14}))
+    n = 4
+    seq = torch.tensor([13, 18])  # DRAFT_EXTEND_V2 seq_lens include the window
+    pos = torch.cat([torch.arange(s - n, s) for s in seq.tolist()])
+    loc = torch.cat([env.slots(r, s - n, s) for r, s in zip("ab", seq.tolist())])
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DRAFT_EXTEND_V2, batch_size=2, input_ids=torch.zeros(2 * n, dtype=torch.int64),
+        req_pool_indices=torch.tensor([env.rows["a"], env.rows["b"]]), seq_lens=seq, out_cache_loc=loc,
+        seq_lens_sum=31, seq_lens_cpu=seq.clone(), positions=pos,
+        spec_info=types.SimpleNamespace(num_tokens_per_req=n, topk=1, positions=pos),
+    )
+    meta = meta_of(env, fb)  # no extend_seq_lens_cpu: num_tokens_per_req rows each
+    assert meta.seq_lens.tolist() == [13, 18] and torch.equal(meta.positions, pos)
+    assert meta.query_start_loc.tolist() == [0, 4, 8] and meta.num_decodes == 0
+    expect_common(env, fb, meta, ["a", "b"])
+
+
+def test_idle_and_unsupported_modes(env):
+    idle = ForwardBatch(
+        forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=torch.zeros(0, dtype=torch.int64),
+        req_pool_indices=torch.zeros(0, dtype=torch.int64), seq_lens=torch.zeros(0, dtype=torch.int64),
+        out_cache_loc=torch.zeros(0, dtype=torch.int64), seq_lens_sum=0, positions=torch.zeros(0, dtype=torch.int64),
+    )
+    assert meta_of(env, idle) is None
+    layer = types.SimpleNamespace(tp_q_head_num=4, v_head_dim=64)
+    assert env.backend.forward(torch.zeros(0, 256), None, None, layer, idle).shape == (0, 256)
+    env.admit("a")
+    fb = env.extend({"a": 3})
+    fb.forward_mode = ForwardMode.PREBUILT
+    with pytest.raises(NotImplementedError, match="does not serve ForwardMode.PREBUILT"):
+        step_inputs(fb, env.r2t.req_to_token, page_size=PAGE, mrope=False, max_seq_len_bound=512)
+
+
+def test_prefix_ending_inside_a_group_needs_this_requests_ring(env):
+    env.admit("a")
+    meta_of(env, env.extend({"a": 66}))  # ends inside a group: the ring holds 64, 65
+    meta_of(env, env.extend({"a": 5}))  # continuation from 66: fine
+    env.admit("c", prefix_from="a", prefix=66)  # a cache hit ending inside a group
+    with pytest.raises(ValueError, match="ends inside a group of 4"):
+        meta_of(env, env.extend({"c": 3}))
+
+
+def test_mrope_continuation_may_not_run_past_its_group():
+    guard = RingContinuity(R, capacity=8, mrope=True)
+    first = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["a"], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[6])
+    guard.check(first)
+    ok = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["a"], extend_prefix_lens_cpu=[6], extend_seq_lens_cpu=[2])
+    guard.check(ok)  # 6 .. 7 stays inside group 1
+    past = types.SimpleNamespace(forward_mode=ForwardMode.MIXED, rids=["a"], extend_prefix_lens_cpu=[8], extend_seq_lens_cpu=[1])
+    guard.check(past)  # aligned prefix
+    guard.check(types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["b"], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[5]))
+    crossing = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["b"], extend_prefix_lens_cpu=[5], extend_seq_lens_cpu=[4])
+    with pytest.raises(ValueError, match="must end by the group's end"):
+        guard.check(crossing)

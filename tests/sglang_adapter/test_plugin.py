@@ -1,0 +1,172 @@
+"""The plugin: entry point, registration, CLI choice, hooks that pass through, refusals."""
+
+import pytest
+
+pytest.importorskip("sglang.srt.plugins")
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import torch  # noqa: E402
+from hf_oracle import tiny_config  # noqa: E402
+from qsa_adapters.sglang.checks import SPECULATIVE_REFUSAL, check_runner, model_qsa_config  # noqa: E402
+from qsa_adapters.sglang.caches import check_pool  # noqa: E402
+from qsa_adapters.sglang.hooks import backend_wrapper_around, find_core_backend, self_attention_around  # noqa: E402
+from qsa_adapters.sglang.layer import run_qsa_layer  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
+from sglang_harness import Env, ensure_plugin  # noqa: E402
+
+FRESH_PROCESS = r"""
+import json
+from importlib.metadata import entry_points
+import sglang.srt.layers.attention.attention_registry as reg
+import sglang.srt.model_executor.model_runner_components.attention_backend_setup as setup
+before = {"wrapper": reg.attn_backend_wrapper, "qsa": reg.ATTENTION_BACKENDS["qsa"]}
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+from sglang.srt.models.qwen4_exp import Qwen4ExpAttentionDecoderLayer
+out = {
+    "entry_points": {e.name: e.value for e in entry_points(group="sglang.srt.plugins")},
+    "registered": "qsa_core" in reg.ATTENTION_BACKENDS,
+    "choice": "qsa_core" in ATTENTION_BACKEND_CHOICES,
+    "qsa_unchanged": reg.ATTENTION_BACKENDS["qsa"] is before["qsa"],
+    "wrapper_hooked": getattr(reg.attn_backend_wrapper, "__wrapped__", None) is before["wrapper"],
+    "setup_sees_hook": setup.attn_backend_wrapper is reg.attn_backend_wrapper,
+    "layer_patched": hasattr(Qwen4ExpAttentionDecoderLayer.self_attention, "__wrapped__"),
+}
+try:
+    out["attention_backend"] = prepare_server_args(
+        ["--model-path", "/nonexistent", "--attention-backend", "qsa_core"]).attention_backend
+except SystemExit as e:
+    out["attention_backend"] = f"SystemExit {e.code}"
+print("RESULT " + json.dumps(out))
+"""
+
+
+def fresh_process(**env):
+    """Run FRESH_PROCESS in a new interpreter (as SGLang spawns its scheduler processes)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=240,
+        env={**os.environ, **env},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_entry_point_loads_in_a_fresh_process():
+    out = fresh_process()
+    assert out["entry_points"].get("qsa_core") == "qsa_adapters.sglang.plugin:register"
+    assert out["registered"] and out["choice"]
+    assert out["attention_backend"] == "qsa_core"
+    assert out["qsa_unchanged"], "the name 'qsa' must keep meaning SGLang's own backend"
+    assert out["wrapper_hooked"] and out["setup_sees_hook"]
+    assert not out["layer_patched"], "the layer is patched only when a qsa_core backend is built"
+
+
+def test_sglang_plugins_filter_leaves_sglang_untouched():
+    out = fresh_process(SGLANG_PLUGINS="some_other_plugin")
+    assert not out["registered"] and not out["choice"]
+    assert out["attention_backend"] == "SystemExit 2"  # argparse: invalid choice
+    assert not out["wrapper_hooked"] and not out["layer_patched"]
+
+
+@pytest.fixture(scope="module")
+def env():
+    ensure_plugin()
+    return Env()
+
+
+class FakeHybrid:
+    """Stands for HybridLinearAttnBackend: (full, linear, full layer ids)."""
+
+    def __init__(self, full, linear, layers):
+        self.full_attn_backend, self.linear_attn_backend, self.full_attn_layers = full, linear, layers
+
+
+def test_wrapper_hook_keeps_other_backends_and_swaps_in_ours(env):
+    def original(runner, full):
+        return FakeHybrid("QwenSparseAttnBackend", "gdn", [3, 7]) if full is env.backend else ("sglang", full)
+
+    other = object()
+    assert backend_wrapper_around(original, env.runner, other) == ("sglang", other)
+    rebuilt = backend_wrapper_around(original, env.runner, env.backend)
+    assert isinstance(rebuilt, FakeHybrid) and rebuilt.full_attn_backend is env.backend
+    assert (rebuilt.linear_attn_backend, rebuilt.full_attn_layers) == ("gdn", [3, 7])
+    assert find_core_backend(rebuilt) is env.backend and find_core_backend(FakeHybrid(other, None, [])) is None
+
+
+def test_layer_hook_runs_the_original_unless_qsa_core_is_active(env):
+    calls = []
+
+    def original(layer, positions, hidden_states, forward_batch):
+        calls.append((layer, positions, hidden_states, forward_batch))
+        return "original"
+
+    layer = types.SimpleNamespace(is_qsa=True)
+    args = (layer, "positions", "hidden", "batch")
+    assert self_attention_around(original, *args) == "original"  # no forward context
+    with forward_context(ForwardContext(attn_backend=FakeHybrid(object(), object(), [3]))):
+        assert self_attention_around(original, *args) == "original"  # another backend
+    not_qsa = types.SimpleNamespace(is_qsa=False)
+    with forward_context(ForwardContext(attn_backend=FakeHybrid(env.backend, object(), [3]))):
+        assert self_attention_around(original, not_qsa, "p", "h", "b") == "original"
+    assert calls == [args, args, (not_qsa, "p", "h", "b")]
+
+
+def test_refuses_speculative_decoding_and_split_backends(env):
+    eagle = types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE"))
+    with pytest.raises(NotImplementedError, match="speculative decoding") as err:
+        check_runner(eagle)
+    assert str(err.value) == SPECULATIVE_REFUSAL
+    with pytest.raises(NotImplementedError, match="speculative decoding"):
+        check_runner(types.SimpleNamespace(is_draft_worker=True))
+    check_runner(types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.from_string(None)))
+    split = types.SimpleNamespace(prefill_attention_backend_str="qsa_core", decode_attention_backend_str="fa3")
+    with pytest.raises(ValueError, match="decode='fa3'"):
+        check_runner(split)
+
+
+def test_refuses_models_and_pools_it_cannot_serve(env):
+    cfg = tiny_config()
+    for k in ("indexer_n_heads", "indexer_budget"):
+        setattr(cfg, k, None)
+    plain = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_text_config=cfg, hf_config=cfg), token_to_kv_pool=env.pool
+    )
+    with pytest.raises(ValueError, match="QSA profile"):
+        model_qsa_config(plain)
+    config = model_qsa_config(env.runner)
+    with pytest.raises(TypeError, match="QSATokenToKVPool"):
+        check_pool(object(), config)
+    page = env.pool.page_size
+    try:
+        env.pool.page_size = 66
+        with pytest.raises(ValueError, match="page_size to be a multiple of indexer_compress_ratio"):
+            check_pool(env.pool, config)
+    finally:
+        env.pool.page_size = page
+    with pytest.raises(ValueError, match="qsa_token_topk must be 32"):
+        check_pool(env.pool, config.model_copy(update={"token_topk": 32}))
+
+
+def test_backend_refuses_unhooked_calls_prefill_graphs_and_context_parallel(env):
+    env.admit("unhooked")
+    fb = env.extend({"unhooked": 5})
+    env.backend.init_forward_metadata(fb)
+    q = torch.zeros(5, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="without qsa_inputs"):
+        env.backend.forward_extend(q, q, q, types.SimpleNamespace(layer_id=3), fb)
+    env.backend.init_cuda_graph_state(4, 8)
+    with pytest.raises(NotImplementedError, match="decode CUDA graphs only"):
+        env.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    cp = types.SimpleNamespace(attn_cp_metadata=object(), forward_mode=ForwardMode.EXTEND)
+    with pytest.raises(NotImplementedError, match="prefill context parallelism"):
+        run_qsa_layer(types.SimpleNamespace(layer_id=3), torch.zeros(1, 256), cp)
