@@ -35,11 +35,12 @@ def _impl(name: str, device: torch.device) -> Callable[..., Any]:
     return getattr(reference, name)
 
 
-def _op(name: str, device_arg: int = 0) -> Callable[..., Any]:
+def _op(name: str) -> Callable[..., Any]:
+    """The op `name`, dispatched on the device of its first argument."""
     ref = getattr(reference, name)
 
     def op(*args: Any, **kwargs: Any) -> Any:
-        return _impl(name, args[device_arg].device)(*args, **kwargs)
+        return _impl(name, args[0].device)(*args, **kwargs)
 
     op.__name__ = name
     op.__doc__ = ref.__doc__

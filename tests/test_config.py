@@ -1,12 +1,13 @@
 """QSAConfig and the cache plan: read from HF as it is, bad geometry rejected by field name."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from hf_oracle import tiny_config
-from qsa_core import QSACacheLayout, QSAConfig, ring_capacity
+from qsa_core import QSACacheLayout, QSAConfig, ring_capacity, validate_layer_cache
 
 GOOD = dict(
     hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, index_n_heads=4, index_head_dim=128,
@@ -74,3 +75,19 @@ def test_ring_capacity_and_allocation():
     assert c.ring.shape == (24, 128) and c.ring_positions.shape == (24, 3)
     with pytest.raises(ValueError, match="page_size"):
         QSACacheLayout(num_layers=1, page_size=6, num_pages=2, ring_rows=1).allocate(cfg, torch.bfloat16)
+
+
+def test_engine_owned_cache_views_are_checked_once_at_binding():
+    cfg = QSAConfig(**GOOD, mrope_section=(6, 5, 5))
+    good = QSACacheLayout(num_layers=1, page_size=8, num_pages=4, ring_rows=2).allocate(cfg, torch.float32)[0]
+    validate_layer_cache(good, cfg, page_size=8)
+    bad = [
+        (dict(k=good.k[:, :, :1]), "cache.k must be"),
+        (dict(v=good.v.transpose(-1, -2)), "cache.v must be"),
+        (dict(compressed=good.compressed[:3]), "cache.compressed needs >= 8 rows"),
+        (dict(ring=good.ring[:, :64]), "cache.ring must be"),
+        (dict(ring_positions=None), "ring_positions is required"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            validate_layer_cache(dataclasses.replace(good, **change), cfg, page_size=8)
