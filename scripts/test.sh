@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 if ! .venv/bin/python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())'; then
     export TRITON_INTERPRET=1
 fi
-.venv/bin/python -m pytest -q tests --ignore=tests/sglang_adapter --ignore=tests/vllm_adapter
+.venv/bin/python -m pytest -q -n 2 tests --ignore=tests/sglang_adapter --ignore=tests/vllm_adapter
 bash scripts/env_sglang.sh .venv-sglang
 .venv-sglang/bin/python -m pytest -q tests/sglang_adapter
 bash scripts/env_vllm.sh .venv-vllm

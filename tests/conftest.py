@@ -6,6 +6,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Without a GPU the Triton kernels run in the interpreter (set before any kernel module loads).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hf_oracle import DEVICE  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
@@ -14,3 +20,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["reference", "triton"])
+def backend(request, monkeypatch):
+    """Run a test with each backend of the op API (QSA_BACKEND)."""
+    if request.param == "triton" and DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels need CUDA tensors (QSA_TEST_DEVICE=cuda) or TRITON_INTERPRET=1")
+    monkeypatch.setenv("QSA_BACKEND", request.param)
+    return request.param

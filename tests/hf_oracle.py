@@ -6,12 +6,18 @@ causal mask; its row p is what any chunked or decoded schedule must reproduce at
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import Qwen4ExpTextConfig
 from transformers.models.qwen4_exp.modeling_qwen4_exp import (
     Qwen4ExpTextAttention,
     Qwen4ExpTextRotaryEmbedding,
 )
+
+# QSA_TEST_DEVICE=cuda runs the core (and so the Triton kernels) on the GPU against the
+# same CPU oracle.
+DEVICE = torch.device(os.environ.get("QSA_TEST_DEVICE", "cpu"))
 
 TINY = dict(
     hidden_size=256,

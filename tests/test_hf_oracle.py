@@ -1,22 +1,23 @@
 """The core against the HF oracle (`Qwen4ExpTextAttention`, random weights, budget 16, r 4).
 
 Every schedule (one shot, chunks, decode, mixed ragged batches, speculative rollback) must
-reproduce the HF output of the whole sequence at each position.
+reproduce the HF output of the whole sequence at each position, with the reference ops and
+with the Triton kernels (through the interpreter when there is no GPU).
 """
-
-import os
 
 import pytest
 import torch
 
-from hf_oracle import hf_forward, random_hf_attention, tiny_config
+from hf_oracle import DEVICE, hf_forward, random_hf_attention, tiny_config
 from qsa_core import QSAAttention
 from qsa_core.standalone import Runner
 
 HIDDEN = 256
-# QSA_TEST_DEVICE=cuda runs the core (and so the Triton kernels) on the GPU against the
-# same CPU oracle.
-DEVICE = torch.device(os.environ.get("QSA_TEST_DEVICE", "cpu"))
+
+
+@pytest.fixture(autouse=True)
+def every_backend(backend):
+    """Every test runs with the reference ops and with the Triton kernels."""
 # fp32: the same math up to summation order. bf16: HF rounds K/V, probabilities and the
 # gate product to bf16 where the core keeps fp32, so allow bf16-sized error.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
