@@ -279,8 +279,6 @@ def measure(kind: str, context: int, batch: int, rows: int, sa) -> Row:
     kv_row = cfg.num_kv_heads * cfg.head_dim * 2 * 2  # K and V, bf16
     row.qsa_bytes = batch * vis * cfg.index_head_dim * 2 + T * cfg.selection_width * kv_row
     row.dense_bytes = batch * context * kv_row
-    del step
-    torch.cuda.empty_cache()
     return row
 
 
@@ -346,6 +344,7 @@ def main() -> None:
     rows = []
     for kind, ctx, batch, q in configs(args.quick):
         r = measure(kind, ctx, batch, q, sa)
+        torch.cuda.empty_cache()  # the step's caches went with measure()
         rows.append(r)
         print(kind, ctx, batch, q, {k: round(v * 1e3, 1) for k, v in r.ms.items()}, r.check, flush=True)
         (args.out / "results.json").write_text(json.dumps([asdict(x) for x in rows], indent=1))

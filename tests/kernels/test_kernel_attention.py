@@ -1,6 +1,6 @@
 """Triton sparse attention against the reference (interpreter on CPU, compiled on GPU)."""
 
-import math
+from paged import shuffled_block_table
 import os
 
 import pytest
@@ -27,16 +27,7 @@ def make_problem(
     """
     g = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
-    R = len(seq_lens)
-    pages_per_req = [math.ceil(s / page) for s in seq_lens]
-    P = max(pages_per_req) + 2
-    num_pages = sum(pages_per_req) + 2
-    perm = torch.randperm(num_pages, generator=g)
-    table = torch.full((R, P), -1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(pages_per_req):
-        table[i, :n] = perm[used : used + n].to(torch.int32)
-        used += n
+    table, num_pages = shuffled_block_table(seq_lens, page, g, spare_cols=2, spare_pages=2)
     if layout == "vllm":
         kv = torch.randn(num_pages, Hkv, page, 2 * D, generator=g).to(kv_dtype)
         k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)

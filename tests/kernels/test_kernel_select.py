@@ -1,6 +1,6 @@
 """Triton selection kernels against the reference (interpreter on CPU, compiled on GPU)."""
 
-import math
+from paged import shuffled_block_table
 import os
 
 import pytest
@@ -24,16 +24,7 @@ def make_problem(
     Returns (q_idx, compressed, block_table, token_to_req, visible, max_seq_len).
     """
     g = torch.Generator().manual_seed(seed)
-    R = len(seq_lens)
-    pages_per_req = [math.ceil(s / page) for s in seq_lens]
-    P = max(pages_per_req) + 1
-    num_pages = sum(pages_per_req) + 3
-    perm = torch.randperm(num_pages, generator=g)
-    table = torch.full((R, P), -1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(pages_per_req):
-        table[i, :n] = perm[used : used + n].to(torch.int32)
-        used += n
+    table, num_pages = shuffled_block_table(seq_lens, page, g, spare_cols=1, spare_pages=3)
     rows_per_page = page // r
     comp = torch.full((num_pages * rows_per_page, Di), float("nan"))
     for i, s in enumerate(seq_lens):
@@ -95,6 +86,15 @@ def check_valid(sel, vis, Kb):
         assert all(x == -1 for x in row[n:]), (t, row)
         chosen = row[:n]
         assert chosen == sorted(set(chosen)) and all(0 <= x < int(vis[t]) for x in chosen), (t, row)
+
+
+def assert_same_selection(problem, out, expect, kind):
+    """Integer data: bitwise equal; float kinds: equal reference scores of the chosen groups."""
+    if kind == "int":
+        assert torch.equal(out, expect)
+    else:
+        for a, b in zip(scores_of(problem, out, 4, 64), scores_of(problem, expect, 4, 64)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(params=["fused", "passes"])
@@ -206,11 +206,7 @@ def test_gpu_decode_long(nan_scratch, kind):
     problem = _prod_problem(seq_lens, [1] * len(seq_lens), kind, pad_rows=2)
     out, expect = run_both(problem, decode=True, **PROD)
     check_valid(out.cpu(), problem[4].cpu(), 512)
-    if kind == "int":
-        assert torch.equal(out, expect)
-    else:
-        for a, b in zip(scores_of(problem, out, 4, 64), scores_of(problem, expect, 4, 64)):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_same_selection(problem, out, expect, kind)
 
 
 @pytest.mark.gpu
@@ -242,11 +238,7 @@ def test_gpu_prefill_chunked(nan_scratch, monkeypatch, kind):
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 16 << 20)
     out, expect = run_both(problem, **PROD)
     check_valid(out.cpu(), problem[4].cpu(), 512)
-    if kind == "int":
-        assert torch.equal(out, expect)
-    else:
-        for a, b in zip(scores_of(problem, out, 4, 64), scores_of(problem, expect, 4, 64)):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_same_selection(problem, out, expect, kind)
 
 
 @pytest.mark.gpu
