@@ -4,7 +4,8 @@ Main K/V are views `[num_pages, page_size, Hkv, D]` with any page / row / head s
 contiguous last dim, so vLLM's side-by-side page and SGLang's separate buffers both fit.
 Compressed keys are flat rows `[num_pages * page_size / r, Di]` (row = main slot of the
 group's first token // r). The raw-key ring is `[ring_rows * C, Di]`, row
-`ring_index * C + p % C`, with `[.., 3]` int64 positions for MRoPE models.
+`ring_index * C + p % C`, with `[.., 3]` int64 RoPE positions per row (1-D positions fill all
+three axes), which key the groups whose first token an earlier step wrote.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class QSALayerCache:
     v: torch.Tensor  # [num_pages, page_size, Hkv, D]
     compressed: torch.Tensor  # [num_pages * page_size / r, Di]
     ring: torch.Tensor  # [ring_rows * C, Di], model dtype
-    ring_positions: torch.Tensor | None  # [ring_rows * C, 3] int64 (MRoPE only)
+    ring_positions: torch.Tensor | None  # [ring_rows * C, 3] int64; required for MRoPE
     k_scale: float = 1.0
     v_scale: float = 1.0
 
@@ -82,11 +83,9 @@ class QSACacheLayout(BaseModel):
                         self.num_slots // config.compress_ratio, Di, dtype=index_dtype, device=device
                     ),
                     ring=torch.zeros(self.ring_rows * C, Di, dtype=dtype, device=device),
-                    ring_positions=(
-                        torch.zeros(self.ring_rows * C, 3, dtype=torch.int64, device=device)
-                        if config.uses_mrope
-                        else None
-                    ),
+                    # 1-D models too: a group key is rotated at its first token's RoPE
+                    # position, which may differ from the logical one (SPEC trap 2).
+                    ring_positions=torch.zeros(self.ring_rows * C, 3, dtype=torch.int64, device=device),
                 )
             )
         return caches

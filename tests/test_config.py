@@ -105,6 +105,8 @@ def test_ring_capacity_and_allocation():
     assert c.k.data_ptr() != c.v.data_ptr()
     assert c.compressed.shape == (10, 128) and c.compressed.dtype == torch.float8_e4m3fn
     assert c.ring.shape == (24, 128) and c.ring_positions.shape == (24, 3)
+    one_d = QSACacheLayout(num_layers=1, page_size=8, num_pages=5, ring_rows=3).allocate(QSAConfig(**GOOD), torch.float32)
+    assert one_d[0].ring_positions.shape == (12, 3)  # 1-D models remember RoPE positions too
     with pytest.raises(ValueError, match="page_size"):
         QSACacheLayout(num_layers=1, page_size=6, num_pages=2, ring_rows=1).allocate(cfg, torch.bfloat16)
 

@@ -253,24 +253,30 @@ def test_prepare_scenario(mrope, dtype, index_dtype, kv_dtype, spec):
 
 
 @interp
-def test_prepare_one_d_rope_differs_from_logical():
-    """1-D model: queries use rope_positions, group keys the logical position (reference)."""
+@pytest.mark.parametrize("ring_positions", [True, False])
+def test_prepare_one_d_rope_differs_from_logical(ring_positions):
+    """1-D model, RoPE positions != logical: queries and group keys use the RoPE positions;
+    the second step closes a group whose first token the first step wrote (its position comes
+    from cache.ring_positions, or without them from the closing row's position - (r - 1))."""
     cfg = small_config(False)
     layout = QSACacheLayout(num_layers=1, page_size=8, num_pages=8, ring_rows=2)
     torch.manual_seed(1)
     sched = Scheduler(cfg, layout, "cpu", 1)
     got_cache, want_cache = random_caches(cfg, layout, torch.bfloat16, "cpu", fp8_scales=False)
+    if not ring_positions:
+        got_cache.ring_positions = want_cache.ring_positions = None
     weights = layer_weights(cfg, torch.bfloat16, "cpu")
-    meta, _ = sched.step([("a", 11)], 1, 0)
-    rope = meta.positions * 3 + 5
-    inputs = step_inputs(cfg, meta.num_tokens, 1, torch.bfloat16, "cpu")
-    args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
-    kw = dict(weights, index_dtype=torch.bfloat16, meta=meta)
-    want = reference.qsa_prepare(*args, **kw, cache=want_cache)
-    got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
-    live = meta.positions >= 0
-    assert_close(got[0][live], want[0][live], torch.bfloat16, "q_idx")
-    compare_caches(got_cache, want_cache, cfg)
+    for n in (11, 7):
+        meta, _ = sched.step([("a", n)], 1, 0)
+        rope = meta.positions * 3 + 5
+        inputs = step_inputs(cfg, meta.num_tokens, 1, torch.bfloat16, "cpu")
+        args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
+        kw = dict(weights, index_dtype=torch.bfloat16, meta=meta)
+        want = reference.qsa_prepare(*args, **kw, cache=want_cache)
+        got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
+        live = meta.positions >= 0
+        assert_close(got[0][live], want[0][live], torch.bfloat16, "q_idx")
+        compare_caches(got_cache, want_cache, cfg)
 
 
 @interp
