@@ -141,16 +141,26 @@ def compacted_positions(L):
     return torch.cumsum(gaps, 0) + 3
 
 
-@pytest.mark.parametrize("make_positions", [offset_positions, compacted_positions])
-@pytest.mark.parametrize("bounds", [[0, 90], CHUNKS, CHUNKS[:-1] + list(range(65, 91))], ids=["one_shot", "chunked", "decode"])
+ONE_SHOT, DECODE = [0, 90], CHUNKS[:-1] + list(range(65, 91))
+# The Triton kernels run in the interpreter in CI: they take the chunked compacted case, the
+# one where a group's first RoPE position must come from the ring; the reference takes all.
+POSITION_CASES = [
+    pytest.param("reference", make, bounds, id=f"reference-{make.__name__}-{name}")
+    for make in (offset_positions, compacted_positions)
+    for name, bounds in (("one_shot", ONE_SHOT), ("chunked", CHUNKS), ("decode", DECODE))
+] + [pytest.param("triton", compacted_positions, CHUNKS, id="triton-compacted_positions-chunked")]
+
+
+@pytest.mark.parametrize("backend,make_positions,bounds", POSITION_CASES, indirect=["backend"])
 def test_one_d_rope_positions_differ_from_logical(make_positions, bounds):
-    hf, layers = make(layers=2)
+    hf, layers = make()
     x = inputs(90, torch.float32)
     pos = make_positions(90)
     out = run_chunks(runner(layers), "a", x, bounds, rope=pos)
     close(out, hf_forward(hf, x, pos), torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["reference"], indirect=True)  # the kernel's twin: test_kernel_prepare
 def test_cache_without_ring_positions_takes_group_positions_as_contiguous():
     """Engine caches may lack a ring-position buffer: offset (contiguous) positions still match."""
     hf, layers = make()
@@ -162,7 +172,11 @@ def test_cache_without_ring_positions_takes_group_positions_as_contiguous():
     close(out, hf_forward(hf, x, offset_positions(90)), torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "backend,dtype",
+    [("reference", torch.float32), ("reference", torch.bfloat16), ("triton", torch.float32)],
+    indirect=["backend"],
+)
 def test_left_padded_hf_batch(dtype):
     """An HF batch left-pads the shorter sequence and runs positions 0..L-1 over the pad: its
     real tokens sit at RoPE positions pad..L-1 while their logical positions start at 0. One

@@ -44,7 +44,23 @@ GPU_FLIP_FRACTION = 1e-4
 GPU_FLIP_ATOL = 0.07
 
 
+# In the interpreter the kernels round every bf16 / fp8 intermediate as the reference does; only
+# the fp32 rsqrt and summation order differ, which flips one intermediate rounding in a rare
+# element (seen: 1 of 12288; RoPE's a*cos + b*sin may carry the flip into a few output steps).
+INTERP_FLIP_FRACTION = 1e-3
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Interpreter, low-precision dtype: bitwise except at most INTERP_FLIP_FRACTION of the
+    elements, which stay within the dtype's tolerance. fp32 and the GPU: the tolerances above."""
+    if not actual.is_cuda and dtype != torch.float32:
+        assert actual.dtype == expected.dtype == dtype, what
+        a, e = actual.float(), expected.float()
+        same = (a == e) | (a.isnan() & e.isnan())
+        frac = float((~same).float().mean()) if same.numel() else 0.0
+        assert frac <= INTERP_FLIP_FRACTION, f"{what}: {frac:.2e} of the elements are not bitwise equal"
+        torch.testing.assert_close(a, e, **TOL[dtype], equal_nan=True, msg=lambda m: f"{what}: {m}")
+        return
     a, e = actual.float(), expected.float()
     tol = TOL[dtype]
     if a.is_cuda and dtype != torch.float32:
@@ -53,6 +69,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         assert frac <= GPU_FLIP_FRACTION, f"{what}: {frac:.2e} of the elements off"
         tol = dict(tol, atol=max(tol["atol"], GPU_FLIP_ATOL))
     torch.testing.assert_close(a, e, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Bitwise (NaN == NaN): pure stores and casts round the same on every device."""
+    same = (actual == expected) | (actual.isnan() & expected.isnan())
+    assert actual.dtype == expected.dtype and bool(same.all()), (
+        f"{what}: {int((~same).sum())} of {same.numel()} elements differ"
+    )
 
 
 def small_config(mrope: bool, index_dtype: str = "auto", kv_dtype: str = "auto") -> QSAConfig:
@@ -180,7 +204,7 @@ def compare_caches(got: QSALayerCache, want: QSALayerCache, cfg: QSAConfig) -> N
         assert torch.equal(got.ring_positions, want.ring_positions), "ring positions differ"
     assert_close(got.compressed, want.compressed, got.compressed.dtype, "compressed keys")
     assert_close(got.k, want.k, got.k.dtype, "K cache")
-    assert_close(got.v, want.v, got.v.dtype, "V cache")
+    assert_same(got.v, want.v, "V cache")
 
 
 def run_prepare_step(cfg, sched, caches, weights, chunks, num_pad, num_decodes, dtype, device):
@@ -328,10 +352,7 @@ def test_store_rows(cache_dtype, row_dtype, scale):
     want = cache.clone()
     reference.qsa_store_rows(want, slots, rows, scale)
     kernels.qsa_store_rows(cache, slots, rows, scale)
-    if cache_dtype.is_floating_point:
-        assert_close(cache, want, cache_dtype, "store_rows")
-    else:
-        assert torch.equal(cache, want)
+    assert_same(cache, want, "store_rows")
 
 
 @interp
@@ -360,7 +381,7 @@ def test_store_kv(kv_dtype, scales):
     v[slots >= pages * page] = float("nan")
     reference.qsa_store_kv(want_kv[..., :D], want_kv[..., D:], slots, k, v, *scales)
     kernels.qsa_store_kv(kv[..., :D], kv[..., D:], slots, k, v, *scales)
-    assert_close(kv, want_kv, kv_dtype, "kv")
+    assert_same(kv, want_kv, "kv")
 
 
 @interp
