@@ -65,7 +65,14 @@ class QSACacheLayout(BaseModel):
     def allocate(
         self, config: QSAConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> list[QSALayerCache]:
-        """Allocate all caches; main K/V live side by side in one page buffer per layer."""
+        """Allocate all caches; main K/V live side by side in one page buffer per layer.
+
+        Normal tensors even inside torch.inference_mode(): steps outside it write them.
+        """
+        with torch.inference_mode(False):
+            return self._allocate(config, dtype, device)
+
+    def _allocate(self, config: QSAConfig, dtype: torch.dtype, device: torch.device | str) -> list[QSALayerCache]:
         check_page_size(self.page_size, config.compress_ratio)
         kv_dtype = resolve_dtype(config.kv_cache_dtype, dtype)
         index_dtype = resolve_dtype(config.index_dtype, dtype)

@@ -6,6 +6,9 @@ backend once and passes it to every call (`backend=`); called without one, an op
 it from its tensors' device and `QSA_BACKEND` (`reference` or `triton`; with
 `TRITON_INTERPRET=1`, `triton` runs the kernels on CPU tensors). Kernel schedules
 (`schedule=`) come from the plan; the reference needs none.
+
+The ops are inference-only: they run under `torch.no_grad()` (cache writes never join an
+autograd graph), so a layer works with grad mode on, under `no_grad` and in `inference_mode`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def _impl(backend: str | None, device: torch.device) -> ModuleType:
     return reference
 
 
+@torch.no_grad()
 def build_metadata(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -75,6 +79,7 @@ def build_metadata(
     )
 
 
+@torch.no_grad()
 def store_rows(
     cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0, *, backend: str | None = None
 ) -> None:
@@ -85,6 +90,7 @@ def store_rows(
     _impl(backend, cache.device).qsa_store_rows(cache, slots, rows, scale)
 
 
+@torch.no_grad()
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_scale: float = 1.0, v_scale: float = 1.0, *, backend: str | None = None,
@@ -93,6 +99,7 @@ def store_kv(
     _impl(backend, k_cache.device).qsa_store_kv(k_cache, v_cache, slots, k, v, k_scale, v_scale)
 
 
+@torch.no_grad()
 def compress_groups(
     raw_keys: torch.Tensor,
     rope_positions: torch.Tensor,
@@ -115,6 +122,7 @@ def compress_groups(
     )
 
 
+@torch.no_grad()
 def prepare(
     index_q: torch.Tensor,
     raw_keys: torch.Tensor,
@@ -166,6 +174,7 @@ def _select(name: str, q_idx, compressed, block_table, token_to_req, visible_blo
     return getattr(impl, name)(q_idx, compressed, block_table, token_to_req, visible_blocks, **kw)
 
 
+@torch.no_grad()
 def select_decode(
     q_idx: torch.Tensor,
     compressed: torch.Tensor,
@@ -190,6 +199,7 @@ def select_decode(
                    page_size, compress_ratio, block_topk, out, schedule, backend)
 
 
+@torch.no_grad()
 def select_prefill(
     q_idx: torch.Tensor,
     compressed: torch.Tensor,
@@ -210,6 +220,7 @@ def select_prefill(
                    page_size, compress_ratio, block_topk, out, schedule, backend)
 
 
+@torch.no_grad()
 def expand(
     block_indices: torch.Tensor,
     positions: torch.Tensor,
@@ -227,6 +238,7 @@ def expand(
     )
 
 
+@torch.no_grad()
 def sparse_attention(
     q: torch.Tensor,
     gate: torch.Tensor,

@@ -126,9 +126,12 @@ class QSAPlanner:
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
         self.backend = ops.resolve_backend(self.device, backend)
         self.index_dtype = resolve_dtype(config.index_dtype, dtype)
-        self.inv_freq = config.inv_freq().to(self.device)
-        self.rope_axes = config.rope_axes().to(self.device)
-        self._allocate(max_num_reqs)
+        # Normal tensors even when built inside torch.inference_mode(): the workspace is
+        # written in place by steps that may run outside it.
+        with torch.inference_mode(False):
+            self.inv_freq = config.inv_freq().to(self.device)
+            self.rope_axes = config.rope_axes().to(self.device)
+            self._allocate(max_num_reqs)
         self._schedules: dict[tuple[int, int, int], StepSchedule] = {}
 
     # -- workspace ------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from qsa_core.standalone import Runner
 
 def make_runner(**kw):
     layers = [QSAAttention.from_hf(random_hf_attention(tiny_config(), seed)).to(DEVICE) for seed in (0, 1)]
-    return Runner(layers, page_size=8, num_pages=32, max_requests=4, shuffle_pages=True, **kw)
+    args = dict(page_size=8, num_pages=32, max_requests=4, shuffle_pages=True)
+    return Runner(layers, **{**args, **kw})
 
 
 def snapshot(runner):
