@@ -52,30 +52,41 @@ def build_metadata(
     seq_lens: torch.Tensor,
     slot_mapping: torch.Tensor,
     ring_index: torch.Tensor,
+    block_table: torch.Tensor,
     *,
     compress_ratio: int,
     ring_capacity: int,
     max_seq_len: int,
+    page_size: int,
+    num_live_rows: int,
+    num_slots: int,
+    num_ring_rows: int,
     token_to_req: torch.Tensor,
     positions: torch.Tensor,
     visible_blocks: torch.Tensor,
     ring_slot: torch.Tensor,
     compressed_slot: torch.Tensor,
+    kv_slot: torch.Tensor,
+    request_flags: torch.Tensor,
     guard: torch.Tensor,
     backend: str | None = None,
 ) -> None:
-    """SPEC.md section 3's derived per-row fields, in place (one launch, no host reads).
+    """SPEC.md section 3's derived per-row fields, in place (no host reads).
 
     query_start_loc int32 [R+1], seq_lens int32 [R], slot_mapping int64 [T], ring_index
-    int32 [R] -> token_to_req int32, positions int64 (-1 = padding), visible_blocks int32,
-    ring_slot int64, compressed_slot int64 (-1 = no write), all [T]. Rows of a request with
-    seq_len > max_seq_len are made inert and set guard int32 [1] to 1.
+    int32 [R], block_table int32 [>= R, P] -> token_to_req int32, positions int64 (-1 =
+    padding), visible_blocks int32, ring_slot int64, compressed_slot int64 and kv_slot int64
+    (-1 = no write), all [T]. Rows of a malformed request (see the reference's GUARD_* bits)
+    are made inert and OR their reason into guard int32 [1]; request_flags int32 [>= R] is
+    scratch.
     """
     _impl(backend, slot_mapping.device).qsa_build_metadata(
-        query_start_loc, seq_lens, slot_mapping, ring_index,
+        query_start_loc, seq_lens, slot_mapping, ring_index, block_table,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, max_seq_len=max_seq_len,
+        page_size=page_size, num_live_rows=num_live_rows, num_slots=num_slots, num_ring_rows=num_ring_rows,
         token_to_req=token_to_req, positions=positions, visible_blocks=visible_blocks,
-        ring_slot=ring_slot, compressed_slot=compressed_slot, guard=guard,
+        ring_slot=ring_slot, compressed_slot=compressed_slot, kv_slot=kv_slot,
+        request_flags=request_flags, guard=guard,
     )
 
 

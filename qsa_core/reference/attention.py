@@ -45,7 +45,7 @@ def qsa_sparse_attention(
         cols = torch.arange(W, device=q.device)[None, :]
         valid = (idx >= 0) & (idx < seq_lens.long()[req][:, None]) & (cols < selection[rows, W:].long())
         safe = torch.where(valid, idx, 0)
-        pages = block_table.long()[req[:, None], safe // page].clamp(min=0)
+        pages = torch.where(valid, block_table.long()[req[:, None], safe // page], 0)  # no read for invalid entries
         offs = safe % page
         k = k_cache[pages, offs].float() * k_scale  # [n, W, Hkv, D]
         v = v_cache[pages, offs].float() * v_scale

@@ -33,11 +33,27 @@ def make_step(qlens, context, num_pad, gen, device, num_slots=10_000, ring_rows=
     return [t.to(device) for t in (qsl, seq, slots, ring)]
 
 
-def build(fn, qsl, seq, slots, ring, r, C, outs, max_seq_len=1 << 30, guard=None):
-    """Run a metadata build `fn` into outs (the five derived fields); returns the guard flag."""
+def guard_args(qsl, seq, slots, page_size=8, max_pages=256):
+    """Guard inputs of a well-formed step: a block table of valid pages, loose bounds."""
+    dev = slots.device
+    return dict(
+        block_table=torch.zeros(seq.shape[0], max_pages, dtype=torch.int32, device=dev),
+        page_size=page_size, num_live_rows=int(qsl[-1]), num_slots=1 << 40, num_ring_rows=1 << 40,
+        kv_slot=torch.empty(slots.shape[0], dtype=torch.int64, device=dev),
+        request_flags=torch.zeros(max(seq.shape[0], 1), dtype=torch.int32, device=dev),
+    )
+
+
+def build(fn, qsl, seq, slots, ring, r, C, outs, max_seq_len=1 << 30, guard=None, **extra):
+    """Run a metadata build `fn` into outs (the five derived fields, then optionally kv_slot);
+    returns the guard flag. extra: guard inputs (default `guard_args` of the step)."""
     guard = torch.zeros(1, dtype=torch.int32, device=slots.device) if guard is None else guard
-    fn(qsl, seq, slots, ring, compress_ratio=r, ring_capacity=C, max_seq_len=max_seq_len, guard=guard,
-       **dict(zip(FIELDS, outs)))
+    kw = extra or guard_args(qsl, seq, slots)
+    if len(outs) > len(FIELDS):
+        kw = dict(kw, kv_slot=outs[len(FIELDS)])
+    table = kw.pop("block_table")
+    fn(qsl, seq, slots, ring, table, compress_ratio=r, ring_capacity=C, max_seq_len=max_seq_len, guard=guard,
+       **kw, **dict(zip(FIELDS, outs)))
     return guard
 
 
@@ -53,6 +69,7 @@ def run_both(qsl, seq, slots, ring, r, C, max_seq_len=1 << 30):
             torch.full((T,), fill, dtype=torch.int32, device=dev),
             torch.full((T,), fill, dtype=torch.int64, device=dev),
             torch.full((T,), fill, dtype=torch.int64, device=dev),
+            torch.full((T,), fill, dtype=torch.int64, device=dev),  # kv_slot
         ]
 
     got, want = buffers(12345), buffers(0)
@@ -62,7 +79,7 @@ def run_both(qsl, seq, slots, ring, r, C, max_seq_len=1 << 30):
 
 
 def assert_same(got, want):
-    for name, g, w in zip(FIELDS + ("guard",), got, want):
+    for name, g, w in zip(FIELDS + ("kv_slot", "guard"), got, want):
         assert g.dtype == w.dtype, name
         assert torch.equal(g, w), f"{name}: {g.tolist()} != {w.tolist()}"
 
@@ -168,11 +185,12 @@ def test_cuda_graph_replay_gpu():
     T = static[2].shape[0]
     dtypes = (torch.int32, torch.int64, torch.int32, torch.int64, torch.int64)
     outs = [torch.empty(T, dtype=d, device="cuda") for d in dtypes]
-    build(qsa_build_metadata, *static, 4, 8, outs)  # compile outside the capture
+    extra = guard_args(*static[:3])  # host reads and allocations stay outside the capture
+    build(qsa_build_metadata, *static, 4, 8, outs, **extra)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        build(qsa_build_metadata, *static, 4, 8, outs)
+        build(qsa_build_metadata, *static, 4, 8, outs, **extra)
     for qlens, ctx in (([4] * 8 + [120, 17], [9] * 8 + [3, 0]), ([4] * 8 + [137, 0], [1] * 8 + [0, 5])):
         fresh = make_step(qlens, ctx, 11, gen, "cuda")
         for dst, src in zip(static, fresh):
