@@ -123,8 +123,10 @@ class QSAStepInputs:
     ) -> None:
         """Value checks that read the tensors (free for CPU tensors; on a GPU a device sync,
         run only with `QSA_DEBUG=1`). Each error names the field, the entry and what was
-        expected. num_slots bounds slot_mapping and, as num_slots / page_size pages, the pages
-        of block_table a request's seq_len uses; num_ring_rows bounds ring_index."""
+        expected. num_slots bounds the live rows' slot_mapping and, as num_slots / page_size
+        pages, the block_table pages a request's seq_len uses; num_ring_rows bounds
+        ring_index. Requests without rows in the step (CUDA-graph padding) are not checked.
+        """
         qsl = self.query_start_loc.cpu().long()
         seq = self.seq_lens.cpu().long()
         qlen = qsl[1:] - qsl[:-1]
@@ -164,20 +166,21 @@ class QSAStepInputs:
             raise ValueError(f"max_query_len must be >= every query length ({int(qlen.max())}), got {self.max_query_len}")
         if R and int(seq.max()) > self.max_seq_len:
             raise ValueError(f"max_seq_len must be >= every seq_len ({int(seq.max())}), got {self.max_seq_len}")
-        slots = self.slot_mapping.cpu()
+        slots = self.slot_mapping.cpu()[:live]  # padding rows never write (their slot is ignored)
         if num_slots is not None and bool(((slots < -1) | (slots >= num_slots)).any()):
             t = first((slots < -1) | (slots >= num_slots))
             raise ValueError(
                 f"slot_mapping[{t}] = {int(slots[t])} is outside the cache: expected -1 or a slot in [0, {num_slots})"
             )
         ring = self.ring_index.cpu()
-        if num_ring_rows is not None and bool(((ring < 0) | (ring >= num_ring_rows)).any()):
-            i = first((ring < 0) | (ring >= num_ring_rows))
+        runs = qlen > 0  # requests with rows in this step (a CUDA-graph padding request has none)
+        if num_ring_rows is not None and bool((runs & ((ring < 0) | (ring >= num_ring_rows))).any()):
+            i = first(runs & ((ring < 0) | (ring >= num_ring_rows)))
             raise ValueError(
                 f"ring_index[{i}] = {int(ring[i])} is outside the ring: expected a ring row in [0, {num_ring_rows})"
             )
         if R:
-            need = (seq + page_size - 1) // page_size
+            need = torch.where(runs, (seq + page_size - 1) // page_size, 0)
             P = self.block_table.shape[1]
             if int(need.max()) > P:
                 i = first(need > P)
