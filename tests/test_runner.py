@@ -128,3 +128,20 @@ def test_a_failed_step_admits_nothing_and_holds_nothing(failure):
         Runner([QSAAttention.from_hf(random_hf_attention(tiny_config(), 0)),
                 QSAAttention.from_hf(random_hf_attention(tiny_config(indexer_budget=8), 0))],
                page_size=8, num_pages=4, max_requests=1)
+
+
+def test_a_step_failing_inside_a_layer_holds_nothing(monkeypatch):
+    r = make_runner()
+    r.step({"a": torch.randn(9, 256)})
+    before = state(r)
+
+    def fails(*args, **kwargs):
+        raise FloatingPointError("layer 1 failed")
+
+    monkeypatch.setattr(r.layers[1], "forward", fails)
+    with pytest.raises(FloatingPointError):
+        r.step({"a": torch.randn(1, 256), "b": torch.randn(20, 256)})
+    assert state(r) == before
+    monkeypatch.undo()
+    r.step({"a": torch.randn(1, 256), "b": torch.randn(20, 256)})
+    assert r.seq_len("a") == 10 and r.seq_len("b") == 20
