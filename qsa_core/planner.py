@@ -6,15 +6,18 @@ selection buffers, the score / top-k scratch and the attention's split-K partial
 allocated once for `max_num_tokens` rows, so a captured CUDA graph keeps every address.
 
 `plan(inputs)` runs once per step: it validates the `QSAStepInputs` (host ints and tensor
-metadata only), derives the per-row fields on the device (one launch) and fixes the schedule
-of every op for this step's shape. The layer halves (`qsa_indexer`, `qsa_attention`) then
+metadata; the values too for CPU tensors or under `QSA_DEBUG=1`), derives the per-row fields
+on the device (guards + derivation, no host read) and fixes the schedule of every op for
+this step's shape. The layer halves (`qsa_indexer`, `qsa_attention`) then
 only launch: no allocation, no derivation, no host read.
 
 Column bound: selection scores at most `max_seq_len // r` groups per row (rounded up to a
-bucket, so that schedules repeat). A request with seq_len > max_seq_len is never truncated:
-the metadata build makes its rows inert (as padding: empty selection, output 0, no ring or
-compressed-key write) and raises a sticky device flag (`check_guard`); with the engine's
-host copy (`QSAStepInputs.seq_lens_cpu`) `plan` refuses it at once.
+bucket, so that schedules repeat). Guards: a malformed request (seq_len > max_seq_len or
+below its query length, rows past the live rows, a slot, ring_index or used block-table
+page outside the caches) is never run on bad values: the metadata build makes its rows inert
+(as padding: empty selection, output 0, no K/V, ring or compressed-key write) and ORs the
+reason into a sticky device flag (`check_guard` names it); with the engine's host copy
+(`QSAStepInputs.seq_lens_cpu`) or value checks `plan` refuses the step at once.
 """
 
 from __future__ import annotations
