@@ -1,7 +1,8 @@
 """Faults in a real row: NaN or Inf hidden states poison only their own request.
 
 Outcome (both backends): the poisoned request's K/V, ring and compressed rows may hold NaN
-and its outputs at and after the poisoned row may be NaN or Inf; its earlier rows and every
+and its outputs at and after the poisoned row change (NaN or Inf with the reference; the
+Triton kernels' max / exp may turn them into finite garbage); its earlier rows and every
 other request's cache rows and outputs are bitwise what a clean run gives.
 """
 
@@ -67,7 +68,7 @@ def test_non_finite_hidden_state_stays_in_its_request(backend, bad, row):
     for k in ("b", "c"):
         assert torch.equal(got[k], want[k]), k
     assert torch.equal(got["a"][:row], want["a"][:row])
-    assert not torch.isfinite(got["a"][row:]).all()  # the fault shows where it belongs
+    assert not torch.equal(got["a"][row:], want["a"][row:])  # the fault reached its own request
 
     slots, comp_rows, ring_rows = request_rows(r_bad, "a")
     for c_bad, c_clean in zip(r_bad.caches, r_clean.caches):
