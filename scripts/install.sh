@@ -28,7 +28,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
         echo "install.sh: NVIDIA GPU found: torch from ${index:-the package index} (CUDA build)"
     else
         index=${QSA_TORCH_INDEX-$CPU_INDEX}
-        echo "install.sh: no NVIDIA GPU: torch from ${index:-pip's configured index} (CPU build)"
+        echo "install.sh: no NVIDIA GPU: torch from ${index:-the pip configuration} (CPU build)"
     fi
     if [ -n "$index" ]; then
         pip install -q --index-url "$index" "$TORCH_REQ"
