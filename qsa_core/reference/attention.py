@@ -35,19 +35,22 @@ def qsa_sparse_attention(
     if T == 0:
         return out.view(T, Hq * D)
     req = token_to_req.long()
-    idx = selection[:, :W].long()
     cols = torch.arange(W, device=q.device)[None, :]
-    valid = (idx >= 0) & (idx < seq_lens.long()[req][:, None]) & (cols < selection[:, W:].long())
-    live = valid.any(1)
-    bytes_per_col = Hq * 12 + 8  # logits, bias and probabilities per head, counts
-    for r in torch.unique(req[live]).tolist():
-        rows = ((req == r) & live).nonzero().flatten()
+    bytes_per_col = Hq * 12 + 16  # logits, bias and probabilities per head; counts, indices
+    for r in torch.unique(req).tolist():
+        rows = (req == r).nonzero().flatten()
         seq_len = int(seq_lens[r])
-        chunk = max(1, SCRATCH_BYTES // (seq_len * bytes_per_col))
+        chunk = max(1, SCRATCH_BYTES // (max(seq_len, W) * bytes_per_col))
         for i in range(0, rows.numel(), chunk):
             part = rows[i : i + chunk]
+            idx = selection[part, :W].long()
+            valid = (idx >= 0) & (idx < seq_len) & (cols < selection[part, W:].long())
+            live = valid.any(1)
+            if not live.any():
+                continue
+            part, idx, valid = part[live], idx[live], valid[live]
             out[part] = _attend_request_rows(
-                q[part], gate[part], k_cache, v_cache, block_table[r], idx[part], valid[part], seq_len,
+                q[part], gate[part], k_cache, v_cache, block_table[r], idx, valid, seq_len,
                 softmax_scale * k_scale, v_scale,
             )
     return out.view(T, Hq * D)
