@@ -17,7 +17,7 @@ gpu=0
 [ "$gpu" = 1 ] || export TRITON_INTERPRET=1
 
 part "core and kernels"
-.venv/bin/python -m pytest -q -n 2 tests --ignore=tests/sglang_adapter --ignore=tests/vllm_adapter
+.venv/bin/python -m pytest -q -n 2 --durations=10 tests --ignore=tests/sglang_adapter --ignore=tests/vllm_adapter
 
 if [ "$gpu" = 0 ] && [ "${QSA_SECOND_TRITON:-}" != none ]; then
     # A compiled GPU run uses the triton torch pins; the interpreter accepts any version,
