@@ -28,7 +28,7 @@ from qsa_core import (
     qsa_indexer, qsa_select, ring_capacity,
 )
 from qsa_core.reference import qsa_select_decode as ref_select, qsa_sparse_attention as ref_attention
-from qsa_core.reference.select import compressed_rows, group_scores
+from qsa_core.reference.select import compressed_rows, group_scores, paged_rows
 
 PEAK_BYTES_PER_S = 4.3e12  # device-to-device copy measured on this machine kind
 PAGE = 64
@@ -67,8 +67,8 @@ class Step:
         self.cache = QSALayerCache(
             k=torch.randn(num_pages, PAGE, Hkv, D, device=DEV, dtype=BF16),
             v=torch.randn(num_pages, PAGE, Hkv, D, device=DEV, dtype=BF16),
-            compressed=torch.randn(num_pages * PAGE // 4, Di, device=DEV, dtype=BF16),
-            ring=torch.randn(batch * C, Di, device=DEV, dtype=BF16),
+            compressed=torch.randn(num_pages, PAGE // 4, Di, device=DEV, dtype=BF16),
+            ring=torch.randn(batch, C, Di, device=DEV, dtype=BF16),
             ring_positions=None,
         )
         perm = torch.randperm(num_pages - 1, device=DEV).to(torch.int32) + 1  # page 0 unused
@@ -133,7 +133,7 @@ class Step:
                    self.meta.token_to_req[:rows], self.meta.visible_blocks[:rows], page_size=PAGE,
                    compress_ratio=4, block_topk=Kb, out=ref_blocks)
         vis = int(self.meta.visible_blocks[:rows].max())
-        keys = self.cache.compressed[compressed_rows(self.meta.block_table, 0, vis, PAGE, 4)]
+        keys = paged_rows(self.cache.compressed, compressed_rows(self.meta.block_table, 0, vis, PAGE, 4))
         scores = group_scores(self.q_idx[:rows], keys)
         for r in range(rows):
             want = scores[r, ref_blocks[r][ref_blocks[r] >= 0].long()].sort().values
