@@ -123,6 +123,8 @@ class QSAPlanner:
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
         self.backend = ops.resolve_backend(self.device, backend)
         self.index_dtype = resolve_dtype(config.index_dtype, dtype)

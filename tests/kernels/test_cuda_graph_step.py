@@ -20,13 +20,14 @@ CONFIG = QSAConfig(
     token_topk=2048, compress_ratio=4, rotary_dim=64, rope_theta=1e7,
 )
 PAGE, BATCH, LAYERS, PAGES_PER_REQ = 64, 8, 4, 160  # contexts up to 10240 tokens: scored selection
+DEV = "cuda"
 
 
 class Engine:
     """A toy engine owning static step inputs (what a CUDA graph reads) and paged caches."""
 
     def __init__(self) -> None:
-        dev, g = "cuda", torch.Generator(device="cuda").manual_seed(0)
+        dev, g = DEV, torch.Generator(device=DEV).manual_seed(0)
         torch.manual_seed(0)
         self.layers = [QSAAttention(CONFIG).to(dev, torch.bfloat16) for _ in range(LAYERS)]
         for layer in self.layers:
@@ -56,16 +57,16 @@ class Engine:
     def set_step(self, seq_lens: list[int], seed: int) -> None:
         """Write a decode step of len(seq_lens) real requests (the rest: padding) in place."""
         n = len(seq_lens)
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        qsl = torch.arange(BATCH + 1, device="cuda").clamp(max=n).to(torch.int32)
-        seq = torch.tensor(seq_lens + [1] * (BATCH - n), dtype=torch.int32, device="cuda")
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        qsl = torch.arange(BATCH + 1, device=DEV).clamp(max=n).to(torch.int32)
+        seq = torch.tensor(seq_lens + [1] * (BATCH - n), dtype=torch.int32, device=DEV)
         pos = seq.long() - 1
-        slots = self.pages.long()[torch.arange(BATCH, device="cuda"), pos // PAGE] * PAGE + pos % PAGE
+        slots = self.pages.long()[torch.arange(BATCH, device=DEV), pos // PAGE] * PAGE + pos % PAGE
         slots[n:] = -1
         self.query_start_loc.copy_(qsl)
         self.seq_lens.copy_(seq)
         self.slot_mapping.copy_(slots)
-        self.hidden.copy_(torch.randn(self.hidden.shape, device="cuda", generator=g).to(torch.bfloat16))
+        self.hidden.copy_(torch.randn(self.hidden.shape, device=DEV, generator=g).to(torch.bfloat16))
         self.hidden[n:] = float("nan")
         self.num_padding_rows = BATCH - n
 
