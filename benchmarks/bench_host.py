@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from qsa_core import (
-    QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs, qsa_attention, qsa_indexer,
+    QSAAttention, QSACacheLayout, QSAConfig, QSAIndexed, QSAPlanner, QSAStepInputs, ops, qsa_attention,
+    qsa_indexer, qsa_select,
 )
 
 CONFIG = QSAConfig(
@@ -118,6 +119,31 @@ class DecodeStep:
             indexed = qsa_indexer(self.plan, self.norms, *self.projections, self.cache)
             return qsa_attention(self.plan, indexed, self.cache, out=self.out)
 
+    def ops_alone(self) -> dict[str, Callable[[], object]]:
+        """The layer's parts one by one (the split of the halves' host time)."""
+        plan, cache, cfg = self.plan, self.cache, CONFIG
+        index_qk, q_gate, k, v = self.projections
+        split = cfg.index_n_heads * cfg.index_head_dim
+        with torch.no_grad():
+            indexed = qsa_indexer(plan, self.norms, *self.projections, cache)
+
+        def prepare():
+            with torch.no_grad():
+                return ops.prepare(
+                    index_qk[:, :split], index_qk[:, split:], q_gate, k, v, plan.meta.rope_positions,
+                    index_q_norm=self.norms.index_q, index_k_norm=self.norms.index_k, q_norm=self.norms.q,
+                    k_norm=self.norms.k, eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq, rope_axes=plan.rope_axes,
+                    index_dtype=plan.index_dtype, cache=cache, meta=plan.meta, q_idx_out=plan.schedule.q_idx,
+                    q_out=plan.schedule.q, backend=plan.backend,
+                )
+
+        q_idx = prepare()[0]
+        return {
+            "  prepare": prepare,
+            "  select+expand": lambda: qsa_select(plan, q_idx, cache),
+            "  attention": lambda: qsa_attention(plan, QSAIndexed(*indexed), cache, out=self.out),
+        }
+
     def forward(self) -> torch.Tensor:
         with torch.no_grad():
             return self.layer(self.hidden, self.plan, self.cache)
@@ -130,8 +156,9 @@ def main() -> None:
     rows = []
     for batch, context in ((4, 8192), (64, 8192), (64, 131072)):
         step = DecodeStep(batch, context)
-        for name, fn in (("layer halves", step.halves), ("QSAAttention.forward", step.forward),
-                         ("plan", step.make_plan), ("plan static", lambda: step.make_plan(static=True))):
+        cases = [("layer halves", step.halves), *step.ops_alone().items(), ("QSAAttention.forward", step.forward),
+                 ("plan", step.make_plan), ("plan static", lambda: step.make_plan(static=True))]
+        for name, fn in cases:
             host, gpu = host_and_gpu_us(fn)
             rows.append(dict(case=name, batch=batch, context=context, host_us=round(host, 1), gpu_us=round(gpu, 1),
                              launches=launches(fn)))
