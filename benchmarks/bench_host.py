@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from qsa_core import (
-    QSAAttention, QSACacheLayout, QSAConfig, QSAIndexed, QSAPlanner, QSAStepInputs, ops, qsa_attention,
-    qsa_indexer, qsa_select,
+    QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs, qsa_attention,
+    qsa_indexer, qsa_prepare, qsa_select,
 )
 
 CONFIG = QSAConfig(
@@ -121,27 +121,19 @@ class DecodeStep:
 
     def ops_alone(self) -> dict[str, Callable[[], object]]:
         """The layer's parts one by one (the split of the halves' host time)."""
-        plan, cache, cfg = self.plan, self.cache, CONFIG
-        index_qk, q_gate, k, v = self.projections
-        split = cfg.index_n_heads * cfg.index_head_dim
+        plan, cache = self.plan, self.cache
         with torch.no_grad():
             indexed = qsa_indexer(plan, self.norms, *self.projections, cache)
 
         def prepare():
             with torch.no_grad():
-                return ops.prepare(
-                    index_qk[:, :split], index_qk[:, split:], q_gate, k, v, plan.meta.rope_positions,
-                    index_q_norm=self.norms.index_q, index_k_norm=self.norms.index_k, q_norm=self.norms.q,
-                    k_norm=self.norms.k, eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq, rope_axes=plan.rope_axes,
-                    index_dtype=plan.index_dtype, cache=cache, meta=plan.meta, q_idx_out=plan.schedule.q_idx,
-                    q_out=plan.schedule.q, backend=plan.backend,
-                )
+                return qsa_prepare(plan, self.norms, *self.projections, cache)
 
         q_idx = prepare()[0]
         return {
             "  prepare": prepare,
             "  select+expand": lambda: qsa_select(plan, q_idx, cache),
-            "  attention": lambda: qsa_attention(plan, QSAIndexed(*indexed), cache, out=self.out),
+            "  attention": lambda: qsa_attention(plan, indexed, cache, out=self.out),
         }
 
     def forward(self) -> torch.Tensor:
@@ -151,7 +143,7 @@ class DecodeStep:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for results.json")
+    parser.add_argument("--out", type=Path, default=None, help="folder for host.json")
     args = parser.parse_args()
     rows = []
     for batch, context in ((4, 8192), (64, 8192), (64, 131072)):

@@ -25,7 +25,7 @@ import triton.testing
 
 from qsa_core import (
     QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlanner, QSAStepInputs, ops, qsa_attention,
-    qsa_indexer, qsa_select, ring_capacity,
+    qsa_indexer, qsa_prepare, qsa_select, ring_capacity,
 )
 from qsa_core.reference import qsa_select_decode as ref_select, qsa_sparse_attention as ref_attention
 from qsa_core.reference.select import compressed_rows, group_scores, paged_rows
@@ -101,15 +101,7 @@ class Step:
         self.q_idx, self.q, self.gate = self.prepare()
 
     def prepare(self):
-        cfg, plan = CONFIG, self.plan
-        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-        return ops.prepare(
-            self.index_qk[:, : Hi * Di], self.index_qk[:, Hi * Di :], self.q_gate, self.k, self.v,
-            self.meta.rope_positions, index_q_norm=self.norms.index_q, index_k_norm=self.norms.index_k,
-            q_norm=self.norms.q, k_norm=self.norms.k, eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq,
-            rope_axes=plan.rope_axes, index_dtype=plan.index_dtype, cache=self.cache, meta=self.meta,
-            q_idx_out=plan.schedule.q_idx, q_out=plan.schedule.q, backend=plan.backend,
-        )
+        return qsa_prepare(self.plan, self.norms, self.index_qk, self.q_gate, self.k, self.v, self.cache)
 
     def select(self):
         return qsa_select(self.plan, self.q_idx, self.cache, out=self.selection)
