@@ -172,10 +172,10 @@ def _compress_row(
             ring_row = ring_base + (p - (r - 1) + j) % C  # positions >= 0 here
             here = raw_ptr + tl.maximum(row, 0) * stride_raw
             there = ring_ptr + (ring_row // C) * stride_rpage + (ring_row % C) * stride_ring
-            k = tl.where(in_step, tl.load(here + d, mask=dmask & in_step, other=0.0).to(tl.float32),
-                         _round(tl.load(there + d, mask=dmask & ~in_step, other=0.0).to(tl.float32), DT, INTERP))
-            kp = tl.where(in_step, tl.load(here + pd, mask=dmask & in_step, other=0.0).to(tl.float32),
-                          _round(tl.load(there + pd, mask=dmask & ~in_step, other=0.0).to(tl.float32), DT, INTERP))
+            k = tl.where(in_step, tl.load(here + d, mask=tl.where(in_step, dmask, False), other=0.0).to(tl.float32),
+                         _round(tl.load(there + d, mask=tl.where(in_step, False, dmask), other=0.0).to(tl.float32), DT, INTERP))
+            kp = tl.where(in_step, tl.load(here + pd, mask=tl.where(in_step, dmask, False), other=0.0).to(tl.float32),
+                          _round(tl.load(there + pd, mask=tl.where(in_step, False, dmask), other=0.0).to(tl.float32), DT, INTERP))
             acc += k
             acc_p += kp
         pooled = _round(tl.div_rn(acc, tl.full([BD], r, tl.float32)), DT, INTERP)
@@ -188,10 +188,10 @@ def _compress_row(
             ring_row0 = ring_base + (p - (r - 1)) % C
             in_step0 = row0 >= first_row
             from_step = tl.load(rope_ptr + axes * rope_stride_axis + tl.maximum(row0, 0) * rope_stride_t,
-                                mask=(d < RD) & in_step0, other=0)
+                                mask=tl.where(in_step0, d < RD, False), other=0)
             from_ring = tl.load(ring_pos_ptr + (ring_row0 // C) * stride_rpp + (ring_row0 % C) * stride_rp0
                                 + axes * stride_rp1,
-                                mask=(d < RD) & ~in_step0, other=0)
+                                mask=tl.where(in_step0, False, d < RD), other=0)
             first_pos = tl.where(in_step0, from_step, from_ring)
         cos, sin = _rope_cos_sin(first_pos, inv_freq_ptr, d, RD, DT, INTERP)
         key = _norm_rope(pooled[None, :], pooled_p[None, :], w_ptr, d, Di, eps, cos, sin, RD, DT, INTERP)
