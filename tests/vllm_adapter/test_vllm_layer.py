@@ -28,7 +28,7 @@ from vllm_batches import common_metadata  # noqa: E402
 
 from qsa_adapters.vllm.attention import QSAAttentionLayer  # noqa: E402
 from qsa_adapters.vllm.backend import QSACoreBackend, QSAStepMetadataBuilder  # noqa: E402
-from qsa_adapters.vllm.tiny_checkpoint import random_tiny_weights, save_tiny_checkpoint, tiny_config  # noqa: E402
+from qwen4_checkpoint import tiny_config, write_checkpoint  # noqa: E402
 from qsa_core import QSAAttention, QSAConfig  # noqa: E402
 from qsa_core.standalone import Runner  # noqa: E402
 
@@ -43,9 +43,8 @@ class Stack:
     def __init__(self) -> None:
         load_general_plugins()
         self.hf = tiny_config()
-        weights = random_tiny_weights(self.hf, seed=3)
         folder = tempfile.mkdtemp()
-        save_tiny_checkpoint(folder, self.hf, weights)
+        weights = write_checkpoint(folder, self.hf, seed=3).state_dict()
         model_config = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
         self.vllm_config = vc = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=PAGE))
         with set_current_vllm_config(vc):
@@ -221,5 +220,7 @@ def test_plugin_registers_backend_and_model_idempotently():
 
     register()
     register()
-    assert "QSATinyForCausalLM" in ModelRegistry.get_supported_archs()
+    for arch in ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP"):
+        assert ModelRegistry.models[arch].module_name == "qsa_adapters.vllm.qwen4_exp", arch
+    assert "QSATinyForCausalLM" not in ModelRegistry.get_supported_archs()
     assert AttentionBackendEnum["QSA_CORE"].get_class() is QSACoreBackend

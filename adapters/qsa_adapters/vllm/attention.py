@@ -26,7 +26,7 @@ from qsa_core.layer import GemmaRMSNorm
 from .backend import QSACoreBackend
 from .cache import main_kv_spec
 from .context import register_layer
-from .indexer import QSAIndexer, qsa_config_for
+from .indexer import QSAAttentionLike, QSAIndexer, qsa_config_for
 
 
 class QSAAttentionLayer(nn.Module, AttentionLayerBase):
@@ -88,15 +88,36 @@ class QSAAttentionLayer(nn.Module, AttentionLayerBase):
         return main_kv_spec(vllm_config, self.qsa_config, self.kv_dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        cfg = self.qsa_config
         qkv = torch.cat((self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)), dim=-1)
-        selection, prepared = self.indexer(self.indexer.index_qk_proj(hidden_states), positions, attn=self, qkv=qkv)
-        out = hidden_states.new_zeros(hidden_states.shape[0], cfg.num_heads * cfg.head_dim)
-        if prepared is not None:
-            meta, cache = self.indexer.step_inputs(self, positions)
-            q, gate = prepared
-            out[: meta.num_tokens] = ops.sparse_attention(
-                q, gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens, selection,
-                softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
-            )
-        return self.o_proj(out)
+        return self.o_proj(run_core_attention(self, self.indexer, positions, self.indexer.index_qk_proj(hidden_states), qkv))
+
+
+def run_core_attention(
+    attn: QSAAttentionLike,
+    indexer: QSAIndexer,
+    positions: torch.Tensor,
+    projected_qk: torch.Tensor,
+    qkv: torch.Tensor,
+    selection_buffer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated attention output [N, Hq*D] of a QSA layer from its projections (o_proj not applied).
+
+    projected_qk [N, (Hi+1)*Di]; qkv [N, Hq*2D + 2*Hkv*D] (per head [q | gate], k, v);
+    selection_buffer int32 [>= T, W + 1] receives the selection (MTP steps with
+    `indexer.skip_topk` reuse it). Rows past the step's T and steps without metadata give 0.
+    """
+    cfg = indexer.qsa_config
+    out = qkv.new_zeros(qkv.shape[0], cfg.num_heads * cfg.head_dim)
+    step = indexer.step_inputs(attn, positions)
+    if step is None:
+        return out
+    meta, cache = step
+    T = meta.num_tokens
+    selection, (q, gate) = indexer(
+        projected_qk, positions, None if selection_buffer is None else selection_buffer[:T], attn=attn, qkv=qkv
+    )
+    out[:T] = ops.sparse_attention(
+        q, gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens, selection,
+        softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
+    )
+    return out

@@ -11,6 +11,8 @@ them), so one block holds every layer's page and the views are strided by that b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from vllm.config import VllmConfig
@@ -76,14 +78,19 @@ def ring_spec(vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype) ->
 class QSASideCache(nn.Module, AttentionLayerBase):
     """A QSA side cache that vLLM allocates and binds: the raw-key ring or the compressed keys.
 
-    Registers itself in `static_forward_context[prefix]`; after binding, `kv_cache` is
-    vLLM's view [num_blocks, 1, rows per block, Di].
+    Registers itself in `static_forward_context[prefix]`. Its spec is made by
+    `make_spec(vllm_config)` each time vLLM asks, so it follows the block size vLLM has
+    settled on by then (SPEC trap 11: vLLM raises it for hybrid models after the model is
+    built). After binding, `kv_cache` is vLLM's view [num_blocks, 1, rows per block, Di].
     """
 
-    def __init__(self, *, vllm_config: VllmConfig, spec: KVCacheSpec, prefix: str) -> None:
+    def __init__(
+        self, *, vllm_config: VllmConfig, make_spec: Callable[[VllmConfig], KVCacheSpec], prefix: str
+    ) -> None:
         super().__init__()
         self.prefix = prefix
-        self.spec = spec
+        self.make_spec = make_spec
+        self.spec: KVCacheSpec | None = None
         self.kv_cache = torch.tensor([])
         register_layer(vllm_config, prefix, self)
 
@@ -93,9 +100,12 @@ class QSASideCache(nn.Module, AttentionLayerBase):
         return QSACoreBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        self.spec = self.make_spec(vllm_config)
         return self.spec
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        if self.spec is None:
+            raise RuntimeError(f"{self.prefix}: bound before vLLM asked for its KV-cache spec")
         want = (1, self.spec.num_states, self.spec.head_size)
         if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != want or kv_cache.dtype != self.spec.dtype:
             raise ValueError(

@@ -96,11 +96,13 @@ class QSAIndexer(nn.Module):
         dtype = vllm_config.model_config.dtype
         cache_prefix = f"{prefix}." if prefix else ""
         self.raw_key_cache = QSASideCache(
-            vllm_config=vllm_config, spec=ring_spec(vllm_config, cfg, dtype), prefix=f"{cache_prefix}raw_key_cache"
+            vllm_config=vllm_config,
+            make_spec=lambda vc: ring_spec(vc, cfg, dtype),
+            prefix=f"{cache_prefix}raw_key_cache",
         )
         self.compressed_key_cache = QSASideCache(
             vllm_config=vllm_config,
-            spec=compressed_key_spec(vllm_config, cfg, resolve_dtype(cfg.index_dtype, dtype)),
+            make_spec=lambda vc: compressed_key_spec(vc, cfg, resolve_dtype(cfg.index_dtype, dtype)),
             prefix=f"{cache_prefix}compressed_key_cache",
         )
         self._bound: tuple[tuple[torch.Tensor, ...], QSALayerCache, PagedGeometry] | None = None

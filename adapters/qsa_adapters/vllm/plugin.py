@@ -1,12 +1,21 @@
-"""The `vllm.general_plugins` entry point (runs in every vLLM process, so it is idempotent)."""
+"""The `vllm.general_plugins` entry point (runs in every vLLM process, so it is idempotent).
+
+It imports nothing of the model: the backend and the model classes are registered by name
+and load when vLLM first asks for them.
+"""
 
 from __future__ import annotations
 
-TINY_ARCH = "QSATinyForCausalLM"
+MODEL_MODULE = "qsa_adapters.vllm.qwen4_exp"
+ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP")
 
 
 def register() -> None:
-    """Register the QSA_CORE attention backend and the `QSATinyForCausalLM` architecture."""
+    """Register the QSA_CORE attention backend and the core-backed Qwen4-Exp architectures.
+
+    The architectures replace upstream's under the same names; they are upstream's models
+    unless QSA_CORE is chosen or the platform is the CPU (`qwen4_exp.uses_qsa_core`).
+    """
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
@@ -14,5 +23,5 @@ def register() -> None:
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, "qsa_adapters.vllm.backend.QSACoreBackend")
-    if TINY_ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(TINY_ARCH, f"qsa_adapters.vllm.tiny_model:{TINY_ARCH}")
+    for arch in ARCHITECTURES:
+        ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{arch}")
