@@ -10,8 +10,6 @@ import tempfile
 
 import pytest
 
-pytest.importorskip("vllm")
-
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402

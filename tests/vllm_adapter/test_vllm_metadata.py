@@ -6,8 +6,6 @@ runner would build for it; the adapter's map must give the Runner's own step rec
 
 import pytest
 
-pytest.importorskip("vllm")
-
 import torch  # noqa: E402
 from vllm.config import CacheConfig, VllmConfig  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
