@@ -1,4 +1,4 @@
-"""transformers' Qwen4-Exp as the oracle: greedy tokens, prompt log-probs, top-k boundary gaps."""
+"""transformers' Qwen4-Exp as the oracle: greedy tokens and the top-k boundary gaps of its selections."""
 
 from __future__ import annotations
 
@@ -43,11 +43,3 @@ def greedy(model, prompts: list[list[int]], max_tokens: list[int]) -> list[list[
                              do_sample=False)
         out.append(gen[0, len(prompt):].tolist())
     return out
-
-
-@torch.no_grad()
-def prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
-    """fp32 log-prob of each prompt token after the first, given the ones before: [len - 1]."""
-    ids = torch.tensor([prompt])
-    logits = model(ids).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]

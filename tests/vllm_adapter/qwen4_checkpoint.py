@@ -48,6 +48,7 @@ def tiny_config(*, hybrid: bool = False, **overrides: Any) -> Qwen4ExpTextConfig
         linear_num_value_heads=2,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
+        output_gate_type="silu",  # vLLM's GDN asserts an explicit gate activation
         tie_word_embeddings=False,
         architectures=["Qwen4ExpForCausalLM"],
     )

@@ -8,7 +8,7 @@ import pytest
 
 import torch  # noqa: E402
 from vllm.config import CacheConfig, VllmConfig  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec  # noqa: E402
 from vllm_batches import common_metadata  # noqa: E402
 
 from qsa_adapters.vllm.backend import QSACoreBackend, QSAStepMetadata, QSAStepMetadataBuilder  # noqa: E402
@@ -148,19 +148,22 @@ def test_uniform_decode_split(qsl, threshold, want):
     assert uniform_decode_split(torch.tensor(qsl, dtype=torch.int32), threshold) == want
 
 
-def test_builder_asks_for_decodes_first_and_resolves_once_per_step():
+def test_builders_pair_the_main_and_ring_groups_of_a_step():
+    """One builder per KV-cache group: both halves of a step meet in one QSAStep (keyed by the
+    query_start_loc tensor vLLM copies into every group's record); the next step gets a new one."""
     vllm_config = VllmConfig(cache_config=CacheConfig(block_size=PAGE))
     spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=1, head_size=32, dtype=torch.float32)
-    builder = QSACoreBackend.get_builder_cls()(spec, ["l.attn"], vllm_config, torch.device("cpu"))
-    assert isinstance(builder, QSAStepMetadataBuilder) and builder.reorder_batch_threshold == 1
+    ring_spec = CircularBufferSpec(block_size=4, num_kv_heads=1, head_size=32, head_size_v=0, dtype=torch.float32)
+    cls = QSACoreBackend.get_builder_cls()
+    main_builder = cls(spec, ["l.attn"], vllm_config, torch.device("cpu"))
+    ring_builder = cls(ring_spec, ["l.indexer.raw_key_cache"], vllm_config, torch.device("cpu"))
+    assert isinstance(main_builder, QSAStepMetadataBuilder) and main_builder.reorder_batch_threshold == 1
     runner = make_runner()
     run(runner, {"a": 21, "b": 9})
-    ref = run(runner, {"a": 1, "b": 5})
-    common, ring = common_metadata(ref)
-    main = builder.build(0, common)
-    ring_record = builder.build(0, common.replace(block_table_tensor=ring))
-    assert isinstance(main, QSAStepMetadata)
-    geometry = PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=4)
-    first = main.resolve(ring_record, geometry, common.positions)
-    assert main.resolve(ring_record, geometry, common.positions) is first
-    assert_same(first, ref)
+    common, ring = common_metadata(run(runner, {"a": 1, "b": 5}))
+    ring_half = ring_builder.build(0, common.replace(block_table_tensor=ring))
+    main_half = main_builder.build(0, common)
+    assert isinstance(main_half, QSAStepMetadata) and main_half.step is ring_half.step
+    assert main_half.step.main is common and main_half.step.ring_block_table is ring
+    common2, ring2 = common_metadata(run(runner, {"a": 1, "b": 1}))
+    assert main_builder.build(0, common2).step is not main_half.step

@@ -2,12 +2,17 @@
 
 python vllm_generate.py REQUEST_JSON OUT_JSON
 REQUEST_JSON: {"llm": {LLM keyword arguments}, "prompts": [[ids]], "max_tokens": [n per prompt],
-"prompt_logprobs": bool}.
+"prompt_logprobs": bool, "logprobs": k, "record_steps": path}.
 OUT_JSON: {"tokens": [[ids]], "cached_tokens": [prompt tokens served from the prefix cache],
-"prompt_logprobs": [[log-prob of each prompt token after the first]] (when asked)}.
+"prompt_logprobs": [[log-prob of each prompt token after the first]] (when asked),
+"logprobs": [[{token: log-prob} of the k most likely tokens at each generated position]] (with k)}.
+With "record_steps" the model runs in this process and every step's vLLM metadata (the main
+group's `CommonAttentionMetadata` fields, the ring group's block table) and the adapter's
+core record are saved there (torch.save, a list of dicts).
 """
 
 import json
+import os
 import sys
 
 from vllm import LLM, SamplingParams
@@ -18,11 +23,16 @@ def main() -> None:
     request_path, out_path = sys.argv[1:3]
     with open(request_path) as f:
         request = json.load(f)
+    steps: list[dict] = []
+    if request.get("record_steps"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        request["llm"]["distributed_executor_backend"] = "uni"
+        record_steps(steps)
     llm = LLM(skip_tokenizer_init=True, enforce_eager=True, **request["llm"])
     want_logprobs = request.get("prompt_logprobs", False)
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False,
-                       prompt_logprobs=0 if want_logprobs else None)
+                       prompt_logprobs=0 if want_logprobs else None, logprobs=request.get("logprobs"))
         for n in request["max_tokens"]
     ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], params)
@@ -33,8 +43,44 @@ def main() -> None:
             [entry[tok].logprob for entry, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
             for o in outputs
         ]
+    if request.get("logprobs"):
+        result["logprobs"] = [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                              for o in outputs]
     with open(out_path, "w") as f:
         json.dump(result, f)
+    if request.get("record_steps"):
+        import torch
+
+        torch.save(steps, request["record_steps"])
+
+
+def record_steps(steps: list[dict]) -> None:
+    """Wrap the backend's step pairing so each completed step is appended to `steps`."""
+    from qsa_adapters.vllm.backend import QSAStepPairing
+
+    add = QSAStepPairing.add
+    last: list = [None]
+
+    def recording(self, common, *, is_ring):
+        step = add(self, common, is_ring=is_ring)
+        if step.records and step is not last[0]:
+            last[0] = step
+            main = step.main
+            (geometry, meta), = step.records.items()
+            steps.append({
+                "common": {k: (v.clone() if hasattr(v, "clone") else v) for k, v in {
+                    "query_start_loc_cpu": main.query_start_loc_cpu, "seq_lens": main.seq_lens,
+                    "num_reqs": main.num_reqs, "num_actual_tokens": main.num_actual_tokens,
+                    "block_table": main.block_table_tensor, "slot_mapping": main.slot_mapping,
+                    "positions": main.positions, "max_query_len": main.max_query_len,
+                    "max_seq_len": main.max_seq_len}.items()},
+                "ring_block_table": step.ring_block_table.clone(),
+                "geometry": geometry.__dict__,
+                "meta": {k: (v.clone() if hasattr(v, "clone") else v) for k, v in meta.__dict__.items()},
+            })
+        return step
+
+    QSAStepPairing.add = recording
 
 
 if __name__ == "__main__":  # vLLM spawns its engine processes

@@ -85,7 +85,7 @@ class QSAAttentionLayer(nn.Module, AttentionLayerBase):
         return QSACoreBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return main_kv_spec(vllm_config, self.qsa_config, self.kv_dtype)
+        return main_kv_spec(vllm_config, self.qsa_config, self.kv_dtype, self.indexer.index_dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = torch.cat((self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)), dim=-1)
@@ -108,7 +108,7 @@ def run_core_attention(
     """
     cfg = indexer.qsa_config
     out = qkv.new_zeros(qkv.shape[0], cfg.num_heads * cfg.head_dim)
-    step = indexer.step_inputs(attn, positions)
+    step = indexer.step_inputs(attn)
     if step is None:
         return out
     meta, cache = step

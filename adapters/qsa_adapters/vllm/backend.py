@@ -1,10 +1,10 @@
-"""The vLLM attention backend of QSA layers: batch order, per-group step records, layouts.
+"""The vLLM attention backend of QSA layers: batch order, the step record, layouts.
 
-QSA layers run `qsa_core` themselves, so the backend has no `AttentionImpl`. Its builder
-asks vLLM to put decodes first (`reorder_batch_threshold` = 1 + speculative tokens) and
-returns a `QSAStepMetadata` per KV-cache group. A QSA layer resolves its group's record
-with the ring group's into one `QSAForwardMetadata`, built once per step and shared by
-every layer with the same cache geometry.
+QSA layers run `qsa_core` themselves, so the backend has no `AttentionImpl`. vLLM calls one
+builder per KV-cache group and step: the main group's (main K/V + compressed keys: block
+table, slot mapping, positions) and the ring group's (one ring block per request). The two
+halves meet in one `QSAStep` per step; the builder call that completes it maps the step onto
+the core's record, once, before any layer runs. Every layer then reads that record.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from qsa_core import QSAForwardMetadata
@@ -32,35 +32,87 @@ BACKEND_NAME = "QSA_CORE"
 
 
 @dataclass
-class QSAStepMetadata(AttentionMetadata):
-    """One KV-cache group's record of a step, as vLLM hands it to each layer of the group."""
+class QSAStep:
+    """One scheduler step's two halves and, once both are in, its core record per geometry."""
 
-    common: CommonAttentionMetadata
-    builder: "QSAStepMetadataBuilder"
-    _resolved: dict = field(default_factory=dict, repr=False)
+    main: CommonAttentionMetadata | None = None
+    ring_block_table: torch.Tensor | None = None  # int32 [>= R, 1]
+    records: dict[PagedGeometry, QSAForwardMetadata] = field(default_factory=dict)
 
-    def resolve(
-        self, ring: "QSAStepMetadata", geometry: PagedGeometry, rope_positions: torch.Tensor
-    ) -> QSAForwardMetadata:
-        """The step's `QSAForwardMetadata` from this (main) group and the ring group.
-
-        Built on the first call and reused by every later layer of the step that shares
-        the geometry. rope_positions: the model's positions, int64 [>= T] or [3, >= T].
-        """
-        key = (geometry, id(ring))
-        if key not in self._resolved:
-            self._resolved[key] = self.builder.mapper(geometry).map(
-                self.common,
-                ring.common.block_table_tensor,
-                decode_threshold=self.builder.reorder_batch_threshold,
-                rope_positions=rope_positions,
+    def record(self, geometry: PagedGeometry) -> QSAForwardMetadata:
+        if geometry not in self.records:
+            raise RuntimeError(
+                "QSA step record missing: vLLM built the main and ring KV-cache groups' metadata "
+                f"for different steps (or not both); geometry {geometry}"
             )
-        return self._resolved[key]
+        return self.records[geometry]
+
+
+@dataclass
+class QSAStepMetadata(AttentionMetadata):
+    """What vLLM hands each layer of a group: the step both groups' builders share."""
+
+    step: QSAStep
+
+
+class QSAStepPairing:
+    """Joins the main and ring groups' builds of a step into one `QSAStep` (one per engine)."""
+
+    _by_engine: ClassVar[dict[int, "QSAStepPairing"]] = {}
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.decode_threshold = 1
+        self.mappers: dict[PagedGeometry, QSAMetadataMapper] = {}
+        self.device = device
+        self.current = QSAStep()
+        self._key: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig, device: torch.device) -> "QSAStepPairing":
+        key = id(vllm_config.compilation_config.static_forward_context)
+        if key not in cls._by_engine:
+            cls._by_engine[key] = cls(vllm_config, device)
+        return cls._by_engine[key]
+
+    def geometries(self) -> set[PagedGeometry]:
+        """The paged geometries of the engine's bound QSA layers (one in practice)."""
+        context = self.vllm_config.compilation_config.static_forward_context
+        found = set()
+        for layer in context.values():
+            indexer = getattr(layer, "indexer", None)
+            if indexer is not None and getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel():
+                found.add(indexer.layer_cache(layer.kv_cache)[1])
+        return found
+
+    def add(self, common: CommonAttentionMetadata, *, is_ring: bool) -> QSAStep:
+        """Record one group's half; the half that completes the step builds its records.
+
+        Both halves of a step carry the same `query_start_loc` tensor (vLLM copies one base
+        record per group), which identifies the step.
+        """
+        if self._key is not common.query_start_loc:
+            self.current, self._key = QSAStep(), common.query_start_loc
+        step = self.current
+        if is_ring:
+            step.ring_block_table = common.block_table_tensor
+        else:
+            step.main = common
+        if step.main is not None and step.ring_block_table is not None:
+            for geometry in self.geometries():
+                if geometry not in self.mappers:
+                    self.mappers[geometry] = QSAMetadataMapper(geometry, self.device)
+                step.records[geometry] = self.mappers[geometry].map(
+                    step.main, step.ring_block_table, decode_threshold=self.decode_threshold
+                )
+        return step
 
 
 class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
-    """Records each group's `CommonAttentionMetadata`; asks vLLM for decodes first."""
+    """Builds the step record in `build()`; asks vLLM for decodes first."""
 
+    # Today's core record is built into fresh tensors per step, which a replayed graph
+    # would not see: no graphs until the record lives in persistent buffers.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(
@@ -68,17 +120,15 @@ class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
-        self._mappers: dict[PagedGeometry, QSAMetadataMapper] = {}
-
-    def mapper(self, geometry: PagedGeometry) -> QSAMetadataMapper:
-        if geometry not in self._mappers:
-            self._mappers[geometry] = QSAMetadataMapper(geometry, self.device)
-        return self._mappers[geometry]
+        specs = getattr(kv_cache_spec, "kv_cache_specs", {"": kv_cache_spec})  # UniformTypeKVCacheSpecs
+        self.is_ring = all(isinstance(spec, CircularBufferSpec) for spec in specs.values())
+        self.pairing = QSAStepPairing.of(vllm_config, device)
+        self.pairing.decode_threshold = self.reorder_batch_threshold
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> QSAStepMetadata:
-        return QSAStepMetadata(common=common_attn_metadata, builder=self)
+        return QSAStepMetadata(step=self.pairing.add(common_attn_metadata, is_ring=self.is_ring))
 
 
 class QSACoreBackend(AttentionBackend):

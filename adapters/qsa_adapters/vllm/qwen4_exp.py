@@ -171,7 +171,7 @@ class QSACoreAttention(Qwen4ExpQSAAttention):
         return QSACoreBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return main_kv_spec(vllm_config, self.indexer.qsa_config, self.kv_cache_torch_dtype)
+        return main_kv_spec(vllm_config, self.indexer.qsa_config, self.kv_cache_torch_dtype, self.indexer.index_dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
