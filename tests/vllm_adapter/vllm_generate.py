@@ -8,7 +8,7 @@ OUT_JSON: {"tokens": [[ids]], "cached_tokens": [prompt tokens served from the pr
 "logprobs": [[{token: log-prob} of the k most likely tokens at each generated position]] (with k)}.
 With "record_steps" the model runs in this process and every step's vLLM metadata (the main
 group's `CommonAttentionMetadata` fields, the ring group's block table) and the adapter's
-core record are saved there (torch.save, a list of dicts).
+core record (the plan's metadata) are saved there (torch.save, a list of dicts).
 """
 
 import json
@@ -66,7 +66,8 @@ def record_steps(steps: list[dict]) -> None:
         if step.records and step is not last[0]:
             last[0] = step
             main = step.main
-            (geometry, meta), = step.records.items()
+            (geometry, plan), = step.records.items()
+            meta = plan.meta
             steps.append({
                 "common": {k: (v.clone() if hasattr(v, "clone") else v) for k, v in {
                     "query_start_loc_cpu": main.query_start_loc_cpu, "seq_lens": main.seq_lens,
@@ -76,7 +77,8 @@ def record_steps(steps: list[dict]) -> None:
                     "max_seq_len": main.max_seq_len}.items()},
                 "ring_block_table": step.ring_block_table.clone(),
                 "geometry": geometry.__dict__,
-                "meta": {k: (v.clone() if hasattr(v, "clone") else v) for k, v in meta.__dict__.items()},
+                "meta": {**{k: (v.clone() if hasattr(v, "clone") else v) for k, v in meta.__dict__.items()},
+                         "num_tokens": meta.num_tokens, "num_reqs": meta.num_reqs},
             })
         return step
 

@@ -20,8 +20,7 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from qsa_core import ops
-from qsa_core.layer import GemmaRMSNorm
+from qsa_core import GemmaRMSNorm, qsa_attention
 
 from .backend import QSACoreBackend
 from .cache import main_kv_spec
@@ -88,7 +87,7 @@ class QSAAttentionLayer(nn.Module, AttentionLayerBase):
         return main_kv_spec(vllm_config, self.qsa_config, self.kv_dtype, self.indexer.index_dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = torch.cat((self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)), dim=-1)
+        qkv = (self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states))
         return self.o_proj(run_core_attention(self, self.indexer, positions, self.indexer.index_qk_proj(hidden_states), qkv))
 
 
@@ -97,27 +96,25 @@ def run_core_attention(
     indexer: QSAIndexer,
     positions: torch.Tensor,
     projected_qk: torch.Tensor,
-    qkv: torch.Tensor,
+    qkv: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     selection_buffer: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The gated attention output [N, Hq*D] of a QSA layer from its projections (o_proj not applied).
+    """The gated attention output [N, Hq*D] of a QSA layer from its projections (o_proj not
+    applied): the core's indexer half, then its attention half into the output.
 
-    projected_qk [N, (Hi+1)*Di]; qkv [N, Hq*2D + 2*Hkv*D] (per head [q | gate], k, v);
-    selection_buffer int32 [>= T, W + 1] receives the selection (MTP steps with
-    `indexer.skip_topk` reuse it). Rows past the step's T and steps without metadata give 0.
+    projected_qk [N, (Hi+1)*Di]; qkv: fused [N, Hq*2D + 2*Hkv*D] (per head [q | gate], k, v)
+    or the (q_gate, k, v) tuple; selection_buffer int32 [>= T, W + 1] receives the selection
+    (MTP steps with `indexer.skip_topk` reuse it). Rows past the step's T and steps without
+    metadata give 0.
     """
     cfg = indexer.qsa_config
-    out = qkv.new_zeros(qkv.shape[0], cfg.num_heads * cfg.head_dim)
+    n = projected_qk.shape[0]
+    out = projected_qk.new_zeros(n, cfg.num_heads * cfg.head_dim)
     step = indexer.step_inputs(attn)
     if step is None:
         return out
-    meta, cache = step
-    T = meta.num_tokens
-    selection, (q, gate) = indexer(
-        projected_qk, positions, None if selection_buffer is None else selection_buffer[:T], attn=attn, qkv=qkv
-    )
-    out[:T] = ops.sparse_attention(
-        q, gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens, selection,
-        softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
-    )
+    plan, cache = step
+    selection = None if selection_buffer is None else selection_buffer[: plan.num_tokens]
+    _, indexed = indexer(projected_qk, positions, selection, attn=attn, qkv=qkv)
+    qsa_attention(plan, indexed, cache, out=out)
     return out

@@ -4,7 +4,8 @@ QSA layers run `qsa_core` themselves, so the backend has no `AttentionImpl`. vLL
 builder per KV-cache group and step: the main group's (main K/V + compressed keys: block
 table, slot mapping, positions) and the ring group's (one ring block per request). The two
 halves meet in one `QSAStep` per step; the builder call that completes it maps the step onto
-the core's record, once, before any layer runs. Every layer then reads that record.
+the core's `QSAStepInputs` and plans it (`QSAPlanner.plan`), once, before any layer runs.
+Every layer then launches on that plan.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from qsa_core import QSAForwardMetadata
+from qsa_core import QSAConfig, QSAPlan
 
 from .metadata import PagedGeometry, QSAMetadataMapper
 
@@ -33,13 +34,13 @@ BACKEND_NAME = "QSA_CORE"
 
 @dataclass
 class QSAStep:
-    """One scheduler step's two halves and, once both are in, its core record per geometry."""
+    """One scheduler step's two halves and, once both are in, its plan per geometry."""
 
     main: CommonAttentionMetadata | None = None
     ring_block_table: torch.Tensor | None = None  # int32 [>= R, 1]
-    records: dict[PagedGeometry, QSAForwardMetadata] = field(default_factory=dict)
+    records: dict[PagedGeometry, QSAPlan] = field(default_factory=dict)
 
-    def record(self, geometry: PagedGeometry) -> QSAForwardMetadata:
+    def record(self, geometry: PagedGeometry) -> QSAPlan:
         if geometry not in self.records:
             raise RuntimeError(
                 "QSA step record missing: vLLM built the main and ring KV-cache groups' metadata "
@@ -64,6 +65,10 @@ class QSAStepPairing:
         self.vllm_config = vllm_config
         self.decode_threshold = 1
         self.mappers: dict[PagedGeometry, QSAMetadataMapper] = {}
+        # planner sizes (the mapper plans larger if a step exceeds them)
+        self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        model = vllm_config.model_config
+        self.max_model_len = model.max_model_len if model is not None else self.max_num_tokens
         self.device = device
         self.current = QSAStep()
         self._key: torch.Tensor | None = None
@@ -75,18 +80,19 @@ class QSAStepPairing:
             cls._by_engine[key] = cls(vllm_config, device)
         return cls._by_engine[key]
 
-    def geometries(self) -> set[PagedGeometry]:
-        """The paged geometries of the engine's bound QSA layers (one in practice)."""
+    def geometries(self) -> dict[PagedGeometry, tuple[QSAConfig, torch.dtype]]:
+        """The paged geometries of the engine's bound QSA layers (one in practice), each with
+        its layers' config and model dtype."""
         context = self.vllm_config.compilation_config.static_forward_context
-        found = set()
+        found = {}
         for layer in context.values():
             indexer = getattr(layer, "indexer", None)
             if indexer is not None and getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel():
-                found.add(indexer.layer_cache(layer.kv_cache)[1])
+                found[indexer.layer_cache(layer.kv_cache)[1]] = (indexer.qsa_config, indexer.dtype)
         return found
 
     def add(self, common: CommonAttentionMetadata, *, is_ring: bool) -> QSAStep:
-        """Record one group's half; the half that completes the step builds its records.
+        """Record one group's half; the half that completes the step plans it (once per geometry).
 
         Both halves of a step carry the same `query_start_loc` tensor (vLLM copies one base
         record per group), which identifies the step.
@@ -99,9 +105,12 @@ class QSAStepPairing:
         else:
             step.main = common
         if step.main is not None and step.ring_block_table is not None:
-            for geometry in self.geometries():
+            for geometry, (config, dtype) in self.geometries().items():
                 if geometry not in self.mappers:
-                    self.mappers[geometry] = QSAMetadataMapper(geometry, self.device)
+                    self.mappers[geometry] = QSAMetadataMapper(
+                        geometry, config, dtype, self.device,
+                        max_num_tokens=self.max_num_tokens, max_model_len=self.max_model_len,
+                    )
                 step.records[geometry] = self.mappers[geometry].map(
                     step.main, step.ring_block_table, decode_threshold=self.decode_threshold
                 )
