@@ -6,8 +6,28 @@ and load when vLLM first asks for them.
 
 from __future__ import annotations
 
+import copyreg
+
 MODEL_MODULE = "qsa_adapters.vllm.qwen4_exp"
 ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP")
+
+
+def _reduce_backend(member):
+    from .backend import BACKEND_NAME
+
+    if member.name == BACKEND_NAME:
+        return _qsa_core_backend, ()
+    return type(member), (member.value,)
+
+
+def _qsa_core_backend():
+    """The QSA_CORE member, registered first where this runs (an unpickling process)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from .backend import BACKEND_NAME
+
+    register()
+    return AttentionBackendEnum[BACKEND_NAME]
 
 
 def register() -> None:
@@ -25,6 +45,10 @@ def register() -> None:
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, "qsa_adapters.vllm.backend.QSACoreBackend")
+        # vLLM's spawned engine processes unpickle the config (with `--attention-backend
+        # QSA_CORE` in it) before they load plugins, and a backend member added at run time
+        # does not exist there yet: pickle that member as "register, then look it up".
+        copyreg.pickle(AttentionBackendEnum, _reduce_backend)
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{arch}")
     config_hooks.install()
