@@ -109,12 +109,14 @@ def run_core_attention(
     """
     cfg = indexer.qsa_config
     n = projected_qk.shape[0]
-    out = projected_qk.new_zeros(n, cfg.num_heads * cfg.head_dim)
     step = indexer.step_inputs(attn)
     if step is None:
-        return out
+        return projected_qk.new_zeros(n, cfg.num_heads * cfg.head_dim)
     plan, cache = step
     selection = None if selection_buffer is None else selection_buffer[: plan.num_tokens]
     _, indexed = indexer(projected_qk, positions, selection, attn=attn, qkv=qkv)
+    if n == plan.num_tokens:  # vLLM's rows are the step's rows: the plan's workspace serves
+        return qsa_attention(plan, indexed, cache)
+    out = projected_qk.new_zeros(n, cfg.num_heads * cfg.head_dim)
     qsa_attention(plan, indexed, cache, out=out)
     return out

@@ -69,6 +69,7 @@ class QSAStepPairing:
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         model = vllm_config.model_config
         self.max_model_len = model.max_model_len if model is not None else self.max_num_tokens
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.device = device
         self.current = QSAStep()
         self._key: torch.Tensor | None = None
@@ -110,6 +111,7 @@ class QSAStepPairing:
                     self.mappers[geometry] = QSAMetadataMapper(
                         geometry, config, dtype, self.device,
                         max_num_tokens=self.max_num_tokens, max_model_len=self.max_model_len,
+                        max_num_reqs=self.max_num_reqs,
                     )
                 step.records[geometry] = self.mappers[geometry].map(
                     step.main, step.ring_block_table, decode_threshold=self.decode_threshold
@@ -118,11 +120,15 @@ class QSAStepPairing:
 
 
 class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
-    """Builds the step record in `build()`; asks vLLM for decodes first."""
+    """Plans the step in `build()`; asks vLLM for decodes first.
 
-    # Today's core record is built into fresh tensors per step, which a replayed graph
-    # would not see: no graphs until the record lives in persistent buffers.
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    CUDA graphs: every step is planned static (the plan's tensors live in the planner's
+    persistent buffers, refreshed in place by each build), and a uniform batch (decodes of
+    one query length; padding requests of length 0 and rows with slot -1 are inert) maps onto
+    a fixed schedule. Declared, not yet run under graphs (no vLLM on the GPU machine).
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(
         self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device

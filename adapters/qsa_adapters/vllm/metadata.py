@@ -89,15 +89,19 @@ class QSAMetadataMapper:
     """Maps one step's vLLM metadata onto a `QSAPlan` for one `PagedGeometry`.
 
     Owns the `QSAPlanner` of its geometry (config: the layer's `QSAConfig`, dtype: the
-    model dtype); the planner is rebuilt larger when a step exceeds its sizes (eager only).
+    model dtype). With `max_num_reqs` (an engine's mapper) every step is planned static:
+    its tensors are copied into the planner's persistent buffers, so a CUDA graph captured
+    on one uniform decode batch replays on the next; a step beyond the sizes is refused.
+    Without it (tests), the planner is rebuilt larger when a step exceeds its sizes.
     """
 
     def __init__(
         self, geometry: PagedGeometry, config: QSAConfig, dtype: torch.dtype, device: torch.device | str,
-        *, max_num_tokens: int = 256, max_model_len: int = 4096,
+        *, max_num_tokens: int = 256, max_model_len: int = 4096, max_num_reqs: int | None = None,
     ) -> None:
         self.geometry = geometry
         self.config, self.dtype, self.device = config, dtype, device
+        self.max_num_reqs = max_num_reqs
         self.planner = self._planner(max_num_tokens, max_model_len)
 
     def _planner(self, max_num_tokens: int, max_model_len: int) -> QSAPlanner:
@@ -105,6 +109,7 @@ class QSAMetadataMapper:
         return QSAPlanner(
             self.config, dtype=self.dtype, page_size=g.page_size, ring_capacity=g.ring_capacity,
             max_num_tokens=max_num_tokens, max_model_len=max_model_len, device=self.device,
+            max_num_reqs=self.max_num_reqs,
         )
 
     def step_inputs(
@@ -157,9 +162,9 @@ class QSAMetadataMapper:
         inputs = self.step_inputs(
             common, ring_block_table, decode_threshold=decode_threshold, rope_positions=rope_positions
         )
-        p = self.planner
-        if inputs.num_tokens > p.max_num_tokens or inputs.max_seq_len > p.max_model_len:
+        p, static = self.planner, self.max_num_reqs is not None
+        if not static and (inputs.num_tokens > p.max_num_tokens or inputs.max_seq_len > p.max_model_len):
             self.planner = self._planner(
                 max(inputs.num_tokens, p.max_num_tokens), max(inputs.max_seq_len, p.max_model_len)
             )
-        return self.planner.plan(inputs)
+        return self.planner.plan(inputs, static=static)
