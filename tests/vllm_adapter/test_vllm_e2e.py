@@ -44,7 +44,8 @@ def run_vllm(tmp_path, name: str, request: dict) -> dict:
     out = tmp_path / f"{name}.out.json"
     run = subprocess.run([sys.executable, DRIVER, str(tmp_path / f"{name}.json"), str(out)],
                          capture_output=True, text=True, timeout=420)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    errors = [line for line in run.stderr.splitlines() if "Error:" in line][-5:]
+    assert run.returncode == 0, "\n".join(errors) + "\n" + run.stderr[-4000:]
     return json.loads(out.read_text())
 
 

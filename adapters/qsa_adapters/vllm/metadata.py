@@ -61,9 +61,12 @@ def uniform_decode_split(query_start_loc_cpu: torch.Tensor, decode_threshold: in
     return (int(other[0, 0]) if other.numel() else qlens.numel()), q
 
 
-def core_block_table(block_table: torch.Tensor, num_reqs: int, geometry: PagedGeometry) -> torch.Tensor:
-    """int32 [R, P] core pages of vLLM's block table (rows past num_reqs dropped)."""
-    table = block_table[:num_reqs]
+def core_block_table(
+    block_table: torch.Tensor, num_reqs: int, geometry: PagedGeometry, max_pages: int | None = None
+) -> torch.Tensor:
+    """int32 [R, P] core pages of vLLM's block table (rows past num_reqs dropped; with
+    max_pages, columns past it too: vLLM sizes its table for the block size it started with)."""
+    table = block_table[:num_reqs, :max_pages]
     return table if geometry.page_scale == 1 else table * geometry.page_scale
 
 
@@ -139,7 +142,9 @@ class QSAMetadataMapper:
         return QSAStepInputs(
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
-            block_table=core_block_table(common.block_table_tensor, R, g),
+            block_table=core_block_table(
+                common.block_table_tensor, R, g, -(-self.planner.max_model_len // g.page_size)
+            ),
             slot_mapping=core_slot_mapping(common.slot_mapping, T, g),
             ring_index=core_ring_index(ring_block_table, R, g),
             rope_positions=rope_positions,
