@@ -222,3 +222,20 @@ def test_plugin_registers_backend_and_model_idempotently():
         assert ModelRegistry.models[arch].module_name == "qsa_adapters.vllm.qwen4_exp", arch
     assert "QSATinyForCausalLM" not in ModelRegistry.get_supported_archs()
     assert AttentionBackendEnum["QSA_CORE"].get_class() is QSACoreBackend
+
+
+@pytest.mark.parametrize("setting, match", [
+    ({"cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not served yet"),
+    ({"mrope_section": [8, 4, 4]}, r"MRoPE \(rope_parameters.mrope_section\) is not served yet"),
+])
+def test_unserved_settings_are_refused_by_name(stack, setting, match):
+    """fp8 main KV and MRoPE: refused when the core-backed layer is built, naming the setting."""
+    from qsa_adapters.vllm.qwen4_exp import check_supported
+
+    hf = tiny_config()
+    if "mrope_section" in setting:
+        hf.rope_parameters = dict(hf.rope_parameters, mrope_section=setting["mrope_section"], mrope_interleaved=True)
+    cache = CacheConfig(block_size=PAGE, enable_prefix_caching=False, cache_dtype=setting.get("cache_dtype", "auto"))
+    vc = VllmConfig(model_config=stack.vllm_config.model_config, cache_config=cache)
+    with set_current_vllm_config(vc), pytest.raises(NotImplementedError, match=match):
+        check_supported(vc, hf)
