@@ -1,4 +1,5 @@
-"""`QSAAttentionLayer`: a QSA attention layer for vLLM models, built on `QSAIndexer`.
+"""The one place the vLLM adapter calls the core's layer (`run_core_attention`), and
+`QSAAttentionLayer`: a QSA attention layer for other vLLM models, built on `QSAIndexer`.
 
 Checkpoint names under `prefix` (normally `model.layers.N.self_attn`) are the HF ones:
 q_proj (per head [q | gate]), k_proj, v_proj, o_proj, q_norm, k_norm and

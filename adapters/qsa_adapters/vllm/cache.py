@@ -95,7 +95,7 @@ def ring_spec(vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype) ->
 
 
 class QSASideCache(nn.Module, AttentionLayerBase):
-    """A QSA side cache that vLLM allocates and binds: the raw-key ring or the compressed keys.
+    """The QSA side cache that vLLM allocates and binds per layer: the raw-key ring.
 
     Registers itself in `static_forward_context[prefix]`. Its spec is made by
     `make_spec(vllm_config)` each time vLLM asks, so it follows the block size vLLM has

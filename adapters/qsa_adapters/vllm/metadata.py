@@ -1,8 +1,8 @@
 """vLLM's per-step `CommonAttentionMetadata` (+ the ring group's block table) -> `QSAStepInputs` -> `QSAPlan`.
 
-vLLM hands each KV-cache group its own `CommonAttentionMetadata`: the main K/V and the
-compressed keys share one group (one block table and slot mapping); the raw-key rings
-live in a group of their own with one block per request. This module maps the two onto the core's
+vLLM hands each KV-cache group its own `CommonAttentionMetadata`: the main K/V pages (which
+hold the compressed keys too) are one group (one block table and slot mapping); the raw-key
+rings live in a group of their own with one block per request. This module maps the two onto the core's
 step inputs. It derives nothing QSA itself: `QSAPlanner` does that.
 
 Index maps (`PagedGeometry`): vLLM may pack several layers' pages into one block (block
