@@ -239,3 +239,23 @@ def test_unserved_settings_are_refused_by_name(stack, setting, match):
     vc = VllmConfig(model_config=stack.vllm_config.model_config, cache_config=cache)
     with set_current_vllm_config(vc), pytest.raises(NotImplementedError, match=match):
         check_supported(vc, hf)
+
+
+def test_specs_follow_the_block_size_vllm_settles_on(stack):
+    """SPEC trap 11: vLLM raises the block size of hybrid models after the model is built; the
+    main page (with its compressed rows) and the ring are specified from the size asked with."""
+    layer = stack.layers[0]
+    vc = stack.vllm_config
+    for block_size in (16, 144, 272):
+        cache = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+        asked = VllmConfig(model_config=vc.model_config, cache_config=cache)
+        main = layer.get_kv_cache_spec(asked)
+        ring = layer.indexer.raw_key_cache.get_kv_cache_spec(asked)
+        kv_bytes = block_size * 2 * 2 * 64 * 4  # Hkv 2, K and V of D 64, fp32
+        assert main.block_size == block_size
+        assert main.page_size_bytes == kv_bytes + block_size // 4 * 64 * 4  # + page/r rows of Di 64
+        assert ring.block_size == 4 and block_size % ring.block_size == 0
+    with pytest.raises(ValueError, match="block_size \\(18\\) must be a multiple of compress_ratio"):
+        layer.get_kv_cache_spec(VllmConfig(model_config=vc.model_config, cache_config=CacheConfig(
+            block_size=18, enable_prefix_caching=False)))
+    layer.indexer.raw_key_cache.get_kv_cache_spec(vc)  # the bound caches' spec again

@@ -84,14 +84,19 @@ def compressed_view(kv_cache: torch.Tensor, config: QSAConfig, index_dtype: torc
 
 
 def ring_spec(vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype) -> CircularBufferSpec:
-    """Raw-key ring: one block of C = r * ceil((r + num_spec) / r) rows of Di per request."""
-    return CircularBufferSpec(
-        block_size=ring_capacity(config.compress_ratio, speculative_tokens(vllm_config)),
-        num_kv_heads=1,
-        head_size=config.index_head_dim,
-        head_size_v=0,
-        dtype=dtype,
-    )
+    """Raw-key ring: one block of C = r * ceil((r + num_spec) / r) rows of Di per request.
+
+    C must divide the block size vLLM has settled on: the ring's block size joins the least
+    common multiple that sets the scheduler's block size.
+    """
+    C = ring_capacity(config.compress_ratio, speculative_tokens(vllm_config))
+    block_size = vllm_config.cache_config.block_size
+    if block_size % C:
+        raise ValueError(
+            f"cache_config.block_size ({block_size}) must be a multiple of the QSA ring capacity {C} "
+            f"(r = {config.compress_ratio}, {speculative_tokens(vllm_config)} speculative tokens)"
+        )
+    return CircularBufferSpec(block_size=C, num_kv_heads=1, head_size=config.index_head_dim, head_size_v=0, dtype=dtype)
 
 
 class QSASideCache(nn.Module, AttentionLayerBase):
