@@ -72,6 +72,7 @@ class QSAStepPairing:
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.device = device
         self.current = QSAStep()
+        self._geometries: dict[PagedGeometry, tuple[QSAConfig, torch.dtype]] = {}
         self._key: torch.Tensor | None = None
 
     @classmethod
@@ -83,14 +84,15 @@ class QSAStepPairing:
 
     def geometries(self) -> dict[PagedGeometry, tuple[QSAConfig, torch.dtype]]:
         """The paged geometries of the engine's bound QSA layers (one in practice), each with
-        its layers' config and model dtype."""
-        context = self.vllm_config.compilation_config.static_forward_context
-        found = {}
-        for layer in context.values():
-            indexer = getattr(layer, "indexer", None)
-            if indexer is not None and getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel():
-                found[indexer.layer_cache(layer.kv_cache)[1]] = (indexer.qsa_config, indexer.dtype)
-        return found
+        its layers' config and model dtype. Found at the first step (vLLM binds the caches
+        once, before it) and kept."""
+        if not self._geometries:
+            context = self.vllm_config.compilation_config.static_forward_context
+            for layer in context.values():
+                indexer = getattr(layer, "indexer", None)
+                if indexer is not None and getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel():
+                    self._geometries[indexer.layer_cache(layer.kv_cache)[1]] = (indexer.qsa_config, indexer.dtype)
+        return self._geometries
 
     def add(self, common: CommonAttentionMetadata, *, is_ring: bool) -> QSAStep:
         """Record one group's half; the half that completes the step plans it (once per geometry).
