@@ -167,7 +167,7 @@ class QSACoreBackend(AttentionBackend):
         if rows < n:
             raise ValueError(f"layer {layer.layer_id}: q has {rows} rows, the step metadata {n}")
         config = self._layer_config(layer)
-        if config != plan.config:
+        if config is not plan.config:
             raise NotImplementedError(
                 f"layer {layer.layer_id}: attention-TP-sharded heads ({layer.tp_q_head_num} of {self.config.num_heads}) "
                 "need a planner built with this rank's heads"
@@ -189,7 +189,8 @@ class QSACoreBackend(AttentionBackend):
                 raise ValueError(f"layer {layer.layer_id}: head_dim must be {self.config.head_dim}, got {layer.head_dim}")
             fields = self.config.model_dump()
             fields.update(num_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num)
-            self._layer_configs[key] = QSAConfig(**fields)
+            same = (fields["num_heads"], fields["num_kv_heads"]) == (self.config.num_heads, self.config.num_kv_heads)
+            self._layer_configs[key] = self.config if same else QSAConfig(**fields)
         return self._layer_configs[key]
 
     def _cache(self, layer, config: QSAConfig):
