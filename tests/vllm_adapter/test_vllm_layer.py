@@ -114,13 +114,16 @@ def stack():
 def test_packed_views_and_geometry(stack):
     layer = stack.layers[0]
     cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
-    # one block holds 2 layers x (main page + compressed page): the core's paged views keep
+    # one block holds 2 layers x (main page + its compressed rows): the core's paged views keep
     # vLLM's block strides, core page = vLLM block
     assert (geometry.page_size, geometry.ring_capacity, geometry.page_scale, geometry.ring_stride) == (PAGE, 4, 1, 1)
-    comp, ring = layer.indexer.compressed_key_cache.kv_cache, layer.indexer.raw_key_cache.kv_cache
-    assert cache.compressed.stride(0) == comp.stride(0) > cache.compressed.shape[1] * cache.compressed.shape[2]
+    kv, ring = layer.kv_cache, layer.indexer.raw_key_cache.kv_cache
+    kv_bytes = PAGE * 2 * 2 * 64 * 4  # [Hkv 2, page, 2D 128] fp32
+    assert cache.compressed.shape[1:] == (PAGE // 4, 64)
+    assert cache.compressed.stride(0) * 4 == kv.stride(0) * 4 > kv_bytes  # the same block stride (bytes)
+    assert cache.compressed.data_ptr() == kv.data_ptr() + kv_bytes  # right behind the block's K/V
     assert cache.ring.stride(0) == ring.stride(0) and cache.ring.data_ptr() == ring.data_ptr()
-    assert cache.k.data_ptr() == layer.kv_cache.data_ptr() and cache.compressed.data_ptr() == comp.data_ptr()
+    assert cache.k.data_ptr() == kv.data_ptr()
 
 
 def test_layers_match_the_core_runner_over_vllm_caches(stack):
