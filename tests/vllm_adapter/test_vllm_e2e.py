@@ -175,21 +175,18 @@ def test_core_record_of_every_real_vllm_step(fp32_run):
         assert torch.equal(meta["positions"][:real], pos)  # vLLM's own positions
         assert (meta["positions"][real:] == -1).all() and (meta["visible_blocks"][real:] == 0).all()
         assert torch.equal(meta["visible_blocks"][:real].long(), torch.minimum((pos + 1) // r, seq[req] // r))
-        # vLLM's slot of each row, renumbered to the core's pages (block * page_scale)
-        slots = c["slot_mapping"][:T]
-        page, scale = g["page_size"], g["page_scale"]
-        core = torch.where(slots >= 0, (slots // page) * scale * page + slots % page, -1)
+        core = c["slot_mapping"][:T]  # vLLM's slot of each row: core page = vLLM block
         assert torch.equal(meta["slot_mapping"], core)
         closes = torch.zeros(T, dtype=torch.bool)
         closes[:real] = (pos + 1) % r == 0
         assert torch.equal(meta["compressed_slot"], torch.where(closes & (core >= 0), core // r, -1))
         C = g["ring_capacity"]
-        ring_row = step["ring_block_table"][:R, 0].long() * g["ring_stride"]
+        ring_row = step["ring_block_table"][:R, 0].long()
         last_c = torch.arange(real) >= (qsl[1:][req] - C)
         want_ring = torch.where(last_c, ring_row[req] * C + pos % C, -1)
         assert torch.equal(meta["ring_slot"][:real], want_ring)
         P = meta["block_table"].shape[1]  # the columns max_model_len can use
-        assert torch.equal(meta["block_table"][:R], c["block_table"][:R, :P] * scale)
+        assert torch.equal(meta["block_table"][:R], c["block_table"][:R, :P])
         decodes = int((torch.cumprod((qlen == 1).int(), 0)).sum())
         assert meta["num_decodes"] == decodes
         kinds.add("decode" if decodes == R else "prefill" if decodes == 0 else "mixed")

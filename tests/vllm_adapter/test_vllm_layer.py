@@ -116,7 +116,7 @@ def test_packed_views_and_geometry(stack):
     cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
     # one block holds 2 layers x (main page + its compressed rows): the core's paged views keep
     # vLLM's block strides, core page = vLLM block
-    assert (geometry.page_size, geometry.ring_capacity, geometry.page_scale, geometry.ring_stride) == (PAGE, 4, 1, 1)
+    assert (geometry.page_size, geometry.ring_capacity) == (PAGE, 4)
     kv, ring = layer.kv_cache, layer.indexer.raw_key_cache.kv_cache
     kv_bytes = PAGE * 2 * 2 * 64 * 4  # [Hkv 2, page, 2D 128] fp32
     assert cache.compressed.shape[1:] == (PAGE // 4, 64)
@@ -144,7 +144,7 @@ def test_layers_match_the_core_runner_over_vllm_caches(stack):
         for req in range(meta.num_reqs):
             n = int(meta.seq_lens[req])
             pages = meta.block_table[req, : -(-n // PAGE)].long()
-            vpages = common.block_table_tensor[req, : len(pages)].long() * geometry.page_scale
+            vpages = common.block_table_tensor[req, : len(pages)].long()
             torch.testing.assert_close(cache.k[vpages].flatten(0, 1)[:n], core_cache.k[pages].flatten(0, 1)[:n])
             torch.testing.assert_close(cache.v[vpages].flatten(0, 1)[:n], core_cache.v[pages].flatten(0, 1)[:n])
             torch.testing.assert_close(cache.compressed[vpages].flatten(0, 1)[: n // 4],

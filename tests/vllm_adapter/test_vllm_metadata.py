@@ -15,7 +15,6 @@ from qsa_adapters.vllm.backend import QSACoreBackend, QSAStepMetadata, QSAStepMe
 from qsa_adapters.vllm.metadata import (  # noqa: E402
     PagedGeometry,
     QSAMetadataMapper,
-    core_slot_mapping,
     uniform_decode_split,
 )
 from qsa_core import QSAAttention, QSAConfig  # noqa: E402
@@ -38,9 +37,9 @@ def make_runner(num_spec=0):
                   num_speculative_tokens=num_spec)
 
 
-def mapper(num_spec=0, **kw):
+def mapper(num_spec=0):
     C = 4 * -(-(4 + num_spec) // 4)
-    geometry = PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=C, **kw)
+    geometry = PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=C)
     return QSAMetadataMapper(geometry, CONFIG, torch.float32, "cpu")
 
 
@@ -108,34 +107,6 @@ def test_padded_mixed_batch_and_spec_decode_length():
     assert (ref.num_decodes, ref.decode_query_len) == (2, 3)
     common, ring = common_metadata(ref, pad_reqs=2)
     assert_same(m.map(common, ring, decode_threshold=3).meta, ref, num_reqs=3)
-
-
-def test_packed_blocks_scale_pages_and_ring_rows():
-    """page_scale / ring_stride renumber pages and rings; per-row fields do not change."""
-    runner = make_runner()
-    run(runner, {"a": 37, "b": 11})
-    ref = run(runner, {"b": 1, "a": 30, "c": 20}, padding=2)
-    common, ring = common_metadata(ref, block_offset=1)
-    plain = mapper().map(common, ring).meta
-    packed = mapper(page_scale=5, ring_stride=7).map(common, ring).meta
-    assert torch.equal(packed.block_table, plain.block_table * 5)
-    assert torch.equal(packed.ring_index, plain.ring_index * 7)
-    s = plain.slot_mapping
-    want = torch.where(s >= 0, (s // PAGE) * 5 * PAGE + s % PAGE, -1)
-    assert torch.equal(packed.slot_mapping, want)
-    assert torch.equal(packed.compressed_slot, torch.where(plain.compressed_slot >= 0, want // 4, -1))
-    C = plain.ring_capacity
-    live = plain.ring_slot >= 0
-    assert torch.equal(packed.ring_slot[live], plain.ring_index.long()[plain.token_to_req[live]] * 7 * C
-                       + plain.positions[live] % C)
-    for name in ("token_to_req", "positions", "visible_blocks"):
-        assert torch.equal(getattr(packed, name), getattr(plain, name)), name
-
-
-def test_core_slot_mapping_keeps_padding():
-    g = PagedGeometry(compress_ratio=4, page_size=16, ring_capacity=4, page_scale=3)
-    slots = torch.tensor([0, 15, 16, 47, -1], dtype=torch.int64)
-    assert core_slot_mapping(slots, 5, g).tolist() == [0, 15, 48, 47 + 2 * 2 * 16, -1]
 
 
 @pytest.mark.parametrize("qsl, threshold, want", [
