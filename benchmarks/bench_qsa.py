@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from qsa_core import QSAConfig, QSALayerCache, QSAMetadataBuilder, ops, qsa_attend, qsa_select
-from qsa_core.cache import ring_capacity
-from qsa_core.config import resolve_dtype
-from qsa_core.layer import QSANormWeights
+from qsa_core import (
+    QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlanner, QSAStepInputs, ops, qsa_attention,
+    qsa_indexer, qsa_select, ring_capacity,
+)
 from qsa_core.reference import qsa_select_decode as ref_select, qsa_sparse_attention as ref_attention
 from qsa_core.reference.select import compressed_rows, group_scores
 
@@ -77,7 +77,9 @@ class Step:
         slots = self.block_table.long()[:, pos // PAGE] * PAGE + pos % PAGE
         T = batch * rows
         decode = rows <= 4
-        self.meta = QSAMetadataBuilder(cfg.compress_ratio, PAGE, C, DEV).build(
+        planner = QSAPlanner(cfg, dtype=BF16, page_size=PAGE, ring_capacity=C, max_num_tokens=T,
+                             max_model_len=context, device=DEV)
+        self.plan = planner.plan(QSAStepInputs(
             query_start_loc=torch.arange(0, T + 1, rows, device=DEV, dtype=torch.int32),
             seq_lens=torch.full((batch,), context, device=DEV, dtype=torch.int32),
             block_table=self.block_table,
@@ -87,43 +89,38 @@ class Step:
             decode_query_len=rows if decode else 1,
             max_query_len=rows,
             max_seq_len=context,
-        )
+        ))
+        self.meta = self.plan.meta
         Hi, Hq = cfg.index_n_heads, cfg.num_heads
         self.index_qk = torch.randn(T, (Hi + 1) * Di, device=DEV, dtype=BF16)
         self.q_gate = torch.randn(T, Hq * 2 * D, device=DEV, dtype=BF16)
         self.k = torch.randn(T, Hkv * D, device=DEV, dtype=BF16)
         self.v = torch.randn(T, Hkv * D, device=DEV, dtype=BF16)
         self.norms = QSANormWeights(*(torch.randn(n, device=DEV) * 0.1 for n in (Di, Di, D, D)))
-        self.inv_freq = cfg.inv_freq().to(DEV)
-        self.rope_axes = cfg.rope_axes().to(DEV)
         self.selection = torch.empty(T, cfg.packed_width, dtype=torch.int32, device=DEV)
         self.q_idx, self.q, self.gate = self.prepare()
 
     def prepare(self):
-        cfg = CONFIG
+        cfg, plan = CONFIG, self.plan
         Hi, Di = cfg.index_n_heads, cfg.index_head_dim
         return ops.prepare(
             self.index_qk[:, : Hi * Di], self.index_qk[:, Hi * Di :], self.q_gate, self.k, self.v,
             self.meta.rope_positions, index_q_norm=self.norms.index_q, index_k_norm=self.norms.index_k,
-            q_norm=self.norms.q, k_norm=self.norms.k, eps=cfg.rms_norm_eps, inv_freq=self.inv_freq,
-            rope_axes=self.rope_axes, index_dtype=resolve_dtype(cfg.index_dtype, BF16),
-            cache=self.cache, meta=self.meta,
+            q_norm=self.norms.q, k_norm=self.norms.k, eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq,
+            rope_axes=plan.rope_axes, index_dtype=plan.index_dtype, cache=self.cache, meta=self.meta,
+            q_idx_out=plan.schedule.q_idx, q_out=plan.schedule.q, backend=plan.backend,
         )
 
     def select(self):
-        return qsa_select(CONFIG, self.q_idx, self.meta, self.cache, self.selection)
+        return qsa_select(self.plan, self.q_idx, self.cache, out=self.selection)
 
     def attention(self):
-        return ops.sparse_attention(
-            self.q, self.gate, self.cache.k, self.cache.v, self.meta.block_table, self.meta.token_to_req,
-            self.meta.seq_lens, self.selection, softmax_scale=CONFIG.softmax_scale,
-        )
+        return qsa_attention(self.plan, QSAIndexed(self.selection, self.q, self.gate), self.cache)
 
     def full(self):
-        return qsa_attend(
-            CONFIG, self.norms, self.inv_freq, self.rope_axes, self.index_qk, self.q_gate, self.k, self.v,
-            self.meta, self.cache, selection_out=self.selection,
-        )
+        indexed = qsa_indexer(self.plan, self.norms, self.index_qk, self.q_gate, self.k, self.v, self.cache,
+                              selection_out=self.selection)
+        return qsa_attention(self.plan, indexed, self.cache)
 
     def check(self, rows: int = 2) -> str:
         """Kernel vs reference on request 0's first rows: selected scores and attention."""
@@ -134,7 +131,7 @@ class Step:
         ref_blocks = torch.empty(rows, Kb, dtype=torch.int32, device=DEV)
         ref_select(self.q_idx[:rows], self.cache.compressed, self.meta.block_table,
                    self.meta.token_to_req[:rows], self.meta.visible_blocks[:rows], page_size=PAGE,
-                   compress_ratio=4, block_topk=Kb, max_seq_len=self.context, out=ref_blocks)
+                   compress_ratio=4, block_topk=Kb, out=ref_blocks)
         vis = int(self.meta.visible_blocks[:rows].max())
         keys = self.cache.compressed[compressed_rows(self.meta.block_table, 0, vis, PAGE, 4)]
         scores = group_scores(self.q_idx[:rows], keys)

@@ -24,6 +24,12 @@ def ring_capacity(compress_ratio: int, num_speculative_tokens: int = 0) -> int:
     return r * math.ceil((r + num_speculative_tokens) / r)
 
 
+def check_page_size(page_size: int, compress_ratio: int) -> None:
+    """Main KV pages must hold whole groups (compressed rows are page-aligned)."""
+    if page_size <= 0 or page_size % compress_ratio:
+        raise ValueError(f"page_size ({page_size}) must be a positive multiple of compress_ratio ({compress_ratio})")
+
+
 @dataclass
 class QSALayerCache:
     """The three caches of one QSA layer (views; the owner may be an engine)."""
@@ -55,18 +61,11 @@ class QSACacheLayout(BaseModel):
     def ring_capacity(self, config: QSAConfig) -> int:
         return ring_capacity(config.compress_ratio, self.num_speculative_tokens)
 
-    def check(self, config: QSAConfig) -> None:
-        if self.page_size % config.compress_ratio:
-            raise ValueError(
-                f"page_size ({self.page_size}) must be a multiple of compress_ratio "
-                f"({config.compress_ratio})"
-            )
-
     def allocate(
         self, config: QSAConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> list[QSALayerCache]:
         """Allocate all caches; main K/V live side by side in one page buffer per layer."""
-        self.check(config)
+        check_page_size(self.page_size, config.compress_ratio)
         kv_dtype = resolve_dtype(config.kv_cache_dtype, dtype)
         index_dtype = resolve_dtype(config.index_dtype, dtype)
         C = self.ring_capacity(config)

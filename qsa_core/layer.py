@@ -1,17 +1,23 @@
-"""`QSAAttention`: a whole QSA layer on the op API (weights named as in the HF checkpoint)."""
+"""A QSA layer as two launch-only halves on a step's `QSAPlan`, and `QSAAttention` on them.
+
+`qsa_indexer` (prepare, select, expand) writes the step's K/V, ring rows and compressed keys
+and returns the selection with the attention's q and gate; `qsa_attention` (sparse attention
+and gate) writes the gated output. Engines with their own projection layers call the two
+halves directly; `QSAAttention` is the whole layer with HF weight names.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from . import ops
 from .cache import QSALayerCache
-from .config import QSAConfig, resolve_dtype
-from .metadata import QSAForwardMetadata
+from .config import QSAConfig
+from .planner import QSAPlan
 
 
 class GemmaRMSNorm(nn.Module):
@@ -37,9 +43,9 @@ class QSAIndexerWeights(nn.Module):
 class QSAAttention(nn.Module):
     """One QSA layer: projections, indexer, selection, sparse attention, output gate, o_proj.
 
-    `forward(hidden [T, hidden_size], meta, cache) -> [T, hidden_size]`. The step's K/V,
+    `forward(hidden [T, hidden_size], plan, cache) -> [T, hidden_size]`. The step's K/V,
     ring rows and compressed keys are written to `cache` first; padding rows write nothing
-    and give o_proj(0).
+    and give o_proj(0). The RoPE table is the plan's (the planner's config).
     """
 
     def __init__(self, config: QSAConfig) -> None:
@@ -54,16 +60,8 @@ class QSAAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(D, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(D, config.rms_norm_eps)
         self.indexer = QSAIndexerWeights(config)
-        self.register_buffer("inv_freq", config.inv_freq(), persistent=False)
-        self.register_buffer("rope_axes", config.rope_axes(), persistent=False)
         # MTP draft steps may keep the step-0 selection while the caches still update.
         self.skip_topk = False
-
-    def _apply(self, fn, recurse=True):
-        # Module.to(dtype) would round the RoPE frequencies; they stay fp32 like HF's.
-        super()._apply(fn, recurse)
-        self.inv_freq = self.config.inv_freq().to(self.inv_freq.device)
-        return self
 
     @classmethod
     def from_hf(cls, hf_attention: nn.Module, **overrides: Any) -> "QSAAttention":
@@ -86,25 +84,22 @@ class QSAAttention(nn.Module):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        meta: QSAForwardMetadata,
+        plan: QSAPlan,
         cache: QSALayerCache,
         selection_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        out = qsa_attend(
-            self.config,
+        indexed = qsa_indexer(
+            plan,
             self.norm_weights(),
-            self.inv_freq,
-            self.rope_axes,
             self.indexer.index_qk_proj(hidden_states),
             self.q_proj(hidden_states),
             self.k_proj(hidden_states),
             self.v_proj(hidden_states),
-            meta,
             cache,
             selection_out=selection_out,
             skip_topk=self.skip_topk,
         )
-        return self.o_proj(out)
+        return self.o_proj(qsa_attention(plan, indexed, cache))
 
 
 @dataclass(frozen=True)
@@ -117,30 +112,47 @@ class QSANormWeights:
     k: torch.Tensor
 
 
-def qsa_attend(
-    config: QSAConfig,
+class QSAIndexed(NamedTuple):
+    """The indexer half's result: selection int32 [T, W + 1] (request-relative positions,
+    -1 padded, count last), the attention's normed and rotated q [T, Hq, D] and gate
+    [T, Hq, D] (model dtype)."""
+
+    selection: torch.Tensor
+    q: torch.Tensor
+    gate: torch.Tensor
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if x.shape[0] == n else x[:n]
+
+
+def qsa_indexer(
+    plan: QSAPlan,
     norms: QSANormWeights,
-    inv_freq: torch.Tensor,
-    rope_axes: torch.Tensor,
     index_qk: torch.Tensor,
     q_gate: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    meta: QSAForwardMetadata,
     cache: QSALayerCache,
+    *,
     selection_out: torch.Tensor | None = None,
     skip_topk: bool = False,
-) -> torch.Tensor:
-    """A QSA layer from its projections: prepare, select, expand, sparse attention.
+) -> QSAIndexed:
+    """The indexer half of a layer: prepare (all cache writes), select, expand. Launches only.
 
-    index_qk [T, (Hi+1)*Di], q_gate [T, Hq*2D], k, v [T, Hkv*D] (model dtype); inv_freq
-    fp32 [Rd/2], rope_axes int32 [Rd/2]. Returns the gated attention output [T, Hq*D]
-    (o_proj not applied). Engines with their own projection layers call this directly.
+    index_qk [>= T, (Hi+1)*Di] (index_qk_proj output: Hi query heads, then the raw key),
+    q_gate [>= T, Hq*2D] (per head [q | gate]), k, v [>= T, Hkv*D], model dtype, rows of any
+    stride with contiguous rows; rows past plan.num_tokens are ignored. selection_out int32
+    [T, W + 1]: where the selection goes (default: the plan's workspace); with skip_topk it
+    is the step-0 selection to reuse (MTP draft steps: the caches still update).
     """
-    Hi, Di = config.index_n_heads, config.index_head_dim
+    meta, s, cfg = plan.meta, plan.schedule, plan.config
+    T = meta.num_tokens
+    index_qk, q_gate, k, v = (_rows(x, T) for x in (index_qk, q_gate, k, v))
+    split = cfg.index_n_heads * cfg.index_head_dim
     q_idx, q, gate = ops.prepare(
-        index_qk[:, : Hi * Di],
-        index_qk[:, Hi * Di :],
+        index_qk[:, :split],
+        index_qk[:, split:],
         q_gate,
         k,
         v,
@@ -149,60 +161,73 @@ def qsa_attend(
         index_k_norm=norms.index_k,
         q_norm=norms.q,
         k_norm=norms.k,
-        eps=config.rms_norm_eps,
-        inv_freq=inv_freq,
-        rope_axes=rope_axes,
-        index_dtype=resolve_dtype(config.index_dtype, index_qk.dtype),
+        eps=cfg.rms_norm_eps,
+        inv_freq=plan.inv_freq,
+        rope_axes=plan.rope_axes,
+        index_dtype=plan.index_dtype,
         cache=cache,
         meta=meta,
+        q_idx_out=s.q_idx,
+        q_out=s.q,
+        backend=plan.backend,
     )
     if skip_topk:
         if selection_out is None:
-            raise ValueError("skip_topk reuses a selection: pass the step-0 buffer as selection_out")
-        selection = selection_out
-    else:
-        selection = qsa_select(config, q_idx, meta, cache, selection_out)
+            raise ValueError("skip_topk reuses a selection: pass the step-0 selection as selection_out")
+        return QSAIndexed(selection_out, q, gate)
+    return QSAIndexed(qsa_select(plan, q_idx, cache, out=selection_out), q, gate)
+
+
+def qsa_select(
+    plan: QSAPlan, q_idx: torch.Tensor, cache: QSALayerCache, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Selection rows int32 [T, W + 1]: decode and prefill top-k, then expansion (launches only).
+
+    q_idx [T, Hi, Di] in the index dtype (prepare's output); out: int32 [T, W + 1], default
+    the plan's workspace.
+    """
+    meta, s, cfg = plan.meta, plan.schedule, plan.config
+    T = meta.num_tokens
+    out = s.selection if out is None else out
+    if tuple(out.shape) != (T, cfg.packed_width) or out.dtype != torch.int32:
+        raise ValueError(f"selection out must be int32 [{T}, {cfg.packed_width}], got {out.dtype} {tuple(out.shape)}")
+    nd = s.num_decode_tokens
+    kw = dict(page_size=meta.page_size, compress_ratio=cfg.compress_ratio, block_topk=cfg.block_topk,
+              backend=plan.backend)
+    comp, table, to_req, vis, blocks = cache.compressed, meta.block_table, meta.token_to_req, meta.visible_blocks, s.blocks
+    if nd:
+        ops.select_decode(_rows(q_idx, nd), comp, table, to_req[:nd], vis[:nd], out=blocks[:nd],
+                          schedule=s.select_decode, **kw)
+    if nd < T:
+        ops.select_prefill(q_idx[nd:], comp, table, to_req[nd:], vis[nd:], out=blocks[nd:],
+                           schedule=s.select_prefill, **kw)
+    return ops.expand(blocks, meta.positions, vis, compress_ratio=cfg.compress_ratio, out=out, backend=plan.backend)
+
+
+def qsa_attention(
+    plan: QSAPlan, indexed: QSAIndexed, cache: QSALayerCache, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The attention half: sparse attention over each row's selection, gate applied.
+
+    Returns the gated output [T, Hq*D] (model dtype; o_proj not applied): `out[:T]` when out
+    [>= T, Hq*D] is given (rows past T untouched), else the plan's workspace buffer. Padding
+    rows and rows with an empty selection are exactly 0.
+    """
+    meta, s, cfg = plan.meta, plan.schedule, plan.config
+    dst = s.attn_out if out is None else _rows(out, meta.num_tokens)
     return ops.sparse_attention(
-        q,
-        gate,
+        indexed.q,
+        indexed.gate,
         cache.k,
         cache.v,
         meta.block_table,
         meta.token_to_req,
         meta.seq_lens,
-        selection,
-        softmax_scale=config.softmax_scale,
+        indexed.selection,
+        softmax_scale=cfg.softmax_scale,
         k_scale=cache.k_scale,
         v_scale=cache.v_scale,
+        out=dst,
+        schedule=s.attention,
+        backend=plan.backend,
     )
-
-
-def qsa_select(
-    config: QSAConfig,
-    q_idx: torch.Tensor,
-    meta: QSAForwardMetadata,
-    cache: QSALayerCache,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Selection rows int32 [T, W + 1]: decode and prefill top-k, then expansion.
-
-    q_idx [T, Hi, Di] in the index dtype; decode rows come first (meta.num_decode_tokens).
-    """
-    T = meta.num_tokens
-    if out is None:
-        out = torch.empty(T, config.packed_width, dtype=torch.int32, device=q_idx.device)
-    blocks = torch.empty(T, config.block_topk, dtype=torch.int32, device=q_idx.device)
-    nd = meta.num_decode_tokens
-    kw = dict(
-        page_size=meta.page_size,
-        compress_ratio=config.compress_ratio,
-        block_topk=config.block_topk,
-        max_seq_len=meta.max_seq_len,
-    )
-    comp, table = cache.compressed, meta.block_table
-    to_req, vis = meta.token_to_req, meta.visible_blocks
-    if nd:
-        ops.select_decode(q_idx[:nd], comp, table, to_req[:nd], vis[:nd], out=blocks[:nd], **kw)
-    if nd < T:
-        ops.select_prefill(q_idx[nd:], comp, table, to_req[nd:], vis[nd:], out=blocks[nd:], **kw)
-    return ops.expand(blocks, meta.positions, vis, compress_ratio=config.compress_ratio, out=out)

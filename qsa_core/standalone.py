@@ -1,7 +1,7 @@
 """`Runner`: the embedded default engine. Owns paged caches and runs QSA layers with no engine.
 
-It builds its per-step metadata with the same `QSAMetadataBuilder` the adapters use, so a
-standalone run exercises exactly the path an engine integration takes.
+It describes each step as `QSAStepInputs` and plans it with the same `QSAPlanner` the
+adapters use, so a standalone run exercises exactly the path an engine integration takes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from .cache import QSACacheLayout, QSALayerCache
+from .inputs import QSAStepInputs
 from .layer import QSAAttention
-from .metadata import QSAForwardMetadata, QSAMetadataBuilder
+from .metadata import QSAForwardMetadata
+from .planner import QSAPlan, QSAPlanner
 
 
 @dataclass
@@ -29,7 +31,7 @@ class Runner:
     """Runs a stack of `QSAAttention` layers (output of layer i feeds layer i + 1).
 
     A layer may also be any module with `.config: QSAConfig` and
-    `forward(hidden, meta, cache) -> hidden` (e.g. a decoder block around a `QSAAttention`).
+    `forward(hidden, plan, cache) -> hidden` (e.g. a decoder block around a `QSAAttention`).
 
     `step({request_id: hidden [n, hidden_size]})` runs one mixed step: new and continuing
     requests, any chunk length. Requests whose chunk has `1 + num_speculative_tokens` rows
@@ -64,18 +66,28 @@ class Runner:
             num_speculative_tokens=num_speculative_tokens,
         )
         self.caches: list[QSALayerCache] = self.layout.allocate(self.config, self.dtype, self.device)
-        self.builder = QSAMetadataBuilder(
-            self.config.compress_ratio, page_size, self.layout.ring_capacity(self.config), self.device,
-            num_slots=self.layout.num_slots, num_ring_rows=max_requests,
-        )
+        self.max_requests = max_requests
+        self.planner = self._planner(max_num_tokens=256)
         self.decode_query_len = 1 + num_speculative_tokens
         self._free_pages = list(range(num_pages))
         if shuffle_pages:
             random.Random(seed).shuffle(self._free_pages)
         self._free_rings = list(range(max_requests))
         self._requests: dict[Hashable, _Request] = {}
-        self.last_metadata: QSAForwardMetadata | None = None
+        self.last_plan: QSAPlan | None = None
         self.last_padding_output: torch.Tensor | None = None
+
+    def _planner(self, max_num_tokens: int) -> QSAPlanner:
+        return QSAPlanner(
+            self.config, dtype=self.dtype, page_size=self.page_size,
+            ring_capacity=self.layout.ring_capacity(self.config), max_num_tokens=max_num_tokens,
+            max_model_len=self.layout.num_slots, device=self.device,
+            num_slots=self.layout.num_slots, num_ring_rows=self.max_requests,
+        )
+
+    @property
+    def last_metadata(self) -> QSAForwardMetadata | None:
+        return None if self.last_plan is None else self.last_plan.meta
 
     @property
     def page_size(self) -> int:
@@ -165,28 +177,32 @@ class Runner:
         rope = torch.cat(rope_rows + [pad_pos], dim=-1)
 
         dev = self.device
-        num_decodes = sum(is_decode.values())
-        meta = self.builder.build(
+        seq_lens = torch.tensor(new_lens, dtype=torch.int32)
+        inputs = QSAStepInputs(
             query_start_loc=qsl.to(dev),
-            seq_lens=torch.tensor(new_lens, dtype=torch.int32, device=dev),
+            seq_lens=seq_lens.to(dev),
             block_table=table.to(dev),
             slot_mapping=torch.cat(slots).to(dev),
             ring_index=torch.tensor([r.ring for r in reqs], dtype=torch.int32, device=dev),
             rope_positions=rope.to(dev),
-            num_decodes=num_decodes,
+            num_decodes=sum(is_decode.values()),
             decode_query_len=self.decode_query_len,
             max_query_len=max(qlens),
             max_seq_len=max(new_lens),
             num_padding_rows=num_pad,
+            seq_lens_cpu=seq_lens,
         )
-        self.last_metadata = meta
+        if inputs.num_tokens > self.planner.max_num_tokens:
+            self.planner = self._planner(max(inputs.num_tokens, 2 * self.planner.max_num_tokens))
+        plan = self.planner.plan(inputs)
+        self.last_plan = plan
         hidden = [chunks[rid].to(device=dev, dtype=self.dtype) for rid in order]
         if padding is not None:
             hidden.append(padding.to(device=dev, dtype=self.dtype))
         x = torch.cat(hidden)
         with torch.no_grad():
             for layer, cache in zip(self.layers, self.caches):
-                x = layer(x, meta, cache)
+                x = layer(x, plan, cache)
         for req, n in zip(reqs, new_lens):
             req.seq_len = n
         out, start = {}, 0

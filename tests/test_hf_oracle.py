@@ -170,9 +170,9 @@ def test_fp8_compressed_keys_select_the_same_scores():
         r = runner([layer])
         sel = torch.empty(L, layer.config.packed_width, dtype=torch.int32, device=DEVICE)
         r.step({"a": x})  # fills the caches; re-run the same step's selection below
-        meta = r.last_metadata
+        plan = r.last_plan
         with torch.no_grad():
-            layer(x.to(DEVICE), meta, r.caches[0], selection_out=sel)
+            layer(x.to(DEVICE), plan, r.caches[0], selection_out=sel)
         picks[index_dtype] = sel.cpu()
     for t in range(16, L):
         vis = (t + 1) // 4

@@ -1,11 +1,23 @@
-"""Step metadata: SPEC.md section 3's derivations, padding rows, and malformed input errors."""
+"""Step inputs and the plan's metadata: SPEC.md section 3's derivations, padding rows, the
+column-bound guard, persistent (CUDA-graph) buffers and malformed input errors."""
 
 import pytest
 import torch
 
-from qsa_core import QSAMetadataBuilder
+from qsa_core import QSAConfig, QSAPlanner, QSAStepInputs
 
 I32, I64 = torch.int32, torch.int64
+
+CONFIG = QSAConfig(
+    hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=16, index_n_heads=2, index_head_dim=16,
+    token_topk=8, compress_ratio=4, rotary_dim=8, rope_theta=1e4,
+)
+
+
+def planner(**over):
+    kw = dict(dtype=torch.float32, page_size=8, ring_capacity=4, max_num_tokens=16, max_model_len=64)
+    kw.update(over)
+    return QSAPlanner(CONFIG, **kw)
 
 
 def mixed_step(**over):
@@ -28,11 +40,11 @@ def mixed_step(**over):
         num_padding_rows=2,
     )
     args.update(over)
-    return args
+    return QSAStepInputs(**args)
 
 
-def test_derived_fields_of_a_mixed_step():
-    meta = QSAMetadataBuilder(4, 8, 4).build(**mixed_step())
+def test_derived_fields_of_a_mixed_step(backend):
+    meta = planner().plan(mixed_step()).meta
     assert meta.token_to_req.tolist() == [0, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 0, 0]
     assert meta.positions.tolist() == [9, 4, 2, 3, 4, 5, 6, 7, 0, 1, 2, -1, -1]
     # visible = complete groups among tokens 0..p
@@ -41,36 +53,69 @@ def test_derived_fields_of_a_mixed_step():
     assert meta.ring_slot.tolist() == [9, 0, -1, -1, 12, 13, 14, 15, 4, 5, 6, -1, -1]
     # compressed write slot = main slot // r for rows that close a group
     assert meta.compressed_slot.tolist() == [-1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, -1, -1]
-    assert (meta.num_decode_tokens, meta.num_prefills, meta.num_prefill_tokens) == (2, 2, 11)
+    assert (meta.num_tokens, meta.num_reqs, meta.num_decode_tokens) == (13, 4, 2)
     assert meta.rope_positions is meta.positions
 
 
-def test_idle_step_is_all_padding():
-    meta = QSAMetadataBuilder(4, 8, 4).build(
+def test_idle_step_is_all_padding(backend):
+    meta = planner().plan(QSAStepInputs(
         query_start_loc=torch.zeros(1, dtype=I32), seq_lens=torch.zeros(0, dtype=I32),
         block_table=torch.zeros(0, 1, dtype=I32), slot_mapping=torch.full((3,), -1, dtype=I64),
         ring_index=torch.zeros(0, dtype=I32), num_decodes=0, max_query_len=0, max_seq_len=0,
         num_padding_rows=3,
-    )
+    )).meta
     assert meta.positions.tolist() == [-1, -1, -1] and meta.visible_blocks.tolist() == [0, 0, 0]
 
 
-def test_persistent_buffers_are_refreshed_in_place():
-    builder = QSAMetadataBuilder(4, 8, 4, max_num_tokens=16)
-    first = builder.build(**mixed_step())
+def test_derived_fields_live_in_the_planner_workspace():
+    p = planner()
+    first = p.plan(mixed_step()).meta
     ptr = first.positions.data_ptr()
-    second = builder.build(**mixed_step(seq_lens=torch.tensor([11, 5, 8, 3], dtype=I32)))
+    second = p.plan(mixed_step(seq_lens=torch.tensor([11, 5, 8, 3], dtype=I32), max_seq_len=11)).meta
     assert second.positions.data_ptr() == ptr and second.positions[0].item() == 10
     with pytest.raises(ValueError, match="max_num_tokens"):
-        builder.build(**mixed_step(slot_mapping=torch.full((17,), -1, dtype=I64), num_padding_rows=6))
+        p.plan(mixed_step(slot_mapping=torch.full((17,), -1, dtype=I64), num_padding_rows=6))
+
+
+def test_static_plan_copies_inputs_into_fixed_buffers(backend):
+    """plan(static=True): every tensor of the metadata keeps its address from step to step."""
+    p = planner(max_num_reqs=4)
+    a = p.plan(mixed_step(), static=True).meta
+    b = p.plan(mixed_step(seq_lens=torch.tensor([11, 6, 8, 3], dtype=I32), max_seq_len=11), static=True).meta
+    for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "ring_index", "positions",
+                 "visible_blocks", "ring_slot", "compressed_slot"):
+        assert getattr(a, name).data_ptr() == getattr(b, name).data_ptr(), name
+    assert b.seq_lens.tolist() == [11, 6, 8, 3] and b.positions[:2].tolist() == [10, 5]
+    with pytest.raises(ValueError, match="max_num_reqs"):
+        planner().plan(mixed_step(), static=True)
+
+
+def test_an_understated_max_seq_len_is_refused_on_the_host():
+    """With the engine's host copy of seq_lens the bound is checked on every step, no sync."""
+    with pytest.raises(ValueError, match="max_seq_len \\(9\\) is below a request's seq_len \\(10\\)"):
+        planner().plan(mixed_step(max_seq_len=9, seq_lens_cpu=torch.tensor([10, 5, 8, 3], dtype=I32)))
+
+
+def test_an_understated_max_seq_len_makes_rows_inert_on_the_device(backend):
+    """Without a host copy the metadata build guards: the long request's rows become inert
+    (as padding: nothing selected, nothing written, output 0) and the sticky flag trips."""
+    p = planner()
+    meta = p.plan(mixed_step(max_seq_len=9)).meta  # request 0 has seq_len 10
+    assert meta.positions.tolist() == [-1, 4, 2, 3, 4, 5, 6, 7, 0, 1, 2, -1, -1]
+    assert meta.visible_blocks.tolist()[:2] == [0, 1]
+    assert meta.ring_slot[0] == -1 and meta.compressed_slot[0] == -1
+    p.plan(mixed_step())  # a good step does not clear the flag
+    with pytest.raises(RuntimeError, match="made inert"):
+        p.check_guard()
+    p.check_guard()  # cleared by the read
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
         (dict(query_start_loc=torch.tensor([0, 1, 2, 8, 11], dtype=I64)), "query_start_loc must be torch.int32"),
-        (dict(seq_lens=torch.tensor([10, 5, 8], dtype=I32)), "seq_lens must have num_reqs = 4"),
-        (dict(query_start_loc=torch.tensor([0, 1, 2, 8], dtype=I32)), "must have num_reqs = 3"),
+        (dict(seq_lens=torch.tensor([10, 5, 8], dtype=I32)), "query_start_loc must have num_reqs \\+ 1 = 4"),
+        (dict(ring_index=torch.tensor([10, 5, 8], dtype=I32)), "ring_index must have num_reqs = 4"),
         (dict(slot_mapping=torch.zeros(13, dtype=I32)), "slot_mapping must be torch.int64"),
         (dict(block_table=torch.zeros(4, dtype=I32)), "block_table must have 2 dims"),
         (dict(ring_index=torch.zeros(4, dtype=I64)), "ring_index must be torch.int32"),
@@ -78,16 +123,21 @@ def test_persistent_buffers_are_refreshed_in_place():
         (dict(rope_positions=torch.zeros(2, 13, dtype=I64)), "rope_positions"),
         (dict(rope_positions=torch.zeros(12, dtype=I64)), "rope_positions"),
         (dict(num_padding_rows=14), "num_padding_rows"),
+        (dict(max_seq_len=65), "max_model_len"),
     ],
 )
-def test_malformed_metadata_is_rejected_at_build(change, message):
+def test_malformed_inputs_are_rejected_at_plan(change, message):
     with pytest.raises(ValueError, match=message):
-        QSAMetadataBuilder(4, 8, 4).build(**mixed_step(**change))
+        planner().plan(mixed_step(**change))
 
 
-def test_page_size_must_be_a_multiple_of_the_ratio():
-    with pytest.raises(ValueError, match="page_size"):
-        QSAMetadataBuilder(4, 6, 4)
+@pytest.mark.parametrize(
+    "over, message",
+    [(dict(page_size=6), "page_size"), (dict(ring_capacity=6), "ring_capacity"), (dict(max_num_tokens=0), "max_num_tokens")],
+)
+def test_planner_geometry_is_checked_once(over, message):
+    with pytest.raises(ValueError, match=message):
+        planner(**over)
 
 
 @pytest.mark.parametrize(
@@ -96,15 +146,15 @@ def test_page_size_must_be_a_multiple_of_the_ratio():
         (dict(query_start_loc=torch.tensor([0, 2, 1, 8, 11], dtype=I32)), "non-decreasing"),
         (dict(seq_lens=torch.tensor([10, 5, 5, 3], dtype=I32)), "seq_lens"),
         (dict(num_padding_rows=1), "query_start_loc\\[-1\\]"),
-        (dict(max_seq_len=9), "max_seq_len"),
         (dict(slot_mapping=torch.full((13,), 99, dtype=I64)), "slot_mapping"),
         (dict(ring_index=torch.tensor([2, 0, 3, 9], dtype=I32)), "ring_index"),
         (dict(num_decodes=3), "decode_query_len"),
+        (dict(max_query_len=5), "max_query_len"),
     ],
 )
 def test_value_checks_only_under_qsa_debug(monkeypatch, change, message):
-    builder = QSAMetadataBuilder(4, 8, 4)
-    builder.build(**mixed_step(**change))  # default path reads no tensor values
+    p = planner(num_slots=64, num_ring_rows=4)
+    p.plan(mixed_step(**change))  # default path reads no tensor values
     monkeypatch.setenv("QSA_DEBUG", "1")
     with pytest.raises(ValueError, match=message):
-        builder.build(**mixed_step(**change)).check_values(num_slots=64, num_ring_rows=4)
+        p.plan(mixed_step(**change))

@@ -27,4 +27,6 @@ __all__ = list(_MODULES)
 def __getattr__(name: str) -> Any:
     if name not in _MODULES:
         raise AttributeError(f"module 'qsa_kernels' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_MODULES[name]}", __name__), name)
+    value = getattr(importlib.import_module(f".{_MODULES[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value

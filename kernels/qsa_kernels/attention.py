@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -35,11 +36,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _dot_dtype(q: torch.Tensor, kv: torch.Tensor) -> tl.dtype:
+def _dot_dtype(q: torch.Tensor, kv: torch.Tensor, interpret: bool) -> tl.dtype:
     """tl.dot operand dtype: q's 16-bit type when K/V convert to it exactly, else fp32 (ieee).
     The interpreter computes bf16 dots wrongly, so it always gets fp32."""
     fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if not _interpreting():
+    if not interpret:
         if q.dtype == torch.bfloat16 and kv.dtype in (torch.bfloat16, *fp8):
             return tl.bfloat16
         if q.dtype == torch.float16 and kv.dtype in (torch.float16, *fp8):
@@ -141,7 +142,7 @@ def _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask):
 def _attn_kernel(
     q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
     n_splits, W, qk_scale, v_scale,
-    stride_qt, stride_qh, stride_gt, stride_gh,
+    stride_qt, stride_qh, stride_gt, stride_gh, stride_ot,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btr, stride_btp, stride_st, stride_sc,
     HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
@@ -172,13 +173,13 @@ def _attn_kernel(
         has_any = (l > 0.0)[:, None]
         o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
         g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
-        o_off = row.to(tl.int64) * (HQ * D) + heads[:, None] * D + d[None, :]
+        o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
         _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
 
 
 @triton.jit(do_not_specialize=["n_splits"])
 def _combine_kernel(
-    gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, n_splits, v_scale, stride_gt, stride_gh,
+    gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, n_splits, v_scale, stride_gt, stride_gh, stride_ot,
     HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
 ):
     """Grid (rows, HQ): merge the splits' (m, l, acc) of one head, normalise, gate, store."""
@@ -198,7 +199,7 @@ def _combine_kernel(
     o = tl.sum(w[:, None] * acc, 0) / tl.where(has_any, l_all, 1.0) * v_scale
     mask = d < D
     g_off = row.to(tl.int64) * stride_gt + head * stride_gh + d
-    o_off = row.to(tl.int64) * (HQ * D) + head * D + d
+    o_off = row.to(tl.int64) * stride_ot + head * D + d
     _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
 
 
@@ -207,11 +208,11 @@ def _num_splits(rows: int, kv_heads: int, width: int, block_n: int, device: torc
     the GPU when rows are few; 1 (one pass) when rows alone fill it. Host ints only."""
     if rows > _SPLIT_MAX_ROWS:
         return 1
-    want = triton.cdiv(2 * _num_sms(device), rows * kv_heads)
+    want = triton.cdiv(2 * _num_sms(device), max(rows, 1) * kv_heads)
     return max(1, min(_MAX_SPLITS, triton.cdiv(width, block_n), want))
 
 
-def _launch_config(rows: int, dp: int) -> tuple[int, int, int]:
+def _launch_config(dp: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the attention kernel; K and V stages share memory.
 
     D 256 on the H200 (benchmarks/sweep_attention.py, 18 configs): 2 warps, no pipelining
@@ -220,6 +221,67 @@ def _launch_config(rows: int, dp: int) -> tuple[int, int, int]:
     if _interpreting():
         return 32, 4, 1
     return (64, 2, 1) if dp >= 256 else (64, 4, 3)
+
+
+@dataclass(frozen=True)
+class AttentionSchedule:
+    """How one sparse-attention call runs, fixed when the step is planned.
+
+    n_splits > 1: flash-decoding partials part_ml fp32 [T, Hq, n_splits, 2] and part_acc
+    fp32 [T, Hq, n_splits, D] (views), merged by the combine kernel; else one pass.
+    """
+
+    num_rows: int
+    n_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+    part_ml: torch.Tensor | None
+    part_acc: torch.Tensor | None
+
+
+def partials_size(max_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, width: int,
+                  device: torch.device | str) -> int:
+    """Elements of part_acc any `plan_attention` with num_rows <= max_rows needs (part_ml:
+    2 / head_dim of it)."""
+    dev = torch.device(device)
+    block_n, _, _ = _launch_config(triton.next_power_of_2(head_dim))
+    most = 0
+    for rows in range(1, min(max_rows, _SPLIT_MAX_ROWS) + 1):
+        most = max(most, rows * _num_splits(rows, num_kv_heads, width, block_n, dev))
+    return most * num_heads * head_dim
+
+
+def plan_attention(
+    num_rows: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    width: int,
+    *,
+    device: torch.device | str,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> AttentionSchedule:
+    """Schedule of a sparse attention over num_rows rows of W = width selection columns.
+
+    partials: flat fp32 (ml, acc) buffers of a workspace (`partials_size`), else allocated.
+    """
+    dev = torch.device(device)
+    block_n, num_warps, num_stages = _launch_config(triton.next_power_of_2(head_dim))
+    n_splits = _num_splits(num_rows, num_kv_heads, width, block_n, dev)
+    part_ml = part_acc = None
+    if n_splits > 1:
+        n = num_rows * num_heads * n_splits
+        if partials is None:
+            partials = (torch.empty(n * 2, dtype=torch.float32, device=dev),
+                        torch.empty(n * head_dim, dtype=torch.float32, device=dev))
+        ml, acc = partials
+        if ml.numel() < n * 2 or acc.numel() < n * head_dim:
+            raise ValueError(f"attention partials hold {acc.numel()} < {n * head_dim} elements")
+        part_ml = ml[: n * 2].view(num_rows, num_heads, n_splits, 2)
+        part_acc = acc[: n * head_dim].view(num_rows, num_heads, n_splits, head_dim)
+    return AttentionSchedule(num_rows, n_splits, block_n, num_warps, num_stages, _interpreting(), part_ml, part_acc)
 
 
 def qsa_sparse_attention(
@@ -235,43 +297,42 @@ def qsa_sparse_attention(
     softmax_scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    out: torch.Tensor,
+    schedule: AttentionSchedule,
 ) -> torch.Tensor:
     """out [T, Hq*D] (q.dtype) = dtype(softmax(q.k * scale) v) * sigmoid(gate), fp32 math.
 
     q, gate [T, Hq, D] (last dim contiguous); k_cache, v_cache [pages, page_size, Hkv, D]
     (any strides, contiguous last dim; bf16 or fp8 with per-tensor k_scale / v_scale);
-    selection int32 [T, W + 1] with the count in the last column.
+    selection int32 [T, W + 1] with the count in the last column; out [T, Hq*D] contiguous
+    rows (any row stride). schedule: `plan_attention(T, Hq, Hkv, D, W, ...)`; launches only.
     """
     T, Hq, D = q.shape
     _, page, Hkv, _ = k_cache.shape
     W = selection.shape[1] - 1
-    out = torch.empty(T, Hq * D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out
+    if T != schedule.num_rows:
+        raise ValueError(f"the attention schedule was planned for {schedule.num_rows} rows, got {T}")
     G = Hq // Hkv
     DP = triton.next_power_of_2(D)
-    block_n, num_warps, num_stages = _launch_config(T, DP)
-    n_splits = _num_splits(T, Hkv, W, block_n, q.device)
+    n_splits = schedule.n_splits
     split = n_splits > 1
-    if split:
-        part_ml = torch.empty(T, Hq, n_splits, 2, dtype=torch.float32, device=q.device)
-        part_acc = torch.empty(T, Hq, n_splits, D, dtype=torch.float32, device=q.device)
-    else:
-        part_ml = part_acc = out  # unused by the one-pass kernel
+    part_ml, part_acc = (schedule.part_ml, schedule.part_acc) if split else (out, out)
     _attn_kernel[(T, Hkv, n_splits)](
         q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, out, part_ml, part_acc,
         n_splits, W, softmax_scale * k_scale * _LOG2E, v_scale,
-        q.stride(0), q.stride(1), gate.stride(0), gate.stride(1),
+        q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1),
-        HQ=Hq, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page, BLOCK_N=block_n,
-        DOT_DTYPE=_dot_dtype(q, k_cache), SPLIT=split, INTERPRET=_interpreting(),
-        num_warps=num_warps, num_stages=num_stages,
+        HQ=Hq, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page, BLOCK_N=schedule.block_n,
+        DOT_DTYPE=_dot_dtype(q, k_cache, schedule.interpret), SPLIT=split, INTERPRET=schedule.interpret,
+        num_warps=schedule.num_warps, num_stages=schedule.num_stages,
     )
     if split:
         _combine_kernel[(T, Hq)](
-            gate, out, part_ml, part_acc, n_splits, v_scale, gate.stride(0), gate.stride(1),
+            gate, out, part_ml, part_acc, n_splits, v_scale, gate.stride(0), gate.stride(1), out.stride(0),
             HQ=Hq, D=D, DP=DP, SP=_MAX_SPLITS,
         )
     return out

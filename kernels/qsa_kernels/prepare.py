@@ -514,18 +514,21 @@ def qsa_prepare(
     index_dtype: torch.dtype,
     cache: "QSALayerCache",
     meta: "QSAForwardMetadata",
+    q_idx_out: torch.Tensor | None = None,
+    q_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused write side of a QSA layer for one step (same contract as the reference).
 
     Inputs (model dtype, rows of any stride, contiguous within a row): index_q [T, Hi*Di],
     raw_keys [T, Di], q_gate [T, Hq*2D], k and v [T, Hkv*D]. Returns q_idx [T, Hi, Di]
     (index_dtype), q [T, Hq, D] and gate [T, Hq, D] (a view of q_gate, as the reference).
+    q_idx_out / q_out: contiguous buffers of those shapes (a plan's workspace), else allocated.
     """
     T, Di = raw_keys.shape
     D = k_norm.shape[0]
     Hi, Hq, Hkv = index_q.shape[1] // Di, q_gate.shape[1] // (2 * D), k.shape[1] // D
-    q_idx = torch.empty(T, Hi, Di, dtype=index_dtype, device=index_q.device)
-    q = torch.empty(T, Hq, D, dtype=q_gate.dtype, device=q_gate.device)
+    q_idx = torch.empty(T, Hi, Di, dtype=index_dtype, device=index_q.device) if q_idx_out is None else q_idx_out
+    q = torch.empty(T, Hq, D, dtype=q_gate.dtype, device=q_gate.device) if q_out is None else q_out
     gate = q_gate.view(T, Hq, 2 * D)[..., D:]
     if T == 0:
         return q_idx, q, gate

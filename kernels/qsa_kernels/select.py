@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -361,6 +362,113 @@ def _topk_row_kernel(
             start += BLOCK
 
 
+@dataclass(frozen=True)
+class SelectWorkspace:
+    """Persistent scratch of selection (flat; a schedule takes views): fp32 scores and the
+    int32 radix histograms (zero between uses: each resolve pass clears what it read),
+    states and per-tile counts."""
+
+    scores: torch.Tensor
+    hist: torch.Tensor
+    state: torch.Tensor
+    counts: torch.Tensor
+
+
+def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str) -> SelectWorkspace:
+    """Scratch for any `plan_select` with num_rows <= max_rows and num_cols <= max_cols."""
+    dev = torch.device(device)
+    cols = max(max_cols, 1)
+    if cols <= block_topk:  # nothing is ever scored
+        return SelectWorkspace(*(torch.empty(0, dtype=dt, device=dev) for dt in (torch.float32,) + (torch.int32,) * 3))
+    tiles = _tiles(decode=True)  # both kinds share the radix tiles
+    max_chunk = min(max_rows, max(1, SCORE_SCRATCH_BYTES // (4 * (block_topk + 1))))
+    score_elems = max(min(max_chunk * cols, SCORE_SCRATCH_BYTES // 4), cols)
+    hist_rows = triton.cdiv(max_chunk, tiles["rows"]) * tiles["rows"]
+    # chunk * n_tiles <= chunk + chunk * cols / scan, and chunk * cols <= score_elems.
+    count_slots = max_chunk + score_elems // tiles["scan"] + 1
+    return SelectWorkspace(
+        scores=_score_scratch(1, score_elems, dev).view(-1),
+        hist=torch.zeros(hist_rows * _BINS, dtype=torch.int32, device=dev),
+        state=torch.empty(max_chunk * 4, dtype=torch.int32, device=dev),
+        counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
+    )
+
+
+@dataclass(frozen=True)
+class SelectSchedule:
+    """How one select call runs, fixed when the step is planned (host ints and views only).
+
+    num_cols: the column bound (groups of the longest request); chunk: rows per scratch
+    pass; scored: any row may have more than Kb visible groups; fused: the one-launch
+    per-row top-k, else the radix passes; the views scores fp32 [chunk, num_cols], hist,
+    state, counts (unused ones alias `scores`).
+    """
+
+    num_rows: int
+    num_cols: int
+    chunk: int
+    scored: bool
+    fused: bool
+    decode: bool
+    n_tiles: int
+    tiles: dict
+    interpret: bool
+    scores: torch.Tensor
+    hist: torch.Tensor
+    state: torch.Tensor
+    counts: torch.Tensor
+
+
+def plan_select(
+    num_rows: int,
+    num_cols: int,
+    block_topk: int,
+    *,
+    decode: bool,
+    device: torch.device | str,
+    workspace: SelectWorkspace | None = None,
+) -> SelectSchedule:
+    """Schedule of a decode or prefill select over num_rows rows and num_cols columns.
+
+    num_cols = max_seq_len // r, the bound on any row's visible groups. Scratch views come
+    from `workspace` (CUDA-graph safe) or are allocated here.
+    """
+    Kb = block_topk
+    n_cols = max(num_cols, 1)
+    tiles = _tiles(decode)
+    scan = tiles["scan"]
+    n_tiles = triton.cdiv(n_cols, scan)
+    scored = n_cols > Kb
+    chunk = min(num_rows, max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))) if scored else max(num_rows, 1)
+    chunk = max(chunk, 1)
+    fused = n_cols <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS
+    rows = tiles["rows"]
+    if workspace is None and scored:
+        workspace = SelectWorkspace(
+            scores=_score_scratch(chunk, n_cols, torch.device(device)).view(-1),
+            hist=torch.zeros(triton.cdiv(chunk, rows) * rows * _BINS, dtype=torch.int32, device=device),
+            state=torch.empty(chunk * 4, dtype=torch.int32, device=device),
+            counts=torch.empty(chunk * n_tiles * 2, dtype=torch.int32, device=device),
+        )
+    if scored:
+        need = dict(scores=chunk * n_cols, hist=triton.cdiv(chunk, rows) * rows * _BINS, state=chunk * 4,
+                    counts=chunk * n_tiles * 2)
+        for name, n in need.items():
+            if getattr(workspace, name).numel() < n:
+                raise ValueError(f"select workspace.{name} holds {getattr(workspace, name).numel()} < {n} elements")
+        scores = workspace.scores[: chunk * n_cols].view(chunk, n_cols)
+        hist = workspace.hist[: need["hist"]].view(-1, _BINS)
+        state = workspace.state[: chunk * 4].view(chunk, 4)
+        counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
+    else:
+        scores = hist = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
+    return SelectSchedule(
+        num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
+        n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
+        scores=scores, hist=hist, state=state, counts=counts,
+    )
+
+
 def _select(
     q_idx: torch.Tensor,
     compressed: torch.Tensor,
@@ -370,37 +478,24 @@ def _select(
     page_size: int,
     compress_ratio: int,
     block_topk: int,
-    max_seq_len: int,
     out: torch.Tensor,
-    decode: bool,
+    s: SelectSchedule,
 ) -> torch.Tensor:
-    """Shared body of the decode / prefill ops; see the module docstring."""
+    """Shared body of the decode / prefill ops: launches only; see the module docstring."""
     T, Hi, Di = q_idx.shape
     if T == 0:
         return out
-    dev = q_idx.device
-    Kb = block_topk
-    n_cols = max(max_seq_len // compress_ratio, 1)
-    tiles = _tiles(decode)
-    scan = tiles["scan"]
-    n_tiles = triton.cdiv(n_cols, scan)
-    scored = n_cols > Kb  # else every row takes all its visible groups
-    chunk = min(T, max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))) if scored else T
-    rows = tiles["rows"]
-    fused = n_cols <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS
-    scores = hist = state = counts = out  # placeholders, never dereferenced when unused
-    if scored:
-        scores = _score_scratch(chunk, n_cols, dev)
-    if scored and not fused:
-        hist = torch.zeros(triton.cdiv(chunk, rows) * rows, _BINS, dtype=torch.int32, device=dev)
-        state = torch.empty(chunk, 4, dtype=torch.int32, device=dev)
-        counts = torch.empty(chunk, n_tiles, 2, dtype=torch.int32, device=dev)
-    bf16_dot = not _interpreting() and q_idx.dtype in _EXACT_DOT_DTYPES and compressed.dtype in _EXACT_DOT_DTYPES
-    scan = dict(BLOCK=scan, ROWS=rows, num_warps=8 if scan >= 2048 else 4)
+    if T != s.num_rows:
+        raise ValueError(f"the select schedule was planned for {s.num_rows} rows, got {T}")
+    Kb, n_cols, chunk, tiles, decode = block_topk, s.num_cols, s.chunk, s.tiles, s.decode
+    rows, n_tiles = tiles["rows"], s.n_tiles
+    scores, hist, state, counts = s.scores, s.hist, s.state, s.counts
+    bf16_dot = not s.interpret and q_idx.dtype in _EXACT_DOT_DTYPES and compressed.dtype in _EXACT_DOT_DTYPES
+    scan = dict(BLOCK=tiles["scan"], ROWS=rows, num_warps=8 if tiles["scan"] >= 2048 else 4)
     for row0 in range(0, T, chunk):
         n = min(chunk, T - row0)
         scan_grid = (triton.cdiv(n, rows), n_tiles)
-        if scored:
+        if s.scored:
             args = (
                 q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
                 row0, *(() if decode else (n,)), n_cols, math.sqrt(Di),
@@ -416,13 +511,13 @@ def _select(
             else:
                 _scores_prefill_kernel[(triton.cdiv(n, tiles["block_r"]), col_tiles)](
                     *args, BLOCK_R=tiles["block_r"], **common, num_warps=8)
-        if fused:
+        if s.fused:
             _topk_row_kernel[(n,)](
                 scores, visible_blocks, out, row0, n_cols, scores.stride(0), out.stride(0), out.stride(1),
                 KB=Kb, KBP=triton.next_power_of_2(Kb), BINS=_BINS, BLOCK=scan["BLOCK"], num_warps=8,
             )
             continue
-        if scored:
+        if s.scored:
             for i, (shift, width) in enumerate(_PASSES):
                 radix = dict(KB=Kb, FIRST=i == 0, SHIFT=shift, WIDTH=width, BINS=_BINS)
                 _hist_kernel[scan_grid](
@@ -451,12 +546,15 @@ def qsa_select_decode(
     page_size: int,
     compress_ratio: int,
     block_topk: int,
-    max_seq_len: int,
     out: torch.Tensor,
+    schedule: SelectSchedule,
 ) -> torch.Tensor:
-    """Decode rows: q_idx [Td, Hi, Di], compressed [rows, Di] -> out int32 [Td, Kb]."""
+    """Decode rows: q_idx [Td, Hi, Di], compressed [rows, Di] -> out int32 [Td, Kb].
+
+    schedule: `plan_select(Td, max_seq_len // r, Kb, decode=True, ...)`; launches only.
+    """
     return _select(q_idx, compressed, block_table, token_to_req, visible_blocks, page_size,
-                   compress_ratio, block_topk, max_seq_len, out, decode=True)
+                   compress_ratio, block_topk, out, schedule)
 
 
 def qsa_select_prefill(
@@ -469,9 +567,12 @@ def qsa_select_prefill(
     page_size: int,
     compress_ratio: int,
     block_topk: int,
-    max_seq_len: int,
     out: torch.Tensor,
+    schedule: SelectSchedule,
 ) -> torch.Tensor:
-    """Prefill rows (same contract as decode); scores in row chunks under a memory cap."""
+    """Prefill rows (same contract as decode); scores in row chunks under a memory cap.
+
+    schedule: `plan_select(Tp, max_seq_len // r, Kb, decode=False, ...)`; launches only.
+    """
     return _select(q_idx, compressed, block_table, token_to_req, visible_blocks, page_size,
-                   compress_ratio, block_topk, max_seq_len, out, decode=False)
+                   compress_ratio, block_topk, out, schedule)

@@ -10,13 +10,16 @@ def qsa_build_metadata(
     seq_lens: torch.Tensor,
     slot_mapping: torch.Tensor,
     ring_index: torch.Tensor,
+    *,
     compress_ratio: int,
     ring_capacity: int,
+    max_seq_len: int,
     token_to_req: torch.Tensor,
     positions: torch.Tensor,
     visible_blocks: torch.Tensor,
     ring_slot: torch.Tensor,
     compressed_slot: torch.Tensor,
+    guard: torch.Tensor,
 ) -> None:
     """Fill the derived per-row fields in place (no host reads, no Python loop over rows).
 
@@ -24,6 +27,8 @@ def qsa_build_metadata(
     ring_index int32 [R]. Outputs, all [T]: token_to_req int32, positions int64 (logical,
     -1 for padding), visible_blocks int32, ring_slot int64, compressed_slot int64 (-1 = none).
     Rows at or past query_start_loc[R] are padding: request 0, position -1, everything inert.
+    Guard: rows of a request with seq_len > max_seq_len (the column bound of selection) are
+    made inert the same way and guard int32 [1] is set to 1 (sticky; never cleared here).
     """
     T = slot_mapping.shape[0]
     r, C = compress_ratio, ring_capacity
@@ -38,6 +43,10 @@ def qsa_build_metadata(
     req = torch.searchsorted(ends, rows, right=True)
     live = rows < query_start_loc[-1].to(torch.int64)
     req = torch.where(live, req, 0).clamp_(max=max(seq_lens.shape[0] - 1, 0))
+    over = live & (seq_lens.to(torch.int64)[req] > max_seq_len)
+    torch.maximum(guard, over.any().to(guard.dtype).view(1), out=guard)
+    live = live & ~over
+    req = torch.where(live, req, 0)
     start = query_start_loc[:-1].to(torch.int64)[req]
     end = ends[req]
     seq = seq_lens.to(torch.int64)[req]

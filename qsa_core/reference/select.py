@@ -90,7 +90,6 @@ def qsa_select_decode(
     page_size: int,
     compress_ratio: int,
     block_topk: int,
-    max_seq_len: int,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Decode rows: q_idx [Td, Hi, Di], compressed [rows, Di] -> out int32 [Td, Kb]."""
@@ -107,7 +106,6 @@ def qsa_select_prefill(
     page_size: int,
     compress_ratio: int,
     block_topk: int,
-    max_seq_len: int,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Prefill rows (same contract as decode); scores in row chunks under a memory cap."""

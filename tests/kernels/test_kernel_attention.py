@@ -70,10 +70,18 @@ def make_problem(
     return tuple(t.to(device) for t in tensors)
 
 
+def attend(q, gate, k, v, table, to_req, seq, sel, **kw):
+    """The kernel as a plan runs it: scheduled once for the shape, into an out buffer."""
+    T, Hq, D = q.shape
+    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
+    return ker.qsa_sparse_attention(q, gate, k, v, table, to_req, seq, sel, out=out, schedule=sched, **kw)
+
+
 def compare(problem, *, k_scale=1.0, v_scale=1.0, tol=1e-5, ref_device=None):
     q, D = problem[0], problem[0].shape[-1]
     kw = dict(softmax_scale=D**-0.5, k_scale=k_scale, v_scale=v_scale)
-    out = ker.qsa_sparse_attention(*problem, **kw)
+    out = attend(*problem, **kw)
     expect = reference(*[t.to(ref_device or q.device) for t in problem], **kw).to(q.device)
     torch.testing.assert_close(out.float(), expect.float(), rtol=tol, atol=tol)
     return out
@@ -123,20 +131,31 @@ def test_fp8_kv_scales(kv_dtype):
     compare(problem, k_scale=0.37, v_scale=1.9, tol=2e-2)
 
 
+def test_output_rows_of_a_wider_buffer():
+    """out may be rows of a wider buffer (a caller's [N, Hq*D] slice with its own stride)."""
+    problem = make_problem([40, 9], [3, 2], pad_rows=1, seed=3)
+    q, gate, k, v, table, to_req, seq, sel = problem
+    T, Hq, D = q.shape
+    wide = torch.full((T + 2, Hq * D + 8), 5.0, device=q.device)
+    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    ker.qsa_sparse_attention(*problem, softmax_scale=D**-0.5, out=wide[:T, : Hq * D], schedule=sched)
+    torch.testing.assert_close(wide[:T, : Hq * D], attend(*problem, softmax_scale=D**-0.5), rtol=0, atol=0)
+    assert (wide[T:] == 5.0).all() and (wide[:, Hq * D :] == 5.0).all()
+
+
 def test_all_rows_empty_and_nan_gate():
     problem = make_problem([10], [1], pad_rows=3)
     q, gate, k, v, table, to_req, seq, sel = problem
     sel = sel.clone()
     sel[0, :-1] = -1  # the real row keeps a count but no valid entry
-    out = ker.qsa_sparse_attention(q, torch.full_like(gate, float("nan")), k, v, table, to_req, seq, sel,
-                                   softmax_scale=0.1)
+    out = attend(q, torch.full_like(gate, float("nan")), k, v, table, to_req, seq, sel, softmax_scale=0.1)
     assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_empty_batch():
     problem = make_problem([10], [1])
     q, gate, k, v, table, to_req, seq, sel = problem
-    out = ker.qsa_sparse_attention(q[:0], gate[:0], k, v, table, to_req[:0], seq, sel[:0], softmax_scale=0.1)
+    out = attend(q[:0], gate[:0], k, v, table, to_req[:0], seq, sel[:0], softmax_scale=0.1)
     assert out.shape == (0, q.shape[1] * q.shape[2])
 
 
@@ -171,13 +190,15 @@ def test_gpu_fp8(kv_dtype, rows):
 def test_gpu_cuda_graph_and_timing(capsys):
     """Attention replays from a CUDA graph bitwise as run eagerly; prints graph-replay
     timings and a per-kernel breakdown (no assertion on speed)."""
-    from test_select import graph_replay, kernel_breakdown
+    from test_kernel_select import graph_replay, kernel_breakdown
 
     for name, ql in [("decode 4 rows", [1] * 4), ("decode 64 rows", [1] * 64), ("prefill 4096 rows", [4096])]:
         problem = make_problem([131072] * len(ql), ql, Hq=24, Hkv=2, D=256, page=64, W=2051, dtype=torch.bfloat16,
                                device="cuda")
-        run = lambda: ker.qsa_sparse_attention(*problem, softmax_scale=256**-0.5)  # noqa: E731
-        eager = run()
+        sched = ker.plan_attention(len(ql), 24, 2, 256, 2051, device="cuda")
+        out = torch.empty(len(ql), 24 * 256, dtype=torch.bfloat16, device="cuda")
+        run = lambda: ker.qsa_sparse_attention(*problem, softmax_scale=256**-0.5, out=out, schedule=sched)  # noqa: E731
+        eager = run().clone()
         replayed, us = graph_replay(run)
         assert torch.equal(replayed, eager)
         with capsys.disabled():

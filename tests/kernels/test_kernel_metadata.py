@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from qsa_core.metadata import QSAMetadataBuilder  # noqa: E402
+from qsa_core import QSAConfig, QSAPlanner, QSAStepInputs  # noqa: E402
 from qsa_core.reference import qsa_build_metadata as reference_build  # noqa: E402
 from qsa_kernels.metadata import qsa_build_metadata  # noqa: E402
 
@@ -33,7 +33,15 @@ def make_step(qlens, context, num_pad, gen, device, num_slots=10_000, ring_rows=
     return [t.to(device) for t in (qsl, seq, slots, ring)]
 
 
-def run_both(qsl, seq, slots, ring, r, C):
+def build(fn, qsl, seq, slots, ring, r, C, outs, max_seq_len=1 << 30, guard=None):
+    """Run a metadata build `fn` into outs (the five derived fields); returns the guard flag."""
+    guard = torch.zeros(1, dtype=torch.int32, device=slots.device) if guard is None else guard
+    fn(qsl, seq, slots, ring, compress_ratio=r, ring_capacity=C, max_seq_len=max_seq_len, guard=guard,
+       **dict(zip(FIELDS, outs)))
+    return guard
+
+
+def run_both(qsl, seq, slots, ring, r, C, max_seq_len=1 << 30):
     """(kernel outputs, reference outputs); kernel buffers start as garbage."""
     T = slots.shape[0]
     dev = slots.device
@@ -48,13 +56,13 @@ def run_both(qsl, seq, slots, ring, r, C):
         ]
 
     got, want = buffers(12345), buffers(0)
-    qsa_build_metadata(qsl, seq, slots, ring, r, C, *got)
-    reference_build(qsl, seq, slots, ring, r, C, *want)
-    return got, want
+    flags = [build(qsa_build_metadata, qsl, seq, slots, ring, r, C, got, max_seq_len),
+             build(reference_build, qsl, seq, slots, ring, r, C, want, max_seq_len)]
+    return got + [flags[0]], want + [flags[1]]
 
 
 def assert_same(got, want):
-    for name, g, w in zip(FIELDS, got, want):
+    for name, g, w in zip(FIELDS + ("guard",), got, want):
         assert g.dtype == w.dtype, name
         assert torch.equal(g, w), f"{name}: {g.tolist()} != {w.tolist()}"
 
@@ -93,21 +101,40 @@ def test_empty_step():
 
 
 @interp
-def test_builder_persistent_buffers(monkeypatch):
-    """The builder path (ops dispatch to Triton) fills its persistent buffers in place."""
+@pytest.mark.parametrize("bound", [0, 5, 13, 29])
+def test_column_bound_guard(bound):
+    """Requests with seq_len > max_seq_len become inert and trip the flag, kernel as reference."""
+    gen = torch.Generator().manual_seed(bound)
+    qlens = torch.tensor([1, 1, 5, 17, 2])
+    step = make_step(qlens.tolist(), [30, 3, 0, 11, 6], 4, gen, "cpu")
+    got, want = run_both(*step, 4, 8, max_seq_len=bound)
+    assert_same(got, want)
+    assert got[-1].item() == 1
+    long_rows = step[1].repeat_interleave(qlens) > bound  # seq_len of each live row's request
+    assert long_rows.any() and (got[1][:26][long_rows] == -1).all() and (got[2][:26][long_rows] == 0).all()
+    assert (got[1][:26][~long_rows] >= 0).all()
+
+
+@interp
+def test_planner_persistent_buffers(monkeypatch):
+    """The planner path (ops dispatch to Triton) fills its persistent buffers in place."""
     monkeypatch.setenv("QSA_BACKEND", "triton")
     gen = torch.Generator().manual_seed(1)
-    builder = QSAMetadataBuilder(4, 8, 8, "cpu", max_num_tokens=64)
+    config = QSAConfig(hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=16, index_n_heads=2,
+                       index_head_dim=16, token_topk=8, compress_ratio=4, rotary_dim=8, rope_theta=1e4)
+    planner = QSAPlanner(config, dtype=torch.float32, page_size=8, ring_capacity=8, max_num_tokens=64,
+                         max_model_len=64)
+    assert planner.backend == "triton"
     for qlens, ctx, pad in (([1, 1, 6], [9, 4, 0], 3), ([2, 9], [5, 14], 0)):
         qsl, seq, slots, ring = make_step(qlens, ctx, pad, gen, "cpu", num_slots=200, ring_rows=4)
         table = torch.arange(len(qlens) * 4, dtype=torch.int32).view(len(qlens), 4)
-        meta = builder.build(
+        meta = planner.plan(QSAStepInputs(
             query_start_loc=qsl, seq_lens=seq, block_table=table, slot_mapping=slots, ring_index=ring,
             num_decodes=2 if qlens[0] == 1 else 0, max_query_len=max(qlens), max_seq_len=int(seq.max()),
             num_padding_rows=pad,
-        )
+        )).meta
         _, want = run_both(qsl, seq, slots, ring, 4, 8)
-        assert_same([getattr(meta, f) for f in FIELDS], want)
+        assert_same([getattr(meta, f) for f in FIELDS], want[:5])
 
 
 def compiled_variants(kernel) -> int:
@@ -141,16 +168,16 @@ def test_cuda_graph_replay_gpu():
     T = static[2].shape[0]
     dtypes = (torch.int32, torch.int64, torch.int32, torch.int64, torch.int64)
     outs = [torch.empty(T, dtype=d, device="cuda") for d in dtypes]
-    qsa_build_metadata(*static, 4, 8, *outs)  # compile outside the capture
+    build(qsa_build_metadata, *static, 4, 8, outs)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        qsa_build_metadata(*static, 4, 8, *outs)
+        build(qsa_build_metadata, *static, 4, 8, outs)
     for qlens, ctx in (([4] * 8 + [120, 17], [9] * 8 + [3, 0]), ([4] * 8 + [137, 0], [1] * 8 + [0, 5])):
         fresh = make_step(qlens, ctx, 11, gen, "cuda")
         for dst, src in zip(static, fresh):
             dst.copy_(src)
         graph.replay()
         want = [torch.empty_like(o) for o in outs]
-        reference_build(*fresh, 4, 8, *want)
+        build(reference_build, *fresh, 4, 8, want)
         assert_same(outs, want)

@@ -1,6 +1,6 @@
 """Triton write side (store rows, store K/V, group compression, fused prepare) vs the reference.
 
-Realistic steps come from `QSAMetadataBuilder` + `QSACacheLayout`: chunked prefills that end
+Realistic steps come from `QSAPlanner` + `QSACacheLayout`: chunked prefills that end
 inside a group and are longer than the ring, decodes, speculative ring capacity, MRoPE
 positions, fp8 index and main-KV dtypes, NaN-poisoned padding rows. Each step runs the
 reference on a copy of the caches and the kernel on the caches; all three caches and the
@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 from qsa_core import reference  # noqa: E402
 from qsa_core.cache import QSACacheLayout, QSALayerCache  # noqa: E402
 from qsa_core.config import QSAConfig, resolve_dtype  # noqa: E402
-from qsa_core.metadata import QSAMetadataBuilder  # noqa: E402
+from qsa_core import QSAPlanner, QSAStepInputs  # noqa: E402
 from qsa_kernels import prepare as kernels  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -77,7 +77,12 @@ class Scheduler:
     def __init__(self, cfg: QSAConfig, layout: QSACacheLayout, device: str, seed: int) -> None:
         self.cfg, self.layout, self.device = cfg, layout, device
         self.C = layout.ring_capacity(cfg)
-        self.builder = QSAMetadataBuilder(cfg.compress_ratio, layout.page_size, self.C, device)
+        # Metadata only (the kernels under test are called directly): the reference build.
+        self.planner = QSAPlanner(
+            cfg, dtype=torch.float32, page_size=layout.page_size, ring_capacity=self.C,
+            max_num_tokens=layout.num_slots + 64, max_model_len=layout.num_slots, device=device,
+            backend="reference",
+        )
         self.free_pages = list(range(layout.num_pages))
         random.Random(seed).shuffle(self.free_pages)
         self.free_rings = list(range(layout.ring_rows))[::-1]
@@ -114,7 +119,7 @@ class Scheduler:
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
         dev = self.device
-        meta = self.builder.build(
+        meta = self.planner.plan(QSAStepInputs(
             query_start_loc=torch.tensor([0] + qlens).cumsum(0).to(torch.int32).to(dev),
             seq_lens=torch.tensor(seqs, dtype=torch.int32, device=dev),
             block_table=table.to(dev),
@@ -126,7 +131,7 @@ class Scheduler:
             max_query_len=max(qlens),
             max_seq_len=max(seqs),
             num_padding_rows=num_pad,
-        )
+        )).meta
         return meta, meta.rope_positions
 
     def truncate(self, rid: str, seq_len: int) -> None:
@@ -363,12 +368,12 @@ def test_prepare_empty_step():
     layout = QSACacheLayout(num_layers=1, page_size=8, num_pages=4, ring_rows=2)
     sched = Scheduler(cfg, layout, "cpu", 0)
     got_cache, want_cache = random_caches(cfg, layout, torch.bfloat16, "cpu", fp8_scales=False)
-    meta = sched.builder.build(
+    meta = sched.planner.plan(QSAStepInputs(
         query_start_loc=torch.zeros(1, dtype=torch.int32), seq_lens=torch.zeros(0, dtype=torch.int32),
         block_table=torch.zeros(0, 1, dtype=torch.int32), slot_mapping=torch.full((3,), -1),
         ring_index=torch.zeros(0, dtype=torch.int32), num_decodes=0, max_query_len=0, max_seq_len=0,
         num_padding_rows=3,
-    )
+    )).meta
     inputs = step_inputs(cfg, 3, 3, torch.bfloat16, "cpu")
     args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [meta.rope_positions]
     got = kernels.qsa_prepare(*args, **layer_weights(cfg, torch.bfloat16, "cpu"), index_dtype=torch.bfloat16,

@@ -53,11 +53,18 @@ def _values(kind, shape, g):
     return torch.randn(shape, generator=g)
 
 
+def schedule(rows, max_seq_len, r, Kb, decode, device):
+    """The plan's schedule of one select call (scratch allocated, so fixtures can poison it)."""
+    return ker.plan_select(rows, max_seq_len // r, Kb, decode=decode, device=device)
+
+
 def run_both(problem, *, r=4, page=16, Kb=8, decode=False, ref_device=None):
     q, comp, table, to_req, vis, max_seq = problem
-    kw = dict(page_size=page, compress_ratio=r, block_topk=Kb, max_seq_len=max_seq)
+    kw = dict(page_size=page, compress_ratio=r, block_topk=Kb)
     fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
-    out = fn(q, comp, table, to_req, vis, out=torch.full((q.shape[0], Kb), 7, dtype=torch.int32, device=q.device), **kw)
+    sched = schedule(q.shape[0], max_seq, r, Kb, decode, q.device)
+    out = fn(q, comp, table, to_req, vis, out=torch.full((q.shape[0], Kb), 7, dtype=torch.int32, device=q.device),
+             schedule=sched, **kw)
     dev = ref_device or q.device
     args = [t.to(dev) for t in (q, comp, table, to_req, vis)]
     expect = ref.qsa_select_prefill(*args, out=torch.empty(q.shape[0], Kb, dtype=torch.int32, device=dev), **kw)
@@ -174,6 +181,21 @@ def test_float_kinds_by_score_values(nan_scratch, kind):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_one_workspace_serves_consecutive_calls(nan_scratch):
+    """A plan's persistent scratch: histograms are clean again after every call."""
+    ws = ker.select_workspace(max_rows=128, max_cols=64, block_topk=8, device="cpu")
+    for seed, decode in ((0, False), (1, True), (2, False)):
+        problem = make_problem(**RAGGED, kind="int", pad_rows=2, seed=seed)
+        q, comp, table, to_req, vis, ms = problem
+        sched = ker.plan_select(q.shape[0], 64, 8, decode=decode, device="cpu", workspace=ws)
+        fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
+        out = torch.full((q.shape[0], 8), 7, dtype=torch.int32)
+        fn(q, comp, table, to_req, vis, page_size=16, compress_ratio=4, block_topk=8, out=out, schedule=sched)
+        _, expect = run_both(problem, decode=decode)
+        assert torch.equal(out, expect)
+        assert not ws.hist.any()
+
+
 def test_bigger_kb_and_page(nan_scratch):
     problem = make_problem([300, 90], [6, 90], kind="int", page=32, seed=13)
     out, expect = run_both(problem, page=32, Kb=20)
@@ -185,7 +207,7 @@ def test_empty_batch():
     q, comp, table, to_req, vis, ms = problem
     out = torch.empty(0, 8, dtype=torch.int32)
     ker.qsa_select_decode(q[:0], comp, table, to_req[:0], vis[:0], page_size=16, compress_ratio=4,
-                          block_topk=8, max_seq_len=ms, out=out)
+                          block_topk=8, schedule=schedule(0, ms, 4, 8, True, "cpu"), out=out)
     assert out.shape == (0, 8)
 
 
@@ -217,7 +239,8 @@ def test_gpu_decode_1m_and_batch_invariance(nan_scratch):
 
     def run(sl):
         o = torch.empty(q[sl].shape[0], 512, dtype=torch.int32, device="cuda")
-        return ker.qsa_select_decode(q[sl], comp, table, to_req[sl], vis[sl], out=o, max_seq_len=ms, **kw)
+        sched = schedule(o.shape[0], ms, 4, 512, True, "cuda")
+        return ker.qsa_select_decode(q[sl], comp, table, to_req[sl], vis[sl], out=o, schedule=sched, **kw)
 
     full = run(slice(None))
     assert torch.equal(full, run(slice(None)))  # deterministic across runs
@@ -245,11 +268,12 @@ def test_gpu_prefill_chunked(nan_scratch, monkeypatch, kind):
 def test_gpu_prefill_batch_invariance(nan_scratch):
     problem = _prod_problem([131072, 8192], [512, 2048], "bf16", seed=4)
     q, comp, table, to_req, vis, ms = problem
-    kw = dict(page_size=64, compress_ratio=4, block_topk=512, max_seq_len=ms)
+    kw = dict(page_size=64, compress_ratio=4, block_topk=512)
 
     def run(sl):
         o = torch.empty(q[sl].shape[0], 512, dtype=torch.int32, device="cuda")
-        return ker.qsa_select_prefill(q[sl], comp, table, to_req[sl], vis[sl], out=o, **kw)
+        sched = schedule(o.shape[0], ms, 4, 512, False, "cuda")
+        return ker.qsa_select_prefill(q[sl], comp, table, to_req[sl], vis[sl], out=o, schedule=sched, **kw)
 
     full = run(slice(None))
     assert torch.equal(full, run(slice(None)))
@@ -303,7 +327,8 @@ def test_gpu_cuda_graph_and_timing(capsys):
         q, comp, table, to_req, vis, ms = _prod_problem(seq, ql, "bf16")
         comp = torch.nan_to_num(comp)
         o = torch.empty(q.shape[0], 512, dtype=torch.int32, device="cuda")
-        run = lambda: fn(q, comp, table, to_req, vis, out=o, max_seq_len=ms, **kw)  # noqa: E731
+        sched = schedule(q.shape[0], ms, 4, 512, fn is ker.qsa_select_decode, "cuda")
+        run = lambda: fn(q, comp, table, to_req, vis, out=o, schedule=sched, **kw)  # noqa: E731
         eager = run().clone()
         replayed, us = graph_replay(run)
         assert torch.equal(replayed, eager)

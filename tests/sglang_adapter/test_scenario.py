@@ -18,7 +18,7 @@ import types  # noqa: E402
 import torch  # noqa: E402
 from hf_oracle import hf_forward, random_hf_attention, tiny_config  # noqa: E402
 from qsa_core import QSAAttention  # noqa: E402
-from qsa_core.metadata import debug_enabled  # noqa: E402
+from qsa_core import debug_enabled  # noqa: E402
 from qsa_core.standalone import Runner  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
@@ -149,7 +149,7 @@ def replay_padded_decode(env, real, hidden, bs):
     )
     with forward_context(ForwardContext(attn_backend=be)):
         be.init_forward_metadata_out_graph(cap, in_capture=True)
-    captured = be.forward_metadata
+    captured, captured_plan = be.forward_metadata, be.plan
     env.run(cap, torch.zeros(bs, HIDDEN, dtype=DT), init=False)  # the capture's own forward
 
     for name in ("req_pool_indices", "seq_lens", "seq_lens_cpu", "positions", "out_cache_loc"):
@@ -166,12 +166,12 @@ def replay_padded_decode(env, real, hidden, bs):
     if not debug_enabled():  # QSA_DEBUG=1 value checks read on purpose
         assert reads.seen == [], f"replay refresh read tensors back to the host: {reads.seen}"
     refreshed = be.forward_metadata
-    for field, value in captured:
+    for field, value in vars(captured).items():
         if isinstance(value, torch.Tensor):
             assert getattr(refreshed, field).data_ptr() == value.data_ptr(), f"{field} moved at replay"
     assert refreshed.num_padding_rows == bs - raw and refreshed.positions[raw:].eq(-1).all()
 
-    be.forward_metadata = captured
+    be.plan = captured_plan  # what the graph replays: the captured launches on the refreshed buffers
     padded = torch.full((bs, HIDDEN), float("nan"), dtype=DT)
     padded[:raw] = hidden
     out = env.run(cap, padded, init=False)

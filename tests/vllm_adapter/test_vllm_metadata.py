@@ -42,7 +42,8 @@ def make_runner(num_spec=0):
 
 def mapper(num_spec=0, **kw):
     C = 4 * -(-(4 + num_spec) // 4)
-    return QSAMetadataMapper(PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=C, **kw), "cpu")
+    geometry = PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=C, **kw)
+    return QSAMetadataMapper(geometry, CONFIG, torch.float32, "cpu")
 
 
 def run(runner, step, padding=0):
@@ -81,7 +82,7 @@ def test_steps_map_to_the_runner_metadata(name):
     for step in SCHEDULES[name]:
         ref = run(runner, step)
         common, ring = common_metadata(ref)
-        assert_same(m.map(common, ring), ref)
+        assert_same(m.map(common, ring).meta, ref)
 
 
 @pytest.mark.parametrize("pad_reqs, pad_tokens", [(1, 1), (3, 5)])
@@ -91,7 +92,7 @@ def test_padded_uniform_decode_batch(pad_reqs, pad_tokens):
     run(runner, {"a": 21, "b": 9, "c": 40})
     ref = run(runner, {"a": 1, "b": 1, "c": 1}, padding=pad_tokens)
     common, ring = common_metadata(ref, pad_reqs=pad_reqs)
-    mapped = m.map(common, ring)
+    mapped = m.map(common, ring).meta
     assert_same(mapped, ref, num_reqs=3)
     assert mapped.num_reqs == 3 + pad_reqs and mapped.num_decodes == 3
     pad = slice(3, None)
@@ -108,7 +109,7 @@ def test_padded_mixed_batch_and_spec_decode_length():
     ref = run(runner, {"a": 3, "b": 3, "c": 17}, padding=4)
     assert (ref.num_decodes, ref.decode_query_len) == (2, 3)
     common, ring = common_metadata(ref, pad_reqs=2)
-    assert_same(m.map(common, ring, decode_threshold=3), ref, num_reqs=3)
+    assert_same(m.map(common, ring, decode_threshold=3).meta, ref, num_reqs=3)
 
 
 def test_packed_blocks_scale_pages_and_ring_rows():
@@ -117,8 +118,8 @@ def test_packed_blocks_scale_pages_and_ring_rows():
     run(runner, {"a": 37, "b": 11})
     ref = run(runner, {"b": 1, "a": 30, "c": 20}, padding=2)
     common, ring = common_metadata(ref, block_offset=1)
-    plain = mapper().map(common, ring)
-    packed = mapper(page_scale=5, ring_stride=7).map(common, ring)
+    plain = mapper().map(common, ring).meta
+    packed = mapper(page_scale=5, ring_stride=7).map(common, ring).meta
     assert torch.equal(packed.block_table, plain.block_table * 5)
     assert torch.equal(packed.ring_index, plain.ring_index * 7)
     s = plain.slot_mapping
@@ -163,6 +164,6 @@ def test_builder_asks_for_decodes_first_and_resolves_once_per_step():
     ring_record = builder.build(0, common.replace(block_table_tensor=ring))
     assert isinstance(main, QSAStepMetadata)
     geometry = PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=4)
-    first = main.resolve(ring_record, geometry, common.positions)
-    assert main.resolve(ring_record, geometry, common.positions) is first
-    assert_same(first, ref)
+    first = main.resolve(ring_record, geometry, common.positions, CONFIG, torch.float32)
+    assert main.resolve(ring_record, geometry, common.positions, CONFIG, torch.float32) is first
+    assert_same(first.meta, ref)

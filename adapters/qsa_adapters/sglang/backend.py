@@ -4,12 +4,14 @@ SGLang builds it for `--attention-backend qsa_core` (through `plugin.create_back
 the wrapper hook keeps it as the full-attention child of `HybridLinearAttnBackend`. The
 layer hook (`hooks.py`) computes the projections with the layer's own linear modules and
 calls `layer.attn(...)` with `qsa_inputs=QSALayerInputs(...)`; `forward_extend` /
-`forward_decode` then run `qsa_core.qsa_attend` (prepare, selection, expansion, sparse
-attention, gate) over views of SGLang's `QSATokenToKVPool` and return `[rows, Hq * D]`.
+`forward_decode` then run the core's layer halves `qsa_indexer` (prepare, selection,
+expansion) and `qsa_attention` (sparse attention, gate) over views of SGLang's
+`QSATokenToKVPool` and return `[rows, Hq * D]`.
 
-Metadata: `init_forward_metadata` maps the batch eagerly (`batch_map`); CUDA graphs use the
-static buffers of `cuda_graph.GraphInputs`, refreshed in place by
-`init_forward_metadata_out_graph` (decode and target-verify graphs).
+Metadata: `init_forward_metadata` maps the batch eagerly (`batch_map`) and plans the step
+(`QSAPlanner.plan`); CUDA graphs use the static buffers of `cuda_graph.GraphInputs` and a
+planner sized for the graphs, refreshed in place by `init_forward_metadata_out_graph`
+(decode and target-verify graphs).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from qsa_core import QSAConfig, QSAMetadataBuilder, QSANormWeights, ops, qsa_attend
+from qsa_core import QSAConfig, QSANormWeights, QSAPlan, QSAPlanner, qsa_attention, qsa_indexer
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -62,13 +64,9 @@ class QSACoreBackend(AttentionBackend):
         self.mrope = self.config.uses_mrope
         # Every position of a request lives in req_to_token: its width bounds seq_len.
         self.max_seq_len = self.req_to_token.shape[1]
-        # Main slots: the pool's `size` plus the reserved page 0; the ring is C = r rows per request slot.
-        self.builder = QSAMetadataBuilder(
-            r, self.page_size, r, self.device,
-            num_slots=pool.size + self.page_size, num_ring_rows=pool.qsa_num_request_slots,
-        )
-        self.inv_freq = self.config.inv_freq().to(self.device)
-        self.rope_axes = self.config.rope_axes().to(self.device)
+        self.dtype = getattr(runner.model_config, "dtype", None) or pool.dtype
+        self.planner = self._planner(max_num_tokens=256)
+        self.plan: QSAPlan | None = None
         self.ring_guard = RingContinuity(r, capacity=4 * pool.qsa_num_request_slots, mrope=self.mrope)
         self.graph: GraphInputs | None = None
         self.forward_metadata = None
@@ -78,16 +76,30 @@ class QSACoreBackend(AttentionBackend):
             "qsa_core: QSA layers run on qsa_core (ratio %d, budget %d, page %d, index dtype %s, "
             "ops backend %s)",
             r, self.config.token_topk, self.page_size, self.config.index_dtype,
-            ops.backend_for(self.device),
+            self.planner.backend,
         )
 
     # -- per-step metadata ------------------------------------------------------------
+
+    def _planner(self, max_num_tokens: int) -> QSAPlanner:
+        """Main slots: the pool's `size` plus the reserved page 0; the ring is C = r rows per
+        request slot."""
+        pool, r = self.token_to_kv_pool, self.config.compress_ratio
+        return QSAPlanner(
+            self.config, dtype=self.dtype, page_size=self.page_size, ring_capacity=r,
+            max_num_tokens=max_num_tokens, max_model_len=self.max_seq_len, device=self.device,
+            num_slots=pool.size + self.page_size, num_ring_rows=pool.qsa_num_request_slots,
+        )
+
+    def _set_plan(self, plan: QSAPlan | None) -> None:
+        self.plan = plan
+        self.forward_metadata = None if plan is None else plan.meta
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Eager steps: map the batch and build this step's `QSAForwardMetadata`."""
         mode = forward_batch.forward_mode
         if mode == ForwardMode.IDLE or forward_batch.batch_size == 0:
-            self.forward_metadata = None
+            self._set_plan(None)
             return
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
             self.ring_guard.check(forward_batch)
@@ -95,7 +107,9 @@ class QSACoreBackend(AttentionBackend):
             forward_batch, self.req_to_token, page_size=self.page_size, mrope=self.mrope,
             max_seq_len_bound=self.max_seq_len,
         )
-        self.forward_metadata = self.builder.build(**step.as_kwargs())
+        if step.num_tokens > self.planner.max_num_tokens:
+            self.planner = self._planner(max(step.num_tokens, 2 * self.planner.max_num_tokens))
+        self._set_plan(self.planner.plan(step))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.graph = GraphInputs(
@@ -103,8 +117,7 @@ class QSACoreBackend(AttentionBackend):
             max_num_tokens=max_num_tokens,
             max_seq_len=self.max_seq_len,
             page_size=self.page_size,
-            compress_ratio=self.config.compress_ratio,
-            ring_capacity=self.config.compress_ratio,
+            planner=self._planner(max_num_tokens),
             device=self.device,
         )
 
@@ -122,10 +135,10 @@ class QSACoreBackend(AttentionBackend):
             forward_batch, self.req_to_token, page_size=self.page_size, mrope=self.mrope,
             max_seq_len_bound=self.max_seq_len, fixed_max_seq_len=True,
         )
-        self.forward_metadata = self.graph.refresh(
+        self._set_plan(self.graph.refresh(
             step, mode=mode, num_padding_reqs=int(getattr(forward_batch, "num_padding", 0) or 0),
             in_capture=in_capture,
-        )
+        ))
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
@@ -147,28 +160,26 @@ class QSACoreBackend(AttentionBackend):
             )
         if not save_kv_cache:
             raise NotImplementedError("qsa_core writes the layer's K/V itself; save_kv_cache=False is not supported")
-        meta = self.forward_metadata
-        if meta is None:
+        plan = self.plan
+        if plan is None:
             raise RuntimeError("qsa_core has no metadata for this step: init_forward_metadata was not called")
-        n, rows = meta.num_tokens, q.shape[0]
+        n, rows = plan.num_tokens, q.shape[0]
         if rows < n:
             raise ValueError(f"layer {layer.layer_id}: q has {rows} rows, the step metadata {n}")
         config = self._layer_config(layer)
-        out = qsa_attend(
-            config,
-            inputs.norms,
-            self.inv_freq,
-            self.rope_axes,
-            inputs.index_qk[:n],
-            inputs.q_gate[:n],
-            k[:n].reshape(n, -1),
-            v[:n].reshape(n, -1),
-            meta,
-            self._cache(layer, config),
+        if config != plan.config:
+            raise NotImplementedError(
+                f"layer {layer.layer_id}: attention-TP-sharded heads ({layer.tp_q_head_num} of {self.config.num_heads}) "
+                "need a planner built with this rank's heads"
+            )
+        cache = self._cache(layer, config)
+        indexed = qsa_indexer(
+            plan, inputs.norms, inputs.index_qk, inputs.q_gate, k.reshape(rows, -1), v.reshape(rows, -1), cache
         )
-        if rows > n:
-            out = torch.cat((out, out.new_zeros(rows - n, out.shape[1])))
-        return out
+        # Rows past the plan (SGLang's padding) are 0.
+        out = None if rows == n else q.new_zeros(rows, config.num_heads * config.head_dim)
+        gated = qsa_attention(plan, indexed, cache, out=out)
+        return gated if out is None else out
 
     def _layer_config(self, layer) -> QSAConfig:
         """The model config with this rank's head counts (attention TP shards the heads)."""

@@ -1,4 +1,4 @@
-"""SGLang's `ForwardBatch` -> the engine inputs of `QSAMetadataBuilder.build` (SPEC.md section 3).
+"""SGLang's `ForwardBatch` -> the core's `QSAStepInputs` (SPEC.md section 3).
 
 Host ints come from SGLang's host lists only (no device reads). Mapping, per mode
 (R requests, T rows; IDLE steps carry no metadata):
@@ -21,43 +21,15 @@ query length. `block_table = req_to_token[req, ::page_size] // page_size`,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+from qsa_core import QSAStepInputs
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 EXTEND_LIKE = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND_V2)
 DECODE_LIKE = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 SUPPORTED = EXTEND_LIKE + DECODE_LIKE
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """The keyword arguments of `QSAMetadataBuilder.build` for one step.
-
-    query_start_loc int32 [R+1], seq_lens int32 [R], block_table int32 [R, P],
-    slot_mapping int64 [T], ring_index int32 [R], rope_positions int64 [T] or [3, T].
-    """
-
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    ring_index: torch.Tensor
-    rope_positions: torch.Tensor
-    num_decodes: int
-    decode_query_len: int
-    max_query_len: int
-    max_seq_len: int
-    num_padding_rows: int = 0
-
-    @property
-    def num_reqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    def as_kwargs(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
 def draft_token_num(forward_batch: Any) -> int:
@@ -122,7 +94,7 @@ def step_inputs(
     mrope: bool,
     max_seq_len_bound: int,
     fixed_max_seq_len: bool = False,
-) -> StepInputs:
+) -> QSAStepInputs:
     """Map one non-IDLE SGLang step. `fixed_max_seq_len` (CUDA graphs) uses the bound.
 
     max_seq_len_bound: the longest context a request can have (the width of req_to_token);
@@ -153,7 +125,7 @@ def step_inputs(
     bound = max_seq_len_bound
     max_seq = bound if fixed_max_seq_len else _host_max_seq_len(forward_batch, extra, bound)
     pages = max(1, math.ceil(max_seq / page_size))
-    return StepInputs(
+    return QSAStepInputs(
         query_start_loc=qsl,
         seq_lens=seq,
         block_table=block_table(req_to_token, forward_batch.req_pool_indices[:R], page_size, pages),

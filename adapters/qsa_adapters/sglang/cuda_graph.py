@@ -2,7 +2,7 @@
 
 `init_cuda_graph_state(max_bs, max_num_tokens)` allocates them once; at capture and at every
 replay `refresh` maps the (replay view of the) batch with `batch_map.step_inputs` and copies
-the result into the static buffers, then the builder re-derives its persistent fields in
+the result into the static buffers, then the planner re-derives its persistent fields in
 place. Every tensor of the metadata a graph captured therefore keeps its address, and the
 refresh reads nothing back to the host (host ints come from the batch size, the
 `num_padding` of SGLang's replay view and the fixed context bound).
@@ -18,13 +18,12 @@ import math
 from typing import Any
 
 import torch
-from qsa_core import QSAForwardMetadata, QSAMetadataBuilder
-
-from .batch_map import StepInputs
+from qsa_core import QSAPlan, QSAPlanner, QSAStepInputs
 
 
 class GraphInputs:
-    """Persistent inputs of the metadata builder for batches up to max_bs / max_num_tokens."""
+    """Persistent step inputs for batches up to max_bs / max_num_tokens, planned by `planner`
+    (built for max_num_tokens rows: its workspace addresses are the graphs')."""
 
     def __init__(
         self,
@@ -33,8 +32,7 @@ class GraphInputs:
         max_num_tokens: int,
         max_seq_len: int,
         page_size: int,
-        compress_ratio: int,
-        ring_capacity: int,
+        planner: QSAPlanner,
         device: torch.device,
     ) -> None:
         i32 = dict(dtype=torch.int32, device=device)
@@ -44,13 +42,11 @@ class GraphInputs:
         self.block_table = torch.zeros(max_bs, math.ceil(max_seq_len / page_size), **i32)
         self.ring_index = torch.zeros(max_bs, **i32)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
-        self.builder = QSAMetadataBuilder(
-            compress_ratio, page_size, ring_capacity, device, max_num_tokens=max_num_tokens
-        )
+        self.planner = planner
         # (forward mode, batch size) -> the RoPE position tensor the capture saw.
         self._rope: dict[tuple[Any, int], torch.Tensor] = {}
 
-    def refresh(self, step: StepInputs, *, mode: Any, num_padding_reqs: int, in_capture: bool) -> QSAForwardMetadata:
+    def refresh(self, step: QSAStepInputs, *, mode: Any, num_padding_reqs: int, in_capture: bool) -> QSAPlan:
         """Copy `step` (mapped with the fixed max_seq_len) into the static buffers, in place.
 
         The last `num_padding_reqs` requests are CUDA-graph padding: they get no rows.
@@ -72,7 +68,7 @@ class GraphInputs:
             self._rope[key] = step.rope_positions
         elif key not in self._rope:
             raise RuntimeError(f"CUDA-graph replay of {mode.name} batch size {bs} was never captured by qsa_core")
-        return self.builder.build(
+        return self.planner.plan(QSAStepInputs(
             query_start_loc=qsl,
             seq_lens=self.seq_lens[:bs],
             block_table=self.block_table[:bs],
@@ -84,4 +80,4 @@ class GraphInputs:
             max_query_len=qlen,
             max_seq_len=self.max_seq_len,
             num_padding_rows=T - real_rows,
-        )
+        ))

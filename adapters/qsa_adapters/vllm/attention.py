@@ -20,8 +20,7 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from qsa_core import ops
-from qsa_core.layer import GemmaRMSNorm
+from qsa_core import GemmaRMSNorm, qsa_attention
 
 from .backend import QSACoreBackend
 from .cache import main_kv_spec
@@ -89,14 +88,10 @@ class QSAAttentionLayer(nn.Module, AttentionLayerBase):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         cfg = self.qsa_config
-        qkv = torch.cat((self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)), dim=-1)
-        selection, prepared = self.indexer(self.indexer.index_qk_proj(hidden_states), positions, attn=self, qkv=qkv)
+        qkv = (self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states))
+        _, indexed = self.indexer(self.indexer.index_qk_proj(hidden_states), positions, attn=self, qkv=qkv)
         out = hidden_states.new_zeros(hidden_states.shape[0], cfg.num_heads * cfg.head_dim)
-        if prepared is not None:
-            meta, cache = self.indexer.step_inputs(self, positions)
-            q, gate = prepared
-            out[: meta.num_tokens] = ops.sparse_attention(
-                q, gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens, selection,
-                softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
-            )
+        if indexed is not None:
+            plan, cache = self.indexer.step_inputs(self, positions)
+            qsa_attention(plan, indexed, cache, out=out)
         return self.o_proj(out)

@@ -3,8 +3,8 @@
 QSA layers run `qsa_core` themselves, so the backend has no `AttentionImpl`. Its builder
 asks vLLM to put decodes first (`reorder_batch_threshold` = 1 + speculative tokens) and
 returns a `QSAStepMetadata` per KV-cache group. A QSA layer resolves its group's record
-with the ring group's into one `QSAForwardMetadata`, built once per step and shared by
-every layer with the same cache geometry.
+with the ring group's into one `QSAPlan`, planned once per step and shared by every layer
+with the same cache geometry.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from qsa_core import QSAForwardMetadata
+from qsa_core import QSAConfig, QSAPlan
 
 from .metadata import PagedGeometry, QSAMetadataMapper
 
@@ -40,16 +40,18 @@ class QSAStepMetadata(AttentionMetadata):
     _resolved: dict = field(default_factory=dict, repr=False)
 
     def resolve(
-        self, ring: "QSAStepMetadata", geometry: PagedGeometry, rope_positions: torch.Tensor
-    ) -> QSAForwardMetadata:
-        """The step's `QSAForwardMetadata` from this (main) group and the ring group.
+        self, ring: "QSAStepMetadata", geometry: PagedGeometry, rope_positions: torch.Tensor,
+        config: QSAConfig, dtype: torch.dtype,
+    ) -> QSAPlan:
+        """The step's `QSAPlan` from this (main) group and the ring group.
 
-        Built on the first call and reused by every later layer of the step that shares
-        the geometry. rope_positions: the model's positions, int64 [>= T] or [3, >= T].
+        Planned on the first call and reused by every later layer of the step that shares
+        the geometry. rope_positions: the model's positions, int64 [>= T] or [3, >= T];
+        config, dtype: the layer's `QSAConfig` and model dtype.
         """
-        key = (geometry, id(ring))
+        key = (geometry, config, id(ring))
         if key not in self._resolved:
-            self._resolved[key] = self.builder.mapper(geometry).map(
+            self._resolved[key] = self.builder.mapper(geometry, config, dtype).map(
                 self.common,
                 ring.common.block_table_tensor,
                 decode_threshold=self.builder.reorder_batch_threshold,
@@ -68,12 +70,19 @@ class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
-        self._mappers: dict[PagedGeometry, QSAMetadataMapper] = {}
+        self._mappers: dict[tuple, QSAMetadataMapper] = {}
 
-    def mapper(self, geometry: PagedGeometry) -> QSAMetadataMapper:
-        if geometry not in self._mappers:
-            self._mappers[geometry] = QSAMetadataMapper(geometry, self.device)
-        return self._mappers[geometry]
+    def mapper(self, geometry: PagedGeometry, config: QSAConfig, dtype: torch.dtype) -> QSAMetadataMapper:
+        key = (geometry, config, dtype)
+        if key not in self._mappers:
+            sched = self.vllm_config.scheduler_config
+            model = self.vllm_config.model_config
+            self._mappers[key] = QSAMetadataMapper(
+                geometry, config, dtype, self.device,
+                max_num_tokens=sched.max_num_batched_tokens if sched is not None else 256,
+                max_model_len=model.max_model_len if model is not None else 4096,
+            )
+        return self._mappers[key]
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False

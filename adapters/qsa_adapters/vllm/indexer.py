@@ -2,8 +2,9 @@
 
 It owns the checkpoint weights `index_qk_proj`, `q_layernorm`, `k_layernorm` (under its
 prefix) and the two side caches vLLM allocates (`raw_key_cache`, `compressed_key_cache`).
-Its forward maps vLLM's step onto `qsa_core` and runs the core's fused prepare (indexer
-query, ring, group compression, main q/k norm + RoPE, main K/V store) and selection.
+Its forward maps vLLM's step onto `qsa_core` and runs the core's indexer half
+(`qsa_indexer`: the fused prepare - indexer query, ring, group compression, main q/k
+norm + RoPE, main K/V store - then selection and expansion).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.quantization import QuantizationConfig
 
-from qsa_core import QSAConfig, QSAForwardMetadata, QSALayerCache, ops, qsa_select
-from qsa_core.config import resolve_dtype
-from qsa_core.layer import GemmaRMSNorm
+from qsa_core import GemmaRMSNorm, QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlan, qsa_indexer
+from qsa_core import resolve_dtype
 
 from .cache import QSASideCache, bind_layer_cache, compressed_key_spec, ring_spec
 from .context import step_metadata
@@ -90,10 +90,8 @@ class QSAIndexer(nn.Module):
         )
         self.q_layernorm = GemmaRMSNorm(Di, cfg.rms_norm_eps)
         self.k_layernorm = GemmaRMSNorm(Di, cfg.rms_norm_eps)
-        # The core ops take the RoPE table as fp32 inverse frequencies (main attention's).
-        self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
-        self.register_buffer("rope_axes", cfg.rope_axes(), persistent=False)
         dtype = vllm_config.model_config.dtype
+        self.dtype = dtype
         cache_prefix = f"{prefix}." if prefix else ""
         self.raw_key_cache = QSASideCache(
             vllm_config=vllm_config, spec=ring_spec(vllm_config, cfg, dtype), prefix=f"{cache_prefix}raw_key_cache"
@@ -124,8 +122,8 @@ class QSAIndexer(nn.Module):
 
     def step_inputs(
         self, attn: QSAAttentionLike, positions: torch.Tensor
-    ) -> tuple[QSAForwardMetadata, QSALayerCache] | None:
-        """This step's core metadata and cache views; None when vLLM runs without metadata
+    ) -> tuple[QSAPlan, QSALayerCache] | None:
+        """This step's plan and cache views; None when vLLM runs without metadata
         (profiling, dummy runs). positions: the model's positions, int64 [N] or [3, N]."""
         records = step_metadata(attn.layer_name, self.compressed_key_cache.prefix, self.raw_key_cache.prefix)
         if records is None:
@@ -137,7 +135,7 @@ class QSAIndexer(nn.Module):
                 "(one KV-cache group); vLLM grouped them apart"
             )
         cache, geometry = self.layer_cache(attn.kv_cache)
-        return main.resolve(ring, geometry, positions), cache
+        return main.resolve(ring, geometry, positions, self.qsa_config, self.dtype), cache
 
     def forward(
         self,
@@ -146,18 +144,19 @@ class QSAIndexer(nn.Module):
         out: torch.Tensor | None = None,
         *,
         attn: QSAAttentionLike,
-        qkv: torch.Tensor | None = None,
+        qkv: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         slot_mapping: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """Update the caches and select; returns (selection, (q, gate) or None).
+    ) -> tuple[torch.Tensor, QSAIndexed | None]:
+        """Update the caches and select; returns (selection, the indexer half's result or None).
 
-        projected_qk [N, (Hi+1)*Di] = index_qk_proj(hidden); qkv [N, Hq*2D + 2*Hkv*D]: the
-        main projections (per head [q | gate], then k, then v). The core's prepare is fused,
-        so the same call writes `attn`'s K/V and returns its normed, rotated q [T, Hq, D] and
-        gate [T, Hq, D]. Main slots come from the step metadata: `slot_mapping` is accepted
-        for upstream's signature only. Selection: int32 [T, W + 1], -1 padded
-        request-relative positions, last column the count (T = rows vLLM scheduled; rows past
-        T are padding). Without step metadata: inert rows (all -1, count 0) and None.
+        projected_qk [N, (Hi+1)*Di] = index_qk_proj(hidden); qkv: the main projections, one
+        fused [N, Hq*2D + 2*Hkv*D] tensor (per head [q | gate], then k, then v; split into
+        views) or the (q_gate, k, v) tuple. The core's prepare is fused, so the same call
+        writes `attn`'s K/V and returns its normed, rotated q and gate [T, Hq, D] (in the
+        `QSAIndexed`). Main slots come from the step metadata: `slot_mapping` is accepted for
+        upstream's signature only. Selection: int32 [T, W + 1], -1 padded request-relative
+        positions, last column the count (T = rows vLLM scheduled; rows past T are padding).
+        Without step metadata: inert rows (all -1, count 0) and None.
         """
         cfg = self.qsa_config
         step = self.step_inputs(attn, positions)
@@ -169,33 +168,11 @@ class QSAIndexer(nn.Module):
             return (out.copy_(inert) if out is not None else inert), None
         if qkv is None:
             raise ValueError("QSAIndexer.forward needs qkv: the core's prepare also writes the main K/V")
-        meta, cache = step
-        T = meta.num_tokens
-        Hi, Di, Hq, Hkv, D = cfg.index_n_heads, cfg.index_head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        index_qk = projected_qk[:T]
-        q_gate, k, v = qkv[:T].split((Hq * 2 * D, Hkv * D, Hkv * D), dim=-1)
-        q_idx, q, gate = ops.prepare(
-            index_qk[:, : Hi * Di],
-            index_qk[:, Hi * Di :],
-            q_gate,
-            k,
-            v,
-            meta.rope_positions,
-            index_q_norm=self.q_layernorm.weight,
-            index_k_norm=self.k_layernorm.weight,
-            q_norm=attn.q_norm.weight,
-            k_norm=attn.k_norm.weight,
-            eps=cfg.rms_norm_eps,
-            inv_freq=self.inv_freq,
-            rope_axes=self.rope_axes,
-            index_dtype=resolve_dtype(cfg.index_dtype, index_qk.dtype),
-            cache=cache,
-            meta=meta,
+        plan, cache = step
+        Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_gate, k, v = qkv if isinstance(qkv, tuple) else qkv.split((Hq * 2 * D, Hkv * D, Hkv * D), dim=-1)
+        norms = QSANormWeights(
+            index_q=self.q_layernorm.weight, index_k=self.k_layernorm.weight, q=attn.q_norm.weight, k=attn.k_norm.weight
         )
-        if self.skip_topk:
-            if out is None:
-                raise ValueError("skip_topk reuses the step-0 selection: pass it as out")
-            return out, (q, gate)
-        if out is not None and tuple(out.shape) != (T, cfg.packed_width):
-            raise ValueError(f"out must be [{T}, {cfg.packed_width}] int32, got {tuple(out.shape)}")
-        return qsa_select(cfg, q_idx, meta, cache, out), (q, gate)
+        indexed = qsa_indexer(plan, norms, projected_qk, q_gate, k, v, cache, selection_out=out, skip_topk=self.skip_topk)
+        return indexed.selection, indexed

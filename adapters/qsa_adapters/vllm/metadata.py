@@ -1,9 +1,9 @@
-"""vLLM's per-step `CommonAttentionMetadata` (+ the ring group's block table) -> `QSAForwardMetadata`.
+"""vLLM's per-step `CommonAttentionMetadata` (+ the ring group's block table) -> `QSAStepInputs` -> `QSAPlan`.
 
 vLLM hands each KV-cache group its own `CommonAttentionMetadata`: the main K/V and the
 compressed keys share one group (one block table and slot mapping); the raw-key rings
 live in a group of their own with one block per request. This module maps the two onto the core's
-step record. It derives nothing QSA itself: `QSAMetadataBuilder` does that.
+step inputs. It derives nothing QSA itself: `QSAPlanner` does that.
 
 Index maps (`PagedGeometry`): vLLM may pack several layers' pages into one block (block
 stride > one layer's page). The core addresses compressed keys as flat rows
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from qsa_core import QSAForwardMetadata, QSAMetadataBuilder
+from qsa_core import QSAConfig, QSAPlan, QSAPlanner, QSAStepInputs, check_page_size
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,7 @@ class PagedGeometry:
     ring_stride: int = 1
 
     def __post_init__(self) -> None:
-        if self.page_size % self.compress_ratio:
-            raise ValueError(
-                f"page_size ({self.page_size}) must be a multiple of compress_ratio ({self.compress_ratio})"
-            )
+        check_page_size(self.page_size, self.compress_ratio)
         for name in ("page_scale", "ring_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -89,23 +86,36 @@ def core_ring_index(ring_block_table: torch.Tensor, num_reqs: int, geometry: Pag
 
 
 class QSAMetadataMapper:
-    """Maps one step's vLLM metadata onto `QSAForwardMetadata` for one `PagedGeometry`."""
+    """Maps one step's vLLM metadata onto a `QSAPlan` for one `PagedGeometry`.
 
-    def __init__(self, geometry: PagedGeometry, device: torch.device | str) -> None:
+    Owns the `QSAPlanner` of its geometry (config: the layer's `QSAConfig`, dtype: the
+    model dtype); the planner is rebuilt larger when a step exceeds its sizes (eager only).
+    """
+
+    def __init__(
+        self, geometry: PagedGeometry, config: QSAConfig, dtype: torch.dtype, device: torch.device | str,
+        *, max_num_tokens: int = 256, max_model_len: int = 4096,
+    ) -> None:
         self.geometry = geometry
-        self.builder = QSAMetadataBuilder(
-            geometry.compress_ratio, geometry.page_size, geometry.ring_capacity, device
+        self.config, self.dtype, self.device = config, dtype, device
+        self.planner = self._planner(max_num_tokens, max_model_len)
+
+    def _planner(self, max_num_tokens: int, max_model_len: int) -> QSAPlanner:
+        g = self.geometry
+        return QSAPlanner(
+            self.config, dtype=self.dtype, page_size=g.page_size, ring_capacity=g.ring_capacity,
+            max_num_tokens=max_num_tokens, max_model_len=max_model_len, device=self.device,
         )
 
-    def map(
+    def step_inputs(
         self,
         common: CommonAttentionMetadata,
         ring_block_table: torch.Tensor,
         *,
         decode_threshold: int = 1,
         rope_positions: torch.Tensor | None = None,
-    ) -> QSAForwardMetadata:
-        """Build the core record of a step.
+    ) -> QSAStepInputs:
+        """The core's inputs of a step.
 
         common: the main group's metadata (block table, slot_mapping int64 [>= T]) with
         T = num_actual_tokens rows, CUDA-graph padding included (padding requests have query
@@ -121,7 +131,7 @@ class QSAMetadataMapper:
             rope_positions = common.positions
         if rope_positions is not None:
             rope_positions = rope_positions[..., :T]
-        return self.builder.build(
+        return QSAStepInputs(
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
             block_table=core_block_table(common.block_table_tensor, R, g),
@@ -134,3 +144,22 @@ class QSAMetadataMapper:
             max_seq_len=common.max_seq_len,
             num_padding_rows=T - int(qsl_cpu[-1]),
         )
+
+    def map(
+        self,
+        common: CommonAttentionMetadata,
+        ring_block_table: torch.Tensor,
+        *,
+        decode_threshold: int = 1,
+        rope_positions: torch.Tensor | None = None,
+    ) -> QSAPlan:
+        """Plan the step (see `step_inputs`)."""
+        inputs = self.step_inputs(
+            common, ring_block_table, decode_threshold=decode_threshold, rope_positions=rope_positions
+        )
+        p = self.planner
+        if inputs.num_tokens > p.max_num_tokens or inputs.max_seq_len > p.max_model_len:
+            self.planner = self._planner(
+                max(inputs.num_tokens, p.max_num_tokens), max(inputs.max_seq_len, p.max_model_len)
+            )
+        return self.planner.plan(inputs)

@@ -1,0 +1,280 @@
+"""`QSAPlanner` / `QSAPlan`: one plan per forward step, FlashInfer style (plan once, run many).
+
+A planner is made once per engine (per model geometry and rank). It resolves the ops backend,
+holds the RoPE table and owns the workspace: the derived metadata, the prepare outputs, the
+selection buffers, the score / top-k scratch and the attention's split-K partials, all
+allocated once for `max_num_tokens` rows, so a captured CUDA graph keeps every address.
+
+`plan(inputs)` runs once per step: it validates the `QSAStepInputs` (host ints and tensor
+metadata only), derives the per-row fields on the device (one launch) and fixes the schedule
+of every op for this step's shape. The layer halves (`qsa_indexer`, `qsa_attention`) then
+only launch: no allocation, no derivation, no host read.
+
+Column bound: selection scores at most `max_seq_len // r` groups per row (rounded up to a
+bucket, so that schedules repeat). A request with seq_len > max_seq_len is never truncated:
+the metadata build makes its rows inert (as padding: empty selection, output 0, no ring or
+compressed-key write) and raises a sticky device flag (`check_guard`); with the engine's
+host copy (`QSAStepInputs.seq_lens_cpu`) `plan` refuses it at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import ops
+from .cache import check_page_size
+from .config import QSAConfig, resolve_dtype
+from .inputs import QSAStepInputs, debug_enabled
+from .metadata import QSAForwardMetadata
+
+_DERIVED = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot")
+_SCHEDULE_CACHE = 512
+
+
+def column_bucket(num_cols: int) -> int:
+    """The column bound selection is planned with: num_cols rounded up (a power of two up to
+    4096, then a multiple of 4096), so consecutive decode steps share one schedule."""
+    n = max(num_cols, 1)
+    if n <= 4096:
+        return 1 << (n - 1).bit_length()
+    return -(-n // 4096) * 4096
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """Everything of a plan that depends on the step's shape only (cached per shape).
+
+    Row views [T, ...] of the workspace: q_idx, q (prepare outputs; None on the reference),
+    blocks int32 [T, Kb], selection int32 [T, W + 1], attn_out [T, Hq*D]; the select
+    schedules of the decode rows [:num_decode_tokens] and the prefill rows after them, and
+    the attention schedule (None on the reference backend).
+    """
+
+    num_tokens: int
+    num_decode_tokens: int
+    num_cols: int
+    q_idx: torch.Tensor | None
+    q: torch.Tensor | None
+    blocks: torch.Tensor
+    selection: torch.Tensor
+    attn_out: torch.Tensor
+    select_decode: object | None
+    select_prefill: object | None
+    attention: object | None
+
+
+@dataclass(frozen=True)
+class QSAPlan:
+    """One step, planned: the metadata, the schedules, and what the layer halves need."""
+
+    meta: QSAForwardMetadata
+    schedule: StepSchedule
+    config: QSAConfig
+    backend: str
+    index_dtype: torch.dtype
+    inv_freq: torch.Tensor
+    rope_axes: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.meta.num_tokens
+
+
+class QSAPlanner:
+    """Plans the steps of one engine for one layer geometry (`config`, this rank's heads).
+
+    dtype: the model (activation) dtype; page_size: tokens per main KV page (a multiple of
+    r); ring_capacity: C; max_num_tokens: rows per step (padding included);
+    max_model_len: the longest seq_len served (sizes the selection scratch);
+    max_num_reqs: requests per step, needed only for `plan(..., static=True)`;
+    num_slots / num_ring_rows: bounds of the `QSA_DEBUG=1` value checks; backend: the
+    ops backend (default: from the device and `QSA_BACKEND`, resolved here once).
+    """
+
+    def __init__(
+        self,
+        config: QSAConfig,
+        *,
+        dtype: torch.dtype,
+        page_size: int,
+        ring_capacity: int,
+        max_num_tokens: int,
+        max_model_len: int,
+        max_num_reqs: int | None = None,
+        device: torch.device | str = "cpu",
+        num_slots: int | None = None,
+        num_ring_rows: int | None = None,
+        backend: str | None = None,
+    ) -> None:
+        check_page_size(page_size, config.compress_ratio)
+        if ring_capacity < config.compress_ratio or ring_capacity % config.compress_ratio:
+            raise ValueError(
+                f"ring_capacity ({ring_capacity}) must be a positive multiple of compress_ratio ({config.compress_ratio})"
+            )
+        for name, value in (("max_num_tokens", max_num_tokens), ("max_model_len", max_model_len)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.config = config
+        self.dtype = dtype
+        self.page_size = page_size
+        self.ring_capacity = ring_capacity
+        self.max_num_tokens = max_num_tokens
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
+        self.backend = ops.resolve_backend(self.device, backend)
+        self.index_dtype = resolve_dtype(config.index_dtype, dtype)
+        self.inv_freq = config.inv_freq().to(self.device)
+        self.rope_axes = config.rope_axes().to(self.device)
+        self._allocate(max_num_reqs)
+        self._schedules: dict[tuple[int, int, int], StepSchedule] = {}
+
+    # -- workspace ------------------------------------------------------------------------
+
+    def _allocate(self, max_num_reqs: int | None) -> None:
+        cfg, n, dev = self.config, self.max_num_tokens, self.device
+        i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+        self._derived = dict(
+            token_to_req=torch.zeros(n, **i32),
+            positions=torch.full((n,), -1, **i64),
+            visible_blocks=torch.zeros(n, **i32),
+            ring_slot=torch.full((n,), -1, **i64),
+            compressed_slot=torch.full((n,), -1, **i64),
+        )
+        self.guard = torch.zeros(1, **i32)
+        self._blocks = torch.empty(n, cfg.block_topk, **i32)
+        self._selection = torch.empty(n, cfg.packed_width, **i32)
+        self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
+        self._q_idx = self._q = None
+        self._select_ws = self._partials = None
+        if self.backend == "triton":
+            from qsa_kernels.attention import partials_size
+            from qsa_kernels.select import select_workspace
+
+            self._q_idx = torch.empty(n, cfg.index_n_heads, cfg.index_head_dim, dtype=self.index_dtype, device=dev)
+            self._q = torch.empty(n, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev)
+            max_cols = column_bucket(self.max_model_len // cfg.compress_ratio)
+            self._select_ws = select_workspace(n, max_cols, cfg.block_topk, dev)
+            acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
+            self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
+                              torch.empty(acc, dtype=torch.float32, device=dev))
+        self._static: dict[str, torch.Tensor] | None = None
+        if max_num_reqs is not None:
+            pages = -(-self.max_model_len // self.page_size)
+            self._static = dict(
+                query_start_loc=torch.zeros(max_num_reqs + 1, **i32),
+                seq_lens=torch.zeros(max_num_reqs, **i32),
+                block_table=torch.full((max_num_reqs, pages), -1, **i32),
+                slot_mapping=torch.full((n,), -1, **i64),
+                ring_index=torch.zeros(max_num_reqs, **i32),
+                rope_positions=torch.zeros(3 if cfg.uses_mrope else 1, n, **i64),
+            )
+
+    def _schedule(self, num_tokens: int, num_decode_tokens: int, num_cols: int) -> StepSchedule:
+        key = (num_tokens, num_decode_tokens, num_cols)
+        found = self._schedules.get(key)
+        if found is not None:
+            return found
+        cfg, T, nd = self.config, num_tokens, num_decode_tokens
+        dec = pre = attn = None
+        if self.backend == "triton":
+            from qsa_kernels.attention import plan_attention
+            from qsa_kernels.select import plan_select
+
+            ws = self._select_ws
+            if nd:
+                dec = plan_select(nd, num_cols, cfg.block_topk, decode=True, device=self.device, workspace=ws)
+            if nd < T:
+                pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
+            attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
+                                  device=self.device, partials=self._partials)
+        found = StepSchedule(
+            num_tokens=T, num_decode_tokens=nd, num_cols=num_cols,
+            q_idx=None if self._q_idx is None else self._q_idx[:T],
+            q=None if self._q is None else self._q[:T],
+            blocks=self._blocks[:T], selection=self._selection[:T], attn_out=self._attn_out[:T],
+            select_decode=dec, select_prefill=pre, attention=attn,
+        )
+        if len(self._schedules) >= _SCHEDULE_CACHE:
+            self._schedules.clear()
+        self._schedules[key] = found
+        return found
+
+    # -- per step -------------------------------------------------------------------------
+
+    def _stage(self, inputs: QSAStepInputs) -> dict[str, torch.Tensor]:
+        """Copy the step's tensors into the planner's static buffers (CUDA-graph addresses)."""
+        s = self._static
+        if s is None:
+            raise ValueError("plan(..., static=True) needs a planner built with max_num_reqs")
+        R, T = inputs.num_reqs, inputs.num_tokens
+        if R > s["seq_lens"].shape[0]:
+            raise ValueError(f"num_reqs ({R}) exceeds the planner's max_num_reqs ({s['seq_lens'].shape[0]})")
+        P = inputs.block_table.shape[1]
+        if P > s["block_table"].shape[1]:
+            raise ValueError(
+                f"block_table has {P} columns, more than max_model_len / page_size = {s['block_table'].shape[1]}"
+            )
+        staged = dict(
+            query_start_loc=s["query_start_loc"][: R + 1].copy_(inputs.query_start_loc),
+            seq_lens=s["seq_lens"][:R].copy_(inputs.seq_lens),
+            block_table=s["block_table"][:R, :P].copy_(inputs.block_table[:R]),
+            slot_mapping=s["slot_mapping"][:T].copy_(inputs.slot_mapping),
+            ring_index=s["ring_index"][:R].copy_(inputs.ring_index),
+        )
+        rp = inputs.rope_positions
+        if rp is not None:
+            buf = s["rope_positions"]
+            if rp.dim() == 2 and buf.shape[0] != 3:
+                raise ValueError("3-axis rope_positions need an MRoPE config (mrope_section)")
+            staged["rope_positions"] = (buf[0] if rp.dim() == 1 else buf)[..., :T].copy_(rp)
+        return staged
+
+    def plan(self, inputs: QSAStepInputs, *, static: bool = False) -> QSAPlan:
+        """Validate, derive (one launch) and schedule one step; reads nothing back.
+
+        static=True copies the step's tensors into planner-owned buffers first, so a CUDA
+        graph captured over `plan` + layers replays on fresh inputs (same shapes and
+        max_seq_len bucket => the same schedule).
+        """
+        inputs.validate(self.device)
+        T = inputs.num_tokens
+        if T > self.max_num_tokens:
+            raise ValueError(f"num_tokens ({T}) exceeds the planner's max_num_tokens ({self.max_num_tokens})")
+        if inputs.max_seq_len > self.max_model_len:
+            raise ValueError(f"max_seq_len ({inputs.max_seq_len}) exceeds the planner's max_model_len ({self.max_model_len})")
+        fields = dict(inputs.__dict__)
+        if static:
+            fields.update(self._stage(inputs))
+        derived = {k: self._derived[k][:T] for k in _DERIVED}
+        if fields["rope_positions"] is None:
+            fields["rope_positions"] = derived["positions"]
+        cfg = self.config
+        ops.build_metadata(
+            fields["query_start_loc"], fields["seq_lens"], fields["slot_mapping"], fields["ring_index"],
+            compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
+            guard=self.guard, backend=self.backend, **derived,
+        )
+        meta = QSAForwardMetadata(
+            **fields, **derived,
+            compress_ratio=cfg.compress_ratio, page_size=self.page_size, ring_capacity=self.ring_capacity,
+        )
+        if debug_enabled():
+            inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
+        schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(inputs.max_seq_len // cfg.compress_ratio))
+        return QSAPlan(
+            meta=meta, schedule=schedule, config=cfg, backend=self.backend, index_dtype=self.index_dtype,
+            inv_freq=self.inv_freq, rope_axes=self.rope_axes,
+        )
+
+    def check_guard(self) -> None:
+        """Raise if any step since the last check had a request longer than its max_seq_len
+        (those rows were made inert). Reads the device flag: a sync; then clears it."""
+        if int(self.guard.item()):
+            self.guard.zero_()
+            raise RuntimeError(
+                "a request's seq_len exceeded the step's max_seq_len (the column bound of selection): its rows "
+                "were made inert (output 0) instead of being truncated; pass a max_seq_len >= every seq_len"
+            )
