@@ -35,20 +35,19 @@ class Greedy:
     ids: list[int]  # generated ids
     margins: list[float]  # top-1 minus top-2 logit, per generated token
     scale: list[float]  # max |logit|, per generated token
-    indexer_inputs: list[tuple]  # per layer: (hidden [1, L, H], (cos, sin)) of the prefill
+    indexer_inputs: list[tuple]  # per layer: (hidden [1, L + n - 1, H], (cos, sin)) HF fed it
 
 
 def greedy(model, prompt: list[int], n: int) -> Greedy:
-    """Greedy generation of n tokens; records what each indexer saw in the prefill."""
+    """Greedy generation of n tokens; records what each indexer saw (prefill and decodes)."""
     lm = model.model.language_model
-    captured: dict[int, tuple] = {}
+    captured: dict[int, list] = {i: [] for i in range(len(lm.layers))}
 
     def hook(i):
         def pre(module, args, kwargs):
-            if i not in captured:
-                hidden = kwargs.get("hidden_states", args[0] if args else None)
-                cos_sin = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-                captured[i] = (hidden.detach(), cos_sin)
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            cos_sin = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+            captured[i].append((hidden.detach(), cos_sin))  # cos/sin: every position so far
 
         return pre
 
@@ -69,14 +68,14 @@ def greedy(model, prompt: list[int], n: int) -> Greedy:
     top2 = [step[0].float().topk(2).values for step in out.logits]
     return Greedy(
         ids, [float(t[0] - t[1]) for t in top2], [float(step[0].abs().max()) for step in out.logits],
-        [captured[i] for i in range(len(lm.layers))],
+        [(torch.cat([h for h, _ in captured[i]], dim=1), captured[i][-1][1]) for i in range(len(lm.layers))],
     )
 
 
 def indexer_scores(model, run: Greedy) -> list[torch.Tensor]:
-    """Per QSA layer, fp32 [L, G] group scores s(t, g) of the prompt rows (G = L // r; NaN
-    where g is not visible to t), from HF's own indexer modules on the hidden states HF fed
-    them in `run`'s prefill."""
+    """Per QSA layer, fp32 [L, G] group scores s(t, g) of every row HF ran (prompt and
+    decodes: L = prompt + n - 1, G = L // r; NaN where g is not visible to t), from HF's own
+    indexer modules on the hidden states HF fed them in `run`."""
     from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
 
     scores = []

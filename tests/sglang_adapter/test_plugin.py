@@ -1,25 +1,22 @@
 """The plugin: entry point, registration, CLI choice, hooks that pass through, refusals."""
 
+import json
+import os
+import subprocess
+import sys
+import types
+
 import pytest
-
-pytest.importorskip("sglang.srt.plugins")
-
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import types  # noqa: E402
-
-import torch  # noqa: E402
-from hf_oracle import tiny_config  # noqa: E402
-from qsa_adapters.sglang.checks import SPECULATIVE_REFUSAL, check_runner, model_qsa_config  # noqa: E402
-from qsa_adapters.sglang.caches import check_pool  # noqa: E402
-from qsa_adapters.sglang.hooks import backend_wrapper_around, find_core_backend, self_attention_around  # noqa: E402
-from qsa_adapters.sglang.layer import run_qsa_layer  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
-from sglang_harness import Env, ensure_plugin  # noqa: E402
+import torch
+from hf_oracle import tiny_config
+from qsa_adapters.sglang.checks import SPECULATIVE_REFUSAL, check_runner, model_qsa_config
+from qsa_adapters.sglang.caches import check_pool
+from qsa_adapters.sglang.hooks import backend_wrapper_around, find_core_backend, self_attention_around
+from qsa_adapters.sglang.layer import run_qsa_layer
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang_harness import Env, ensure_plugin
 
 FRESH_PROCESS = r"""
 import json

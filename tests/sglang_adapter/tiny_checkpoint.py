@@ -28,7 +28,7 @@ VOCAB_WORDS = 448  # " aa" .. ; the specials and the 53 BPE pieces follow
 SPECIALS = ["<|endoftext|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 EOS_ID = VOCAB_WORDS  # "<|endoftext|>"; greedy runs use ignore_eos
 VOCAB_SIZE = VOCAB_WORDS + len(SPECIALS) + 53  # every id is a token of the tokenizer
-LOW_WORDS = range(0, 180, 3)  # low-importance words of gapped prompts, 0.018 importance apart
+LOW_WORDS = range(0, 240, 4)  # low-importance words of gapped prompts, 0.025 importance apart
 HIGH_WORDS = range(250, VOCAB_WORDS)  # importance 1.79 .. 3.0
 BUDGET, RATIO = 2048, 4
 # Rows of the embedding reserved for structure (see gapped_weights).

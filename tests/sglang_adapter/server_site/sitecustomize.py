@@ -13,8 +13,8 @@ that never import a target pay nothing.
 - QSA_TEST_DUMP=<folder> with QSA_TEST_DUMP_RID=<request id>: every QSA layer's selection
   rows of that request's steps (single-request steps only) are saved to
   `<folder>/<pid>-<n>.pt` as {"layer", "positions" [T], "selection" [T, W]} (token
-  positions, -1 padded, any order), from SGLang's `QSAIndexer` (baseline) or from
-  qsa_core's selection (qsa_core).
+  positions, -1 padded, any order), from SGLang's `QSAIndexer` (baseline) or from the
+  core's indexer half `qsa_indexer` as the qsa_core backend calls it.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ else:
     _context = {}
 
     @on_import("qsa_adapters.sglang.backend")
-    def _core_context(module):
+    def _core_dump(module):
         cls = module.QSACoreBackend
         for name in ("forward_extend", "forward_decode"):
             original = getattr(cls, name)
@@ -112,19 +112,16 @@ else:
                     _context["dump"] = False
 
             setattr(cls, name, wrapped)
+        indexer_half = module.qsa_indexer  # the core's indexer half, as the backend calls it
 
-    @on_import("qsa_core.layer")
-    def _core_selection(module):
-        original = module.qsa_select
-
-        def qsa_select(config, q_idx, meta, cache, out=None):
-            selection = original(config, q_idx, meta, cache, out)
+        def qsa_indexer(plan, *args, **kw):
+            indexed = indexer_half(plan, *args, **kw)
             if _context.get("dump"):
-                n = meta.num_tokens
-                _save(_context["layer"], meta.positions[:n], selection[:n, :-1])
-            return selection
+                n = plan.meta.num_tokens
+                _save(_context["layer"], plan.meta.positions[:n], indexed.selection[:n, :-1])
+            return indexed
 
-        module.qsa_select = qsa_select
+        module.qsa_indexer = qsa_indexer
 
 
 sys.meta_path.insert(0, _PatchAfterImport())
