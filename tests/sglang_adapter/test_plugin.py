@@ -75,6 +75,33 @@ def test_sglang_plugins_filter_leaves_sglang_untouched():
     assert not out["wrapper_hooked"] and not out["layer_patched"]
 
 
+CPU_SETTINGS = r"""
+import json, logging, os
+logging.basicConfig(level=logging.INFO)
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import sglang.srt.layers.rotary_embedding.base as rope
+from sglang.srt.server_args import prepare_server_args
+out = []
+for argv in (["--attention-backend", "qsa", "--device", "cpu"],
+             ["--attention-backend", "qsa_core", "--device", "cuda"],
+             ["--attention-backend", "qsa_core", "--device", "cpu"]):
+    prepare_server_args(["--model-path", "dummy"] + argv).resolve_once()  # the launcher's hook point
+    out.append({"interpret": os.environ.get("TRITON_INTERPRET"), "rope_cpu": bool(rope._is_cpu)})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_cpu_settings_only_for_qsa_core_on_the_cpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", CPU_SETTINGS], capture_output=True, text=True, timeout=240, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    untouched = {"interpret": None, "rope_cpu": False}
+    assert json.loads(lines[-1][len("RESULT ") :]) == [untouched, untouched, {"interpret": "1", "rope_cpu": True}]
+    assert proc.stderr.count("qsa_core on the CPU: TRITON_INTERPRET=1") == 1
+
+
 @pytest.fixture(scope="module")
 def env():
     ensure_plugin()
