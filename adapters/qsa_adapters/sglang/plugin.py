@@ -31,7 +31,8 @@ def create_backend(runner: Any):
 
 
 def register() -> None:
-    """Register the backend name, its CLI choice and the backend-wrapper hook (idempotent)."""
+    """Register the backend name, its CLI choice, the backend-wrapper hook and the two CPU
+    settings hooks (idempotent)."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
