@@ -275,6 +275,8 @@ def test_selections_match_sglang_own_qsa_and_transformers(runs, hf):
             else:
                 assert explained(scores, p, a, b), f"layer {layer} row {p}: selections differ beyond a bf16 tie"
                 diff_explained += 1
+            if p >= len(LONG) and hf["long"].ids != runs["qsa_core"]["long"]["ids"]:
+                continue  # HF decoded other tokens: its decode rows score another sequence
             ref = hf_selection(scores, p)
             clear = not topk or float(boundary_gap(scores[p : p + 1])[0]) >= CLEAR_GAP
             if a == ref:
