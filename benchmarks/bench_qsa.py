@@ -25,10 +25,10 @@ import triton.testing
 
 from qsa_core import (
     QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlanner, QSAStepInputs, ops, qsa_attention,
-    qsa_indexer, qsa_select, ring_capacity,
+    qsa_indexer, qsa_prepare, qsa_select, ring_capacity,
 )
 from qsa_core.reference import qsa_select_decode as ref_select, qsa_sparse_attention as ref_attention
-from qsa_core.reference.select import compressed_rows, group_scores
+from qsa_core.reference.select import compressed_rows, group_scores, paged_rows
 
 PEAK_BYTES_PER_S = 4.3e12  # device-to-device copy measured on this machine kind
 PAGE = 64
@@ -67,8 +67,8 @@ class Step:
         self.cache = QSALayerCache(
             k=torch.randn(num_pages, PAGE, Hkv, D, device=DEV, dtype=BF16),
             v=torch.randn(num_pages, PAGE, Hkv, D, device=DEV, dtype=BF16),
-            compressed=torch.randn(num_pages * PAGE // 4, Di, device=DEV, dtype=BF16),
-            ring=torch.randn(batch * C, Di, device=DEV, dtype=BF16),
+            compressed=torch.randn(num_pages, PAGE // 4, Di, device=DEV, dtype=BF16),
+            ring=torch.randn(batch, C, Di, device=DEV, dtype=BF16),
             ring_positions=None,
         )
         perm = torch.randperm(num_pages - 1, device=DEV).to(torch.int32) + 1  # page 0 unused
@@ -101,15 +101,7 @@ class Step:
         self.q_idx, self.q, self.gate = self.prepare()
 
     def prepare(self):
-        cfg, plan = CONFIG, self.plan
-        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-        return ops.prepare(
-            self.index_qk[:, : Hi * Di], self.index_qk[:, Hi * Di :], self.q_gate, self.k, self.v,
-            self.meta.rope_positions, index_q_norm=self.norms.index_q, index_k_norm=self.norms.index_k,
-            q_norm=self.norms.q, k_norm=self.norms.k, eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq,
-            rope_axes=plan.rope_axes, index_dtype=plan.index_dtype, cache=self.cache, meta=self.meta,
-            q_idx_out=plan.schedule.q_idx, q_out=plan.schedule.q, backend=plan.backend,
-        )
+        return qsa_prepare(self.plan, self.norms, self.index_qk, self.q_gate, self.k, self.v, self.cache)
 
     def select(self):
         return qsa_select(self.plan, self.q_idx, self.cache, out=self.selection)
@@ -133,7 +125,7 @@ class Step:
                    self.meta.token_to_req[:rows], self.meta.visible_blocks[:rows], page_size=PAGE,
                    compress_ratio=4, block_topk=Kb, out=ref_blocks)
         vis = int(self.meta.visible_blocks[:rows].max())
-        keys = self.cache.compressed[compressed_rows(self.meta.block_table, 0, vis, PAGE, 4)]
+        keys = paged_rows(self.cache.compressed, compressed_rows(self.meta.block_table, 0, vis, PAGE, 4))
         scores = group_scores(self.q_idx[:rows], keys)
         for r in range(rows):
             want = scores[r, ref_blocks[r][ref_blocks[r] >= 0].long()].sort().values

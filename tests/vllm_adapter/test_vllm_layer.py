@@ -117,11 +117,13 @@ def stack():
 def test_packed_views_and_geometry(stack):
     layer = stack.layers[0]
     cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
-    # one block holds 2 layers x (main page + compressed page): 34 compressed pages wide
-    assert (geometry.page_size, geometry.ring_capacity) == (PAGE, 4)
-    assert geometry.page_scale == layer.kv_cache.stride(0) // (PAGE // 4 * 64) > 1
-    assert geometry.ring_stride == layer.indexer.raw_key_cache.kv_cache.stride(0) // (4 * 64)
-    assert cache.k.data_ptr() == layer.kv_cache.data_ptr()
+    # one block holds 2 layers x (main page + compressed page): the core's paged views keep
+    # vLLM's block strides, core page = vLLM block
+    assert (geometry.page_size, geometry.ring_capacity, geometry.page_scale, geometry.ring_stride) == (PAGE, 4, 1, 1)
+    comp, ring = layer.indexer.compressed_key_cache.kv_cache, layer.indexer.raw_key_cache.kv_cache
+    assert cache.compressed.stride(0) == comp.stride(0) > cache.compressed.shape[1] * cache.compressed.shape[2]
+    assert cache.ring.stride(0) == ring.stride(0) and cache.ring.data_ptr() == ring.data_ptr()
+    assert cache.k.data_ptr() == layer.kv_cache.data_ptr() and cache.compressed.data_ptr() == comp.data_ptr()
 
 
 def test_layers_match_the_core_runner_over_vllm_caches(stack):
@@ -145,9 +147,8 @@ def test_layers_match_the_core_runner_over_vllm_caches(stack):
             vpages = common.block_table_tensor[req, : len(pages)].long() * geometry.page_scale
             torch.testing.assert_close(cache.k[vpages].flatten(0, 1)[:n], core_cache.k[pages].flatten(0, 1)[:n])
             torch.testing.assert_close(cache.v[vpages].flatten(0, 1)[:n], core_cache.v[pages].flatten(0, 1)[:n])
-            rows = (pages[:, None] * (PAGE // 4) + torch.arange(PAGE // 4)).flatten()[: n // 4]
-            vrows = (vpages[:, None] * (PAGE // 4) + torch.arange(PAGE // 4)).flatten()[: n // 4]
-            torch.testing.assert_close(cache.compressed[vrows], core_cache.compressed[rows], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(cache.compressed[vpages].flatten(0, 1)[: n // 4],
+                                       core_cache.compressed[pages].flatten(0, 1)[: n // 4], rtol=1e-4, atol=1e-5)
 
 
 def test_without_step_metadata_the_layer_is_inert(stack):
@@ -175,7 +176,7 @@ def test_skip_topk_keeps_the_step0_selection_while_caches_update(stack):
     idx = layer.indexer
     cache, geometry = idx.layer_cache(layer.kv_cache)
     x = torch.randn(1, hid, generator=g)
-    qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), -1)
+    qkv = (layer.q_proj(x), layer.k_proj(x), layer.v_proj(x))
     kept = torch.full((1, idx.packed_output_width), 7, dtype=torch.int32)
     before = cache.ring.clone()
     idx.skip_topk = True
@@ -186,10 +187,8 @@ def test_skip_topk_keeps_the_step0_selection_while_caches_update(stack):
         idx.skip_topk = False
     assert out is kept and (kept == 7).all() and prepared is not None
     C, p = geometry.ring_capacity, int(meta.positions[0])
-    slot = int(ring[0, 0]) * geometry.ring_stride * C + p % C
-    changed = (cache.ring != before).any(-1).nonzero().flatten()
-    ring_rows = changed[changed % (geometry.ring_stride * C) < C]  # the flat view spans other pages too
-    assert ring_rows.tolist() == [slot]
+    changed = (cache.ring != before).any(-1).nonzero()  # (ring block, row) of each written row
+    assert changed.tolist() == [[int(ring[0, 0]), p % C]]
 
 
 def test_indexer_interface_and_checkpoint_names(stack):

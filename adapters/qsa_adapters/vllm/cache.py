@@ -6,7 +6,8 @@ vLLM's allocator owns all three caches of a QSA layer:
   shares the main block table (page_size / r rows per block: row = main slot // r);
 - raw-key ring: `CircularBufferSpec(block_size=C)`, a group of its own, one block per request.
 All QSA backends declare block-outermost layouts (mixed page sizes in several groups need
-them), so one block holds every layer's page and the views are strided by that block.
+them), so one block holds every layer's page; the core's paged views keep vLLM's block
+strides (core page = vLLM block), with no renumbering.
 """
 
 from __future__ import annotations
@@ -105,41 +106,6 @@ class QSASideCache(nn.Module, AttentionLayerBase):
         self.kv_cache = kv_cache
 
 
-def flat_rows(cache: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
-    """A [num_blocks, 1, N, W] block-strided view as flat rows [rows, W] and rows per block.
-
-    Row j of block b is flat row b * rows_per_block + j; rows between blocks belong to other
-    layers and are never addressed.
-    """
-    B, H, N, W = cache.shape
-    sB, _, sN, sW = cache.stride()
-    if H != 1 or sW != 1 or sN != W:
-        raise ValueError(f"{name}: rows within a block must be contiguous [1, N, W], got strides {cache.stride()}")
-    if sB % W:
-        raise ValueError(f"{name}: block stride ({sB}) must be a multiple of the row width ({W})")
-    rows_per_block = sB // W
-    rows = (B - 1) * rows_per_block + N
-    return cache.as_strided((rows, W), (W, 1), cache.storage_offset()), rows_per_block
-
-
-def main_kv_views(kv_cache: torch.Tensor, page_scale: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's main view [B, Hkv, page, 2D] -> core K and V [(B-1)*page_scale + 1, page, Hkv, D].
-
-    Core page b * page_scale is vLLM block b; the pages between are never addressed.
-    """
-    B, Hkv, page, D2 = kv_cache.shape
-    sB, sH, sN, sC = kv_cache.stride()
-    if sC != 1 or D2 % 2:
-        raise ValueError(f"main K/V cache must end in a contiguous [2D] dim, got {tuple(kv_cache.shape)}")
-    if sB % page_scale:
-        raise ValueError(f"main K/V block stride ({sB}) must be a multiple of page_scale ({page_scale})")
-    D = D2 // 2
-    size = ((B - 1) * page_scale + 1, page, Hkv, D)
-    stride = (sB // page_scale, sN, sH, 1)
-    offset = kv_cache.storage_offset()
-    return kv_cache.as_strided(size, stride, offset), kv_cache.as_strided(size, stride, offset + D)
-
-
 def bind_layer_cache(
     kv_cache: torch.Tensor, compressed: torch.Tensor, ring: torch.Tensor, config: QSAConfig
 ) -> tuple[QSALayerCache, PagedGeometry]:
@@ -156,23 +122,11 @@ def bind_layer_cache(
         raise ValueError(
             f"compressed cache must hold page_size / r = {rows_per_page} rows per block, got {compressed.shape[2]}"
         )
-    comp_rows, comp_per_block = flat_rows(compressed, "compressed cache")
-    ring_rows, ring_per_block = flat_rows(ring, "ring cache")
+    # Core page = vLLM block for all three caches: the views keep vLLM's block strides.
+    D = kv_cache.shape[3] // 2
+    k, v = kv_cache[..., :D].transpose(1, 2), kv_cache[..., D:].transpose(1, 2)
     C = ring.shape[2]
-    if comp_per_block % rows_per_page:
-        raise ValueError(
-            f"compressed block stride ({comp_per_block} rows) must be a multiple of page_size / r ({rows_per_page})"
-        )
-    if ring_per_block % C:
-        raise ValueError(f"ring block stride ({ring_per_block} rows) must be a multiple of ring_capacity ({C})")
-    geometry = PagedGeometry(
-        compress_ratio=config.compress_ratio,
-        page_size=page,
-        ring_capacity=C,
-        page_scale=comp_per_block // rows_per_page,
-        ring_stride=ring_per_block // C,
-    )
-    k, v = main_kv_views(kv_cache, geometry.page_scale)
-    cache = QSALayerCache(k=k, v=v, compressed=comp_rows, ring=ring_rows, ring_positions=None)
-    validate_layer_cache(cache, config, page)
+    geometry = PagedGeometry(compress_ratio=config.compress_ratio, page_size=page, ring_capacity=C)
+    cache = QSALayerCache(k=k, v=v, compressed=compressed[:, 0], ring=ring[:, 0], ring_positions=None)
+    validate_layer_cache(cache, config, page, ring_capacity=C)
     return cache, geometry
