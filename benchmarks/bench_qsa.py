@@ -3,10 +3,14 @@
 Production geometry (bf16, Hq 24 / Hkv 2 / D 256, indexer 4 x 128, r 4, budget 2048,
 page 64), synthetic random data. Every configuration is checked against the reference
 before it is timed. Times are medians of CUDA-graph replays (`do_bench_cudagraph`).
+Needs a CUDA GPU; the plot needs matplotlib (`pip install -e '.[bench]'`), the dense
+column FlashInfer (`.[flashinfer]`), the SGLang column SGLang's installed files.
 
-    python benchmarks/bench_qsa.py --out DIR [--quick] [--sglang-dir PATH]
+    python benchmarks/bench_qsa.py [--out DIR] [--quick] [--sglang-dir SITE_PACKAGES] [--no-plot]
+    python benchmarks/bench_qsa.py --sweep-attention
 
-Writes DIR/results.json, DIR/table.md and DIR/latency.png, and prints the table.
+Writes DIR/results.json (after every configuration), DIR/table.md and DIR/latency.png, and
+prints a line per configuration, then the table.
 """
 
 from __future__ import annotations
@@ -21,14 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import triton.testing
 
 from qsa_core import (
     QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlanner, QSAStepInputs, ops, qsa_attention,
-    qsa_indexer, qsa_select, ring_capacity,
+    qsa_indexer, qsa_prepare, qsa_select, ring_capacity,
 )
 from qsa_core.reference import qsa_select_decode as ref_select, qsa_sparse_attention as ref_attention
-from qsa_core.reference.select import compressed_rows, group_scores
+from qsa_core.reference.select import compressed_rows, group_scores, paged_rows
 
 PEAK_BYTES_PER_S = 4.3e12  # device-to-device copy measured on this machine kind
 PAGE = 64
@@ -67,8 +70,8 @@ class Step:
         self.cache = QSALayerCache(
             k=torch.randn(num_pages, PAGE, Hkv, D, device=DEV, dtype=BF16),
             v=torch.randn(num_pages, PAGE, Hkv, D, device=DEV, dtype=BF16),
-            compressed=torch.randn(num_pages * PAGE // 4, Di, device=DEV, dtype=BF16),
-            ring=torch.randn(batch * C, Di, device=DEV, dtype=BF16),
+            compressed=torch.randn(num_pages, PAGE // 4, Di, device=DEV, dtype=BF16),
+            ring=torch.randn(batch, C, Di, device=DEV, dtype=BF16),
             ring_positions=None,
         )
         perm = torch.randperm(num_pages - 1, device=DEV).to(torch.int32) + 1  # page 0 unused
@@ -101,15 +104,7 @@ class Step:
         self.q_idx, self.q, self.gate = self.prepare()
 
     def prepare(self):
-        cfg, plan = CONFIG, self.plan
-        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
-        return ops.prepare(
-            self.index_qk[:, : Hi * Di], self.index_qk[:, Hi * Di :], self.q_gate, self.k, self.v,
-            self.meta.rope_positions, index_q_norm=self.norms.index_q, index_k_norm=self.norms.index_k,
-            q_norm=self.norms.q, k_norm=self.norms.k, eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq,
-            rope_axes=plan.rope_axes, index_dtype=plan.index_dtype, cache=self.cache, meta=self.meta,
-            q_idx_out=plan.schedule.q_idx, q_out=plan.schedule.q, backend=plan.backend,
-        )
+        return qsa_prepare(self.plan, self.norms, self.index_qk, self.q_gate, self.k, self.v, self.cache)
 
     def select(self):
         return qsa_select(self.plan, self.q_idx, self.cache, out=self.selection)
@@ -133,7 +128,7 @@ class Step:
                    self.meta.token_to_req[:rows], self.meta.visible_blocks[:rows], page_size=PAGE,
                    compress_ratio=4, block_topk=Kb, out=ref_blocks)
         vis = int(self.meta.visible_blocks[:rows].max())
-        keys = self.cache.compressed[compressed_rows(self.meta.block_table, 0, vis, PAGE, 4)]
+        keys = paged_rows(self.cache.compressed, compressed_rows(self.meta.block_table, 0, vis, PAGE, 4))
         scores = group_scores(self.q_idx[:rows], keys)
         for r in range(rows):
             want = scores[r, ref_blocks[r][ref_blocks[r] >= 0].long()].sort().values
@@ -162,6 +157,8 @@ def rows_in(step: Step, sel: torch.Tensor, rows: int) -> list[torch.Tensor]:
 
 def bench(fn) -> float:
     """Median ms of CUDA-graph replays (launch overhead excluded, as in a graph-served step)."""
+    import triton.testing
+
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
@@ -330,24 +327,98 @@ def plot(rows: list[Row], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sglang-dir", type=Path, default=None)
-    args = ap.parse_args()
+SGLANG_SPARSE_ATTN = Path("sglang/srt/layers/attention/qsa/sparse_attn.py")
+SWEEP_CASES = [("prefill 16K rows @128K", 131072, 1, 16384), ("decode B64 x4 @128K", 131072, 64, 4),
+               ("decode B4 @128K", 131072, 4, 1)]
+
+
+def sweep_attention() -> None:
+    """Time every (BLOCK_N, num_warps, num_stages) of the sparse attention kernel on three
+    128K cases; each output must equal the default configuration's (a tuning aid)."""
+    import itertools
+
+    from qsa_kernels import attention
+
+    default = attention._launch_config
+    for name, ctx, batch, rows in SWEEP_CASES:
+        step = Step(ctx, batch, rows)
+        step.select()
+        want = step.attention().clone()
+        results = []
+        for cfg in itertools.product((16, 32, 64), (2, 4, 8), (1, 2)):
+            attention._launch_config = lambda r, dp, cfg=cfg: cfg
+            try:
+                got = step.attention()
+                same = torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+                results.append((bench(step.attention) * 1e3, cfg, same))
+            except Exception as e:  # noqa: BLE001 - a config the compiler rejects
+                results.append((float("inf"), cfg, type(e).__name__))
+            finally:
+                attention._launch_config = default
+        results.sort(key=lambda x: x[0])
+        print(f"{name}: default {default(step.q.shape[0], 256)} = {bench(step.attention) * 1e3:.1f} us")
+        for us, cfg, same in results[:6]:
+            print(f"  BLOCK_N {cfg[0]:>2} warps {cfg[1]} stages {cfg[2]}: {us:8.1f} us  same={same}", flush=True)
+        del step
+        torch.cuda.empty_cache()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python benchmarks/bench_qsa.py",
+        description="Time one QSA layer step (prepare, select + expand, sparse attention) on a CUDA GPU "
+        "at production geometry, against dense FlashInfer and SGLang 0.5.23's sparse attention. "
+        "Every configuration is checked against the PyTorch reference before it is timed.",
+    )
+    ap.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
+                    help="folder for results.json, table.md and latency.png; created if missing "
+                    "(default: %(default)s)")
+    ap.add_argument("--quick", action="store_true",
+                    help="contexts 8K, 32K and 128K only (the full run adds 64K and 1M)")
+    ap.add_argument("--sglang-dir", type=Path, default=None, metavar="SITE_PACKAGES",
+                    help="the folder that holds SGLang 0.5.23's installed 'sglang' package, i.e. its "
+                    "site-packages, e.g. $(python -c 'import sglang, pathlib; "
+                    "print(pathlib.Path(sglang.__file__).parents[1])'). Only "
+                    f"{SGLANG_SPARSE_ATTN} is loaded from it (no SGLang import chain, so no "
+                    "sgl_kernel is needed); its sparse attention is timed on QSA's selection as the "
+                    "'sglang attention' column. Without it that column is left out.")
+    ap.add_argument("--no-plot", action="store_true",
+                    help="do not write latency.png (the plot needs matplotlib: pip install -e '.[bench]')")
+    ap.add_argument("--sweep-attention", action="store_true",
+                    help="instead of the table: time all 18 launch configs of the sparse attention "
+                    "kernel on three 128K cases and check each against the default config")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False): it times the Triton kernels "
+                 "under CUDA graphs. Without a GPU, `python -m qsa_core` runs QSA on the CPU.")
+    if not args.no_plot and not args.sweep_attention and importlib.util.find_spec("matplotlib") is None:
+        ap.error("the plot needs matplotlib: pip install -e '.[bench]' (or pass --no-plot)")
+    if args.sglang_dir is not None and not (args.sglang_dir / SGLANG_SPARSE_ATTN).is_file():
+        ap.error(f"--sglang-dir {args.sglang_dir}: no {SGLANG_SPARSE_ATTN} there; pass the "
+                 "site-packages folder that holds SGLang 0.5.23's 'sglang' package")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.sweep_attention:
+        sweep_attention()
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     sa = load_sglang_sparse_attn(args.sglang_dir) if args.sglang_dir else None
+    todo = list(configs(args.quick))
     rows = []
-    for kind, ctx, batch, q in configs(args.quick):
+    for i, (kind, ctx, batch, q) in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] {kind} ctx {ctx} batch {batch} rows/request {q} ...", flush=True)
         r = measure(kind, ctx, batch, q, sa)
         torch.cuda.empty_cache()  # the step's caches went with measure()
         rows.append(r)
-        print(kind, ctx, batch, q, {k: round(v * 1e3, 1) for k, v in r.ms.items()}, r.check, flush=True)
+        print(f"    {r.check}; us:", {k: round(v * 1e3, 1) for k, v in r.ms.items()}, flush=True)
         (args.out / "results.json").write_text(json.dumps([asdict(x) for x in rows], indent=1))
     md = table(rows)
     (args.out / "table.md").write_text(md + "\n")
-    plot(rows, args.out / "latency.png")
+    if not args.no_plot:
+        plot(rows, args.out / "latency.png")
     print(md)
 
 

@@ -10,7 +10,7 @@ holds the op API (reference in `qsa_core.reference`, Triton in `qsa_kernels`);
 from .cache import QSACacheLayout, QSALayerCache, check_page_size, ring_capacity, validate_layer_cache
 from .config import QSAConfig, resolve_dtype
 from .inputs import QSAStepInputs, debug_enabled
-from .layer import GemmaRMSNorm, QSAAttention, QSAIndexed, QSANormWeights, qsa_attention, qsa_indexer, qsa_select
+from .layer import GemmaRMSNorm, QSAAttention, QSAIndexed, QSANormWeights, qsa_attention, qsa_indexer, qsa_prepare, qsa_select
 from .metadata import QSAForwardMetadata
 from .planner import QSAPlan, QSAPlanner
 
@@ -30,6 +30,7 @@ __all__ = [
     "debug_enabled",
     "qsa_attention",
     "qsa_indexer",
+    "qsa_prepare",
     "qsa_select",
     "resolve_dtype",
     "ring_capacity",

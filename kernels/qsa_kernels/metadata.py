@@ -66,7 +66,7 @@ def _row_guard_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < T
     owned = tl.load(qsl_ptr + R).to(tl.int64)
-    live = in_range & (rows < owned) & (rows < num_live) & (R > 0)
+    live = tl.where(R > 0, in_range & (rows < owned) & (rows < num_live), False)
     # req = number of request ends (query_start_loc[1:]) <= row: searchsorted(right=True).
     # A fixed step count (enough for any int32 R) keeps R out of the compiled code; the
     # interpreter cannot run loops bounded by a kernel argument either.

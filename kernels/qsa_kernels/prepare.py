@@ -141,10 +141,10 @@ def _row_cos_sin(t, rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, in
 def _compress_row(
     t, raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
     w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
-    comp_ptr, stride_comp, comp_rows, ring_ptr, stride_ring,
-    ring_pos_ptr, stride_rp0, stride_rp1,
+    comp_ptr, stride_cpage, stride_comp, comp_rows, ring_ptr, stride_rpage, stride_ring,
+    ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
     comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
-    r: tl.constexpr, C: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr,
+    r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr,
     HAS_RING_POS: tl.constexpr, INTERP: tl.constexpr,
 ):
     """Compress and store the group that row t closes (nothing if it closes none).
@@ -171,11 +171,11 @@ def _compress_row(
             in_step = row >= first_row
             ring_row = ring_base + (p - (r - 1) + j) % C  # positions >= 0 here
             here = raw_ptr + tl.maximum(row, 0) * stride_raw
-            there = ring_ptr + ring_row * stride_ring
-            k = tl.where(in_step, tl.load(here + d, mask=dmask & in_step, other=0.0).to(tl.float32),
-                         _round(tl.load(there + d, mask=dmask & ~in_step, other=0.0).to(tl.float32), DT, INTERP))
-            kp = tl.where(in_step, tl.load(here + pd, mask=dmask & in_step, other=0.0).to(tl.float32),
-                          _round(tl.load(there + pd, mask=dmask & ~in_step, other=0.0).to(tl.float32), DT, INTERP))
+            there = ring_ptr + (ring_row // C) * stride_rpage + (ring_row % C) * stride_ring
+            k = tl.where(in_step, tl.load(here + d, mask=tl.where(in_step, dmask, False), other=0.0).to(tl.float32),
+                         _round(tl.load(there + d, mask=tl.where(in_step, False, dmask), other=0.0).to(tl.float32), DT, INTERP))
+            kp = tl.where(in_step, tl.load(here + pd, mask=tl.where(in_step, dmask, False), other=0.0).to(tl.float32),
+                          _round(tl.load(there + pd, mask=tl.where(in_step, False, dmask), other=0.0).to(tl.float32), DT, INTERP))
             acc += k
             acc_p += kp
         pooled = _round(tl.div_rn(acc, tl.full([BD], r, tl.float32)), DT, INTERP)
@@ -184,19 +184,21 @@ def _compress_row(
         axes = _lane_axes(rope_axes_ptr, d, RD)
         in_step0 = row0 >= first_row
         from_step = tl.load(rope_ptr + axes * rope_stride_axis + tl.maximum(row0, 0) * rope_stride_t,
-                            mask=(d < RD) & in_step0, other=0)
+                            mask=tl.where(in_step0, d < RD, False), other=0)
         if HAS_RING_POS:
             ring_row0 = ring_base + (p - (r - 1)) % C
-            earlier = tl.load(ring_pos_ptr + ring_row0 * stride_rp0 + axes * stride_rp1,
-                              mask=(d < RD) & ~in_step0, other=0)
+            earlier = tl.load(ring_pos_ptr + (ring_row0 // C) * stride_rpp + (ring_row0 % C) * stride_rp0
+                              + axes * stride_rp1,
+                              mask=tl.where(in_step0, False, d < RD), other=0)
         else:  # 1-D positions taken as contiguous inside the group
             earlier = tl.load(rope_ptr + axes * rope_stride_axis + t * rope_stride_t,
-                              mask=(d < RD) & ~in_step0, other=0) - (r - 1)
+                              mask=tl.where(in_step0, False, d < RD), other=0) - (r - 1)
         first_pos = tl.where(in_step0, from_step, earlier)
         cos, sin = _rope_cos_sin(first_pos, inv_freq_ptr, d, RD, DT, INTERP)
         key = _norm_rope(pooled[None, :], pooled_p[None, :], w_ptr, d, Di, eps, cos, sin, RD, DT, INTERP)
         out_dt: tl.constexpr = comp_ptr.dtype.element_ty
-        tl.store(comp_ptr + slot * stride_comp + d[None, :], _cvt(key, out_dt, INTERP), mask=dmask[None, :])
+        dst = comp_ptr + (slot // RPP) * stride_cpage + (slot % RPP) * stride_comp
+        tl.store(dst + d[None, :], _cvt(key, out_dt, INTERP), mask=dmask[None, :])
 
 
 @triton.jit
@@ -267,8 +269,8 @@ def _prepare_kernel(
     # indexer query
     iq_ptr, iq_stride_t, iq_w_ptr, qidx_ptr, Hi, Di,
     # raw keys, compression, compressed cache
-    raw_ptr, stride_raw, ik_w_ptr, comp_ptr, stride_comp, comp_rows,
-    ring_ptr, stride_ring, ring_pos_ptr, stride_rp0, stride_rp1,
+    raw_ptr, stride_raw, ik_w_ptr, comp_ptr, stride_cpage, stride_comp, comp_rows,
+    ring_ptr, stride_rpage, stride_ring, ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
     # main q / k / v
     qg_ptr, qg_stride_t, q_w_ptr, q_out_ptr, Hq, D,
     k_ptr, k_stride_t, k_w_ptr, v_ptr, v_stride_t, Hkv,
@@ -277,7 +279,7 @@ def _prepare_kernel(
     # positions and metadata
     rope_ptr, rope_stride_axis, rope_stride_t, inv_freq_ptr, rope_axes_ptr, eps,
     slot_ptr, comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr,
-    r: tl.constexpr, C: tl.constexpr, RD: tl.constexpr,
+    r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr,
     BHI: tl.constexpr, BDI: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr, BKV: tl.constexpr,
     HAS_RING_POS: tl.constexpr, INTERP: tl.constexpr,
 ):
@@ -291,10 +293,10 @@ def _prepare_kernel(
         _compress_row(
             t, raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
             ik_w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
-            comp_ptr, stride_comp, comp_rows, ring_ptr, stride_ring,
-            ring_pos_ptr, stride_rp0, stride_rp1,
+            comp_ptr, stride_cpage, stride_comp, comp_rows, ring_ptr, stride_rpage, stride_ring,
+            ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
             comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
-            r, C, RD, BDI, HAS_RING_POS, INTERP,
+            r, C, RPP, RD, BDI, HAS_RING_POS, INTERP,
         )
     elif task == 2:
         _kv_task(t, k_ptr, k_stride_t, k_w_ptr, v_ptr, v_stride_t, Hkv, D, slot_ptr,
@@ -309,9 +311,9 @@ def _prepare_kernel(
 
 @triton.jit(do_not_specialize=["rope_stride_axis"])
 def _ring_store_kernel(
-    raw_ptr, stride_raw, ring_ptr, stride_ring, ring_rows, ring_slot_ptr, Di,
-    ring_pos_ptr, stride_rp0, stride_rp1, rope_ptr, rope_stride_axis, rope_stride_t,
-    HAS_POS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+    raw_ptr, stride_raw, ring_ptr, stride_rpage, stride_ring, ring_rows, ring_slot_ptr, Di,
+    ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1, rope_ptr, rope_stride_axis, rope_stride_t,
+    C: tl.constexpr, HAS_POS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
 ):
     """ring[ring_slot[t]] = raw[t] (+ the row's 3 rope positions) for valid ring slots."""
     t = tl.program_id(0).to(tl.int64)
@@ -319,36 +321,38 @@ def _ring_store_kernel(
     if (slot >= 0) & (slot < ring_rows):
         d = tl.arange(0, BD)
         x = tl.load(raw_ptr + t * stride_raw + d, mask=d < Di, other=0.0).to(tl.float32)
-        tl.store(ring_ptr + slot * stride_ring + d, _cvt(x, ring_ptr.dtype.element_ty, INTERP), mask=d < Di)
+        dst = ring_ptr + (slot // C) * stride_rpage + (slot % C) * stride_ring
+        tl.store(dst + d, _cvt(x, ring_ptr.dtype.element_ty, INTERP), mask=d < Di)
         if HAS_POS:
             a = tl.arange(0, 4)
             pos = tl.load(rope_ptr + a * rope_stride_axis + t * rope_stride_t, mask=a < 3, other=0)
-            tl.store(ring_pos_ptr + slot * stride_rp0 + a * stride_rp1, pos, mask=a < 3)
+            pos_dst = ring_pos_ptr + (slot // C) * stride_rpp + (slot % C) * stride_rp0
+            tl.store(pos_dst + a * stride_rp1, pos, mask=a < 3)
 
 
 @triton.jit(do_not_specialize=["rope_stride_axis"])
 def _compress_kernel(
     raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
     w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
-    comp_ptr, stride_comp, comp_rows, ring_ptr, stride_ring,
-    ring_pos_ptr, stride_rp0, stride_rp1,
+    comp_ptr, stride_cpage, stride_comp, comp_rows, ring_ptr, stride_rpage, stride_ring,
+    ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
     comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
-    r: tl.constexpr, C: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr,
+    r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr,
     HAS_RING_POS: tl.constexpr, INTERP: tl.constexpr,
 ):
     _compress_row(
         tl.program_id(0).to(tl.int64), raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
         w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
-        comp_ptr, stride_comp, comp_rows, ring_ptr, stride_ring,
-        ring_pos_ptr, stride_rp0, stride_rp1,
+        comp_ptr, stride_cpage, stride_comp, comp_rows, ring_ptr, stride_rpage, stride_ring,
+        ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
         comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
-        r, C, RD, BD, HAS_RING_POS, INTERP,
+        r, C, RPP, RD, BD, HAS_RING_POS, INTERP,
     )
 
 
 @triton.jit
 def _store_rows_kernel(
-    cache_ptr, stride_n, stride_f, N, slots_ptr, rows_ptr, stride_t, stride_rf, scale,
+    cache_ptr, stride_p, stride_n, stride_f, M, N, slots_ptr, rows_ptr, stride_t, stride_rf, scale,
     F: tl.constexpr, IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -362,7 +366,7 @@ def _store_rows_kernel(
                          cache_ptr.dtype.element_ty, INTERP)
             else:
                 x = x.to(cache_ptr.dtype.element_ty)
-            tl.store(cache_ptr + slot * stride_n + f * stride_f, x, mask=f < F)
+            tl.store(cache_ptr + (slot // M) * stride_p + (slot % M) * stride_n + f * stride_f, x, mask=f < F)
 
 
 @triton.jit
@@ -397,11 +401,17 @@ def _rope_args(rope_positions: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return rope_positions, rope_positions.stride(0), rope_positions.stride(1)
 
 
-def _ring_pos_args(cache: "QSALayerCache", fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+def _ring_pos_args(cache: "QSALayerCache", fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(tensor, page, row and axis strides) of the paged [ring_rows, C, 3] MRoPE positions."""
     rp = cache.ring_positions
     if rp is None:
-        return fallback, 0, 0
-    return rp, rp.stride(0), rp.stride(1)
+        return fallback, 0, 0, 0
+    return rp, rp.stride(0), rp.stride(1), rp.stride(2)
+
+
+def _paged_args(t: torch.Tensor) -> list:
+    """(tensor, page stride, row stride, rows in all pages) of a paged view [pages, rows, F]."""
+    return [t, t.stride(0), t.stride(1), t.shape[0] * t.shape[1]]
 
 
 def _kv_cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> list:
@@ -418,18 +428,20 @@ def _has_ring_positions(rope_positions: torch.Tensor, cache: "QSALayerCache") ->
 def qsa_store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0) -> None:
     """cache[slots[t]] = rows[t] / scale for 0 <= slots[t] < len(cache); other rows skip.
 
-    cache [N, ...] (a view whose trailing dims flatten; float, fp8 or integer), slots int64
+    cache [N, M, ...] (a paged view, flat slot s at [s // M, s % M]; trailing dims flatten;
+    float, fp8 or integer), slots int64
     [T], rows [T, ...]. Integer caches copy without scaling.
     """
     T = slots.shape[0]
     if T == 0:
         return
-    flat = cache.view(cache.shape[0], -1)
+    flat = cache.flatten(2)
     src = rows.reshape(T, -1)
     _store_rows_kernel[(T,)](
-        flat, flat.stride(0), flat.stride(1), flat.shape[0], slots, src, src.stride(0), src.stride(1),
-        float(scale), F=flat.shape[1], IS_FLOAT=cache.dtype.is_floating_point,
-        BLOCK=min(STORE_BLOCK, _pow2(flat.shape[1])), INTERP=_interpreting(),
+        flat, flat.stride(0), flat.stride(1), flat.stride(2), flat.shape[1], flat.shape[0] * flat.shape[1],
+        slots, src, src.stride(0), src.stride(1),
+        float(scale), F=flat.shape[2], IS_FLOAT=cache.dtype.is_floating_point,
+        BLOCK=min(STORE_BLOCK, _pow2(flat.shape[2])), INTERP=_interpreting(),
     )
 
 
@@ -470,15 +482,15 @@ def qsa_compress_groups(
         return
     has_ring_pos = _has_ring_positions(rope_positions, cache)
     rope, rs_axis, rs_t = _rope_args(rope_positions)
-    ring_pos, rp0, rp1 = _ring_pos_args(cache, rope)
+    ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, rope)
     _compress_kernel[(T,)](
         raw_keys, raw_keys.stride(0), rope, rs_axis, rs_t,
         k_norm, float(eps), inv_freq, rope_axes,
-        cache.compressed, cache.compressed.stride(0), cache.compressed.shape[0], cache.ring, cache.ring.stride(0),
-        ring_pos, rp0, rp1,
+        *_paged_args(cache.compressed), *_paged_args(cache.ring)[:3],
+        ring_pos, rpp, rp0, rp1,
         meta.compressed_slot, meta.token_to_req, meta.positions, meta.query_start_loc, meta.ring_index, Di,
-        r=meta.compress_ratio, C=meta.ring_capacity, RD=2 * inv_freq.shape[0], BD=_pow2(Di),
-        HAS_RING_POS=has_ring_pos, INTERP=_interpreting(),
+        r=meta.compress_ratio, C=meta.ring_capacity, RPP=cache.compressed.shape[1], RD=2 * inv_freq.shape[0],
+        BD=_pow2(Di), HAS_RING_POS=has_ring_pos, INTERP=_interpreting(),
     )
 
 
@@ -487,11 +499,11 @@ def _store_ring(raw_keys: torch.Tensor, rope_positions: torch.Tensor, cache: "QS
     """The step's ring store (launch 2 of prepare): raw keys and, for MRoPE, positions."""
     T, Di = raw_keys.shape
     rope, rs_axis, rs_t = _rope_args(rope_positions)
-    ring_pos, rp0, rp1 = _ring_pos_args(cache, rope)
+    ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, rope)
     _ring_store_kernel[(T,)](
-        raw_keys, raw_keys.stride(0), cache.ring, cache.ring.stride(0), cache.ring.shape[0], meta.ring_slot, Di,
-        ring_pos, rp0, rp1, rope, rs_axis, rs_t,
-        HAS_POS=cache.ring_positions is not None, BD=_pow2(Di), INTERP=_interpreting(),
+        raw_keys, raw_keys.stride(0), *_paged_args(cache.ring), meta.ring_slot, Di,
+        ring_pos, rpp, rp0, rp1, rope, rs_axis, rs_t,
+        C=meta.ring_capacity, HAS_POS=cache.ring_positions is not None, BD=_pow2(Di), INTERP=_interpreting(),
     )
 
 
@@ -533,7 +545,7 @@ def qsa_prepare(
         return q_idx, q, gate
     has_ring_pos = _has_ring_positions(rope_positions, cache)
     rope, rs_axis, rs_t = _rope_args(rope_positions)
-    ring_pos, rp0, rp1 = _ring_pos_args(cache, rope)
+    ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, rope)
     BD = _pow2(D)
     heads_per_prog = min(_pow2(Hq), max(1, MAIN_TILE // BD))
     page = cache.k.shape[1]
@@ -541,8 +553,8 @@ def qsa_prepare(
     grid = (T, 3 + triton.cdiv(Hq, heads_per_prog))
     _prepare_kernel[grid](
         index_q, index_q.stride(0), index_q_norm, q_idx, Hi, Di,
-        raw_keys, raw_keys.stride(0), index_k_norm, cache.compressed, cache.compressed.stride(0),
-        cache.compressed.shape[0], cache.ring, cache.ring.stride(0), ring_pos, rp0, rp1,
+        raw_keys, raw_keys.stride(0), index_k_norm, *_paged_args(cache.compressed),
+        *_paged_args(cache.ring)[:3], ring_pos, rpp, rp0, rp1,
         q_gate, q_gate.stride(0), q_norm, q, Hq, D,
         k, k.stride(0), k_norm, v, v.stride(0), Hkv,
         *_kv_cache_args(cache.k, cache.v), page, cache.k.shape[0] * page,
@@ -550,7 +562,7 @@ def qsa_prepare(
         rope, rs_axis, rs_t, inv_freq, rope_axes, float(eps),
         meta.slot_mapping, meta.compressed_slot, meta.token_to_req, meta.positions,
         meta.query_start_loc, meta.ring_index,
-        r=meta.compress_ratio, C=meta.ring_capacity, RD=2 * inv_freq.shape[0],
+        r=meta.compress_ratio, C=meta.ring_capacity, RPP=cache.compressed.shape[1], RD=2 * inv_freq.shape[0],
         BHI=_pow2(Hi), BDI=_pow2(Di), BHQ=heads_per_prog, BD=BD, BKV=_pow2(Hkv),
         HAS_RING_POS=has_ring_pos, INTERP=interp,
     )

@@ -67,14 +67,14 @@ def _tiles(decode: bool) -> dict[str, int]:
 
 
 @triton.jit
-def _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kr, stride_kd, stride_btr, stride_btp,
+def _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp,
                DI: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Compressed keys [BLOCK_G, DP] of groups g of request req, through its block table:
-    row(g) = block_table[req, g*R // PAGE] * (PAGE / R) + (g*R % PAGE) / R."""
+    page block_table[req, g*R // PAGE], row (g*R % PAGE) / R of the paged view."""
     tok = g * R
     page = tl.load(bt_ptr + req.to(tl.int64) * stride_btr + (tok // PAGE) * stride_btp, mask=g_mask, other=0)
-    krow = page.to(tl.int64) * (PAGE // R) + (tok % PAGE) // R
-    keys = tl.load(k_ptr + krow[:, None] * stride_kr + d[None, :] * stride_kd,
+    off = page.to(tl.int64) * stride_kp + ((tok % PAGE) // R) * stride_kr
+    keys = tl.load(k_ptr + off[:, None] + d[None, :] * stride_kd,
                    mask=g_mask[:, None] & (d[None, :] < DI), other=0.0)
     return keys.to(DOT_DTYPE)
 
@@ -90,7 +90,7 @@ def _finish(relu_sum, norm):
 def _scores_decode_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
     row0, n_cols, norm,
-    stride_qt, stride_qh, stride_qd, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
+    stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
@@ -109,8 +109,8 @@ def _scores_decode_kernel(
                     mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
         g = col0 + tl.arange(0, BLOCK_G)
         g_mask = g < vis
-        keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kr, stride_kd, stride_btr, stride_btp,
-                          DI, PAGE, R, DOT_DTYPE)
+        keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
+                          stride_btp, DI, PAGE, R, DOT_DTYPE)
         dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # fp32 [HM, BLOCK_G]
         s = _finish(tl.sum(tl.maximum(dots, 0.0), 0), norm)
         tl.store(s_ptr + lr.to(tl.int64) * stride_sr + g, s, mask=g_mask)
@@ -120,7 +120,7 @@ def _scores_decode_kernel(
 def _scores_prefill_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
     row0, n_rows, n_cols, norm,
-    stride_qt, stride_qh, stride_qd, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
+    stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
     HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -147,8 +147,8 @@ def _scores_prefill_kernel(
             mine = active & (req == cur)
             g_end = tl.max(tl.where(mine, vis, 0), 0)
             if g_end > col0:
-                keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kr, stride_kd, stride_btr,
-                                  stride_btp, DI, PAGE, R, DOT_DTYPE)
+                keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
+                                  stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
                 acc = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
                 for h in range(HI):
                     q = tl.load(q_row + h * stride_qh, mask=mine[:, None] & (d < DI)[None, :], other=0.0)
@@ -499,7 +499,8 @@ def _select(
             args = (
                 q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
                 row0, *(() if decode else (n,)), n_cols, math.sqrt(Di),
-                q_idx.stride(0), q_idx.stride(1), q_idx.stride(2), compressed.stride(0), compressed.stride(1),
+                q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
+                compressed.stride(0), compressed.stride(1), compressed.stride(2),
                 block_table.stride(0), block_table.stride(1), scores.stride(0),
             )
             common = dict(HI=Hi, DI=Di, DP=triton.next_power_of_2(Di), PAGE=page_size, R=compress_ratio, KB=Kb,
@@ -549,7 +550,8 @@ def qsa_select_decode(
     out: torch.Tensor,
     schedule: SelectSchedule,
 ) -> torch.Tensor:
-    """Decode rows: q_idx [Td, Hi, Di], compressed [rows, Di] -> out int32 [Td, Kb].
+    """Decode rows: q_idx [Td, Hi, Di], compressed [pages, page_size / r, Di] (any page / row
+    stride) -> out int32 [Td, Kb].
 
     schedule: `plan_select(Td, max_seq_len // r, Kb, decode=True, ...)`; launches only.
     """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-# Cap on the gathered K/V scratch of one chunk of rows (bytes).
-GATHER_SCRATCH_BYTES = 256 << 20
+# Cap on the fp32 scratch (logits and probabilities) of one chunk of rows (bytes).
+SCRATCH_BYTES = 256 << 20
 
 
 def qsa_sparse_attention(
@@ -30,32 +30,64 @@ def qsa_sparse_attention(
     is exactly 0 whatever its gate holds.
     """
     T, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    page = k_cache.shape[1]
     W = selection.shape[1] - 1
     out = torch.zeros(T, Hq, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return out.view(T, Hq * D)
-    per_row = max(1, W * Hkv * D * 4 * 2)
-    chunk = max(1, GATHER_SCRATCH_BYTES // per_row)
-    for i in range(0, T, chunk):
-        rows = slice(i, min(T, i + chunk))
-        req = token_to_req[rows].long()
-        idx = selection[rows, :W].long()
-        cols = torch.arange(W, device=q.device)[None, :]
-        valid = (idx >= 0) & (idx < seq_lens.long()[req][:, None]) & (cols < selection[rows, W:].long())
-        safe = torch.where(valid, idx, 0)
-        pages = torch.where(valid, block_table.long()[req[:, None], safe // page], 0)  # no read for invalid entries
-        offs = safe % page
-        k = k_cache[pages, offs].float() * k_scale  # [n, W, Hkv, D]
-        v = v_cache[pages, offs].float() * v_scale
-        qf = q[rows].float().view(-1, Hkv, Hq // Hkv, D)
-        logits = torch.einsum("nkgd,nwkd->nkgw", qf, k) * softmax_scale
-        logits = logits.masked_fill(~valid[:, None, None, :], -torch.inf)
-        has_any = valid.any(1)
-        logits = torch.where(has_any[:, None, None, None], logits, 0.0)  # empty rows: no NaN
-        probs = torch.softmax(logits, dim=-1)
-        o = torch.einsum("nkgw,nwkd->nkgd", probs, v).reshape(-1, Hq, D)
-        gated = o.to(q.dtype).float() * torch.sigmoid(gate[rows].float())
-        out[rows] = torch.where(has_any[:, None, None], gated, 0.0).to(q.dtype)
+    req = token_to_req.long()
+    cols = torch.arange(W, device=q.device)[None, :]
+    bytes_per_col = Hq * 12 + 16  # logits, bias and probabilities per head; counts, indices
+    for r in torch.unique(req).tolist():
+        rows = (req == r).nonzero().flatten()
+        seq_len = int(seq_lens[r])
+        chunk = max(1, SCRATCH_BYTES // (max(seq_len, W) * bytes_per_col))
+        for i in range(0, rows.numel(), chunk):
+            part = rows[i : i + chunk]
+            idx = selection[part, :W].long()
+            valid = (idx >= 0) & (idx < seq_len) & (cols < selection[part, W:].long())
+            live = valid.any(1)
+            if not live.any():
+                continue
+            part, idx, valid = part[live], idx[live], valid[live]
+            out[part] = _attend_request_rows(
+                q[part], gate[part], k_cache, v_cache, block_table[r], idx, valid, seq_len,
+                softmax_scale * k_scale, v_scale,
+            )
     return out.view(T, Hq * D)
+
+
+def _attend_request_rows(
+    q: torch.Tensor,
+    gate: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages_of_request: torch.Tensor,
+    idx: torch.Tensor,
+    valid: torch.Tensor,
+    seq_len: int,
+    scale: float,
+    v_scale: float,
+) -> torch.Tensor:
+    """Rows [n] of one request, each with at least one valid entry -> gated output [n, Hq, D].
+
+    The K/V of the union U of the rows' selected tokens are gathered once; each row then
+    attends to all of U with log(multiplicity) added to its logits (-inf where a token is
+    not in its selection), which equals attending to its own list, duplicates included.
+    """
+    n, Hq, D = q.shape
+    Hkv, page = k_cache.shape[2], k_cache.shape[1]
+    G = Hq // Hkv
+    counts = torch.zeros(n, seq_len + 1, device=q.device)
+    counts.scatter_add_(1, torch.where(valid, idx, seq_len), valid.float())
+    used = counts[:, :seq_len].any(0).nonzero().flatten()  # U, ascending positions
+    counts = counts[:, used]
+    bias = torch.where(counts > 0, counts.log(), -torch.inf)  # [n, U]
+    pages = pages_of_request.long()[used // page].clamp(min=0)
+    k = k_cache[pages, used % page].float()  # [U, Hkv, D]
+    v = v_cache[pages, used % page].float()
+    qf = (q.float() * scale).view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, n * G, D)
+    logits = torch.bmm(qf, k.permute(1, 2, 0)).view(Hkv, n, G, -1)  # [Hkv, n, G, U]
+    logits.add_(bias[None, :, None, :])
+    probs = torch.softmax(logits, dim=-1).view(Hkv, n * G, -1)
+    o = torch.bmm(probs, v.transpose(0, 1)).view(Hkv, n, G, D).transpose(0, 1).reshape(n, Hq, D)
+    return ((o * v_scale).to(q.dtype).float() * torch.sigmoid(gate.float())).to(q.dtype)

@@ -23,24 +23,25 @@ def qsa_expand(
     T, Kb = block_indices.shape
     W = out.shape[1] - 1
     g = block_indices.long()
-    vis = visible_blocks.long()[:, None]
-    valid = (g >= 0) & (g < vis)
+    vis = visible_blocks.long()
+    valid = (g >= 0) & (g < vis[:, None])
     n_groups = valid.sum(1)
     # Stable compaction of valid groups to the front.
     rank = torch.cumsum(valid.long(), 1) - 1
     packed = torch.full((T, Kb + 1), -1, dtype=torch.long, device=g.device)
     packed.scatter_(1, torch.where(valid, rank, Kb), torch.where(valid, g, -1))
-    packed = packed[:, :Kb]
-    tokens = (packed[:, :, None] * r + torch.arange(r, device=g.device)).reshape(T, Kb * r)
-    tokens = torch.where(packed.repeat_interleave(r, 1) >= 0, tokens, -1)
+    packed = packed[:, :Kb, None]
+    groups = out[:, : Kb * r].view(T, Kb, r)
+    groups.copy_(packed * r + torch.arange(r, device=g.device))
+    groups.masked_fill_(packed < 0, -1)
+    out[:, Kb * r :].fill_(-1)
+    # The open tail right after the chosen groups' tokens (r - 1 tokens at most when
+    # visible_blocks comes from the metadata; any length up to column W otherwise).
     p = positions.long()
-    tail_len = torch.where(p >= 0, p + 1 - vis[:, 0] * r, 0).clamp(min=0)
-    col = torch.arange(W, device=g.device)[None, :]
-    group_cols = n_groups[:, None] * r
-    tail = vis * r + (col - group_cols)
-    in_tail = (col >= group_cols) & (col < group_cols + tail_len[:, None])
-    from_groups = torch.cat((tokens, tokens.new_full((T, W - Kb * r), -1)), 1)
-    row = torch.where(col < group_cols, from_groups, torch.where(in_tail, tail, -1))
-    out[:, :W] = row.to(out.dtype)
+    tail_len = torch.where(p >= 0, p + 1 - vis * r, 0).clamp(min=0)
+    j = torch.arange(min(W, int(tail_len.max())) if T else 0, device=g.device)[None, :]
+    in_tail = (j < tail_len[:, None]) & (n_groups[:, None] * r + j < W)
+    cols = torch.where(in_tail, n_groups[:, None] * r + j, W)  # W: a dump column, rewritten below
+    out.scatter_(1, cols, torch.where(in_tail, vis[:, None] * r + j, -1).to(out.dtype))
     out[:, W] = (n_groups * r + tail_len).to(out.dtype)
     return out

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .common import apply_rope, gemma_rms_norm, rope_cos_sin
+from .select import paged_rows
 
 if TYPE_CHECKING:
     from ..cache import QSALayerCache
@@ -14,15 +15,19 @@ if TYPE_CHECKING:
 
 
 def qsa_store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0) -> None:
-    """cache[slots[t]] = rows[t] / scale for 0 <= slots[t] < len(cache); other rows skip.
+    """Paged row store: flat slot s is cache[s // M, s % M] = rows[t] / scale; slots outside
+    [0, N * M) skip.
 
-    cache [N, ...] (any float dtype, fp8 included), slots int64 [T], rows [T, ...].
+    cache [N, M, ...] (a paged view, any float dtype, fp8 included, or integer), slots int64
+    [T], rows [T, ...].
     """
-    keep = (slots >= 0) & (slots < cache.shape[0])
+    per_page = cache.shape[1]
+    keep = (slots >= 0) & (slots < cache.shape[0] * per_page)
     src = rows[keep]
     if scale != 1.0:
         src = src.float() / scale
-    cache[slots[keep]] = src.to(cache.dtype)
+    s = slots[keep]
+    cache[s // per_page, s % per_page] = src.to(cache.dtype)
 
 
 def qsa_store_kv(
@@ -52,12 +57,12 @@ def _group_first_rope_positions(
         if cache.ring_positions is None:
             earlier = rope_positions[closing] - (compress_ratio - 1)
         else:
-            earlier = cache.ring_positions[ring_row, 0]
+            earlier = paged_rows(cache.ring_positions, ring_row.clamp(min=0))[:, 0]
         return torch.where(in_step, here, earlier)
     if cache.ring_positions is None:
         raise ValueError("3-axis rope_positions need a cache with ring_positions (MRoPE layout)")
     here = rope_positions[:, first_row.clamp(min=0)]
-    return torch.where(in_step[None, :], here, cache.ring_positions[ring_row].T)
+    return torch.where(in_step[None, :], here, paged_rows(cache.ring_positions, ring_row.clamp(min=0)).T)
 
 
 def qsa_compress_groups(
@@ -90,7 +95,7 @@ def qsa_compress_groups(
     in_step = rows >= step_first_row[:, None]
     ring_rows = meta.ring_index[req].long()[:, None] * C + pos.remainder(C)
     keys = torch.where(
-        in_step[..., None], raw_keys[rows.clamp(min=0)], cache.ring[ring_rows].to(raw_keys.dtype)
+        in_step[..., None], raw_keys[rows.clamp(min=0)], paged_rows(cache.ring, ring_rows).to(raw_keys.dtype)
     )
     pooled = (keys.float().sum(1) / r).to(raw_keys.dtype)
     normed = gemma_rms_norm(pooled, k_norm, eps)

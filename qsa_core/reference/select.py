@@ -13,14 +13,21 @@ SCORE_SCRATCH_BYTES = 64 << 20
 def compressed_rows(
     block_table: torch.Tensor, req: int, num_groups: int, page_size: int, compress_ratio: int
 ) -> torch.Tensor:
-    """Flat compressed-cache rows of groups 0..num_groups-1 of request `req`: int64 [G].
+    """Flat compressed rows of groups 0..num_groups-1 of request `req`: int64 [G].
 
-    row(g) = block_table[req, g*r // page_size] * (page_size / r) + (g*r % page_size) / r.
+    row(g) = block_table[req, g*r // page_size] * (page_size / r) + (g*r % page_size) / r,
+    i.e. page row // (page_size / r), row in page row % (page_size / r) (`paged_rows`).
     """
     r = compress_ratio
     tok = torch.arange(num_groups, device=block_table.device, dtype=torch.int64) * r
     pages = block_table[req, tok // page_size].long()
     return pages * (page_size // r) + (tok % page_size) // r
+
+
+def paged_rows(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a paged view cache [pages, rows_per_page, ...] at flat row indices rows [N]."""
+    per_page = cache.shape[1]
+    return cache[rows // per_page, rows % per_page]
 
 
 def group_scores(q_idx: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -71,7 +78,7 @@ def _select(
         G = int(vis[rows].max())
         if G == 0:
             continue
-        keys = compressed[compressed_rows(block_table, req, G, page_size, compress_ratio)]
+        keys = paged_rows(compressed, compressed_rows(block_table, req, G, page_size, compress_ratio))
         chunk = max(1, SCORE_SCRATCH_BYTES // (4 * G * q_idx.shape[1]))
         for i in range(0, rows.numel(), chunk):
             part = rows[i : i + chunk]
@@ -92,7 +99,7 @@ def qsa_select_decode(
     block_topk: int,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Decode rows: q_idx [Td, Hi, Di], compressed [rows, Di] -> out int32 [Td, Kb]."""
+    """Decode rows: q_idx [Td, Hi, Di], compressed [pages, page_size / r, Di] -> out int32 [Td, Kb]."""
     return _select(q_idx, compressed, block_table, token_to_req, visible_blocks, page_size, compress_ratio, block_topk, out)
 
 

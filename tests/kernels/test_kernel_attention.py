@@ -194,8 +194,8 @@ def test_gpu_cuda_graph_and_timing(capsys):
     for name, ql in [("decode 4 rows", [1] * 4), ("decode 64 rows", [1] * 64), ("prefill 4096 rows", [4096])]:
         problem = make_problem([131072] * len(ql), ql, Hq=24, Hkv=2, D=256, page=64, W=2051, dtype=torch.bfloat16,
                                device="cuda")
-        sched = ker.plan_attention(len(ql), 24, 2, 256, 2051, device="cuda")
-        out = torch.empty(len(ql), 24 * 256, dtype=torch.bfloat16, device="cuda")
+        sched = ker.plan_attention(sum(ql), 24, 2, 256, 2051, device="cuda")
+        out = torch.empty(sum(ql), 24 * 256, dtype=torch.bfloat16, device="cuda")
         run = lambda: ker.qsa_sparse_attention(*problem, softmax_scale=256**-0.5, out=out, schedule=sched)  # noqa: E731
         eager = run().clone()
         replayed, us = graph_replay(run)

@@ -163,17 +163,30 @@ class Scheduler:
         self.reqs[rid]["seq_len"] = seq_len
 
 
+def interleaved(t: torch.Tensor) -> torch.Tensor:
+    """A paged view like t whose pages sit between another layer's (page stride 2x): engines
+    pack several layers' pages into one block. The neighbour's rows hold random background."""
+    base = torch.randn(t.shape[0], 2, *t.shape[1:], device=t.device)
+    base = base.to(t.dtype) if t.dtype.is_floating_point else base.mul(50).to(t.dtype)
+    return base[:, 1]
+
+
 def random_caches(cfg: QSAConfig, layout: QSACacheLayout, dtype: torch.dtype, device: str, fp8_scales: bool):
-    """Two identical cache sets filled with random background (so stray writes show)."""
+    """Two identical cache sets filled with random background (so stray writes show); the
+    compressed keys, ring and ring positions are interleaved with a neighbour layer's."""
     a = layout.allocate(cfg, dtype, device)[0]
-    b = layout.allocate(cfg, dtype, device)[0]
-    for name in ("k", "v", "compressed", "ring"):
+    for name in ("compressed", "ring", "ring_positions"):
+        if getattr(a, name) is not None:
+            setattr(a, name, interleaved(getattr(a, name)))
+    for name in ("k", "v"):
         t = getattr(a, name)
         t.copy_(torch.randn(t.shape, device=device).to(t.dtype))
-        getattr(b, name).copy_(t)
-    if a.ring_positions is not None:
-        a.ring_positions.copy_(torch.randint(-50, 50, a.ring_positions.shape, device=device))
-        b.ring_positions.copy_(a.ring_positions)
+    b = QSALayerCache(**{
+        name: (value._base.clone()[:, 1] if name in ("compressed", "ring", "ring_positions") else value.clone())
+        if isinstance(value, torch.Tensor) else value
+        for name, value in vars(a).items()
+    })
+    b.k, b.v = a.k.clone(), a.v.clone()
     if fp8_scales:
         a.k_scale = b.k_scale = 0.75
         a.v_scale = b.v_scale = 1.5
@@ -204,9 +217,11 @@ def layer_weights(cfg: QSAConfig, dtype: torch.dtype, device: str) -> dict:
 
 
 def compare_caches(got: QSALayerCache, want: QSALayerCache, cfg: QSAConfig) -> None:
-    assert torch.equal(got.ring, want.ring), "ring differs"
+    """All caches, the interleaved neighbour layer's rows included (nothing strays there)."""
+    assert torch.equal(got.ring._base, want.ring._base), "ring differs"
     if want.ring_positions is not None:
-        assert torch.equal(got.ring_positions, want.ring_positions), "ring positions differ"
+        assert torch.equal(got.ring_positions._base, want.ring_positions._base), "ring positions differ"
+    assert torch.equal(got.compressed._base[:, 0], want.compressed._base[:, 0]), "a neighbour's compressed keys changed"
     assert_close(got.compressed, want.compressed, got.compressed.dtype, "compressed keys")
     assert_close(got.k, want.k, got.k.dtype, "K cache")
     assert_same(got.v, want.v, "V cache")
@@ -343,28 +358,31 @@ def test_compress_groups(mrope):
 )
 def test_store_rows(cache_dtype, row_dtype, scale):
     torch.manual_seed(3)
+    # Pages of 2 rows with a page stride of 3 rows (a neighbour's row between): 10 slots.
     N, T, F = 10, 9, 12
     if cache_dtype.is_floating_point:
-        cache = torch.randn(N, F).to(cache_dtype)
+        base = torch.randn(N // 2, 3, F).to(cache_dtype)
         rows = torch.randn(T, F).to(row_dtype)
     else:
-        cache = torch.randint(-9, 9, (N, F))
+        base = torch.randint(-9, 9, (N // 2, 3, F))
         rows = torch.randint(-99, 99, (T, F))
+    cache = base[:, :2]
     slots = torch.tensor([3, -1, 0, 9, 10, 25, 7, -5, 1])
     if rows.is_floating_point():
         rows[slots < 0] = float("nan")
         rows[slots >= N] = float("nan")
-    want = cache.clone()
-    reference.qsa_store_rows(want, slots, rows, scale)
+    want_base = base.clone()
+    reference.qsa_store_rows(want_base[:, :2], slots, rows, scale)
     kernels.qsa_store_rows(cache, slots, rows, scale)
-    assert_same(cache, want, "store_rows")
+    assert torch.equal(base[:, 2], want_base[:, 2]), "a neighbour row was written"
+    assert_same(cache, want_base[:, :2], "store_rows")
 
 
 @interp
 def test_store_rows_transposed_positions():
     """The ring-position store passes a transposed [T, 3] view of rope positions."""
     rope = torch.randint(0, 1000, (3, 6))
-    cache = torch.zeros(8, 3, dtype=torch.int64)
+    cache = torch.zeros(4, 2, 3, dtype=torch.int64)
     want = cache.clone()
     slots = torch.tensor([5, -1, 2, 8, 0, 3])
     reference.qsa_store_rows(want, slots, rope.T)

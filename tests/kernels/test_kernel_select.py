@@ -21,7 +21,9 @@ def make_problem(
     """A ragged batch with shuffled pages. Compressed rows of groups no row may see are NaN.
 
     kind: "int" (integer-valued fp32, tie-heavy), "bf16", "fp8" (e4m3 keys and queries).
-    Returns (q_idx, compressed, block_table, token_to_req, visible, max_seq_len).
+    The compressed keys are a paged view [pages, page / r, Di] whose pages alternate with a
+    NaN neighbour layer's (page stride 2x). Returns (q_idx, compressed, block_table,
+    token_to_req, visible, max_seq_len).
     """
     g = torch.Generator().manual_seed(seed)
     table, num_pages = shuffled_block_table(seq_lens, page, g, spare_cols=1, spare_pages=3)
@@ -43,8 +45,11 @@ def make_problem(
     token_to_req = torch.tensor(reqs + [0] * pad_rows, dtype=torch.int32)
     visible = torch.tensor(vis + [0] * pad_rows, dtype=torch.int32)
     dtype = {"int": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kind]
-    tensors = (q.to(dtype), comp.to(dtype), table, token_to_req, visible)
-    return tuple(t.to(device) for t in tensors) + (max(seq_lens),)
+    both_layers = torch.full((num_pages, 2, rows_per_page, Di), float("nan"))
+    both_layers[:, 0] = comp.view(num_pages, rows_per_page, Di)
+    tensors = (q.to(dtype), both_layers.to(dtype), table, token_to_req, visible)
+    q, both_layers, table, token_to_req, visible = (t.to(device) for t in tensors)
+    return q, both_layers[:, 0], table, token_to_req, visible, max(seq_lens)
 
 
 def _values(kind, shape, g):
@@ -80,7 +85,7 @@ def scores_of(problem, sel, r=4, page=16):
         if idx.numel() == 0:
             rows.append(torch.empty(0))
             continue
-        keys = comp[ref.compressed_rows(table, int(to_req[t]), int(vis[t]), page, r)][idx]
+        keys = ref.paged_rows(comp, ref.compressed_rows(table, int(to_req[t]), int(vis[t]), page, r))[idx]
         rows.append(ref.group_scores(q[t : t + 1], keys)[0].double().sort(descending=True).values.cpu())
     return rows
 

@@ -22,6 +22,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
 PAGE = 64
+BUDGET = 2048  # the production budget (SGLang's QSA accepts only budget / r of 512 or 2048)
 ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
 
 
@@ -51,27 +52,22 @@ def publish_cpu_context() -> None:
 
 
 def sglang_config(mrope_section: list[int] | None = None, **overrides) -> Qwen4ExpTextConfig:
-    """SGLang's Qwen4-Exp text config with the HF oracle's tiny geometry (`tiny_config`)."""
+    """SGLang's Qwen4-Exp text config: the HF oracle's tiny geometry at the production budget."""
     rope = dict(ROPE)
     if mrope_section is not None:
         rope.update(mrope_section=list(mrope_section), mrope_interleaved=True)
-    fields = {**TINY, "full_attention_interval": 4, **overrides}
+    fields = {**TINY, "full_attention_interval": 4, "indexer_budget": BUDGET, **overrides}
     return Qwen4ExpTextConfig(**fields, rope_parameters=rope)
 
 
 def sglang_layer(hf_attn, layer_id: int, dtype: torch.dtype, mrope_section: list[int] | None = None):
-    """A real Qwen4ExpAttentionDecoderLayer carrying the HF layer's weights.
-
-    SGLang's profile parser accepts only budget / ratio in {512, 2048}, so the layer is
-    constructed with budget 2048; the budget the model serves comes from the runner's
-    config (qsa_core reads that one) and does not change any weight.
-    """
+    """A real Qwen4ExpAttentionDecoderLayer carrying the HF layer's weights."""
     from sglang.srt.layers.layer_boundary.factories import layer_stack
     from sglang.srt.models.qwen4_exp import Qwen4ExpAttentionDecoderLayer
 
     publish_cpu_context()
     with layer_stack():  # the decoder stack a model builds its layers in
-        layer = Qwen4ExpAttentionDecoderLayer(sglang_config(mrope_section, indexer_budget=2048), layer_id)
+        layer = Qwen4ExpAttentionDecoderLayer(sglang_config(mrope_section), layer_id)
     sd = hf_attn.state_dict()
     with torch.no_grad():
         layer.qkv_proj.weight.copy_(torch.cat([sd["q_proj.weight"], sd["k_proj.weight"], sd["v_proj.weight"]]))

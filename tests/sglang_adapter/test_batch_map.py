@@ -1,16 +1,13 @@
 """SGLang ForwardBatch -> QSAForwardMetadata, per forward mode, on real SGLang pools."""
 
+import types
+
 import pytest
-
-pytest.importorskip("sglang.srt.plugins")
-
-import types  # noqa: E402
-
-import torch  # noqa: E402
-from qsa_adapters.sglang.batch_map import step_inputs  # noqa: E402
-from qsa_adapters.sglang.ring_guard import RingContinuity  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
-from sglang_harness import PAGE, Env, ensure_plugin  # noqa: E402
+import torch
+from qsa_adapters.sglang.batch_map import step_inputs
+from qsa_adapters.sglang.ring_guard import RingContinuity
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang_harness import PAGE, Env, ensure_plugin
 
 R = 4  # indexer_compress_ratio of the tiny config
 

@@ -1,25 +1,22 @@
 """The plugin: entry point, registration, CLI choice, hooks that pass through, refusals."""
 
+import json
+import os
+import subprocess
+import sys
+import types
+
 import pytest
-
-pytest.importorskip("sglang.srt.plugins")
-
-import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import types  # noqa: E402
-
-import torch  # noqa: E402
-from hf_oracle import tiny_config  # noqa: E402
-from qsa_adapters.sglang.checks import SPECULATIVE_REFUSAL, check_runner, model_qsa_config  # noqa: E402
-from qsa_adapters.sglang.caches import check_pool  # noqa: E402
-from qsa_adapters.sglang.hooks import backend_wrapper_around, find_core_backend, self_attention_around  # noqa: E402
-from qsa_adapters.sglang.layer import run_qsa_layer  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
-from sglang.srt.model_executor.forward_context import ForwardContext, forward_context  # noqa: E402
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
-from sglang_harness import Env, ensure_plugin  # noqa: E402
+import torch
+from hf_oracle import tiny_config
+from qsa_adapters.sglang.checks import SPECULATIVE_REFUSAL, check_runner, model_qsa_config
+from qsa_adapters.sglang.caches import check_pool
+from qsa_adapters.sglang.hooks import backend_wrapper_around, find_core_backend, self_attention_around
+from qsa_adapters.sglang.layer import run_qsa_layer
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang_harness import Env, ensure_plugin
 
 FRESH_PROCESS = r"""
 import json
@@ -76,6 +73,33 @@ def test_sglang_plugins_filter_leaves_sglang_untouched():
     assert not out["registered"] and not out["choice"]
     assert out["attention_backend"] == "SystemExit 2"  # argparse: invalid choice
     assert not out["wrapper_hooked"] and not out["layer_patched"]
+
+
+CPU_SETTINGS = r"""
+import json, logging, os
+logging.basicConfig(level=logging.INFO)
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import sglang.srt.layers.rotary_embedding.base as rope
+from sglang.srt.server_args import prepare_server_args
+out = []
+for argv in (["--attention-backend", "qsa", "--device", "cpu"],
+             ["--attention-backend", "qsa_core", "--device", "cuda"],
+             ["--attention-backend", "qsa_core", "--device", "cpu"]):
+    prepare_server_args(["--model-path", "dummy"] + argv).resolve_once()  # the launcher's hook point
+    out.append({"interpret": os.environ.get("TRITON_INTERPRET"), "rope_cpu": bool(rope._is_cpu)})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_cpu_settings_only_for_qsa_core_on_the_cpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", CPU_SETTINGS], capture_output=True, text=True, timeout=240, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    untouched = {"interpret": None, "rope_cpu": False}
+    assert json.loads(lines[-1][len("RESULT ") :]) == [untouched, untouched, {"interpret": "1", "rope_cpu": True}]
+    assert proc.stderr.count("qsa_core on the CPU: TRITON_INTERPRET=1") == 1
 
 
 @pytest.fixture(scope="module")

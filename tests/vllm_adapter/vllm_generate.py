@@ -1,14 +1,18 @@
 """Greedy generation with `vllm.LLM` from token ids (no tokenizer); run as a script.
 
-python vllm_generate.py MODEL_DIR REQUEST_JSON OUT_JSON
-REQUEST_JSON: {"prompts": [[ids]], "max_tokens": [n per prompt]};
-OUT_JSON: {"tokens": [[ids]], "cached_tokens": [prompt tokens served from the prefix cache]}.
-Small batches on purpose (max_num_seqs 3, 32 tokens per step): chunked prefills, decodes
-beside prefills, finished requests' blocks and rings reused by waiting ones, and prefix-cache
-hits for waiting prompts that share a finished one's first blocks.
+python vllm_generate.py REQUEST_JSON OUT_JSON
+REQUEST_JSON: {"llm": {LLM keyword arguments}, "prompts": [[ids]], "max_tokens": [n per prompt],
+"prompt_logprobs": bool, "logprobs": k, "record_steps": path}.
+OUT_JSON: {"tokens": [[ids]], "cached_tokens": [prompt tokens served from the prefix cache],
+"prompt_logprobs": [[log-prob of each prompt token after the first]] (when asked),
+"logprobs": [[{token: log-prob} of the k most likely tokens at each generated position]] (with k)}.
+With "record_steps" the model runs in this process and every step's vLLM metadata (the main
+group's `CommonAttentionMetadata` fields, the ring group's block table) and the adapter's
+core record (the plan's metadata) are saved there (torch.save, a list of dicts).
 """
 
 import json
+import os
 import sys
 
 from vllm import LLM, SamplingParams
@@ -16,20 +20,69 @@ from vllm.inputs import TokensPrompt
 
 
 def main() -> None:
-    model_dir, request_path, out_path = sys.argv[1:4]
+    request_path, out_path = sys.argv[1:3]
     with open(request_path) as f:
         request = json.load(f)
-    llm = LLM(
-        model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-        block_size=16, max_model_len=256, max_num_seqs=3, max_num_batched_tokens=32,
-        enable_chunked_prefill=True, enable_prefix_caching=True, kv_cache_memory_bytes=64 << 20,
-    )
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-              for n in request["max_tokens"]]
+    steps: list[dict] = []
+    if request.get("record_steps"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        request["llm"]["distributed_executor_backend"] = "uni"
+        record_steps(steps)
+    llm = LLM(skip_tokenizer_init=True, enforce_eager=True, **request["llm"])
+    want_logprobs = request.get("prompt_logprobs", False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False,
+                       prompt_logprobs=0 if want_logprobs else None, logprobs=request.get("logprobs"))
+        for n in request["max_tokens"]
+    ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], params)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+              "cached_tokens": [o.num_cached_tokens for o in outputs]}
+    if want_logprobs:
+        result["prompt_logprobs"] = [
+            [entry[tok].logprob for entry, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
+            for o in outputs
+        ]
+    if request.get("logprobs"):
+        result["logprobs"] = [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                              for o in outputs]
     with open(out_path, "w") as f:
-        json.dump({"tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                   "cached_tokens": [o.num_cached_tokens for o in outputs]}, f)
+        json.dump(result, f)
+    if request.get("record_steps"):
+        import torch
+
+        torch.save(steps, request["record_steps"])
+
+
+def record_steps(steps: list[dict]) -> None:
+    """Wrap the backend's step pairing so each completed step is appended to `steps`."""
+    from qsa_adapters.vllm.backend import QSAStepPairing
+
+    add = QSAStepPairing.add
+    last: list = [None]
+
+    def recording(self, common, *, is_ring):
+        step = add(self, common, is_ring=is_ring)
+        if step.records and step is not last[0]:
+            last[0] = step
+            main = step.main
+            (geometry, plan), = step.records.items()
+            meta = plan.meta
+            steps.append({
+                "common": {k: (v.clone() if hasattr(v, "clone") else v) for k, v in {
+                    "query_start_loc_cpu": main.query_start_loc_cpu, "seq_lens": main.seq_lens,
+                    "num_reqs": main.num_reqs, "num_actual_tokens": main.num_actual_tokens,
+                    "block_table": main.block_table_tensor, "slot_mapping": main.slot_mapping,
+                    "positions": main.positions, "max_query_len": main.max_query_len,
+                    "max_seq_len": main.max_seq_len}.items()},
+                "ring_block_table": step.ring_block_table.clone(),
+                "geometry": geometry.__dict__,
+                "meta": {**{k: (v.clone() if hasattr(v, "clone") else v) for k, v in meta.__dict__.items()},
+                         "num_tokens": meta.num_tokens, "num_reqs": meta.num_reqs},
+            })
+        return step
+
+    QSAStepPairing.add = recording
 
 
 if __name__ == "__main__":  # vLLM spawns its engine processes

@@ -47,6 +47,26 @@ class QSALayerInputs:
     norms: QSANormWeights
 
 
+def attn_tp_size() -> int:
+    """SGLang's attention TP size in this scheduler process (1 before a context is published)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().attn_tp_size)
+    except (AttributeError, LookupError, RuntimeError):
+        return 1
+
+
+def rank_config(model: QSAConfig, tp_size: int, kv_heads: int) -> QSAConfig:
+    """The model config with one attention-TP rank's heads: Hq / tp query heads, `kv_heads`
+    KV heads (the pool's: max(1, Hkv / tp), replicated when tp > Hkv)."""
+    if model.num_heads % tp_size:
+        raise ValueError(f"num_heads {model.num_heads} must be a multiple of the attention TP size {tp_size}")
+    if (model.num_heads, model.num_kv_heads) == (model.num_heads // tp_size, kv_heads):
+        return model
+    return QSAConfig(**{**model.model_dump(), "num_heads": model.num_heads // tp_size, "num_kv_heads": kv_heads})
+
+
 class QSACoreBackend(AttentionBackend):
     """Serves the QSA layers of one model runner with `qsa_core` over SGLang's own pools."""
 
@@ -57,8 +77,10 @@ class QSACoreBackend(AttentionBackend):
         self.req_to_token_pool = runner.req_to_token_pool
         self.req_to_token = self.req_to_token_pool.req_to_token
         self.device = self.req_to_token.device
-        self.config: QSAConfig = model_qsa_config(runner)
-        check_pool(self.token_to_kv_pool, self.config)
+        self.model_config: QSAConfig = model_qsa_config(runner)
+        check_pool(self.token_to_kv_pool, self.model_config)
+        # This rank's heads (attention TP shards the query heads, the pool holds this rank's KV heads).
+        self.config = rank_config(self.model_config, attn_tp_size(), self.token_to_kv_pool.head_num)
         pool, r = self.token_to_kv_pool, self.config.compress_ratio
         self.page_size = pool.page_size
         self.mrope = self.config.uses_mrope
@@ -70,7 +92,6 @@ class QSACoreBackend(AttentionBackend):
         self.ring_guard = RingContinuity(r, capacity=4 * pool.qsa_num_request_slots, mrope=self.mrope)
         self.graph: GraphInputs | None = None
         self.forward_metadata = None
-        self._layer_configs: dict[tuple[int, int, int], QSAConfig] = {}
         self._checked_layers: set[int] = set()
         logger.info(
             "qsa_core: QSA layers run on qsa_core (ratio %d, budget %d, page %d, index dtype %s, "
@@ -166,11 +187,11 @@ class QSACoreBackend(AttentionBackend):
         n, rows = plan.num_tokens, q.shape[0]
         if rows < n:
             raise ValueError(f"layer {layer.layer_id}: q has {rows} rows, the step metadata {n}")
-        config = self._layer_config(layer)
-        if config != plan.config:
-            raise NotImplementedError(
-                f"layer {layer.layer_id}: attention-TP-sharded heads ({layer.tp_q_head_num} of {self.config.num_heads}) "
-                "need a planner built with this rank's heads"
+        config = self.config
+        if (layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim) != (config.num_heads, config.num_kv_heads, config.head_dim):
+            raise ValueError(
+                f"layer {layer.layer_id}: this rank serves {config.num_heads} query / {config.num_kv_heads} KV heads of "
+                f"dim {config.head_dim}, the layer has {layer.tp_q_head_num} / {layer.tp_k_head_num} of dim {layer.head_dim}"
             )
         cache = self._cache(layer, config)
         indexed = qsa_indexer(
@@ -180,17 +201,6 @@ class QSACoreBackend(AttentionBackend):
         out = None if rows == n else q.new_zeros(rows, config.num_heads * config.head_dim)
         gated = qsa_attention(plan, indexed, cache, out=out)
         return gated if out is None else out
-
-    def _layer_config(self, layer) -> QSAConfig:
-        """The model config with this rank's head counts (attention TP shards the heads)."""
-        key = (layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim)
-        if key not in self._layer_configs:
-            if layer.head_dim != self.config.head_dim:
-                raise ValueError(f"layer {layer.layer_id}: head_dim must be {self.config.head_dim}, got {layer.head_dim}")
-            fields = self.config.model_dump()
-            fields.update(num_heads=layer.tp_q_head_num, num_kv_heads=layer.tp_k_head_num)
-            self._layer_configs[key] = QSAConfig(**fields)
-        return self._layer_configs[key]
 
     def _cache(self, layer, config: QSAConfig):
         kw = dict(

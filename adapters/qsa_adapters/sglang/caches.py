@@ -3,9 +3,9 @@
 | core cache | SGLang buffer (per layer unless noted) | view |
 |---|---|---|
 | k, v | `get_key_buffer` / `get_value_buffer` [slots, Hkv, D] | [slots / page, page, Hkv, D] |
-| compressed | `get_qsa_compressed_k_buffer` [cap, 1, Di], row = main slot // r | [cap, Di] |
-| ring (C = r) | `get_qsa_key_state_buffer` [request slots * r, 1, Di] bf16, row req * r + p % r | [rows, Di] |
-| ring_positions | `qsa_rope_position_buffer` [request slots * r, 3] int64, shared by all layers | as is (MRoPE only) |
+| compressed | `get_qsa_compressed_k_buffer` [cap, 1, Di], row = main slot // r | [cap / (page / r), page / r, Di] |
+| ring (C = r) | `get_qsa_key_state_buffer` [request slots * r, 1, Di] bf16, row req * r + p % r | [request slots, r, Di] |
+| ring_positions | `qsa_rope_position_buffer` [request slots * r, 3] int64, shared by all layers | [request slots, r, 3] (MRoPE only) |
 
 The getters are called per forward so that the pool's layer-wise transfer waits still apply.
 """
@@ -43,27 +43,25 @@ def check_pool(pool, config: QSAConfig) -> None:
         raise ValueError(f"QSATokenToKVPool.qsa_compressed_dtype must be one of {list(INDEX_DTYPES)}, got {pool.qsa_compressed_dtype}")
 
 
-def _pages(buf: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[slots, Hkv, D] -> [slots // page, page, Hkv, D] (a view)."""
-    n = buf.shape[0] // page_size
-    return buf[: n * page_size].view(n, page_size, *buf.shape[1:])
-
-
-def _rows(buf: torch.Tensor) -> torch.Tensor:
-    """[rows, 1, Di] -> [rows, Di] (a view)."""
-    return buf.view(buf.shape[0], -1)
+def _pages(buf: torch.Tensor, rows_per_page: int) -> torch.Tensor:
+    """[rows, ...] -> [rows // rows_per_page, rows_per_page, ...] (a view; single-head dims
+    of [rows, 1, Di] buffers dropped)."""
+    n = buf.shape[0] // rows_per_page
+    tail = buf.shape[2:] if buf.dim() == 3 and buf.shape[1] == 1 else buf.shape[1:]
+    return buf[: n * rows_per_page].view(n, rows_per_page, *tail)
 
 
 def layer_cache(
     pool, layer_id: int, *, page_size: int, mrope: bool, k_scale: float = 1.0, v_scale: float = 1.0
 ) -> QSALayerCache:
     """The core's view of one QSA layer's caches in `pool` (global `layer_id`)."""
+    r = pool.qsa_compress_ratio
     return QSALayerCache(
         k=_pages(pool.get_key_buffer(layer_id), page_size),
         v=_pages(pool.get_value_buffer(layer_id), page_size),
-        compressed=_rows(pool.get_qsa_compressed_k_buffer(layer_id)),
-        ring=_rows(pool.get_qsa_key_state_buffer(layer_id)),
-        ring_positions=pool.qsa_rope_position_buffer if mrope else None,
+        compressed=_pages(pool.get_qsa_compressed_k_buffer(layer_id), page_size // r),
+        ring=_pages(pool.get_qsa_key_state_buffer(layer_id), r),
+        ring_positions=_pages(pool.qsa_rope_position_buffer, r) if mrope else None,
         k_scale=k_scale,
         v_scale=v_scale,
     )
@@ -72,5 +70,5 @@ def layer_cache(
 def checked_layer_cache(pool, layer_id: int, config: QSAConfig, **kw) -> QSALayerCache:
     """`layer_cache` plus the core's shape checks (run once per layer)."""
     cache = layer_cache(pool, layer_id, **kw)
-    validate_layer_cache(cache, config, kw["page_size"])
+    validate_layer_cache(cache, config, kw["page_size"], ring_capacity=config.compress_ratio)
     return cache

@@ -9,12 +9,13 @@ from qsa_core import QSAConfig
 from .caches import INDEX_DTYPES
 
 SPECULATIVE_REFUSAL = (
-    "qsa_core does not serve speculative decoding. SGLang's raw-key ring holds r rows per request "
+    "qsa_core does not serve speculative decoding yet. SGLang's raw-key ring holds r rows per request "
     "(row req_pool_idx * r + position % r), so with 3 or more draft tokens a rejected draft overwrites "
-    "a committed raw key of the still-open group (the core needs C = r * ceil((r + num_spec) / r) "
-    "rows, and the issue rules out a second ring), and SGLang's MTP draft backends are hard-wired to "
-    "its own QSA backend. Drop --speculative-algorithm, or serve with --attention-backend qsa "
-    "(SGLang's own QSA)."
+    "a committed raw key of the still-open group (SPEC trap 7); serving drafts correctly needs a ring of "
+    "C = r * ceil((r + num_speculative_tokens) / r) rows per request owned by the adapter, which is not "
+    "built, and SGLang's MTP draft backends are hard-wired to its own QSA backend. Drop "
+    "--speculative-algorithm, or serve with --attention-backend qsa (SGLang's own QSA, which has the "
+    "overwrite)."
 )
 
 

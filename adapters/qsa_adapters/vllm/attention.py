@@ -1,4 +1,5 @@
-"""`QSAAttentionLayer`: a QSA attention layer for vLLM models, built on `QSAIndexer`.
+"""The one place the vLLM adapter calls the core's layer (`run_core_attention`), and
+`QSAAttentionLayer`: a QSA attention layer for other vLLM models, built on `QSAIndexer`.
 
 Checkpoint names under `prefix` (normally `model.layers.N.self_attn`) are the HF ones:
 q_proj (per head [q | gate]), k_proj, v_proj, o_proj, q_norm, k_norm and
@@ -25,7 +26,7 @@ from qsa_core import GemmaRMSNorm, qsa_attention
 from .backend import QSACoreBackend
 from .cache import main_kv_spec
 from .context import register_layer
-from .indexer import QSAIndexer, qsa_config_for
+from .indexer import QSAAttentionLike, QSAIndexer, qsa_config_for
 
 
 class QSAAttentionLayer(nn.Module, AttentionLayerBase):
@@ -84,14 +85,39 @@ class QSAAttentionLayer(nn.Module, AttentionLayerBase):
         return QSACoreBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return main_kv_spec(vllm_config, self.qsa_config, self.kv_dtype)
+        return main_kv_spec(vllm_config, self.qsa_config, self.kv_dtype, self.indexer.index_dtype)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        cfg = self.qsa_config
         qkv = (self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states))
-        _, indexed = self.indexer(self.indexer.index_qk_proj(hidden_states), positions, attn=self, qkv=qkv)
-        out = hidden_states.new_zeros(hidden_states.shape[0], cfg.num_heads * cfg.head_dim)
-        if indexed is not None:
-            plan, cache = self.indexer.step_inputs(self, positions)
-            qsa_attention(plan, indexed, cache, out=out)
-        return self.o_proj(out)
+        return self.o_proj(run_core_attention(self, self.indexer, positions, self.indexer.index_qk_proj(hidden_states), qkv))
+
+
+def run_core_attention(
+    attn: QSAAttentionLike,
+    indexer: QSAIndexer,
+    positions: torch.Tensor,
+    projected_qk: torch.Tensor,
+    qkv: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    selection_buffer: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The gated attention output [N, Hq*D] of a QSA layer from its projections (o_proj not
+    applied): the core's indexer half, then its attention half into the output.
+
+    projected_qk [N, (Hi+1)*Di]; qkv: fused [N, Hq*2D + 2*Hkv*D] (per head [q | gate], k, v)
+    or the (q_gate, k, v) tuple; selection_buffer int32 [>= T, W + 1] receives the selection
+    (MTP steps with `indexer.skip_topk` reuse it). Rows past the step's T and steps without
+    metadata give 0.
+    """
+    cfg = indexer.qsa_config
+    n = projected_qk.shape[0]
+    step = indexer.step_inputs(attn)
+    if step is None:
+        return projected_qk.new_zeros(n, cfg.num_heads * cfg.head_dim)
+    plan, cache = step
+    selection = None if selection_buffer is None else selection_buffer[: plan.num_tokens]
+    _, indexed = indexer(projected_qk, positions, selection, attn=attn, qkv=qkv)
+    if n == plan.num_tokens:  # vLLM's rows are the step's rows: the plan's workspace serves
+        return qsa_attention(plan, indexed, cache)
+    out = projected_qk.new_zeros(n, cfg.num_heads * cfg.head_dim)
+    qsa_attention(plan, indexed, cache, out=out)
+    return out

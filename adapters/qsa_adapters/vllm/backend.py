@@ -1,10 +1,11 @@
-"""The vLLM attention backend of QSA layers: batch order, per-group step records, layouts.
+"""The vLLM attention backend of QSA layers: batch order, the step record, layouts.
 
-QSA layers run `qsa_core` themselves, so the backend has no `AttentionImpl`. Its builder
-asks vLLM to put decodes first (`reorder_batch_threshold` = 1 + speculative tokens) and
-returns a `QSAStepMetadata` per KV-cache group. A QSA layer resolves its group's record
-with the ring group's into one `QSAPlan`, planned once per step and shared by every layer
-with the same cache geometry.
+QSA layers run `qsa_core` themselves, so the backend has no `AttentionImpl`. vLLM calls one
+builder per KV-cache group and step: the main group's (main K/V + compressed keys: block
+table, slot mapping, positions) and the ring group's (one ring block per request). The two
+halves meet in one `QSAStep` per step; the builder call that completes it maps the step onto
+the core's `QSAStepInputs` and plans it (`QSAPlanner.plan`), once, before any layer runs.
+Every layer then launches on that plan.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from qsa_core import QSAConfig, QSAPlan
@@ -32,62 +33,119 @@ BACKEND_NAME = "QSA_CORE"
 
 
 @dataclass
-class QSAStepMetadata(AttentionMetadata):
-    """One KV-cache group's record of a step, as vLLM hands it to each layer of the group."""
+class QSAStep:
+    """One scheduler step's two halves and, once both are in, its plan per geometry."""
 
-    common: CommonAttentionMetadata
-    builder: "QSAStepMetadataBuilder"
-    _resolved: dict = field(default_factory=dict, repr=False)
+    main: CommonAttentionMetadata | None = None
+    ring_block_table: torch.Tensor | None = None  # int32 [>= R, 1]
+    records: dict[PagedGeometry, QSAPlan] = field(default_factory=dict)
 
-    def resolve(
-        self, ring: "QSAStepMetadata", geometry: PagedGeometry, rope_positions: torch.Tensor,
-        config: QSAConfig, dtype: torch.dtype,
-    ) -> QSAPlan:
-        """The step's `QSAPlan` from this (main) group and the ring group.
-
-        Planned on the first call and reused by every later layer of the step that shares
-        the geometry. rope_positions: the model's positions, int64 [>= T] or [3, >= T];
-        config, dtype: the layer's `QSAConfig` and model dtype.
-        """
-        key = (geometry, config, id(ring))
-        if key not in self._resolved:
-            self._resolved[key] = self.builder.mapper(geometry, config, dtype).map(
-                self.common,
-                ring.common.block_table_tensor,
-                decode_threshold=self.builder.reorder_batch_threshold,
-                rope_positions=rope_positions,
+    def record(self, geometry: PagedGeometry) -> QSAPlan:
+        if geometry not in self.records:
+            raise RuntimeError(
+                "QSA step record missing: vLLM built the main and ring KV-cache groups' metadata "
+                f"for different steps (or not both); geometry {geometry}"
             )
-        return self._resolved[key]
+        return self.records[geometry]
+
+
+@dataclass
+class QSAStepMetadata(AttentionMetadata):
+    """What vLLM hands each layer of a group: the step both groups' builders share."""
+
+    step: QSAStep
+
+
+class QSAStepPairing:
+    """Joins the main and ring groups' builds of a step into one `QSAStep` (one per engine)."""
+
+    _by_engine: ClassVar[dict[int, "QSAStepPairing"]] = {}
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.decode_threshold = 1
+        self.mappers: dict[PagedGeometry, QSAMetadataMapper] = {}
+        # planner sizes (the mapper plans larger if a step exceeds them)
+        self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        model = vllm_config.model_config
+        self.max_model_len = model.max_model_len if model is not None else self.max_num_tokens
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.device = device
+        self.current = QSAStep()
+        self._geometries: dict[PagedGeometry, tuple[QSAConfig, torch.dtype]] = {}
+        self._key: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig, device: torch.device) -> "QSAStepPairing":
+        key = id(vllm_config.compilation_config.static_forward_context)
+        if key not in cls._by_engine:
+            cls._by_engine[key] = cls(vllm_config, device)
+        return cls._by_engine[key]
+
+    def geometries(self) -> dict[PagedGeometry, tuple[QSAConfig, torch.dtype]]:
+        """The paged geometries of the engine's bound QSA layers (one in practice), each with
+        its layers' config and model dtype. Found at the first step (vLLM binds the caches
+        once, before it) and kept."""
+        if not self._geometries:
+            context = self.vllm_config.compilation_config.static_forward_context
+            for layer in context.values():
+                indexer = getattr(layer, "indexer", None)
+                if indexer is not None and getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel():
+                    self._geometries[indexer.layer_cache(layer.kv_cache)[1]] = (indexer.qsa_config, indexer.dtype)
+        return self._geometries
+
+    def add(self, common: CommonAttentionMetadata, *, is_ring: bool) -> QSAStep:
+        """Record one group's half; the half that completes the step plans it (once per geometry).
+
+        Both halves of a step carry the same `query_start_loc` tensor (vLLM copies one base
+        record per group), which identifies the step.
+        """
+        if self._key is not common.query_start_loc:
+            self.current, self._key = QSAStep(), common.query_start_loc
+        step = self.current
+        if is_ring:
+            step.ring_block_table = common.block_table_tensor
+        else:
+            step.main = common
+        if step.main is not None and step.ring_block_table is not None:
+            for geometry, (config, dtype) in self.geometries().items():
+                if geometry not in self.mappers:
+                    self.mappers[geometry] = QSAMetadataMapper(
+                        geometry, config, dtype, self.device,
+                        max_num_tokens=self.max_num_tokens, max_model_len=self.max_model_len,
+                        max_num_reqs=self.max_num_reqs,
+                    )
+                step.records[geometry] = self.mappers[geometry].map(
+                    step.main, step.ring_block_table, decode_threshold=self.decode_threshold
+                )
+        return step
 
 
 class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
-    """Records each group's `CommonAttentionMetadata`; asks vLLM for decodes first."""
+    """Plans the step in `build()`; asks vLLM for decodes first.
 
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    CUDA graphs: every step is planned static (the plan's tensors live in the planner's
+    persistent buffers, refreshed in place by each build), and a uniform batch (decodes of
+    one query length; padding requests of length 0 and rows with slot -1 are inert) maps onto
+    a fixed schedule. Declared, not yet run under graphs (no vLLM on the GPU machine).
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(
         self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig, device: torch.device
     ) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
-        self._mappers: dict[tuple, QSAMetadataMapper] = {}
-
-    def mapper(self, geometry: PagedGeometry, config: QSAConfig, dtype: torch.dtype) -> QSAMetadataMapper:
-        key = (geometry, config, dtype)
-        if key not in self._mappers:
-            sched = self.vllm_config.scheduler_config
-            model = self.vllm_config.model_config
-            self._mappers[key] = QSAMetadataMapper(
-                geometry, config, dtype, self.device,
-                max_num_tokens=sched.max_num_batched_tokens if sched is not None else 256,
-                max_model_len=model.max_model_len if model is not None else 4096,
-            )
-        return self._mappers[key]
+        specs = getattr(kv_cache_spec, "kv_cache_specs", {"": kv_cache_spec})  # UniformTypeKVCacheSpecs
+        self.is_ring = all(isinstance(spec, CircularBufferSpec) for spec in specs.values())
+        self.pairing = QSAStepPairing.of(vllm_config, device)
+        self.pairing.decode_threshold = self.reorder_batch_threshold
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> QSAStepMetadata:
-        return QSAStepMetadata(common=common_attn_metadata, builder=self)
+        return QSAStepMetadata(step=self.pairing.add(common_attn_metadata, is_ring=self.is_ring))
 
 
 class QSACoreBackend(AttentionBackend):

@@ -1,15 +1,17 @@
 """KV-cache specs of a QSA layer and the binding of vLLM's tensors to `QSALayerCache` views.
 
 vLLM's allocator owns all three caches of a QSA layer:
-- main K/V: `FullAttentionSpec` (page [Hkv, page_size, 2D], K and V side by side);
-- compressed keys: `MLAAttentionSpec(tokens_per_state=r)` in the same KV-cache group, so it
-  shares the main block table (page_size / r rows per block: row = main slot // r);
+- main K/V and compressed keys: one `FullAttentionSpec` page [Hkv, page_size, 2D] (K and V
+  side by side) followed by the block's page_size / r compressed rows of Di (row = main slot // r);
 - raw-key ring: `CircularBufferSpec(block_size=C)`, a group of its own, one block per request.
 All QSA backends declare block-outermost layouts (mixed page sizes in several groups need
-them), so one block holds every layer's page and the views are strided by that block.
+them), so one block holds every layer's page; the core's paged views keep vLLM's block
+strides (core page = vLLM block), with no renumbering.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -19,7 +21,6 @@ from vllm.v1.kv_cache_interface import (
     CircularBufferSpec,
     FullAttentionSpec,
     KVCacheSpec,
-    MLAAttentionSpec,
 )
 
 from qsa_core import QSAConfig, QSALayerCache, ring_capacity, validate_layer_cache
@@ -34,56 +35,87 @@ def speculative_tokens(vllm_config: VllmConfig) -> int:
     return int(spec.num_speculative_tokens or 0) if spec is not None else 0
 
 
-def main_kv_spec(vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype) -> FullAttentionSpec:
-    """Main K/V: [Hkv, page_size, 2D] per block, K then V in the last dim."""
-    return FullAttentionSpec(
-        block_size=vllm_config.cache_config.block_size,
-        num_kv_heads=config.num_kv_heads,
-        head_size=config.head_dim,
-        head_size_v=config.head_dim,
-        dtype=dtype,
-    )
+def main_kv_spec(
+    vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype, index_dtype: torch.dtype
+) -> FullAttentionSpec:
+    """Main K/V [Hkv, page_size, 2D] per block (K then V in the last dim), followed in the same
+    page by the block's compressed keys [page_size / r, Di] (`index_dtype`).
 
-
-def compressed_key_spec(vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype) -> MLAAttentionSpec:
-    """Compressed keys: page_size / r rows of Di per block, in the main K/V's group."""
+    The compressed rows ride in the page's padding (`page_size_padded`), so they share the
+    main block table and prefix-cache blocks by construction: a separate spec lands in a KV-cache
+    group of its own with other block ids when vLLM groups a hybrid model. Made when vLLM
+    asks, from the block size it has settled on (SPEC trap 11).
+    """
     block_size = vllm_config.cache_config.block_size
     if block_size % config.compress_ratio:
         raise ValueError(
             f"cache_config.block_size ({block_size}) must be a multiple of compress_ratio "
             f"({config.compress_ratio})"
         )
-    return MLAAttentionSpec(
+    main_bytes = block_size * config.num_kv_heads * 2 * config.head_dim * dtype.itemsize
+    compressed_bytes = block_size // config.compress_ratio * config.index_head_dim * index_dtype.itemsize
+    return FullAttentionSpec(
         block_size=block_size,
-        num_kv_heads=1,
-        head_size=config.index_head_dim,
+        num_kv_heads=config.num_kv_heads,
+        head_size=config.head_dim,
+        head_size_v=config.head_dim,
         dtype=dtype,
-        tokens_per_state=config.compress_ratio,
+        page_size_padded=main_bytes + compressed_bytes,
     )
+
+
+def compressed_view(kv_cache: torch.Tensor, config: QSAConfig, index_dtype: torch.dtype) -> torch.Tensor:
+    """The compressed keys [B, 1, page / r, Di] behind the main K/V of each block of vLLM's
+    main view kv_cache [B, Hkv, page, 2D] (see `main_kv_spec`)."""
+    B, Hkv, page, D2 = kv_cache.shape
+    item = kv_cache.element_size()
+    main_bytes = Hkv * page * D2 * item
+    rows, Di = page // config.compress_ratio, config.index_head_dim
+    block_bytes = kv_cache.stride(0) * item
+    if block_bytes < main_bytes + rows * Di * index_dtype.itemsize:
+        raise ValueError(
+            f"main K/V blocks ({block_bytes} bytes apart) leave no room for {rows} compressed rows "
+            "after the K/V page: the cache was not allocated from main_kv_spec"
+        )
+    raw = kv_cache.view(torch.uint8)  # the same storage, byte-addressed
+    region = raw.as_strided(
+        (B, rows * Di * index_dtype.itemsize), (block_bytes, 1), raw.storage_offset() + main_bytes
+    )
+    return region.view(index_dtype).unflatten(-1, (1, rows, Di))
 
 
 def ring_spec(vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype) -> CircularBufferSpec:
-    """Raw-key ring: one block of C = r * ceil((r + num_spec) / r) rows of Di per request."""
-    return CircularBufferSpec(
-        block_size=ring_capacity(config.compress_ratio, speculative_tokens(vllm_config)),
-        num_kv_heads=1,
-        head_size=config.index_head_dim,
-        head_size_v=0,
-        dtype=dtype,
-    )
+    """Raw-key ring: one block of C = r * ceil((r + num_spec) / r) rows of Di per request.
+
+    C must divide the block size vLLM has settled on: the ring's block size joins the least
+    common multiple that sets the scheduler's block size.
+    """
+    C = ring_capacity(config.compress_ratio, speculative_tokens(vllm_config))
+    block_size = vllm_config.cache_config.block_size
+    if block_size % C:
+        raise ValueError(
+            f"cache_config.block_size ({block_size}) must be a multiple of the QSA ring capacity {C} "
+            f"(r = {config.compress_ratio}, {speculative_tokens(vllm_config)} speculative tokens)"
+        )
+    return CircularBufferSpec(block_size=C, num_kv_heads=1, head_size=config.index_head_dim, head_size_v=0, dtype=dtype)
 
 
 class QSASideCache(nn.Module, AttentionLayerBase):
-    """A QSA side cache that vLLM allocates and binds: the raw-key ring or the compressed keys.
+    """The QSA side cache that vLLM allocates and binds per layer: the raw-key ring.
 
-    Registers itself in `static_forward_context[prefix]`; after binding, `kv_cache` is
-    vLLM's view [num_blocks, 1, rows per block, Di].
+    Registers itself in `static_forward_context[prefix]`. Its spec is made by
+    `make_spec(vllm_config)` each time vLLM asks, so it follows the block size vLLM has
+    settled on by then (SPEC trap 11: vLLM raises it for hybrid models after the model is
+    built). After binding, `kv_cache` is vLLM's view [num_blocks, 1, rows per block, Di].
     """
 
-    def __init__(self, *, vllm_config: VllmConfig, spec: KVCacheSpec, prefix: str) -> None:
+    def __init__(
+        self, *, vllm_config: VllmConfig, make_spec: Callable[[VllmConfig], KVCacheSpec], prefix: str
+    ) -> None:
         super().__init__()
         self.prefix = prefix
-        self.spec = spec
+        self.make_spec = make_spec
+        self.spec: KVCacheSpec | None = None
         self.kv_cache = torch.tensor([])
         register_layer(vllm_config, prefix, self)
 
@@ -93,9 +125,12 @@ class QSASideCache(nn.Module, AttentionLayerBase):
         return QSACoreBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        self.spec = self.make_spec(vllm_config)
         return self.spec
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        if self.spec is None:
+            raise RuntimeError(f"{self.prefix}: bound before vLLM asked for its KV-cache spec")
         want = (1, self.spec.num_states, self.spec.head_size)
         if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != want or kv_cache.dtype != self.spec.dtype:
             raise ValueError(
@@ -105,74 +140,28 @@ class QSASideCache(nn.Module, AttentionLayerBase):
         self.kv_cache = kv_cache
 
 
-def flat_rows(cache: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
-    """A [num_blocks, 1, N, W] block-strided view as flat rows [rows, W] and rows per block.
-
-    Row j of block b is flat row b * rows_per_block + j; rows between blocks belong to other
-    layers and are never addressed.
-    """
-    B, H, N, W = cache.shape
-    sB, _, sN, sW = cache.stride()
-    if H != 1 or sW != 1 or sN != W:
-        raise ValueError(f"{name}: rows within a block must be contiguous [1, N, W], got strides {cache.stride()}")
-    if sB % W:
-        raise ValueError(f"{name}: block stride ({sB}) must be a multiple of the row width ({W})")
-    rows_per_block = sB // W
-    rows = (B - 1) * rows_per_block + N
-    return cache.as_strided((rows, W), (W, 1), cache.storage_offset()), rows_per_block
-
-
-def main_kv_views(kv_cache: torch.Tensor, page_scale: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's main view [B, Hkv, page, 2D] -> core K and V [(B-1)*page_scale + 1, page, Hkv, D].
-
-    Core page b * page_scale is vLLM block b; the pages between are never addressed.
-    """
-    B, Hkv, page, D2 = kv_cache.shape
-    sB, sH, sN, sC = kv_cache.stride()
-    if sC != 1 or D2 % 2:
-        raise ValueError(f"main K/V cache must end in a contiguous [2D] dim, got {tuple(kv_cache.shape)}")
-    if sB % page_scale:
-        raise ValueError(f"main K/V block stride ({sB}) must be a multiple of page_scale ({page_scale})")
-    D = D2 // 2
-    size = ((B - 1) * page_scale + 1, page, Hkv, D)
-    stride = (sB // page_scale, sN, sH, 1)
-    offset = kv_cache.storage_offset()
-    return kv_cache.as_strided(size, stride, offset), kv_cache.as_strided(size, stride, offset + D)
-
-
 def bind_layer_cache(
-    kv_cache: torch.Tensor, compressed: torch.Tensor, ring: torch.Tensor, config: QSAConfig
+    kv_cache: torch.Tensor, ring: torch.Tensor, config: QSAConfig, index_dtype: torch.dtype
 ) -> tuple[QSALayerCache, PagedGeometry]:
-    """The core's cache views of one QSA layer over vLLM's three bound tensors.
+    """The core's cache views of one QSA layer over vLLM's two bound tensors.
 
-    kv_cache [B, Hkv, page, 2D]; compressed [B, 1, page / r, Di]; ring [B, 1, C, Di].
+    kv_cache [B, Hkv, page, 2D] (compressed keys behind each page); ring [B, 1, C, Di].
     Returns the views and the `PagedGeometry` the step metadata must use with them.
     """
     if config.uses_mrope:
         raise NotImplementedError("the vLLM adapter keeps no ring positions: MRoPE (mrope_section) is not supported")
     page = kv_cache.shape[2]
+    compressed = compressed_view(kv_cache, config, index_dtype)
     rows_per_page = page // config.compress_ratio
     if compressed.shape[2] != rows_per_page:
         raise ValueError(
             f"compressed cache must hold page_size / r = {rows_per_page} rows per block, got {compressed.shape[2]}"
         )
-    comp_rows, comp_per_block = flat_rows(compressed, "compressed cache")
-    ring_rows, ring_per_block = flat_rows(ring, "ring cache")
+    # Core page = vLLM block for all three caches: the views keep vLLM's block strides.
+    D = kv_cache.shape[3] // 2
+    k, v = kv_cache[..., :D].transpose(1, 2), kv_cache[..., D:].transpose(1, 2)
     C = ring.shape[2]
-    if comp_per_block % rows_per_page:
-        raise ValueError(
-            f"compressed block stride ({comp_per_block} rows) must be a multiple of page_size / r ({rows_per_page})"
-        )
-    if ring_per_block % C:
-        raise ValueError(f"ring block stride ({ring_per_block} rows) must be a multiple of ring_capacity ({C})")
-    geometry = PagedGeometry(
-        compress_ratio=config.compress_ratio,
-        page_size=page,
-        ring_capacity=C,
-        page_scale=comp_per_block // rows_per_page,
-        ring_stride=ring_per_block // C,
-    )
-    k, v = main_kv_views(kv_cache, geometry.page_scale)
-    cache = QSALayerCache(k=k, v=v, compressed=comp_rows, ring=ring_rows, ring_positions=None)
-    validate_layer_cache(cache, config, page)
+    geometry = PagedGeometry(compress_ratio=config.compress_ratio, page_size=page, ring_capacity=C)
+    cache = QSALayerCache(k=k, v=v, compressed=compressed[:, 0], ring=ring[:, 0], ring_positions=None)
+    validate_layer_cache(cache, config, page, ring_capacity=C)
     return cache, geometry

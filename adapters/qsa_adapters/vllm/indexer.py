@@ -1,10 +1,11 @@
 """`QSAIndexer`: the QSA indexer as a vLLM module, with the interface of vLLM's upstream one.
 
 It owns the checkpoint weights `index_qk_proj`, `q_layernorm`, `k_layernorm` (under its
-prefix) and the two side caches vLLM allocates (`raw_key_cache`, `compressed_key_cache`).
-Its forward maps vLLM's step onto `qsa_core` and runs the core's indexer half
-(`qsa_indexer`: the fused prepare - indexer query, ring, group compression, main q/k
-norm + RoPE, main K/V store - then selection and expansion).
+prefix), the raw-key ring vLLM allocates (`raw_key_cache`) and the compressed-key view over
+the main K/V pages.
+Its forward runs the core's indexer half (`qsa_indexer`: the fused prepare - indexer query,
+ring, group compression, main q/k norm + RoPE, main K/V store - then selection and expansion)
+on the step's plan.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from qsa_core import GemmaRMSNorm, QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlan, qsa_indexer
 from qsa_core import resolve_dtype
 
-from .cache import QSASideCache, bind_layer_cache, compressed_key_spec, ring_spec
+from .cache import QSASideCache, bind_layer_cache, ring_spec
 from .context import step_metadata
 from .metadata import PagedGeometry
 
@@ -57,7 +58,7 @@ class QSAIndexer(nn.Module):
     """QSA indexer weights, side caches and selection for one vLLM attention layer.
 
     `prefix` is the checkpoint's indexer prefix (normally `model.layers.N.self_attn.indexer`);
-    the side caches register as `{prefix}.raw_key_cache` and `{prefix}.compressed_key_cache`.
+    the ring registers as `{prefix}.raw_key_cache`; compressed keys sit in the main K/V pages.
     """
 
     def __init__(
@@ -94,13 +95,12 @@ class QSAIndexer(nn.Module):
         self.dtype = dtype
         cache_prefix = f"{prefix}." if prefix else ""
         self.raw_key_cache = QSASideCache(
-            vllm_config=vllm_config, spec=ring_spec(vllm_config, cfg, dtype), prefix=f"{cache_prefix}raw_key_cache"
-        )
-        self.compressed_key_cache = QSASideCache(
             vllm_config=vllm_config,
-            spec=compressed_key_spec(vllm_config, cfg, resolve_dtype(cfg.index_dtype, dtype)),
-            prefix=f"{cache_prefix}compressed_key_cache",
+            make_spec=lambda vc: ring_spec(vc, cfg, dtype),
+            prefix=f"{cache_prefix}raw_key_cache",
         )
+        # The compressed keys live in the main K/V pages (cache.main_kv_spec).
+        self.index_dtype = resolve_dtype(cfg.index_dtype, dtype)
         self._bound: tuple[tuple[torch.Tensor, ...], QSALayerCache, PagedGeometry] | None = None
 
     @property
@@ -115,27 +115,22 @@ class QSAIndexer(nn.Module):
 
     def layer_cache(self, kv_cache: torch.Tensor) -> tuple[QSALayerCache, PagedGeometry]:
         """Core views over vLLM's bound main K/V and side caches (rebuilt only on rebinding)."""
-        tensors = (kv_cache, self.compressed_key_cache.kv_cache, self.raw_key_cache.kv_cache)
+        tensors = (kv_cache, self.raw_key_cache.kv_cache)
         if self._bound is None or any(a is not b for a, b in zip(self._bound[0], tensors)):
-            self._bound = (tensors, *bind_layer_cache(*tensors, self.qsa_config))
+            self._bound = (tensors, *bind_layer_cache(*tensors, self.qsa_config, self.index_dtype))
         return self._bound[1], self._bound[2]
 
-    def step_inputs(
-        self, attn: QSAAttentionLike, positions: torch.Tensor
-    ) -> tuple[QSAPlan, QSALayerCache] | None:
-        """This step's plan and cache views; None when vLLM runs without metadata
-        (profiling, dummy runs). positions: the model's positions, int64 [N] or [3, N]."""
-        records = step_metadata(attn.layer_name, self.compressed_key_cache.prefix, self.raw_key_cache.prefix)
+    def step_inputs(self, attn: QSAAttentionLike) -> tuple[QSAPlan, QSALayerCache] | None:
+        """This step's plan (made by the backend's builders) and cache views; None
+        when vLLM runs without metadata (profiling, dummy runs)."""
+        records = step_metadata(attn.layer_name, self.raw_key_cache.prefix)
         if records is None:
             return None
-        main, compressed, ring = records
-        if compressed.common.block_table_tensor is not main.common.block_table_tensor:
-            raise RuntimeError(
-                f"{self.compressed_key_cache.prefix} must share the block table of {attn.layer_name} "
-                "(one KV-cache group); vLLM grouped them apart"
-            )
+        main, ring = records
+        if ring.step is not main.step:
+            raise RuntimeError(f"{self.raw_key_cache.prefix}: its group's metadata belongs to another step")
         cache, geometry = self.layer_cache(attn.kv_cache)
-        return main.resolve(ring, geometry, positions, self.qsa_config, self.dtype), cache
+        return main.step.record(geometry), cache
 
     def forward(
         self,
@@ -147,19 +142,20 @@ class QSAIndexer(nn.Module):
         qkv: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         slot_mapping: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, QSAIndexed | None]:
-        """Update the caches and select; returns (selection, the indexer half's result or None).
+        """Update the caches and select (the core's `qsa_indexer`); returns (selection, the
+        indexer half's result or None).
 
         projected_qk [N, (Hi+1)*Di] = index_qk_proj(hidden); qkv: the main projections, one
         fused [N, Hq*2D + 2*Hkv*D] tensor (per head [q | gate], then k, then v; split into
         views) or the (q_gate, k, v) tuple. The core's prepare is fused, so the same call
-        writes `attn`'s K/V and returns its normed, rotated q and gate [T, Hq, D] (in the
-        `QSAIndexed`). Main slots come from the step metadata: `slot_mapping` is accepted for
-        upstream's signature only. Selection: int32 [T, W + 1], -1 padded request-relative
-        positions, last column the count (T = rows vLLM scheduled; rows past T are padding).
-        Without step metadata: inert rows (all -1, count 0) and None.
+        writes `attn`'s K/V and returns its normed, rotated q and gate (in the `QSAIndexed`).
+        Main slots come from the step metadata: `slot_mapping` is accepted for upstream's
+        signature only. Selection: int32 [T, W + 1], -1 padded
+        request-relative positions, last column the count (T = rows vLLM scheduled; rows past
+        T are padding). Without step metadata: inert rows (all -1, count 0) and None.
         """
         cfg = self.qsa_config
-        step = self.step_inputs(attn, positions)
+        step = self.step_inputs(attn)
         if step is None:
             if self.skip_topk and out is not None:
                 return out, None

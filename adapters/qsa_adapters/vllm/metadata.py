@@ -1,15 +1,12 @@
 """vLLM's per-step `CommonAttentionMetadata` (+ the ring group's block table) -> `QSAStepInputs` -> `QSAPlan`.
 
-vLLM hands each KV-cache group its own `CommonAttentionMetadata`: the main K/V and the
-compressed keys share one group (one block table and slot mapping); the raw-key rings
-live in a group of their own with one block per request. This module maps the two onto the core's
+vLLM hands each KV-cache group its own `CommonAttentionMetadata`: the main K/V pages (which
+hold the compressed keys too) are one group (one block table and slot mapping); the raw-key
+rings live in a group of their own with one block per request. This module maps the two onto the core's
 step inputs. It derives nothing QSA itself: `QSAPlanner` does that.
 
-Index maps (`PagedGeometry`): vLLM may pack several layers' pages into one block (block
-stride > one layer's page). The core addresses compressed keys as flat rows
-`main slot // r`, so the adapter numbers core pages as `vLLM block * page_scale`
-(page_scale = compressed rows per block stride / (page_size / r)) and core ring rows as
-`vLLM ring block * ring_stride * C + p % C`. Unpacked layouts give page_scale = ring_stride = 1.
+The core's paged cache views keep vLLM's block strides (core page = vLLM block, core ring
+row = the ring group's block), so block tables and slots pass through unchanged.
 """
 
 from __future__ import annotations
@@ -24,24 +21,17 @@ from qsa_core import QSAConfig, QSAPlan, QSAPlanner, QSAStepInputs, check_page_s
 
 @dataclass(frozen=True)
 class PagedGeometry:
-    """How core page / ring indices address vLLM's blocks (fixed once the caches are bound).
+    """The cache geometry a step is planned for (fixed once the caches are bound).
 
-    compress_ratio r; page_size: tokens per vLLM block (a multiple of r); ring_capacity C;
-    page_scale: core page of vLLM block b is b * page_scale; ring_stride: core ring index
-    of vLLM ring block b is b * ring_stride.
+    compress_ratio r; page_size: tokens per vLLM block (a multiple of r); ring_capacity C.
     """
 
     compress_ratio: int
     page_size: int
     ring_capacity: int
-    page_scale: int = 1
-    ring_stride: int = 1
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size, self.compress_ratio)
-        for name in ("page_scale", "ring_stride"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 def uniform_decode_split(query_start_loc_cpu: torch.Tensor, decode_threshold: int) -> tuple[int, int]:
@@ -61,43 +51,32 @@ def uniform_decode_split(query_start_loc_cpu: torch.Tensor, decode_threshold: in
     return (int(other[0, 0]) if other.numel() else qlens.numel()), q
 
 
-def core_block_table(block_table: torch.Tensor, num_reqs: int, geometry: PagedGeometry) -> torch.Tensor:
-    """int32 [R, P] core pages of vLLM's block table (rows past num_reqs dropped)."""
-    table = block_table[:num_reqs]
-    return table if geometry.page_scale == 1 else table * geometry.page_scale
-
-
-def core_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, geometry: PagedGeometry) -> torch.Tensor:
-    """int64 [T] core main slots of vLLM's slot mapping; negative slots (padding) stay -1."""
-    slots = slot_mapping[:num_tokens]
-    if geometry.page_scale == 1:
-        return slots
-    page = geometry.page_size
-    return torch.where(slots >= 0, slots + (slots // page) * ((geometry.page_scale - 1) * page), -1)
-
-
-def core_ring_index(ring_block_table: torch.Tensor, num_reqs: int, geometry: PagedGeometry) -> torch.Tensor:
-    """int32 [R] ring base row index per request: the ring group's block * ring_stride."""
+def core_ring_index(ring_block_table: torch.Tensor, num_reqs: int) -> torch.Tensor:
+    """int32 [R] ring row per request: the ring group's block (one per request)."""
     if ring_block_table.dim() != 2 or ring_block_table.shape[0] < num_reqs:
         raise ValueError(
             f"ring_block_table must be [>= num_reqs = {num_reqs}, blocks], got {tuple(ring_block_table.shape)}"
         )
-    return (ring_block_table[:num_reqs, 0] * geometry.ring_stride).to(torch.int32)
+    return ring_block_table[:num_reqs, 0].to(torch.int32)
 
 
 class QSAMetadataMapper:
     """Maps one step's vLLM metadata onto a `QSAPlan` for one `PagedGeometry`.
 
     Owns the `QSAPlanner` of its geometry (config: the layer's `QSAConfig`, dtype: the
-    model dtype); the planner is rebuilt larger when a step exceeds its sizes (eager only).
+    model dtype). With `max_num_reqs` (an engine's mapper) every step is planned static:
+    its tensors are copied into the planner's persistent buffers, so a CUDA graph captured
+    on one uniform decode batch replays on the next; a step beyond the sizes is refused.
+    Without it (tests), the planner is rebuilt larger when a step exceeds its sizes.
     """
 
     def __init__(
         self, geometry: PagedGeometry, config: QSAConfig, dtype: torch.dtype, device: torch.device | str,
-        *, max_num_tokens: int = 256, max_model_len: int = 4096,
+        *, max_num_tokens: int = 256, max_model_len: int = 4096, max_num_reqs: int | None = None,
     ) -> None:
         self.geometry = geometry
         self.config, self.dtype, self.device = config, dtype, device
+        self.max_num_reqs = max_num_reqs
         self.planner = self._planner(max_num_tokens, max_model_len)
 
     def _planner(self, max_num_tokens: int, max_model_len: int) -> QSAPlanner:
@@ -105,6 +84,7 @@ class QSAMetadataMapper:
         return QSAPlanner(
             self.config, dtype=self.dtype, page_size=g.page_size, ring_capacity=g.ring_capacity,
             max_num_tokens=max_num_tokens, max_model_len=max_model_len, device=self.device,
+            max_num_reqs=self.max_num_reqs,
         )
 
     def step_inputs(
@@ -134,9 +114,11 @@ class QSAMetadataMapper:
         return QSAStepInputs(
             query_start_loc=common.query_start_loc,
             seq_lens=common.seq_lens,
-            block_table=core_block_table(common.block_table_tensor, R, g),
-            slot_mapping=core_slot_mapping(common.slot_mapping, T, g),
-            ring_index=core_ring_index(ring_block_table, R, g),
+            # vLLM sizes its table for the block size it started with: plan only the
+            # columns max_model_len can use
+            block_table=common.block_table_tensor[:R, : -(-self.planner.max_model_len // g.page_size)],
+            slot_mapping=common.slot_mapping[:T],
+            ring_index=core_ring_index(ring_block_table, R),
             rope_positions=rope_positions,
             num_decodes=num_decodes,
             decode_query_len=decode_query_len,
@@ -157,9 +139,9 @@ class QSAMetadataMapper:
         inputs = self.step_inputs(
             common, ring_block_table, decode_threshold=decode_threshold, rope_positions=rope_positions
         )
-        p = self.planner
-        if inputs.num_tokens > p.max_num_tokens or inputs.max_seq_len > p.max_model_len:
+        p, static = self.planner, self.max_num_reqs is not None
+        if not static and (inputs.num_tokens > p.max_num_tokens or inputs.max_seq_len > p.max_model_len):
             self.planner = self._planner(
                 max(inputs.num_tokens, p.max_num_tokens), max(inputs.max_seq_len, p.max_model_len)
             )
-        return self.planner.plan(inputs)
+        return self.planner.plan(inputs, static=static)

@@ -1,18 +1,54 @@
-"""The `vllm.general_plugins` entry point (runs in every vLLM process, so it is idempotent)."""
+"""The `vllm.general_plugins` entry point (runs in every vLLM process, so it is idempotent).
+
+It imports nothing of the model: the backend and the model classes are registered by name
+and load when vLLM first asks for them.
+"""
 
 from __future__ import annotations
 
-TINY_ARCH = "QSATinyForCausalLM"
+import copyreg
+
+MODEL_MODULE = "qsa_adapters.vllm.qwen4_exp"
+ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP")
+
+
+def _reduce_backend(member):
+    from .backend import BACKEND_NAME
+
+    if member.name == BACKEND_NAME:
+        return _qsa_core_backend, ()
+    return type(member), (member.value,)
+
+
+def _qsa_core_backend():
+    """The QSA_CORE member, registered first where this runs (an unpickling process)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from .backend import BACKEND_NAME
+
+    register()
+    return AttentionBackendEnum[BACKEND_NAME]
 
 
 def register() -> None:
-    """Register the QSA_CORE attention backend and the `QSATinyForCausalLM` architecture."""
+    """Register the QSA_CORE attention backend, the core-backed Qwen4-Exp architectures and
+    their config checks (`config_hooks`).
+
+    The architectures replace upstream's under the same names; they are upstream's models
+    unless QSA_CORE is chosen or the platform is the CPU (`qwen4_exp.uses_qsa_core`).
+    """
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from . import config_hooks
     from .backend import BACKEND_NAME
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, "qsa_adapters.vllm.backend.QSACoreBackend")
-    if TINY_ARCH not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(TINY_ARCH, f"qsa_adapters.vllm.tiny_model:{TINY_ARCH}")
+        # vLLM's spawned engine processes unpickle the config (with `--attention-backend
+        # QSA_CORE` in it) before they load plugins, and a backend member added at run time
+        # does not exist there yet: pickle that member as "register, then look it up".
+        copyreg.pickle(AttentionBackendEnum, _reduce_backend)
+    for arch in ARCHITECTURES:
+        ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{arch}")
+    config_hooks.install()

@@ -1,0 +1,238 @@
+"""vLLM's own Qwen4-Exp model classes with their QSA layers on `qsa_core`.
+
+`Qwen4ExpForCausalLM`, `Qwen4ExpForConditionalGeneration` and `Qwen4ExpMTP` subclass
+upstream's classes (`vllm.models.qwen4_exp`). When `uses_qsa_core(vllm_config)` holds (the
+user chose the `QSA_CORE` attention backend, or the platform is the CPU, where upstream's
+QSA cannot run), each is built with `QSACoreAttention` in place of upstream's
+`Qwen4ExpQSAAttention`; otherwise it is upstream's model unchanged. Everything else (embedding,
+HyperConnection, MoE, GDN, PLE, weight loading) stays vLLM's.
+
+`QSACoreAttention` keeps upstream's parameters and loaders: the fused `qkv_proj`
+(q|gate, k, v and the indexer's `index_qk_proj` as shard 3), `o_proj`, `q_norm`, `k_norm`,
+`indexer.{q_layernorm, k_layernorm}`, and upstream's `load_weights`. From the projections on,
+`qsa_core` runs the layer (through `QSAIndexer` and `run_core_attention`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.models.qwen3_vl import mrope_positions_factor
+from vllm.models.qwen4_exp.nvidia import model as upstream_model
+from vllm.models.qwen4_exp.nvidia import mtp as upstream_mtp
+from vllm.models.qwen4_exp.nvidia.qsa import Qwen4ExpQSAAttention, Qwen4ExpQSAQKVIndexerLinear
+from vllm.platforms import current_platform
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import KVCacheSpec
+
+from .attention import run_core_attention
+from .backend import BACKEND_NAME, QSACoreBackend
+from .cache import main_kv_spec
+from .hc_ops import register_torch_hc_ops
+from .indexer import QSAIndexer
+
+# Upstream's HyperConnection ops are Triton bodies registered for the platform's dispatch
+# key; on a platform without Triton (the CPU) they get PyTorch bodies.
+if not current_platform.is_cuda_alike():
+    register_torch_hc_ops(current_platform.dispatch_key)
+
+
+def uses_qsa_core(vllm_config: VllmConfig) -> bool:
+    """True when the QSA layers run on qsa_core: QSA_CORE chosen, or the CPU platform."""
+    backend = vllm_config.attention_config.backend
+    chosen = backend is not None and backend == AttentionBackendEnum[BACKEND_NAME]
+    return chosen or current_platform.is_cpu()
+
+
+def check_supported(vllm_config: VllmConfig, config: Any) -> None:
+    """Refuse, naming the setting, what the core-backed layer does not serve yet."""
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", "bfloat16", "float32"):
+        raise NotImplementedError(
+            f"QSA_CORE: kv_cache_dtype={cache_dtype!r} is not served yet (use 'auto'): the core's "
+            "fp8 main K/V path exists, but vLLM's fp8 cache (uint8 storage, per-layer scales loaded "
+            "after construction) is not mapped onto it or tested"
+        )
+    if (config.rope_parameters or {}).get("mrope_section"):
+        raise NotImplementedError(
+            "QSA_CORE: MRoPE (rope_parameters.mrope_section) is not served yet: the adapter keeps no "
+            "ring positions (the raw-key ring would need a [.., 3] position cache vLLM allocates)"
+        )
+    if get_tensor_model_parallel_world_size() != 1:
+        raise NotImplementedError("QSA_CORE: tensor_parallel_size must be 1 (head sharding is not mapped)")
+    parallel = vllm_config.parallel_config
+    if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
+        raise NotImplementedError("QSA_CORE: context parallelism is not supported")
+
+
+class QSACoreAttention(Qwen4ExpQSAAttention):
+    """Upstream's QSA layer (same parameters, shards and loaders) run by qsa_core.
+
+    `forward(positions [N], hidden_states [N, hidden]) -> [N, hidden]`; rows vLLM did not
+    schedule and steps without metadata (profiling) give o_proj(0).
+    """
+
+    def __init__(
+        self,
+        *,
+        vllm_config: VllmConfig,
+        config: Any,
+        layer_id: int,
+        quant_config: QuantizationConfig | None = None,
+        reduce_results: bool = True,
+        prefix: str = "",
+    ) -> None:
+        nn.Module.__init__(self)
+        check_supported(vllm_config, config)
+        self.config = config
+        self.hidden_size = int(config.hidden_size)
+        self.total_num_heads = self.num_heads = int(config.num_attention_heads)
+        self.total_num_kv_heads = self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(config.head_dim or self.hidden_size // self.total_num_heads)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.attn_output_gate = True
+        self.qkv_proj = QKVParallelLinear(
+            self.hidden_size,
+            self.head_dim,
+            2 * self.total_num_heads,  # per head [q | gate]
+            self.total_num_kv_heads,
+            bias=False,
+            quant_config=upstream_model.without_modelopt_fp4(quant_config),
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            self.q_size,
+            self.hidden_size,
+            bias=False,
+            reduce_results=reduce_results,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = get_rope(
+            head_size=self.head_dim,
+            max_position=config.max_position_embeddings,
+            rope_parameters=config.rope_parameters,
+            mrope_positions_factor=mrope_positions_factor(vllm_config),
+        )
+        self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.layer_name = f"{prefix}.attn"
+        self.kv_cache_dtype = "auto"
+        self.kv_cache_torch_dtype = vllm_config.model_config.dtype
+        self.kv_sharing_target_layer_name = None
+        self.kv_cache = torch.tensor([])
+        set_default_quant_scales(self, register_buffer=True)
+        self.indexer = QSAIndexer(
+            vllm_config=vllm_config,
+            config=config,
+            layer_id=layer_id,
+            rotary_emb=self.rotary_emb,
+            quant_config=quant_config,
+            prefix=f"{prefix}.indexer",
+        )
+        # Upstream's fused projection: the indexer's index_qk_proj becomes shard 3 of
+        # qkv_proj (LoRA keeps it separate), and upstream's load_weights maps it there.
+        self.fuse_indexer_projection = vllm_config.lora_config is None
+        if self.fuse_indexer_projection:
+            self.index_qk_size = self.indexer.index_qk_proj.output_size
+            self.qkv_proj = Qwen4ExpQSAQKVIndexerLinear(
+                self.qkv_proj, self.index_qk_size, upstream_model.without_modelopt_fp4(quant_config)
+            )
+            del self.indexer.index_qk_proj
+        # The selection rows of a step; MTP steps with indexer.skip_topk reuse step 0's.
+        self.register_buffer(
+            "topk_indices_buffer",
+            torch.zeros(
+                vllm_config.scheduler_config.max_num_batched_tokens,
+                self.indexer.packed_output_width,
+                dtype=torch.int32,
+            ),
+            persistent=False,
+        )
+        context = vllm_config.compilation_config.static_forward_context
+        if self.layer_name in context:
+            raise ValueError(f"duplicate layer name {self.layer_name!r} in static_forward_context")
+        context[self.layer_name] = self
+
+    def get_attn_backend(self) -> type[QSACoreBackend]:
+        return QSACoreBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return main_kv_spec(vllm_config, self.indexer.qsa_config, self.kv_cache_torch_dtype, self.indexer.index_dtype)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        if self.fuse_indexer_projection:
+            qkv, projected_qk = qkv.split([2 * self.q_size + 2 * self.kv_size, self.index_qk_size], dim=-1)
+        else:
+            projected_qk = self.indexer.index_qk_proj(hidden_states)
+        out = run_core_attention(self, self.indexer, positions, projected_qk, qkv, self.topk_indices_buffer)
+        return self.o_proj(out)[0]
+
+
+@contextlib.contextmanager
+def core_attention_layers(vllm_config: VllmConfig) -> Iterator[None]:
+    """While upstream builds its decoder layers, let them build `QSACoreAttention` (when
+    `uses_qsa_core`); upstream's module attribute is restored afterwards."""
+    if not uses_qsa_core(vllm_config):
+        yield
+        return
+    original = upstream_model.Qwen4ExpQSAAttention
+    upstream_model.Qwen4ExpQSAAttention = QSACoreAttention
+    try:
+        yield
+    finally:
+        upstream_model.Qwen4ExpQSAAttention = original
+
+
+def hyperconnections_in_model_dtype(model: nn.Module, vllm_config: VllmConfig) -> None:
+    """Upstream builds HyperConnection weights in bf16 whatever the model dtype (its QSA is
+    bf16-only); with the core serving fp32 models they follow the model dtype, as in HF."""
+    dtype = vllm_config.model_config.dtype
+    if uses_qsa_core(vllm_config) and dtype != torch.bfloat16:
+        for module in model.modules():
+            if isinstance(module, upstream_model.GatedResidual):
+                module.to(dtype)
+
+
+class Qwen4ExpForCausalLM(upstream_model.Qwen4ExpForCausalLM):
+    """Upstream's text model; QSA layers on qsa_core when `uses_qsa_core`."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        with core_attention_layers(vllm_config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        hyperconnections_in_model_dtype(self, vllm_config)
+
+
+class Qwen4ExpForConditionalGeneration(upstream_model.Qwen4ExpForConditionalGeneration):
+    """Upstream's vision-language model; QSA layers on qsa_core when `uses_qsa_core`."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "model") -> None:
+        with core_attention_layers(vllm_config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        hyperconnections_in_model_dtype(self, vllm_config)
+
+
+class Qwen4ExpMTP(upstream_mtp.Qwen4ExpMTP):
+    """Upstream's MTP drafter; its QSA layer on qsa_core when `uses_qsa_core`."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        with core_attention_layers(vllm_config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        hyperconnections_in_model_dtype(self, vllm_config)
+
+
+ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP")

@@ -1,0 +1,167 @@
+"""Host time of the plan/run split on a CUDA GPU (production geometry, bf16).
+
+- one eager decode layer with the step already planned: the layer halves `qsa_indexer` +
+  `qsa_attention` from the projections, and a whole `QSAAttention.forward`;
+- planning a step of 64 decode requests: `QSAStepInputs(...)` + `QSAPlanner.plan`.
+
+Host time: `time.perf_counter` around many calls with no synchronisation per call (after a
+sync, in batches short enough that the launch queue never fills), so it is the time the
+CPU spends issuing work. GPU time: CUDA events around the same loop (the GPU's span; when
+it is above the host time, the GPU waits on nothing). Kernel launches per call come from the
+profiler.
+
+    python benchmarks/bench_host.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from qsa_core import (
+    QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs, qsa_attention,
+    qsa_indexer, qsa_prepare, qsa_select,
+)
+
+CONFIG = QSAConfig(
+    hidden_size=2048, num_heads=24, num_kv_heads=2, head_dim=256, index_n_heads=4, index_head_dim=128,
+    token_topk=2048, compress_ratio=4, rotary_dim=64, rope_theta=1e7,
+)
+PAGE = 64
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def host_and_gpu_us(fn: Callable[[], object], calls: int = 40, rounds: int = 10) -> tuple[float, float]:
+    """Median over rounds of (host us per call, GPU us per call) for `calls` unsynchronised calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e6 / calls)
+        gpu.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(host)[rounds // 2], sorted(gpu)[rounds // 2]
+
+
+def launches(fn: Callable[[], object]) -> int | str:
+    """CUDA kernels one call launches (profiler), or why it could not count."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception as exc:  # the profiler may be unavailable on the machine
+        return f"n/a ({type(exc).__name__})"
+
+
+class DecodeStep:
+    """`batch` decode requests at `context` tokens over random paged caches, planned once."""
+
+    def __init__(self, batch: int, context: int, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.batch, self.context = batch, context
+        pages_per_req = -(-context // PAGE)
+        layout = QSACacheLayout(num_layers=1, page_size=PAGE, num_pages=batch * pages_per_req + 1, ring_rows=batch)
+        self.cache = layout.allocate(CONFIG, BF16, DEV)[0]
+        for name in ("k", "v", "compressed", "ring"):
+            t = getattr(self.cache, name)
+            t.copy_(torch.randn(t.shape, device=DEV).to(t.dtype))
+        pages = torch.randperm(batch * pages_per_req, device=DEV).view(batch, pages_per_req) + 1
+        pos = torch.full((batch,), context - 1, device=DEV)
+        rows = torch.arange(batch, device=DEV)
+        self.tensors = dict(
+            query_start_loc=torch.arange(batch + 1, device=DEV, dtype=torch.int32),
+            seq_lens=torch.full((batch,), context, device=DEV, dtype=torch.int32),
+            block_table=pages.to(torch.int32),
+            slot_mapping=pages[rows, pos // PAGE] * PAGE + pos % PAGE,
+            ring_index=torch.arange(batch, device=DEV, dtype=torch.int32),
+        )
+        self.planner = QSAPlanner(
+            CONFIG, dtype=BF16, page_size=PAGE, ring_capacity=layout.ring_capacity(CONFIG), max_num_tokens=batch,
+            max_model_len=pages_per_req * PAGE, max_num_reqs=batch, device=DEV,
+        )
+        self.plan = self.make_plan()
+        self.layer = QSAAttention(CONFIG).to(DEV, BF16)
+        for p in self.layer.parameters():
+            p.data.normal_(0, 0.02 if p.dim() == 2 else 0.3)
+        self.hidden = torch.randn(batch, CONFIG.hidden_size, device=DEV, dtype=BF16)
+        with torch.no_grad():
+            x, layer = self.hidden, self.layer
+            self.projections = (layer.indexer.index_qk_proj(x), layer.q_proj(x), layer.k_proj(x), layer.v_proj(x))
+        self.norms = self.layer.norm_weights()
+        self.out = torch.empty(batch, CONFIG.num_heads * CONFIG.head_dim, device=DEV, dtype=BF16)
+
+    def make_plan(self, static: bool = False):
+        """What an adapter does per step: describe it, plan it."""
+        inputs = QSAStepInputs(**self.tensors, num_decodes=self.batch, max_query_len=1, max_seq_len=self.context)
+        return self.planner.plan(inputs, static=static)
+
+    def halves(self) -> torch.Tensor:
+        with torch.no_grad():
+            indexed = qsa_indexer(self.plan, self.norms, *self.projections, self.cache)
+            return qsa_attention(self.plan, indexed, self.cache, out=self.out)
+
+    def ops_alone(self) -> dict[str, Callable[[], object]]:
+        """The layer's parts one by one (the split of the halves' host time)."""
+        plan, cache = self.plan, self.cache
+        with torch.no_grad():
+            indexed = qsa_indexer(plan, self.norms, *self.projections, cache)
+
+        def prepare():
+            with torch.no_grad():
+                return qsa_prepare(plan, self.norms, *self.projections, cache)
+
+        q_idx = prepare()[0]
+        return {
+            "  prepare": prepare,
+            "  select+expand": lambda: qsa_select(plan, q_idx, cache),
+            "  attention": lambda: qsa_attention(plan, indexed, cache, out=self.out),
+        }
+
+    def forward(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self.layer(self.hidden, self.plan, self.cache)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="folder for host.json")
+    args = parser.parse_args()
+    rows = []
+    for batch, context in ((4, 8192), (64, 8192), (64, 131072)):
+        step = DecodeStep(batch, context)
+        cases = [("layer halves", step.halves), *step.ops_alone().items(), ("QSAAttention.forward", step.forward),
+                 ("plan", step.make_plan), ("plan static", lambda: step.make_plan(static=True))]
+        for name, fn in cases:
+            host, gpu = host_and_gpu_us(fn)
+            rows.append(dict(case=name, batch=batch, context=context, host_us=round(host, 1), gpu_us=round(gpu, 1),
+                             launches=launches(fn)))
+    head = f"{'case':<22}{'batch':>6}{'context':>9}{'host us':>10}{'gpu us':>10}{'launches':>10}"
+    lines = [head] + [f"{r['case']:<22}{r['batch']:>6}{r['context']:>9}{r['host_us']:>10}{r['gpu_us']:>10}"
+                      f"{str(r['launches']):>10}" for r in rows]
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""One whole decode step (plan refresh + 4 QSA layers) captured in one CUDA graph.
+
+The graph is captured once; every replay refreshes the plan from the engine's static input
+tensors on the device and runs four layers, and must equal the same step run eagerly,
+bitwise: outputs and every cache (K/V, compressed keys, ring). Later steps carry CUDA-graph
+padding requests (no rows, inert padding rows with NaN hidden states).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qsa_core import QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs
+
+pytestmark = pytest.mark.gpu
+
+CONFIG = QSAConfig(
+    hidden_size=1024, num_heads=24, num_kv_heads=2, head_dim=256, index_n_heads=4, index_head_dim=128,
+    token_topk=2048, compress_ratio=4, rotary_dim=64, rope_theta=1e7,
+)
+PAGE, BATCH, LAYERS, PAGES_PER_REQ = 64, 8, 4, 160  # contexts up to 10240 tokens: scored selection
+DEV = "cuda"
+
+
+class Engine:
+    """A toy engine owning static step inputs (what a CUDA graph reads) and paged caches."""
+
+    def __init__(self) -> None:
+        dev, g = DEV, torch.Generator(device=DEV).manual_seed(0)
+        torch.manual_seed(0)
+        self.layers = [QSAAttention(CONFIG).to(dev, torch.bfloat16) for _ in range(LAYERS)]
+        for layer in self.layers:
+            for p in layer.parameters():
+                p.data.normal_(0, 0.02 if p.dim() == 2 else 0.3, generator=g)
+        layout = QSACacheLayout(num_layers=LAYERS, page_size=PAGE, num_pages=BATCH * PAGES_PER_REQ + 1, ring_rows=BATCH)
+        self.caches = layout.allocate(CONFIG, torch.bfloat16, dev)
+        for cache in self.caches:
+            for name in ("k", "v", "compressed", "ring"):
+                t = getattr(cache, name)
+                t.copy_(torch.randn(t.shape, device=dev, generator=g).to(t.dtype))
+        self.pages = (torch.randperm(BATCH * PAGES_PER_REQ, device=dev, generator=g) + 1).view(BATCH, PAGES_PER_REQ)
+        self.max_seq_len = PAGES_PER_REQ * PAGE
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.zeros(BATCH + 1, **i32)
+        self.seq_lens = torch.zeros(BATCH, **i32)
+        self.block_table = self.pages.to(torch.int32)
+        self.slot_mapping = torch.full((BATCH,), -1, dtype=torch.int64, device=dev)
+        self.ring_index = torch.arange(BATCH, **i32)
+        self.hidden = torch.zeros(BATCH, CONFIG.hidden_size, dtype=torch.bfloat16, device=dev)
+        self.out = torch.zeros_like(self.hidden)
+        self.planner = QSAPlanner(
+            CONFIG, dtype=torch.bfloat16, page_size=PAGE, ring_capacity=layout.ring_capacity(CONFIG),
+            max_num_tokens=BATCH, max_model_len=self.max_seq_len, max_num_reqs=BATCH, device=dev,
+        )
+
+    def set_step(self, seq_lens: list[int], seed: int) -> None:
+        """Write a decode step of len(seq_lens) real requests (the rest: padding) in place."""
+        n = len(seq_lens)
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        qsl = torch.arange(BATCH + 1, device=DEV).clamp(max=n).to(torch.int32)
+        seq = torch.tensor(seq_lens + [1] * (BATCH - n), dtype=torch.int32, device=DEV)
+        pos = seq.long() - 1
+        slots = self.pages.long()[torch.arange(BATCH, device=DEV), pos // PAGE] * PAGE + pos % PAGE
+        slots[n:] = -1
+        self.query_start_loc.copy_(qsl)
+        self.seq_lens.copy_(seq)
+        self.slot_mapping.copy_(slots)
+        self.hidden.copy_(torch.randn(self.hidden.shape, device=DEV, generator=g).to(torch.bfloat16))
+        self.hidden[n:] = float("nan")
+        self.num_padding_rows = BATCH - n
+
+    def step(self) -> None:
+        """Plan refresh (static: into the planner's buffers) and four layers."""
+        plan = self.planner.plan(QSAStepInputs(
+            query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_table=self.block_table,
+            slot_mapping=self.slot_mapping, ring_index=self.ring_index, num_decodes=BATCH,
+            max_query_len=1, max_seq_len=self.max_seq_len, num_padding_rows=self.num_padding_rows,
+        ), static=True)
+        x = self.hidden
+        for layer, cache in zip(self.layers, self.caches):
+            x = layer(x, plan, cache)
+        self.out.copy_(x)
+
+    def snapshot(self) -> list[dict[str, torch.Tensor]]:
+        return [{n: getattr(c, n).clone() for n in ("k", "v", "compressed", "ring")} for c in self.caches]
+
+    def restore(self, snap) -> None:
+        for cache, saved in zip(self.caches, snap):
+            for name, t in saved.items():
+                getattr(cache, name).copy_(t)
+
+
+def test_decode_step_replays_bitwise_as_eager():
+    engine = Engine()
+    steps = [([9000, 2049, 2051, 7000, 10240, 4096, 3001, 5555], 1),
+             ([9001, 2050, 2052, 7001, 10239, 4097, 3002, 5556], 2),
+             ([10000, 3333, 2100, 8000, 9999], 3),  # 3 padding requests
+             ([2048, 777], 4)]  # 6 padding requests, a short context (no scoring)
+    with torch.no_grad():
+        engine.set_step(*steps[0])
+        start = engine.snapshot()
+        engine.step()  # compile outside the capture
+        torch.cuda.synchronize()
+        engine.restore(start)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            engine.step()
+        for seq_lens, seed in steps:
+            engine.set_step(seq_lens, seed)
+            before = engine.snapshot()
+            engine.step()
+            eager_out, eager_caches = engine.out.clone(), engine.snapshot()
+            engine.restore(before)
+            engine.out.fill_(7.0)
+            graph.replay()
+            torch.cuda.synchronize()
+            n = len(seq_lens)
+            assert torch.isfinite(eager_out).all()
+            assert torch.equal(engine.out, eager_out), f"step {seed}: output differs"
+            assert torch.equal(engine.out[n:], torch.zeros_like(engine.out[n:])), "padding rows must give 0"
+            for i, (got, want) in enumerate(zip(engine.snapshot(), eager_caches)):
+                for name in got:
+                    assert torch.equal(got[name], want[name]), f"step {seed}, layer {i}: {name} differs"
+            written = (before[0]["k"] != eager_caches[0]["k"]).flatten(2).any(-1).sum()
+            assert written == n, "exactly one K/V slot per real request, none for padding"
+    engine.planner.check_guard()

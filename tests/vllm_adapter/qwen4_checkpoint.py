@@ -1,0 +1,89 @@
+"""A tiny Qwen4-Exp checkpoint written by transformers' `Qwen4ExpForCausalLM.save_pretrained`.
+
+Weights are random (norm weights included: HF's start at zero) with two correlations that a
+trained model has and that give the indexer's top-k boundary a clear gap: every token
+embedding shares a component, and each indexer query head's weights resemble the key's.
+`selection_gaps` measures the gap on real prompts (tests check it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+VOCAB = 512
+
+
+def tiny_config(*, hybrid: bool = False, **overrides: Any) -> Qwen4ExpTextConfig:
+    """2 QSA layers (budget 16 tokens in groups of 4), or with `hybrid` GDN, QSA, GDN, QSA.
+
+    Head dims are ones vLLM's CPU kernels take (attention 64; GDN keys 128).
+    """
+    layers = ["linear_attention", "indexed_attention"] * 2 if hybrid else ["indexed_attention"] * 2
+    fields: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        num_hidden_layers=len(layers),
+        layer_types=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        indexer_n_heads=2,
+        indexer_kv_heads=1,
+        indexer_head_dim=64,
+        indexer_budget=16,
+        indexer_compress_ratio=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        max_position_embeddings=1024,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        hc_count=2,
+        hc_lowrank=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        output_gate_type="silu",  # vLLM's GDN asserts an explicit gate activation
+        tie_word_embeddings=False,
+        architectures=["Qwen4ExpForCausalLM"],
+    )
+    fields.update(overrides)
+    return Qwen4ExpTextConfig(**fields)
+
+
+@torch.no_grad()
+def randomize(model: Qwen4ExpForCausalLM, seed: int) -> None:
+    """Random weights with a shared embedding component and indexer queries like the key."""
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    for name, p in model.named_parameters():
+        w = torch.randn(p.shape, generator=g)
+        if p.dim() >= 2:
+            p.copy_(w * p.shape[-1] ** -0.5)
+        elif "A_log" in name or "dt_bias" in name:
+            p.copy_(0.5 * w)
+        else:
+            p.copy_(0.3 * w)
+    embed = model.model.embed_tokens.weight
+    embed += 2.0 * torch.randn(config.hidden_size, generator=g) * config.hidden_size**-0.5
+    Di = config.indexer_head_dim
+    for layer in model.model.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            continue
+        w = attn.indexer.index_qk_proj.weight
+        w[:-Di] = 0.5 * w[:-Di] + w[-Di:].repeat(config.indexer_n_heads, 1)
+
+
+def write_checkpoint(folder: str | os.PathLike, config: Qwen4ExpTextConfig, seed: int = 0) -> Qwen4ExpForCausalLM:
+    """Build, randomise and `save_pretrained` an fp32 model into `folder`; returns it (eval)."""
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(config).float().eval()
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    return model
