@@ -97,7 +97,8 @@ def _metadata_kernel(
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < T
-    live = in_range & (rows < tl.load(qsl_ptr + R).to(tl.int64)) & (rows < num_live) & (R > 0)
+    # tl.where, not `& (R > 0)`: triton 3.9's interpreter refuses a block mask & a scalar.
+    live = tl.where(R > 0, in_range & (rows < tl.load(qsl_ptr + R).to(tl.int64)) & (rows < num_live), False)
     req = tl.load(to_req_ptr + rows, mask=live, other=0)
     # Guards: every row of a flagged request becomes inert (as padding); the reasons go to
     # the sticky flag. Such a request is never run on malformed values.
