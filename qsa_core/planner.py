@@ -285,7 +285,9 @@ class QSAPlanner:
             fields["query_start_loc"], fields["seq_lens"], fields["slot_mapping"], fields["ring_index"],
             fields["block_table"],
             compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
-            page_size=self.page_size, num_live_rows=T - inputs.num_padding_rows,
+            # A captured graph replays with any padding: the live-row bound then comes from
+            # query_start_loc on the device, never from this step's host int.
+            page_size=self.page_size, num_live_rows=-1 if static else T - inputs.num_padding_rows,
             num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
             num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
             request_flags=self._request_flags, guard=self.guard, backend=self.backend, **derived,

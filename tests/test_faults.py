@@ -2,8 +2,9 @@
 
 Outcome (both backends): the poisoned request's K/V, ring and compressed rows may hold NaN
 and its outputs at and after the poisoned row change (NaN or Inf with the reference; the
-Triton kernels' max / exp may turn them into finite garbage); its earlier rows and every
-other request's cache rows and outputs are bitwise what a clean run gives.
+Triton kernels' max / exp may turn them into finite garbage); its earlier rows equal a clean
+run's up to fp32 summation order, and every other request's cache rows and outputs are
+bitwise what a clean run gives.
 """
 
 import pytest
@@ -43,9 +44,9 @@ def request_rows(r, rid):
     return slots, torch.unique(slots // ratio), torch.arange(req.ring * C, (req.ring + 1) * C)
 
 
-def rows_of(t, name):
-    """One row per slot: main K/V [pages, page, Hkv, D] -> [slots, Hkv, D]."""
-    return t.flatten(0, 1) if name in ("k", "v") else t
+def rows_of(t):
+    """One row per flat slot: every cache is paged [pages, rows per page, ...]."""
+    return t.flatten(0, 1)
 
 
 NAN, INF = float("nan"), float("inf")
@@ -67,13 +68,15 @@ def test_non_finite_hidden_state_stays_in_its_request(backend, bad, row):
 
     for k in ("b", "c"):
         assert torch.equal(got[k], want[k]), k
-    assert torch.equal(got["a"][:row], want["a"][:row])
+    # Its earlier rows are untouched up to fp32 summation order: the reference gathers a
+    # chunk's selections once and a poisoned request falls back to one row at a time.
+    torch.testing.assert_close(got["a"][:row], want["a"][:row], rtol=1e-5, atol=1e-6)
     assert not torch.equal(got["a"][row:], want["a"][row:])  # the fault reached its own request
 
     slots, comp_rows, ring_rows = request_rows(r_bad, "a")
     for c_bad, c_clean in zip(r_bad.caches, r_clean.caches):
         for name, own in (("k", slots), ("v", slots), ("compressed", comp_rows), ("ring", ring_rows)):
-            a, b = (rows_of(getattr(c, name), name) for c in (c_bad, c_clean))
+            a, b = (rows_of(getattr(c, name)) for c in (c_bad, c_clean))
             differs = (~((a == b) | (a.isnan() & b.isnan()))).reshape(a.shape[0], -1).any(1).nonzero().flatten()
             assert set(differs.tolist()) <= set(own.tolist()), name
             others = torch.ones(a.shape[0], dtype=torch.bool)

@@ -85,7 +85,7 @@ def test_kernel_topk_ties_signed_zeros(monkeypatch, route):
     assert sched.scored and sched.fused == fused
     page, r = 16, 4
     out = ker.qsa_select_prefill(
-        torch.zeros(T, 1, 16, device=DEV), torch.zeros(G, 16, device=DEV),
+        torch.zeros(T, 1, 16, device=DEV), torch.zeros(G * r // page + 1, page // r, 16, device=DEV),
         torch.arange(G * r // page + 1, dtype=torch.int32, device=DEV)[None, :], torch.zeros(T, dtype=torch.int32, device=DEV),
         vis.to(DEV), page_size=page, compress_ratio=r, block_topk=KB,
         out=torch.full((T, KB), 7, dtype=torch.int32, device=DEV), schedule=sched,

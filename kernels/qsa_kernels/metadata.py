@@ -58,9 +58,9 @@ def _request_guard_kernel(
     tl.atomic_or(flags_ptr + i, flag, mask=flag != 0)
 
 
-@triton.jit(do_not_specialize=["R", "T", "num_live", "num_slots"])
+@triton.jit(do_not_specialize=["R", "T", "num_live", "stray_end", "num_slots"])
 def _row_guard_kernel(
-    qsl_ptr, slot_ptr, to_req_ptr, flags_ptr, guard_ptr, R, T, num_live, num_slots,
+    qsl_ptr, slot_ptr, to_req_ptr, flags_ptr, guard_ptr, R, T, num_live, stray_end, num_slots,
     BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, SLOT: tl.constexpr, QSL: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -83,7 +83,7 @@ def _row_guard_kernel(
     slot = tl.load(slot_ptr + rows, mask=in_range, other=-1)
     bad = live & ((slot < -1) | (slot >= num_slots))
     tl.atomic_or(flags_ptr + req, tl.full([BLOCK], SLOT, tl.int32), mask=bad)
-    stray = in_range & (rows >= owned) & (rows < num_live)  # live rows that no request owns
+    stray = in_range & (rows >= owned) & (rows < stray_end)  # live rows that no request owns
     tl.atomic_or(guard_ptr + rows * 0, tl.full([BLOCK], QSL, tl.int32), mask=stray)
     tl.store(to_req_ptr + rows, req, mask=in_range)
 
@@ -162,6 +162,7 @@ def qsa_build_metadata(
     R = seq_lens.shape[0]
     if T == 0:
         return
+    live_bound = T if num_live_rows < 0 else num_live_rows  # -1: query_start_loc[R] alone bounds
     flags = request_flags[:R]
     flags.zero_()
     rows_grid = (triton.cdiv(T, BLOCK_ROWS),)
@@ -169,17 +170,17 @@ def qsa_build_metadata(
         P = block_table.shape[1]
         _request_guard_kernel[(R, max(1, triton.cdiv(P, BLOCK_PAGES)))](
             query_start_loc, seq_lens, ring_index, block_table, block_table.stride(0), block_table.stride(1), flags,
-            P, max_seq_len, num_live_rows, num_slots // page_size, num_ring_rows, page_size,
+            P, max_seq_len, live_bound, num_slots // page_size, num_ring_rows, page_size,
             BLOCK=BLOCK_PAGES, MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN, QSL=GUARD_QUERY_START_LOC,
             RING=GUARD_RING_INDEX, PAGE=GUARD_PAGE,
         )
     _row_guard_kernel[rows_grid](
-        query_start_loc, slot_mapping, token_to_req, flags, guard, R, T, num_live_rows, num_slots,
+        query_start_loc, slot_mapping, token_to_req, flags, guard, R, T, live_bound, num_live_rows, num_slots,
         BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, SLOT=GUARD_SLOT, QSL=GUARD_QUERY_START_LOC,
     )
     _metadata_kernel[rows_grid](
         query_start_loc, seq_lens, slot_mapping, ring_index, flags,
         token_to_req, positions, visible_blocks, ring_slot, compressed_slot, kv_slot, guard,
-        R, T, num_live_rows,
+        R, T, live_bound,
         r=compress_ratio, C=ring_capacity, BLOCK=BLOCK_ROWS,
     )

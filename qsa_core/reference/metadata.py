@@ -43,6 +43,9 @@ def qsa_build_metadata(
     ring_index int32 [R], block_table int32 [>= R, P]. Outputs, all [T]: token_to_req int32,
     positions int64 (logical, -1 for padding), visible_blocks int32, ring_slot int64,
     compressed_slot int64 and kv_slot int64 (slot_mapping, -1 for inert rows).
+    num_live_rows = T - padding rows, or -1 where the host does not know it (a CUDA graph
+    replays with any number of padding rows): query_start_loc[R] alone then bounds the live
+    rows and the two checks against it are off.
     Rows at or past query_start_loc[R] (or num_live_rows) are padding: request 0, position
     -1, everything inert. Guards: every row of a malformed request (seq_len > max_seq_len or
     < its query length, rows past num_live_rows, ring_index outside [0, num_ring_rows), a
@@ -54,6 +57,7 @@ def qsa_build_metadata(
     T = slot_mapping.shape[0]
     R = seq_lens.shape[0]
     r, C = compress_ratio, ring_capacity
+    live_bound = T if num_live_rows < 0 else num_live_rows  # -1: query_start_loc[R] alone bounds
     if R == 0:  # idle step: every row is padding
         if num_live_rows > 0:
             guard.copy_(guard | GUARD_QUERY_START_LOC)
@@ -77,13 +81,13 @@ def qsa_build_metadata(
     flags = (
         torch.where(seq > max_seq_len, GUARD_MAX_SEQ_LEN, 0)
         | torch.where(seq < ends - starts, GUARD_SEQ_LEN, 0)
-        | torch.where(ends > num_live_rows, GUARD_QUERY_START_LOC, 0)
+        | torch.where(ends > live_bound, GUARD_QUERY_START_LOC, 0)
         | torch.where((ring < 0) | (ring >= num_ring_rows), GUARD_RING_INDEX, 0)
         | torch.where(bad_page, GUARD_PAGE, 0)
     )
     rows = torch.arange(T, device=dev)
     req = torch.searchsorted(ends, rows, right=True)
-    live = (rows < qsl[-1]) & (rows < num_live_rows)
+    live = (rows < qsl[-1]) & (rows < live_bound)
     req = torch.where(live, req, 0).clamp_(max=R - 1)
     bad_slot = live & ((slot_mapping < -1) | (slot_mapping >= num_slots))
     flags = flags.scatter_reduce(0, req[bad_slot], torch.full_like(req[bad_slot], GUARD_SLOT), "amax")
