@@ -8,8 +8,9 @@ store's bounds guard stops at the view's own pages:
   of a request is row `(g*r % page_size) / r` of its main page `block_table[q, g*r // page_size]`
   (flat, `compressed_slot = main slot // r`);
 - the raw-key ring `[ring_rows, C, Di]`: request q's rows are page `ring_index[q]`, row `p % C`
-  (flat, `ring_slot = ring_index * C + p % C`), with `[ring_rows, C, 3]` int64 positions
-  for MRoPE models.
+  (flat, `ring_slot = ring_index * C + p % C`), with `[ring_rows, C, 3]` int64 RoPE
+  positions per row (1-D positions fill all three axes), which key the groups whose first
+  token an earlier step wrote (SPEC trap 2).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class QSALayerCache:
     v: torch.Tensor  # [num_pages, page_size, Hkv, D]
     compressed: torch.Tensor  # [num_pages, page_size / r, Di], index dtype
     ring: torch.Tensor  # [ring_rows, C, Di], model dtype
-    ring_positions: torch.Tensor | None  # [ring_rows, C, 3] int64 (MRoPE only)
+    ring_positions: torch.Tensor | None  # [ring_rows, C, 3] int64; required for MRoPE
     k_scale: float = 1.0
     v_scale: float = 1.0
 
@@ -69,7 +70,14 @@ class QSACacheLayout(BaseModel):
     def allocate(
         self, config: QSAConfig, dtype: torch.dtype, device: torch.device | str = "cpu"
     ) -> list[QSALayerCache]:
-        """Allocate all caches; main K/V live side by side in one page buffer per layer."""
+        """Allocate all caches; main K/V live side by side in one page buffer per layer.
+
+        Normal tensors even inside torch.inference_mode(): steps outside it write them.
+        """
+        with torch.inference_mode(False):
+            return self._allocate(config, dtype, device)
+
+    def _allocate(self, config: QSAConfig, dtype: torch.dtype, device: torch.device | str) -> list[QSALayerCache]:
         check_page_size(self.page_size, config.compress_ratio)
         kv_dtype = resolve_dtype(config.kv_cache_dtype, dtype)
         index_dtype = resolve_dtype(config.index_dtype, dtype)
@@ -86,11 +94,9 @@ class QSACacheLayout(BaseModel):
                         self.num_pages, self.page_size // config.compress_ratio, Di, dtype=index_dtype, device=device
                     ),
                     ring=torch.zeros(self.ring_rows, C, Di, dtype=dtype, device=device),
-                    ring_positions=(
-                        torch.zeros(self.ring_rows, C, 3, dtype=torch.int64, device=device)
-                        if config.uses_mrope
-                        else None
-                    ),
+                    # 1-D models too: a group key is rotated at its first token's RoPE
+                    # position, which may differ from the logical one (SPEC trap 2).
+                    ring_positions=torch.zeros(self.ring_rows, C, 3, dtype=torch.int64, device=device),
                 )
             )
         return caches

@@ -8,7 +8,7 @@ import os
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
 IndexDType = Literal["auto", "bf16", "fp8_e4m3"]
 KVDType = Literal["auto", "bf16", "fp8_e4m3", "fp8_e5m2"]
@@ -18,6 +18,31 @@ _TORCH_DTYPES = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+
+
+# Where `from_hf` reads each field: errors name the HF field the user set.
+HF_FIELDS = {
+    "hidden_size": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "index_n_heads": "indexer_n_heads",
+    "index_kv_heads": "indexer_kv_heads",
+    "index_head_dim": "indexer_head_dim",
+    "token_topk": "indexer_budget",
+    "compress_ratio": "indexer_compress_ratio",
+    "rotary_dim": "head_dim * rope_parameters.partial_rotary_factor",
+    "rope_theta": "rope_parameters.rope_theta",
+    "mrope_section": "rope_parameters.mrope_section",
+    "rms_norm_eps": "rms_norm_eps",
+    "attention_bias": "attention_bias",
+}
+
+
+def _field_name(field: str, info: ValidationInfo | None) -> str:
+    """`field`, or `hf_name [field]` when validating a config read by `from_hf`."""
+    names = (info.context or {}).get("hf_fields", {}) if info is not None else {}
+    return f"{names[field]} [{field}]" if field in names else field
 
 
 def resolve_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -50,31 +75,32 @@ class QSAConfig(BaseModel):
     kv_cache_dtype: KVDType = Field("auto", description="main KV cache dtype")
 
     @model_validator(mode="after")
-    def _check(self) -> "QSAConfig":
+    def _check(self, info: ValidationInfo) -> "QSAConfig":
+        n = lambda field: _field_name(field, info)  # noqa: E731
         if self.compress_ratio < 2:
-            raise ValueError(f"compress_ratio must be >= 2, got {self.compress_ratio}")
+            raise ValueError(f"{n('compress_ratio')} must be >= 2, got {self.compress_ratio}")
         if self.token_topk % self.compress_ratio:
             raise ValueError(
-                f"token_topk ({self.token_topk}) must be divisible by compress_ratio "
+                f"{n('token_topk')} ({self.token_topk}) must be divisible by {n('compress_ratio')} "
                 f"({self.compress_ratio})"
             )
         if self.index_kv_heads != 1:
-            raise ValueError(f"index_kv_heads must be 1 for QSA, got {self.index_kv_heads}")
+            raise ValueError(f"{n('index_kv_heads')} must be 1 for QSA, got {self.index_kv_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                f"{n('num_heads')} ({self.num_heads}) must be divisible by {n('num_kv_heads')} "
                 f"({self.num_kv_heads})"
             )
         if self.rotary_dim % 2:
-            raise ValueError(f"rotary_dim must be even, got {self.rotary_dim}")
+            raise ValueError(f"{n('rotary_dim')} must be even, got {self.rotary_dim}")
         if self.rotary_dim > self.index_head_dim:
             raise ValueError(
-                f"rotary_dim ({self.rotary_dim}) must be <= index_head_dim ({self.index_head_dim})"
+                f"{n('rotary_dim')} ({self.rotary_dim}) must be <= {n('index_head_dim')} ({self.index_head_dim})"
             )
         if self.rotary_dim > self.head_dim:
-            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be <= head_dim ({self.head_dim})")
+            raise ValueError(f"{n('rotary_dim')} ({self.rotary_dim}) must be <= {n('head_dim')} ({self.head_dim})")
         if self.mrope_section is not None and min(self.mrope_section) < 0:
-            raise ValueError(f"mrope_section must be non-negative, got {self.mrope_section}")
+            raise ValueError(f"{n('mrope_section')} must be non-negative, got {self.mrope_section}")
         return self
 
     @property
@@ -140,35 +166,68 @@ class QSAConfig(BaseModel):
         ]
         if missing:
             raise ValueError(f"config has no QSA profile: missing {missing}")
+        absent = [k for k in ("hidden_size", "num_attention_heads") if config.get(k) is None]
+        if absent:
+            raise ValueError(f"config is missing required fields {absent}")
         rope = dict(config.get("rope_parameters") or {})
         if "rope_theta" not in rope and "rope_theta" in config:
             rope["rope_theta"] = config["rope_theta"]
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"rope_parameters.rope_type must be 'default', got {rope_type!r}")
-        num_heads = int(config["num_attention_heads"])
-        head_dim = config.get("head_dim") or int(config["hidden_size"]) // num_heads
-        rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+        num_heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim")
+        if head_dim is None:
+            if not isinstance(config["hidden_size"], int) or not isinstance(num_heads, int) or num_heads <= 0:
+                raise ValueError(
+                    "head_dim is not set and hidden_size / num_attention_heads must then be positive "
+                    f"integers, got {config['hidden_size']!r} / {num_heads!r}"
+                )
+            head_dim = config["hidden_size"] // num_heads
+        factor = rope.get("partial_rotary_factor", 1.0)
+        rotary = head_dim * factor if isinstance(head_dim, int) and isinstance(factor, (int, float)) else None
+        if rotary is None or rotary != int(rotary):
+            raise ValueError(
+                f"rope_parameters.partial_rotary_factor ({factor!r}) * head_dim ({head_dim!r}) must be a "
+                f"whole number of rotary dims, got {rotary!r}"
+            )
         section = rope.get("mrope_section")
         fields: dict[str, Any] = dict(
-            hidden_size=int(config["hidden_size"]),
+            hidden_size=config["hidden_size"],
             num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            index_n_heads=int(config["indexer_n_heads"]),
-            index_kv_heads=int(config.get("indexer_kv_heads") or 1),
-            index_head_dim=int(config["indexer_head_dim"]),
-            token_topk=int(config["indexer_budget"]),
-            compress_ratio=int(config["indexer_compress_ratio"]),
-            rotary_dim=rotary_dim,
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
-            mrope_section=tuple(int(s) for s in section) if section else None,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            attention_bias=bool(config.get("attention_bias", False)),
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            index_n_heads=config["indexer_n_heads"],
+            index_kv_heads=config.get("indexer_kv_heads") or 1,
+            index_head_dim=config["indexer_head_dim"],
+            token_topk=config["indexer_budget"],
+            compress_ratio=config["indexer_compress_ratio"],
+            rotary_dim=int(rotary),
+            rope_theta=rope.get("rope_theta", 10000.0),
+            mrope_section=tuple(section) if section else None,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            attention_bias=config.get("attention_bias", False),
         )
         fields.update(overrides)
-        return cls(**fields)
+        hf_fields = {k: v for k, v in HF_FIELDS.items() if k not in overrides}
+        try:
+            return cls.model_validate(fields, context={"hf_fields": hf_fields})
+        except ValidationError as e:
+            raise ValueError(f"invalid QSA geometry in the HF config: {_describe(e, hf_fields)}") from None
 
     @property
     def softmax_scale(self) -> float:
         return 1.0 / math.sqrt(self.head_dim)
+
+
+def _describe(error: ValidationError, hf_fields: dict[str, str]) -> str:
+    """One line per pydantic error, each naming the HF field (and the QSAConfig field)."""
+    parts = []
+    for err in error.errors(include_url=False):
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["loc"]:
+            field = str(err["loc"][0])
+            name = f"{hf_fields[field]} [{field}]" if field in hf_fields else field
+            msg = f"{name}: {msg} (value {err['input']!r})"
+        parts.append(msg)
+    return "; ".join(parts)

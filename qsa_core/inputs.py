@@ -5,7 +5,8 @@ engine already knows (no device reads). Page size and ring capacity are engine g
 fixed once: they belong to `QSAPlanner`, not to a step.
 
 `validate` checks shapes, dtypes and devices only (microseconds, no tensor reads);
-`check_values` reads the tensors (a device sync) and runs only with `QSA_DEBUG=1`.
+`check_values` reads the tensors: always for CPU tensors (no sync there), on a GPU only with
+`QSA_DEBUG=1` (a device sync); there the metadata build's guards make bad rows inert.
 """
 
 from __future__ import annotations
@@ -117,40 +118,84 @@ class QSAStepInputs:
                 "the groups selection scores, so such a request would be cut off"
             )
 
-    def check_values(self, page_size: int, num_slots: int | None = None, num_ring_rows: int | None = None) -> None:
-        """Value checks that read the tensors (debug only: forces a device sync)."""
+    def check_values(
+        self, page_size: int, num_slots: int | None = None, num_ring_rows: int | None = None,
+    ) -> None:
+        """Value checks that read the tensors (free for CPU tensors; on a GPU a device sync,
+        run only with `QSA_DEBUG=1`). Each error names the field, the entry and what was
+        expected. num_slots bounds the live rows' slot_mapping and, as num_slots / page_size
+        pages, the block_table pages a request's seq_len uses; num_ring_rows bounds
+        ring_index. Requests without rows in the step (CUDA-graph padding) are not checked.
+        """
         qsl = self.query_start_loc.cpu().long()
         seq = self.seq_lens.cpu().long()
         qlen = qsl[1:] - qsl[:-1]
-        T = self.num_tokens
-        if self.num_reqs and int(qsl[0]) != 0:
+        R, T = self.num_reqs, self.num_tokens
+        live = T - self.num_padding_rows
+
+        def first(bad: torch.Tensor) -> int:
+            return int(bad.nonzero()[0, 0])
+
+        if int(qsl[0]) != 0:
             raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
         if bool((qlen < 0).any()):
-            raise ValueError("query_start_loc must be non-decreasing")
-        if int(qsl[-1]) != T - self.num_padding_rows:
+            i = first(qlen < 0)
             raise ValueError(
-                f"query_start_loc[-1] must equal num_tokens - num_padding_rows = "
-                f"{T - self.num_padding_rows}, got {int(qsl[-1])}"
+                f"query_start_loc must be non-decreasing: query_start_loc[{i + 1}] = {int(qsl[i + 1])} < "
+                f"query_start_loc[{i}] = {int(qsl[i])}"
+            )
+        if int(qsl[-1]) != live:
+            raise ValueError(
+                f"query_start_loc[-1] must equal the number of rows T - num_padding_rows = {T} - "
+                f"{self.num_padding_rows} = {live}, got {int(qsl[-1])}"
             )
         if bool((seq < qlen).any()):
-            raise ValueError("seq_lens must be >= each request's query length (positions < seq_len)")
+            i = first(seq < qlen)
+            raise ValueError(
+                f"seq_lens[{i}] = {int(seq[i])} is below request {i}'s query length {int(qlen[i])}: expected "
+                f"seq_lens[{i}] >= {int(qlen[i])} (context + this step's rows)"
+            )
         dq = qlen[: self.num_decodes]
         if self.num_decodes and bool(((dq != self.decode_query_len) & (dq != 0)).any()):
+            i = first((dq != self.decode_query_len) & (dq != 0))
             raise ValueError(
-                f"the first num_decodes requests must each have decode_query_len = {self.decode_query_len} rows "
-                "(or 0: a CUDA-graph padding request)"
+                f"decode request {i} has {int(dq[i])} rows: the first num_decodes = {self.num_decodes} requests "
+                f"must each have decode_query_len = {self.decode_query_len} rows (or 0: a CUDA-graph padding request)"
             )
-        if self.num_reqs and int(qlen.max()) > self.max_query_len:
-            raise ValueError(f"max_query_len ({self.max_query_len}) is below a request's query length")
-        if self.num_reqs and int(seq.max()) > self.max_seq_len:
-            raise ValueError(f"max_seq_len ({self.max_seq_len}) is below a request's seq_len")
-        slots = self.slot_mapping.cpu()
+        if R and int(qlen.max()) > self.max_query_len:
+            raise ValueError(f"max_query_len must be >= every query length ({int(qlen.max())}), got {self.max_query_len}")
+        if R and int(seq.max()) > self.max_seq_len:
+            raise ValueError(f"max_seq_len must be >= every seq_len ({int(seq.max())}), got {self.max_seq_len}")
+        slots = self.slot_mapping.cpu()[:live]  # padding rows never write (their slot is ignored)
         if num_slots is not None and bool(((slots < -1) | (slots >= num_slots)).any()):
-            raise ValueError(f"slot_mapping entries must be -1 or in [0, {num_slots})")
+            t = first((slots < -1) | (slots >= num_slots))
+            raise ValueError(
+                f"slot_mapping[{t}] = {int(slots[t])} is outside the cache: expected -1 or a slot in [0, {num_slots})"
+            )
         ring = self.ring_index.cpu()
-        if num_ring_rows is not None and bool(((ring < 0) | (ring >= num_ring_rows)).any()):
-            raise ValueError(f"ring_index entries must be in [0, {num_ring_rows})")
-        if self.num_reqs:
-            need_pages = (seq + page_size - 1) // page_size
-            if int(need_pages.max()) > self.block_table.shape[1]:
-                raise ValueError("block_table has fewer pages than a request's seq_len needs")
+        runs = qlen > 0  # requests with rows in this step (a CUDA-graph padding request has none)
+        if num_ring_rows is not None and bool((runs & ((ring < 0) | (ring >= num_ring_rows))).any()):
+            i = first(runs & ((ring < 0) | (ring >= num_ring_rows)))
+            raise ValueError(
+                f"ring_index[{i}] = {int(ring[i])} is outside the ring: expected a ring row in [0, {num_ring_rows})"
+            )
+        if R:
+            need = torch.where(runs, (seq + page_size - 1) // page_size, 0)
+            P = self.block_table.shape[1]
+            if int(need.max()) > P:
+                i = first(need > P)
+                raise ValueError(
+                    f"block_table has {P} columns but request {i} (seq_len {int(seq[i])}) needs "
+                    f"ceil({int(seq[i])} / page_size {page_size}) = {int(need[i])} pages"
+                )
+            if num_slots is not None:
+                num_pages = num_slots // page_size
+                table = self.block_table[:R].cpu().long()
+                used = torch.arange(P)[None, :] < need[:, None]
+                bad = used & ((table < 0) | (table >= num_pages))
+                if bool(bad.any()):
+                    i, j = (int(x) for x in bad.nonzero()[0])
+                    raise ValueError(
+                        f"block_table[{i}, {j}] = {int(table[i, j])} is outside the cache: request {i} uses its "
+                        f"first {int(need[i])} pages, expected pages in [0, {num_pages})"
+                    )

@@ -88,6 +88,10 @@ class QSAAttention(nn.Module):
         cache: QSALayerCache,
         selection_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if hidden_states.shape[0] != plan.num_tokens:
+            raise ValueError(
+                f"hidden_states has {hidden_states.shape[0]} rows, expected the plan's num_tokens = {plan.num_tokens}"
+            )
         indexed = qsa_indexer(
             plan,
             self.norm_weights(),
@@ -122,7 +126,10 @@ class QSAIndexed(NamedTuple):
     gate: torch.Tensor
 
 
-def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+def _rows(x: torch.Tensor, n: int, name: str) -> torch.Tensor:
+    """x's first n rows (engines may pass padded buffers); fewer than n is refused."""
+    if x.shape[0] < n:
+        raise ValueError(f"{name} has {x.shape[0]} rows, expected >= the plan's num_tokens = {n}")
     return x if x.shape[0] == n else x[:n]
 
 
@@ -168,7 +175,7 @@ def qsa_prepare(
     keys, ring rows and K/V; returns q_idx [T, Hi, Di] (index dtype), q and gate [T, Hq, D]."""
     meta, s, cfg = plan.meta, plan.schedule, plan.config
     T = meta.num_tokens
-    index_qk, q_gate, k, v = (_rows(x, T) for x in (index_qk, q_gate, k, v))
+    index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
     split = cfg.index_n_heads * cfg.index_head_dim
     return ops.prepare(
         index_qk[:, :split],
@@ -211,7 +218,7 @@ def qsa_select(
               backend=plan.backend)
     comp, table, to_req, vis, blocks = cache.compressed, meta.block_table, meta.token_to_req, meta.visible_blocks, s.blocks
     if nd:
-        ops.select_decode(_rows(q_idx, nd), comp, table, to_req[:nd], vis[:nd], out=blocks[:nd],
+        ops.select_decode(_rows(q_idx, nd, "q_idx"), comp, table, to_req[:nd], vis[:nd], out=blocks[:nd],
                           schedule=s.select_decode, **kw)
     if nd < T:
         ops.select_prefill(q_idx[nd:], comp, table, to_req[nd:], vis[nd:], out=blocks[nd:],
@@ -229,7 +236,7 @@ def qsa_attention(
     rows and rows with an empty selection are exactly 0.
     """
     meta, s, cfg = plan.meta, plan.schedule, plan.config
-    dst = s.attn_out if out is None else _rows(out, meta.num_tokens)
+    dst = s.attn_out if out is None else _rows(out, meta.num_tokens, "out")
     return ops.sparse_attention(
         indexed.q,
         indexed.gate,

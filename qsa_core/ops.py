@@ -6,6 +6,9 @@ backend once and passes it to every call (`backend=`); called without one, an op
 it from its tensors' device and `QSA_BACKEND` (`reference` or `triton`; with
 `TRITON_INTERPRET=1`, `triton` runs the kernels on CPU tensors). Kernel schedules
 (`schedule=`) come from the plan; the reference needs none.
+
+The ops are inference-only: they run under `torch.no_grad()` (cache writes never join an
+autograd graph), so a layer works with grad mode on, under `no_grad` and in `inference_mode`.
 """
 
 from __future__ import annotations
@@ -46,38 +49,51 @@ def _impl(backend: str | None, device: torch.device) -> ModuleType:
     return reference
 
 
+@torch.no_grad()
 def build_metadata(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     slot_mapping: torch.Tensor,
     ring_index: torch.Tensor,
+    block_table: torch.Tensor,
     *,
     compress_ratio: int,
     ring_capacity: int,
     max_seq_len: int,
+    page_size: int,
+    num_live_rows: int,
+    num_slots: int,
+    num_ring_rows: int,
     token_to_req: torch.Tensor,
     positions: torch.Tensor,
     visible_blocks: torch.Tensor,
     ring_slot: torch.Tensor,
     compressed_slot: torch.Tensor,
+    kv_slot: torch.Tensor,
+    request_flags: torch.Tensor,
     guard: torch.Tensor,
     backend: str | None = None,
 ) -> None:
-    """SPEC.md section 3's derived per-row fields, in place (one launch, no host reads).
+    """SPEC.md section 3's derived per-row fields, in place (no host reads).
 
     query_start_loc int32 [R+1], seq_lens int32 [R], slot_mapping int64 [T], ring_index
-    int32 [R] -> token_to_req int32, positions int64 (-1 = padding), visible_blocks int32,
-    ring_slot int64, compressed_slot int64 (-1 = no write), all [T]. Rows of a request with
-    seq_len > max_seq_len are made inert and set guard int32 [1] to 1.
+    int32 [R], block_table int32 [>= R, P] -> token_to_req int32, positions int64 (-1 =
+    padding), visible_blocks int32, ring_slot int64, compressed_slot int64 and kv_slot int64
+    (-1 = no write), all [T]. Rows of a malformed request (see the reference's GUARD_* bits)
+    are made inert and OR their reason into guard int32 [1]; request_flags int32 [>= R] is
+    scratch.
     """
     _impl(backend, slot_mapping.device).qsa_build_metadata(
-        query_start_loc, seq_lens, slot_mapping, ring_index,
+        query_start_loc, seq_lens, slot_mapping, ring_index, block_table,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, max_seq_len=max_seq_len,
+        page_size=page_size, num_live_rows=num_live_rows, num_slots=num_slots, num_ring_rows=num_ring_rows,
         token_to_req=token_to_req, positions=positions, visible_blocks=visible_blocks,
-        ring_slot=ring_slot, compressed_slot=compressed_slot, guard=guard,
+        ring_slot=ring_slot, compressed_slot=compressed_slot, kv_slot=kv_slot,
+        request_flags=request_flags, guard=guard,
     )
 
 
+@torch.no_grad()
 def store_rows(
     cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0, *, backend: str | None = None
 ) -> None:
@@ -88,6 +104,7 @@ def store_rows(
     _impl(backend, cache.device).qsa_store_rows(cache, slots, rows, scale)
 
 
+@torch.no_grad()
 def store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_scale: float = 1.0, v_scale: float = 1.0, *, backend: str | None = None,
@@ -96,6 +113,7 @@ def store_kv(
     _impl(backend, k_cache.device).qsa_store_kv(k_cache, v_cache, slots, k, v, k_scale, v_scale)
 
 
+@torch.no_grad()
 def compress_groups(
     raw_keys: torch.Tensor,
     rope_positions: torch.Tensor,
@@ -118,6 +136,7 @@ def compress_groups(
     )
 
 
+@torch.no_grad()
 def prepare(
     index_q: torch.Tensor,
     raw_keys: torch.Tensor,
@@ -169,6 +188,7 @@ def _select(name: str, q_idx, compressed, block_table, token_to_req, visible_blo
     return getattr(impl, name)(q_idx, compressed, block_table, token_to_req, visible_blocks, **kw)
 
 
+@torch.no_grad()
 def select_decode(
     q_idx: torch.Tensor,
     compressed: torch.Tensor,
@@ -194,6 +214,7 @@ def select_decode(
                    page_size, compress_ratio, block_topk, out, schedule, backend)
 
 
+@torch.no_grad()
 def select_prefill(
     q_idx: torch.Tensor,
     compressed: torch.Tensor,
@@ -214,6 +235,7 @@ def select_prefill(
                    page_size, compress_ratio, block_topk, out, schedule, backend)
 
 
+@torch.no_grad()
 def expand(
     block_indices: torch.Tensor,
     positions: torch.Tensor,
@@ -231,6 +253,7 @@ def expand(
     )
 
 
+@torch.no_grad()
 def sparse_attention(
     q: torch.Tensor,
     gate: torch.Tensor,

@@ -6,15 +6,18 @@ selection buffers, the score / top-k scratch and the attention's split-K partial
 allocated once for `max_num_tokens` rows, so a captured CUDA graph keeps every address.
 
 `plan(inputs)` runs once per step: it validates the `QSAStepInputs` (host ints and tensor
-metadata only), derives the per-row fields on the device (one launch) and fixes the schedule
-of every op for this step's shape. The layer halves (`qsa_indexer`, `qsa_attention`) then
+metadata; the values too for CPU tensors or under `QSA_DEBUG=1`), derives the per-row fields
+on the device (guards + derivation, no host read) and fixes the schedule of every op for
+this step's shape. The layer halves (`qsa_indexer`, `qsa_attention`) then
 only launch: no allocation, no derivation, no host read.
 
 Column bound: selection scores at most `max_seq_len // r` groups per row (rounded up to a
-bucket, so that schedules repeat). A request with seq_len > max_seq_len is never truncated:
-the metadata build makes its rows inert (as padding: empty selection, output 0, no ring or
-compressed-key write) and raises a sticky device flag (`check_guard`); with the engine's
-host copy (`QSAStepInputs.seq_lens_cpu`) `plan` refuses it at once.
+bucket, so that schedules repeat). Guards: a malformed request (seq_len > max_seq_len or
+below its query length, rows past the live rows, a slot, ring_index or used block-table
+page outside the caches) is never run on bad values: the metadata build makes its rows inert
+(as padding: empty selection, output 0, no K/V, ring or compressed-key write) and ORs the
+reason into a sticky device flag (`check_guard` names it); with the engine's host copy
+(`QSAStepInputs.seq_lens_cpu`) or value checks `plan` refuses the step at once.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from .cache import check_page_size
 from .config import QSAConfig, resolve_dtype
 from .inputs import QSAStepInputs, debug_enabled
 from .metadata import QSAForwardMetadata
+from .reference import metadata as reference_metadata
 
-_DERIVED = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot")
+_DERIVED = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot", "kv_slot")
+_NO_BOUND = 1 << 62
 _SCHEDULE_CACHE = 512
 
 
@@ -91,8 +96,12 @@ class QSAPlanner:
     r); ring_capacity: C; max_num_tokens: rows per step (padding included);
     max_model_len: the longest seq_len served (sizes the selection scratch);
     max_num_reqs: requests per step, needed only for `plan(..., static=True)`;
-    num_slots / num_ring_rows: bounds of the `QSA_DEBUG=1` value checks; backend: the
-    ops backend (default: from the device and `QSA_BACKEND`, resolved here once).
+    num_slots / num_ring_rows: bounds of the value checks and device guards; backend: the
+    ops backend (default: from the device and `QSA_BACKEND`, resolved here once);
+    value_checks: read the step's values in `plan` and raise on malformed ones (default: on
+    for CPU tensors, where it costs no sync; `QSA_DEBUG=1` turns it on everywhere). Without
+    them the metadata build's device guards make a malformed request's rows inert (output 0,
+    no cache write) and flag the reason (`check_guard`).
     """
 
     def __init__(
@@ -109,6 +118,7 @@ class QSAPlanner:
         num_slots: int | None = None,
         num_ring_rows: int | None = None,
         backend: str | None = None,
+        value_checks: bool | None = None,
     ) -> None:
         check_page_size(page_size, config.compress_ratio)
         if ring_capacity < config.compress_ratio or ring_capacity % config.compress_ratio:
@@ -128,11 +138,15 @@ class QSAPlanner:
         if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
+        self.value_checks = self.device.type == "cpu" if value_checks is None else value_checks
         self.backend = ops.resolve_backend(self.device, backend)
         self.index_dtype = resolve_dtype(config.index_dtype, dtype)
-        self.inv_freq = config.inv_freq().to(self.device)
-        self.rope_axes = config.rope_axes().to(self.device)
-        self._allocate(max_num_reqs)
+        # Normal tensors even when built inside torch.inference_mode(): the workspace is
+        # written in place by steps that may run outside it.
+        with torch.inference_mode(False):
+            self.inv_freq = config.inv_freq().to(self.device)
+            self.rope_axes = config.rope_axes().to(self.device)
+            self._allocate(max_num_reqs)
         self._schedules: dict[tuple[int, int, int], StepSchedule] = {}
 
     # -- workspace ------------------------------------------------------------------------
@@ -146,8 +160,10 @@ class QSAPlanner:
             visible_blocks=torch.zeros(n, **i32),
             ring_slot=torch.full((n,), -1, **i64),
             compressed_slot=torch.full((n,), -1, **i64),
+            kv_slot=torch.full((n,), -1, **i64),
         )
         self.guard = torch.zeros(1, **i32)
+        self._request_flags = torch.zeros(max(max_num_reqs or 0, n), **i32)
         self._blocks = torch.empty(n, cfg.block_topk, **i32)
         self._selection = torch.empty(n, cfg.packed_width, **i32)
         self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
@@ -246,40 +262,68 @@ class QSAPlanner:
         """
         inputs.validate(self.device)
         T = inputs.num_tokens
+        if inputs.num_reqs > self._request_flags.shape[0]:
+            raise ValueError(
+                f"num_reqs ({inputs.num_reqs}) exceeds the planner's max_num_reqs / max_num_tokens "
+                f"({self._request_flags.shape[0]})"
+            )
         if T > self.max_num_tokens:
             raise ValueError(f"num_tokens ({T}) exceeds the planner's max_num_tokens ({self.max_num_tokens})")
         if inputs.max_seq_len > self.max_model_len:
             raise ValueError(f"max_seq_len ({inputs.max_seq_len}) exceeds the planner's max_model_len ({self.max_model_len})")
+        if self.value_checks or debug_enabled():
+            inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         cfg = self.config
         schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(inputs.max_seq_len // cfg.compress_ratio))
         fields = dict(inputs.__dict__)
         if static:
             fields.update(self._stage(inputs))
-        derived = schedule.derived
+        derived = dict(schedule.derived)  # kv_slot is popped below; the schedule keeps its views
         if fields["rope_positions"] is None:
             fields["rope_positions"] = derived["positions"]
         ops.build_metadata(
             fields["query_start_loc"], fields["seq_lens"], fields["slot_mapping"], fields["ring_index"],
+            fields["block_table"],
             compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
-            guard=self.guard, backend=self.backend, **derived,
+            # A captured graph replays with any padding: the live-row bound then comes from
+            # query_start_loc on the device, never from this step's host int.
+            page_size=self.page_size, num_live_rows=-1 if static else T - inputs.num_padding_rows,
+            num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
+            num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
+            request_flags=self._request_flags, guard=self.guard, backend=self.backend, **derived,
         )
+        fields["slot_mapping"] = derived.pop("kv_slot")  # the guarded one: inert rows write nothing
         meta = QSAForwardMetadata(
             **fields, **derived,
             compress_ratio=cfg.compress_ratio, page_size=self.page_size, ring_capacity=self.ring_capacity,
         )
-        if debug_enabled():
-            inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         return QSAPlan(
             meta=meta, schedule=schedule, config=cfg, backend=self.backend, index_dtype=self.index_dtype,
             inv_freq=self.inv_freq, rope_axes=self.rope_axes,
         )
 
     def check_guard(self) -> None:
-        """Raise if any step since the last check had a request longer than its max_seq_len
-        (those rows were made inert). Reads the device flag: a sync; then clears it."""
-        if int(self.guard.item()):
+        """Raise if any step since the last check had a malformed request whose rows the
+        metadata build made inert (output 0, no cache writes), naming each reason. Reads the
+        device flag: a sync; then clears it."""
+        bits = int(self.guard.item())
+        if bits:
             self.guard.zero_()
+            reasons = [text for bit, text in _GUARD_REASONS if bits & bit]
             raise RuntimeError(
-                "a request's seq_len exceeded the step's max_seq_len (the column bound of selection): its rows "
-                "were made inert (output 0) instead of being truncated; pass a max_seq_len >= every seq_len"
+                "malformed step metadata: the rows of the requests concerned were made inert (output 0, no cache "
+                "write) instead of giving a wrong answer: " + "; ".join(reasons)
             )
+
+
+_GUARD_REASONS = (
+    (reference_metadata.GUARD_MAX_SEQ_LEN,
+     "a seq_len exceeded the step's max_seq_len (the column bound of selection): pass max_seq_len >= every seq_len"),
+    (reference_metadata.GUARD_SEQ_LEN, "a seq_lens entry was below its request's query length (expected >= it)"),
+    (reference_metadata.GUARD_QUERY_START_LOC,
+     "query_start_loc[-1] differed from the number of rows (num_tokens - num_padding_rows)"),
+    (reference_metadata.GUARD_SLOT, "a slot_mapping entry was outside [-1, num_slots)"),
+    (reference_metadata.GUARD_RING_INDEX, "a ring_index entry was outside [0, num_ring_rows)"),
+    (reference_metadata.GUARD_PAGE,
+     "a block_table page a request uses (its first ceil(seq_len / page_size)) was outside [0, num_pages)"),
+)

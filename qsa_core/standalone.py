@@ -74,6 +74,7 @@ class Runner:
             random.Random(seed).shuffle(self._free_pages)
         self._free_rings = list(range(max_requests))
         self._requests: dict[Hashable, _Request] = {}
+        self._freed: set[Hashable] = set()
         self.last_plan: QSAPlan | None = None
         self.last_padding_output: torch.Tensor | None = None
 
@@ -93,35 +94,103 @@ class Runner:
     def page_size(self) -> int:
         return self.layout.page_size
 
+    @property
+    def request_ids(self) -> list[Hashable]:
+        """Requests that hold pages and a ring row, in admission order."""
+        return list(self._requests)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_free_ring_rows(self) -> int:
+        return len(self._free_rings)
+
+    def _request(self, request_id: Hashable) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            if request_id in self._freed:
+                raise KeyError(f"request {request_id!r} was already freed")
+            raise KeyError(f"unknown request {request_id!r}: it never ran a step")
+        return req
+
     def seq_len(self, request_id: Hashable) -> int:
-        return self._requests[request_id].seq_len
+        return self._request(request_id).seq_len
 
     def free(self, request_id: Hashable) -> None:
-        """Release a request's pages and ring row for reuse."""
-        req = self._requests.pop(request_id)
+        """Release a request's pages and ring row for reuse; its id cannot run again."""
+        req = self._request(request_id)
+        del self._requests[request_id]
+        self._freed.add(request_id)
         self._free_pages.extend(req.pages)
         self._free_rings.append(req.ring)
 
     def truncate(self, request_id: Hashable, seq_len: int) -> None:
         """Drop tokens past `seq_len` (rejected speculative drafts); pages stay allocated."""
-        req = self._requests[request_id]
+        req = self._request(request_id)
         if not 0 <= seq_len <= req.seq_len:
             raise ValueError(f"seq_len must be in [0, {req.seq_len}], got {seq_len}")
         req.seq_len = seq_len
 
-    def _admit(self, request_id: Hashable) -> _Request:
-        if request_id not in self._requests:
-            if not self._free_rings:
-                raise RuntimeError("no free ring row: raise max_requests or free a request")
-            self._requests[request_id] = _Request(ring=self._free_rings.pop(0))
-        return self._requests[request_id]
+    def _check_step(
+        self, chunks: Mapping[Hashable, torch.Tensor], rope_positions: Mapping[Hashable, torch.Tensor]
+    ) -> None:
+        if not chunks:
+            raise ValueError("a step needs at least one request (chunks is empty)")
+        H = self.config.hidden_size
+        for rid, x in chunks.items():
+            if rid in self._freed:
+                raise ValueError(f"request {rid!r} was freed: a new request needs a new id")
+            if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0 or x.shape[1] != H:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"chunk of request {rid!r} must be [n >= 1, hidden_size = {H}], got {got}")
+        stray = [rid for rid in rope_positions if rid not in chunks]
+        if stray:
+            raise ValueError(f"rope_positions name requests not in this step: {stray}")
+        for rid, rp in rope_positions.items():
+            n = chunks[rid].shape[0]
+            if rp.dim() not in (1, 2) or rp.shape[-1] != n or (rp.dim() == 2 and rp.shape[0] != 3) or (
+                rp.dtype.is_floating_point or rp.dtype == torch.bool
+            ):
+                raise ValueError(
+                    f"rope_positions of request {rid!r} must be int64 [{n}] or [3, {n}], got {rp.dtype} {tuple(rp.shape)}"
+                )
 
-    def _grow(self, req: _Request, seq_len: int) -> None:
-        need = -(-seq_len // self.page_size) - len(req.pages)
-        if need > len(self._free_pages):
-            raise RuntimeError(f"out of KV pages: need {need}, {len(self._free_pages)} free")
-        for _ in range(max(0, need)):
-            req.pages.append(self._free_pages.pop(0))
+    def _reserve(self, order: list[Hashable], new_lens: list[int]) -> tuple[list[_Request], dict[Hashable, list[int]]]:
+        """The step's requests (new ones not yet admitted) and the pages each must take.
+
+        Nothing is taken here: a step that cannot run fails before any state changes.
+        """
+        new = [rid for rid in order if rid not in self._requests]
+        if len(new) > len(self._free_rings):
+            raise RuntimeError(
+                f"no free ring row: the step adds {len(new)} requests, {len(self._free_rings)} ring rows are "
+                "free; raise max_requests or free a request"
+            )
+        rings = iter(self._free_rings)
+        reqs = [self._requests[rid] if rid in self._requests else _Request(ring=next(rings)) for rid in order]
+        grow: dict[Hashable, list[int]] = {}
+        taken = 0
+        for rid, req, n in zip(order, reqs, new_lens):
+            need = max(0, -(-n // self.page_size) - len(req.pages))
+            grow[rid] = self._free_pages[taken : taken + need]
+            taken += need
+        if taken > len(self._free_pages):
+            raise RuntimeError(f"out of KV pages: the step needs {taken}, {len(self._free_pages)} are free")
+        return reqs, grow
+
+    def _commit(
+        self, order: list[Hashable], reqs: list[_Request], grow: dict[Hashable, list[int]], new_lens: list[int]
+    ) -> None:
+        """The step ran: admit its new requests and hand them the pages `_reserve` chose."""
+        num_new = sum(rid not in self._requests for rid in order)
+        del self._free_rings[:num_new]
+        del self._free_pages[: sum(len(g) for g in grow.values())]
+        for rid, req, n in zip(order, reqs, new_lens):
+            self._requests.setdefault(rid, req)
+            req.pages.extend(grow[rid])
+            req.seq_len = n
 
     def step(
         self,
@@ -133,12 +202,16 @@ class Runner:
 
         rope_positions: optional per-request int64 [n] or [3, n] (MRoPE); default logical.
         padding: optional [k, hidden_size] rows appended as inert CUDA-graph-style padding.
+        Transactional: a step that fails (bad input, out of pages or ring rows, an error in
+        a layer) admits no request and takes no page; the caches may hold its partial writes
+        in slots no request owns.
         """
         rope_positions = rope_positions or {}
+        self._check_step(chunks, rope_positions)
+        H = self.config.hidden_size
+        if padding is not None and (padding.dim() != 2 or padding.shape[1] != H):
+            raise ValueError(f"padding must be [k, hidden_size = {H}], got {tuple(padding.shape)}")
         ids = list(chunks)
-        for rid in ids:
-            if chunks[rid].dim() != 2 or chunks[rid].shape[0] == 0:
-                raise ValueError(f"chunk of request {rid!r} must be [n >= 1, hidden_size]")
         is_decode = {
             rid: rid in self._requests
             and self._requests[rid].seq_len > 0
@@ -146,25 +219,25 @@ class Runner:
             for rid in ids
         }
         order = [rid for rid in ids if is_decode[rid]] + [rid for rid in ids if not is_decode[rid]]
-        reqs = [self._admit(rid) for rid in order]
         qlens = [chunks[rid].shape[0] for rid in order]
-        new_lens = [req.seq_len + n for req, n in zip(reqs, qlens)]
-        for req, n in zip(reqs, new_lens):
-            self._grow(req, n)
+        current = [self._requests[rid].seq_len if rid in self._requests else 0 for rid in order]
+        new_lens = [c + n for c, n in zip(current, qlens)]
+        reqs, grow = self._reserve(order, new_lens)
+        pages_of = [req.pages + grow[rid] for rid, req in zip(order, reqs)]
 
         ps = self.page_size
         slots, positions = [], []
-        for req, n in zip(reqs, qlens):
-            pos = torch.arange(req.seq_len, req.seq_len + n)
-            pages = torch.tensor(req.pages, dtype=torch.int64)
+        for start, n, owned in zip(current, qlens, pages_of):
+            pos = torch.arange(start, start + n)
+            pages = torch.tensor(owned, dtype=torch.int64)
             slots.append(pages[pos // ps] * ps + pos % ps)
             positions.append(pos)
         num_pad = 0 if padding is None else padding.shape[0]
         slots.append(torch.full((num_pad,), -1, dtype=torch.int64))
-        max_pages = max([len(r.pages) for r in reqs] + [1])
+        max_pages = max([len(p) for p in pages_of] + [1])
         table = torch.full((len(reqs), max_pages), -1, dtype=torch.int32)
-        for i, req in enumerate(reqs):
-            table[i, : len(req.pages)] = torch.tensor(req.pages, dtype=torch.int32)
+        for i, owned in enumerate(pages_of):
+            table[i, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
         qsl = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
         mrope = any(rope_positions.get(rid, torch.empty(0)).dim() == 2 for rid in order)
@@ -203,8 +276,7 @@ class Runner:
         with torch.no_grad():
             for layer, cache in zip(self.layers, self.caches):
                 x = layer(x, plan, cache)
-        for req, n in zip(reqs, new_lens):
-            req.seq_len = n
+        self._commit(order, reqs, grow, new_lens)
         out, start = {}, 0
         for rid, n in zip(order, qlens):
             out[rid] = x[start : start + n]

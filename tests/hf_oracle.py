@@ -2,11 +2,15 @@
 
 `hf_forward(layers, x, positions)` runs a chain of HF layers over a whole sequence with a
 causal mask; its row p is what any chunked or decoded schedule must reproduce at position p.
+HF's `torch.topk` orders equal scores arbitrarily; inside `hf_forward` its ties are broken by
+SPEC 2.7 (higher score first, then lower group index, -0.0 == +0.0), see `spec_topk`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 from transformers import Qwen4ExpTextConfig
@@ -45,8 +49,14 @@ def tiny_config(mrope_section: list[int] | None = None, **overrides) -> Qwen4Exp
     return cfg
 
 
-def random_hf_attention(config: Qwen4ExpTextConfig, seed: int, dtype=torch.float32, layer_idx: int = 0):
-    """An HF attention layer with all weights (norm weights included) drawn at random."""
+def random_hf_attention(
+    config: Qwen4ExpTextConfig, seed: int, dtype=torch.float32, layer_idx: int = 0, correlation: float = 1.0
+):
+    """An HF attention layer with all weights (norm weights included) drawn at random.
+
+    correlation: weight of the key projection mixed into each indexer query head (1: most
+    scores above zero; negative: most scores are exact ReLU zeros, ties everywhere).
+    """
     torch.manual_seed(seed)
     attn = Qwen4ExpTextAttention(config, layer_idx)
     with torch.no_grad():
@@ -62,24 +72,78 @@ def random_hf_attention(config: Qwen4ExpTextConfig, seed: int, dtype=torch.float
         di = attn.indexer.index_head_dim
         k_rows = w[-di:]
         for h in range(attn.indexer.index_n_heads):
-            w[h * di : (h + 1) * di] = 0.5 * w[h * di : (h + 1) * di] + k_rows
+            w[h * di : (h + 1) * di] = 0.5 * w[h * di : (h + 1) * di] + correlation * k_rows
     return attn.to(dtype).eval()
 
 
+_TORCH_TOPK = torch.Tensor.topk
+
+
+def _spec_order_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    """`Tensor.topk` whose 1-D largest-k ties go to the lower index (SPEC 2.7)."""
+    if self.dim() != 1 or not largest:
+        return _TORCH_TOPK(self, k, dim, largest, sorted)
+    # `+ 0.0` folds -0.0 into +0.0; a stable descending sort keeps equal scores in index order.
+    order = torch.sort(self + 0.0, descending=True, stable=True).indices[:k]
+    return torch.return_types.topk((self[order], order))
+
+
+@contextlib.contextmanager
+def spec_topk(order: str = "spec") -> Iterator[None]:
+    """Break the ties of HF's group top-k (a method call on its 1-D score vector).
+
+    order "spec": SPEC 2.7; "reversed": ties to the HIGHER index (a wrong rule, for tests that
+    prove their inputs have ties that decide the result).
+    """
+    if order == "spec":
+        topk = _spec_order_topk
+    elif order == "reversed":
+        def topk(self, k, dim=-1, largest=True, sorted=True):
+            if self.dim() != 1 or not largest:
+                return _TORCH_TOPK(self, k, dim, largest, sorted)
+            flipped = _spec_order_topk(self.flip(0), k)
+            return torch.return_types.topk((flipped.values, self.shape[0] - 1 - flipped.indices))
+    else:
+        raise ValueError(f"order must be 'spec' or 'reversed', got {order!r}")
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = _TORCH_TOPK
+
+
 def hf_forward(
-    layers: list, x: torch.Tensor, positions: torch.Tensor | None = None
+    layers: list,
+    x: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    *,
+    left_padding: list[int] | None = None,
+    tie_order: str = "spec",
 ) -> torch.Tensor:
-    """Run HF layers in a chain over x [L, hidden] (one sequence); positions [L] or [3, L]."""
-    L = x.shape[0]
+    """Run HF layers in a chain over x [L, hidden] (one sequence) or [B, L, hidden] (a batch).
+
+    positions: [L], [B, L] or [3, L] (default arange(L)). left_padding: per sequence, the
+    number of leading pad tokens, masked as keys (as an HF attention_mask masks them); their
+    rows are garbage. tie_order: see `spec_topk`.
+    """
+    h = x if x.dim() == 3 else x[None]
+    B, L = h.shape[:2]
     config = layers[0].config
     rotary = Qwen4ExpTextRotaryEmbedding(config)
     if positions is None:
         positions = torch.arange(L)
-    pos = positions[None, :] if positions.dim() == 1 else positions[:, None, :]
-    h = x[None]
+    if positions.dim() == 1:
+        pos = positions[None, :].expand(B, -1)
+    elif positions.shape[0] == 3 and B == 1:
+        pos = positions[:, None, :]
+    else:
+        pos = positions
     cos, sin = rotary(h, pos)
-    mask = torch.full((L, L), torch.finfo(x.dtype).min, dtype=x.dtype).triu(1)[None, None]
-    with torch.no_grad():
+    neg = torch.finfo(x.dtype).min
+    mask = torch.full((L, L), neg, dtype=x.dtype).triu(1)[None, None].repeat(B, 1, 1, 1)
+    for b, pad in enumerate(left_padding or []):
+        mask[b, :, :, :pad] = neg
+    with torch.no_grad(), spec_topk(tie_order):
         for layer in layers:
             h, _ = layer(h, (cos, sin), mask)
-    return h[0]
+    return h if x.dim() == 3 else h[0]

@@ -63,6 +63,38 @@ def test_from_hf_rejects_a_config_without_qsa():
         QSAConfig.from_hf(dict(hidden_size=8, num_attention_heads=2))
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(indexer_budget=18), r"indexer_budget \[token_topk\] \(18\) must be divisible by "
+                                  r"indexer_compress_ratio \[compress_ratio\] \(4\)"),
+        (dict(indexer_compress_ratio=1), r"indexer_compress_ratio \[compress_ratio\] must be >= 2, got 1"),
+        (dict(indexer_budget=16.5), r"indexer_budget \[token_topk\]: .*integer.*16\.5"),
+        (dict(indexer_kv_heads=2), r"indexer_kv_heads \[index_kv_heads\] must be 1"),
+        (dict(indexer_n_heads=0), r"indexer_n_heads \[index_n_heads\]: .*greater than 0"),
+        (dict(num_attention_heads=3, head_dim=64), r"num_attention_heads \[num_heads\] \(3\) must be "
+                                                   r"divisible by num_key_value_heads \[num_kv_heads\] \(2\)"),
+        (dict(indexer_head_dim=16), r"head_dim \* rope_parameters.partial_rotary_factor \[rotary_dim\] \(32\) "
+                                    r"must be <= indexer_head_dim \[index_head_dim\] \(16\)"),
+        (dict(rope_parameters=dict(rope_type="default", rope_theta=-1.0, partial_rotary_factor=0.5)),
+         r"rope_parameters.rope_theta \[rope_theta\]: .*greater than 0"),
+        (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.3)),
+         r"rope_parameters.partial_rotary_factor \(0.3\) \* head_dim \(64\) must be a whole number"),
+        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4)), r"rope_parameters.rope_type must be 'default'"),
+        (dict(hidden_size=None), r"missing required fields \['hidden_size'\]"),
+    ],
+)
+def test_from_hf_errors_name_the_hf_field(change, message):
+    """A config.json the user edited: the error names the HF key, then the QSAConfig field."""
+    with pytest.raises(ValueError, match=message):
+        QSAConfig.from_hf({**tiny_config().to_dict(), **change})
+
+
+def test_from_hf_overrides_keep_their_own_names():
+    with pytest.raises(ValueError, match=r"index_dtype: Input should be 'auto'"):
+        QSAConfig.from_hf(tiny_config(), index_dtype="fp16")
+
+
 def test_ring_capacity_and_allocation():
     assert [ring_capacity(4, s) for s in (0, 1, 3, 4, 5)] == [4, 8, 8, 8, 12]
     cfg = QSAConfig(**GOOD, index_dtype="fp8_e4m3", mrope_section=(6, 5, 5))
@@ -73,6 +105,8 @@ def test_ring_capacity_and_allocation():
     assert c.k.data_ptr() != c.v.data_ptr()
     assert c.compressed.shape == (5, 2, 128) and c.compressed.dtype == torch.float8_e4m3fn
     assert c.ring.shape == (3, 8, 128) and c.ring_positions.shape == (3, 8, 3)
+    one_d = QSACacheLayout(num_layers=1, page_size=8, num_pages=5, ring_rows=3).allocate(QSAConfig(**GOOD), torch.float32)
+    assert one_d[0].ring_positions.shape == (3, 4, 3)  # 1-D models remember RoPE positions too
     with pytest.raises(ValueError, match="page_size"):
         QSACacheLayout(num_layers=1, page_size=6, num_pages=2, ring_rows=1).allocate(cfg, torch.bfloat16)
 

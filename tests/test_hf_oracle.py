@@ -29,9 +29,9 @@ def depth(dtype):
     return 2 if dtype == torch.float32 else 1
 
 
-def make(dtype=torch.float32, layers=1, mrope=None, seed=0, **config):
+def make(dtype=torch.float32, layers=1, mrope=None, seed=0, correlation=1.0, **config):
     cfg = tiny_config(mrope_section=mrope, **config)
-    hf = [random_hf_attention(cfg, seed + i, dtype, layer_idx=i) for i in range(layers)]
+    hf = [random_hf_attention(cfg, seed + i, dtype, layer_idx=i, correlation=correlation) for i in range(layers)]
     return hf, [QSAAttention.from_hf(h).to(DEVICE) for h in hf]
 
 
@@ -124,6 +124,119 @@ def test_mrope_three_axis_positions(dtype):
     x = inputs(L, dtype)
     out = run_chunks(runner(layers), "a", x, [0, 6, 9, 23, 30] + list(range(31, L + 1)), rope=pos)
     close(out, hf_forward(hf, x, pos), dtype)
+
+
+# 1-D RoPE positions that are not the logical ones (SPEC trap 2): a group key is rotated at
+# its first token's RoPE position, which an earlier chunk may hold.
+CHUNKS = [0, 5, 8, 11, 24, 37, 63, 64, 90]  # ends inside groups, on edges, longer than the ring
+
+
+def offset_positions(L):
+    return torch.arange(L) + 1000
+
+
+def compacted_positions(L):
+    """Strictly increasing with gaps of 1 to 4, different inside every group."""
+    gaps = torch.randint(1, 5, (L,), generator=torch.Generator().manual_seed(7))
+    return torch.cumsum(gaps, 0) + 3
+
+
+ONE_SHOT, DECODE = [0, 90], CHUNKS[:-1] + list(range(65, 91))
+# The Triton kernels run in the interpreter in CI: they take the chunked compacted case, the
+# one where a group's first RoPE position must come from the ring; the reference takes all.
+POSITION_CASES = [
+    pytest.param("reference", make, bounds, id=f"reference-{make.__name__}-{name}")
+    for make in (offset_positions, compacted_positions)
+    for name, bounds in (("one_shot", ONE_SHOT), ("chunked", CHUNKS), ("decode", DECODE))
+] + [pytest.param("triton", compacted_positions, CHUNKS, id="triton-compacted_positions-chunked")]
+
+
+@pytest.mark.parametrize("backend,make_positions,bounds", POSITION_CASES, indirect=["backend"])
+def test_one_d_rope_positions_differ_from_logical(make_positions, bounds):
+    hf, layers = make()
+    x = inputs(90, torch.float32)
+    pos = make_positions(90)
+    out = run_chunks(runner(layers), "a", x, bounds, rope=pos)
+    close(out, hf_forward(hf, x, pos), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["reference"], indirect=True)  # the kernel's twin: test_kernel_prepare
+def test_cache_without_ring_positions_takes_group_positions_as_contiguous():
+    """Engine caches may lack a ring-position buffer: offset (contiguous) positions still match."""
+    hf, layers = make()
+    x = inputs(90, torch.float32)
+    r = runner(layers)
+    for cache in r.caches:
+        cache.ring_positions = None
+    out = run_chunks(r, "a", x, CHUNKS, rope=offset_positions(90))
+    close(out, hf_forward(hf, x, offset_positions(90)), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "backend,dtype",
+    [("reference", torch.float32), ("reference", torch.bfloat16), ("triton", torch.float32)],
+    indirect=["backend"],
+)
+def test_left_padded_hf_batch(dtype):
+    """An HF batch left-pads the shorter sequence and runs positions 0..L-1 over the pad: its
+    real tokens sit at RoPE positions pad..L-1 while their logical positions start at 0. One
+    layer: HF's fully masked pad rows are NaN and would reach a second layer's values."""
+    hf, layers = make(dtype)
+    L, pad = 70, 13
+    xa, xb = inputs(L - pad, dtype, seed=21), inputs(L, dtype, seed=22)
+    batch = torch.stack([torch.cat([torch.zeros(pad, HIDDEN, dtype=dtype), xa]), xb])
+    want = hf_forward(hf, batch, left_padding=[pad, 0])
+    r = runner(layers)
+    rope = {"a": torch.arange(pad, L), "b": torch.arange(L)}
+    outs = {"a": [], "b": []}
+    for a, b in [(0, 9), (9, 30), (30, 31), (31, 32), (32, L - pad)]:
+        step = r.step({"a": xa[a:b], "b": xb[a:b]}, rope_positions={k: v[a:b] for k, v in rope.items()})
+        for k in outs:
+            outs[k].append(step[k])
+    rest = r.step({"b": xb[L - pad :]}, rope_positions={"b": rope["b"][L - pad :]})["b"]
+    close(torch.cat(outs["a"]), want[0, pad:], dtype)
+    close(torch.cat(outs["b"] + [rest]), want[1], dtype)
+
+
+def test_speculative_draft_rows_with_offset_positions():
+    """Verify steps whose rejected drafts held RoPE positions the accepted tokens reuse."""
+    hf, layers = make()
+    x = inputs(60, torch.float32, 5)
+    junk = inputs(60, torch.float32, 6)
+    pos = compacted_positions(60)
+    r = runner(layers, num_speculative_tokens=3)
+    outs = [r.step({"a": x[:21]}, rope_positions={"a": pos[:21]})["a"]]
+    n = 21
+    for accepted in [2, 4, 1, 3, 0, 4, 2, 1, 3, 4, 2]:
+        rows = torch.cat([x[n : n + accepted], junk[n + accepted : n + 4]])
+        draft_pos = torch.cat([pos[n : n + accepted], pos[n + accepted - 1 : n + 3] * 7 + 1])[:4]
+        outs.append(r.step({"a": rows}, rope_positions={"a": draft_pos})["a"][:accepted])
+        n += accepted
+        r.truncate("a", n)
+        if n >= 44:
+            break
+    close(torch.cat(outs), hf_forward(hf, x[:n], pos[:n]), torch.float32)
+
+
+def test_exact_zero_ties_at_the_boundary_follow_spec_order():
+    """Indexer queries anti-correlated with the keys: most scores are exact ReLU zeros and the
+    top-k boundary falls inside a zero tie in many rows, so SPEC 2.7's tie rule decides the
+    selection. The core must match HF with ties broken by 2.7, and must NOT match HF with
+    ties broken the other way (which proves the ties reach the output)."""
+    hf, layers = make(correlation=-0.1)
+    L = 80
+    x = inputs(L, torch.float32)
+    scores = hf_group_scores(hf[0], x)
+    tied = 0
+    for t in range(20, L):  # visible > Kb = 4
+        top = scores[t, : (t + 1) // 4].sort(descending=True).values
+        tied += bool(top[0] > 0 and top[3] == 0 and top[4] == 0)
+    assert tied >= 10, f"only {tied} rows with a zero tie at the boundary"
+    for bounds in ([0, L], [0, 7, 30, 31, 45] + list(range(46, L + 1))):
+        out = run_chunks(runner(layers), "a", x, bounds).cpu()
+        close(out, hf_forward(hf, x), torch.float32)
+        wrong = hf_forward(hf, x, tie_order="reversed")
+        assert (out - wrong).abs().max() > 0.1 * wrong.abs().max()
 
 
 def test_freed_request_pages_and_ring_are_reused():

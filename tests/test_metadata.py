@@ -99,7 +99,7 @@ def test_an_understated_max_seq_len_is_refused_on_the_host():
 def test_an_understated_max_seq_len_makes_rows_inert_on_the_device(backend):
     """Without a host copy the metadata build guards: the long request's rows become inert
     (as padding: nothing selected, nothing written, output 0) and the sticky flag trips."""
-    p = planner()
+    p = planner(value_checks=False)  # a GPU's default path: no host reads
     meta = p.plan(mixed_step(max_seq_len=9)).meta  # request 0 has seq_len 10
     assert meta.positions.tolist() == [-1, 4, 2, 3, 4, 5, 6, 7, 0, 1, 2, -1, -1]
     assert meta.visible_blocks.tolist()[:2] == [0, 1]
@@ -152,9 +152,11 @@ def test_planner_geometry_is_checked_once(over, message):
         (dict(max_query_len=5), "max_query_len"),
     ],
 )
-def test_value_checks_only_under_qsa_debug(monkeypatch, change, message):
-    p = planner(num_slots=64, num_ring_rows=4)
-    p.plan(mixed_step(**change))  # default path reads no tensor values
+def test_value_checks_on_cpu_tensors_and_under_qsa_debug(monkeypatch, change, message):
+    with pytest.raises(ValueError, match=message):  # CPU tensors: checked on every step
+        planner(num_slots=64, num_ring_rows=4).plan(mixed_step(**change))
+    p = planner(num_slots=64, num_ring_rows=4, value_checks=False)
+    p.plan(mixed_step(**change))  # a GPU's default path reads no tensor values
     monkeypatch.setenv("QSA_DEBUG", "1")
     with pytest.raises(ValueError, match=message):
         p.plan(mixed_step(**change))

@@ -11,7 +11,8 @@ from qsa_core.standalone import Runner
 
 def make_runner(**kw):
     layers = [QSAAttention.from_hf(random_hf_attention(tiny_config(), seed)).to(DEVICE) for seed in (0, 1)]
-    return Runner(layers, page_size=8, num_pages=32, max_requests=4, shuffle_pages=True, **kw)
+    args = dict(page_size=8, num_pages=32, max_requests=4, shuffle_pages=True)
+    return Runner(layers, **{**args, **kw})
 
 
 def snapshot(runner):
@@ -33,8 +34,10 @@ def test_nan_padding_rows_write_nothing_and_output_zero(backend):
     for old, cache in zip(before, r.caches):
         for name in ("k", "v", "compressed", "ring"):
             assert torch.isfinite(getattr(cache, name)).all(), name
-        changed = (cache.k != old["k"]).flatten(2).any(-1).flatten().nonzero().flatten()
-        assert set(changed.tolist()) <= set(written.tolist())
+        for name in ("k", "v"):  # stray K or V writes show against the step's slots
+            changed = (getattr(cache, name) != old[name]).flatten(2).any(-1).flatten().nonzero().flatten()
+            assert set(changed.tolist()) <= set(written.tolist()), name
+            assert changed.numel() > 0, name
         ring_changed = (cache.ring != old["ring"]).any(-1).flatten().nonzero().flatten()  # flat ring slots
         assert set(ring_changed.tolist()) <= set(meta.ring_slot[meta.ring_slot >= 0].tolist())
         comp_changed = (cache.compressed != old["compressed"]).any(-1).flatten().nonzero().flatten()
@@ -72,7 +75,73 @@ def test_runner_errors_name_what_is_wrong():
         r.step({"a": torch.randn(0, 256)})
     with pytest.raises(RuntimeError, match="out of KV pages"):
         r.step({"a": torch.randn(33 * 8, 256)})
+    with pytest.raises(ValueError, match="at least one request"):
+        r.step({})
+    with pytest.raises(ValueError, match=r"chunk of request 'a' must be \[n >= 1, hidden_size = 256\]"):
+        r.step({"a": torch.randn(3, 255)})
+    with pytest.raises(ValueError, match=r"rope_positions of request 'a' must be int64 \[3\] or \[3, 3\]"):
+        r.step({"a": torch.randn(3, 256)}, rope_positions={"a": torch.arange(4)})
+    with pytest.raises(ValueError, match=r"rope_positions name requests not in this step: \['b'\]"):
+        r.step({"a": torch.randn(3, 256)}, rope_positions={"b": torch.arange(3)})
+    with pytest.raises(KeyError, match="unknown request 'zz'"):
+        r.free("zz")
+    with pytest.raises(KeyError, match="unknown request 'zz'"):
+        r.truncate("zz", 0)
+    assert r.num_free_pages == 32 and r.num_free_ring_rows == 4 and r.request_ids == []
+
+
+def test_freed_ids_are_not_silently_restarted():
+    r = make_runner()
+    r.step({"a": torch.randn(5, 256)})
+    r.free("a")
+    with pytest.raises(KeyError, match="request 'a' was already freed"):
+        r.free("a")
+    with pytest.raises(ValueError, match="request 'a' was freed"):
+        r.step({"a": torch.randn(1, 256)})
+    assert r.num_free_pages == 32 and r.num_free_ring_rows == 4 and r.request_ids == []
+
+
+def state(r):
+    return r.num_free_pages, r.num_free_ring_rows, {rid: r.seq_len(rid) for rid in r.request_ids}
+
+
+@pytest.mark.parametrize("failure", ["pages", "ring"])
+def test_a_failed_step_admits_nothing_and_holds_nothing(failure):
+    """The failed step leaves no trace: the next steps give bitwise what they give without it."""
+    g = torch.Generator().manual_seed(3)
+    xa, xb, xc = (torch.randn(n, 256, generator=g) for n in (70, 30, 200))
+    kw = dict(max_requests=2) if failure == "ring" else {}
+    r, twin = make_runner(**kw), make_runner(**kw)
+    for runner in (r, twin):
+        runner.step({"a": xa[:60]})
+    before = state(r)
+    bad = {"a": xa[60:61], "b": xb, "c": xc[:30]} if failure == "ring" else {"a": xa[60:61], "b": xb, "c": xc}
+    with pytest.raises(RuntimeError, match="ring row" if failure == "ring" else "out of KV pages"):
+        r.step(bad)
+    assert state(r) == before
+    for step in ({"a": xa[60:61], "b": xb}, {"a": xa[61:70], "b": xb[:1]}):
+        got, want = r.step(step), twin.step(step)
+        for k in step:
+            assert torch.equal(got[k], want[k]), k
+    assert state(r) == state(twin)
     with pytest.raises(ValueError, match="different QSAConfig"):
         Runner([QSAAttention.from_hf(random_hf_attention(tiny_config(), 0)),
                 QSAAttention.from_hf(random_hf_attention(tiny_config(indexer_budget=8), 0))],
                page_size=8, num_pages=4, max_requests=1)
+
+
+def test_a_step_failing_inside_a_layer_holds_nothing(monkeypatch):
+    r = make_runner()
+    r.step({"a": torch.randn(9, 256)})
+    before = state(r)
+
+    def fails(*args, **kwargs):
+        raise FloatingPointError("layer 1 failed")
+
+    monkeypatch.setattr(r.layers[1], "forward", fails)
+    with pytest.raises(FloatingPointError):
+        r.step({"a": torch.randn(1, 256), "b": torch.randn(20, 256)})
+    assert state(r) == before
+    monkeypatch.undo()
+    r.step({"a": torch.randn(1, 256), "b": torch.randn(20, 256)})
+    assert r.seq_len("a") == 10 and r.seq_len("b") == 20

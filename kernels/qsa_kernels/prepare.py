@@ -145,14 +145,14 @@ def _compress_row(
     ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
     comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
     r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr,
-    LOGICAL_POS: tl.constexpr, INTERP: tl.constexpr,
+    HAS_RING_POS: tl.constexpr, INTERP: tl.constexpr,
 ):
     """Compress and store the group that row t closes (nothing if it closes none).
 
     The r raw keys are this step's rows t-r+1..t, or ring rows for tokens of earlier steps.
-    pooled = dtype(fp32 sequential sum / r); key = RoPE(GemmaRMSNorm(pooled)) at the
-    group's first token: its logical position (LOGICAL_POS) or its rope position(s) from
-    this step or from cache.ring_positions.
+    pooled = dtype(fp32 sequential sum / r); key = RoPE(GemmaRMSNorm(pooled)) at the RoPE
+    position(s) of the group's first token: from this step's row, else from
+    cache.ring_positions (HAS_RING_POS), else (1-D) the closing row's position - (r - 1).
     """
     slot = tl.load(comp_slot_ptr + t)
     if (slot >= 0) & (slot < comp_rows):
@@ -180,19 +180,20 @@ def _compress_row(
             acc_p += kp
         pooled = _round(tl.div_rn(acc, tl.full([BD], r, tl.float32)), DT, INTERP)
         pooled_p = _round(tl.div_rn(acc_p, tl.full([BD], r, tl.float32)), DT, INTERP)
-        if LOGICAL_POS:
-            first_pos = tl.zeros([BD], dtype=tl.int64) + (p - (r - 1))
-        else:
-            row0 = t - (r - 1)
-            axes = _lane_axes(rope_axes_ptr, d, RD)
+        row0 = t - (r - 1)
+        axes = _lane_axes(rope_axes_ptr, d, RD)
+        in_step0 = row0 >= first_row
+        from_step = tl.load(rope_ptr + axes * rope_stride_axis + tl.maximum(row0, 0) * rope_stride_t,
+                            mask=tl.where(in_step0, d < RD, False), other=0)
+        if HAS_RING_POS:
             ring_row0 = ring_base + (p - (r - 1)) % C
-            in_step0 = row0 >= first_row
-            from_step = tl.load(rope_ptr + axes * rope_stride_axis + tl.maximum(row0, 0) * rope_stride_t,
-                                mask=tl.where(in_step0, d < RD, False), other=0)
-            from_ring = tl.load(ring_pos_ptr + (ring_row0 // C) * stride_rpp + (ring_row0 % C) * stride_rp0
-                                + axes * stride_rp1,
-                                mask=tl.where(in_step0, False, d < RD), other=0)
-            first_pos = tl.where(in_step0, from_step, from_ring)
+            earlier = tl.load(ring_pos_ptr + (ring_row0 // C) * stride_rpp + (ring_row0 % C) * stride_rp0
+                              + axes * stride_rp1,
+                              mask=tl.where(in_step0, False, d < RD), other=0)
+        else:  # 1-D positions taken as contiguous inside the group
+            earlier = tl.load(rope_ptr + axes * rope_stride_axis + t * rope_stride_t,
+                              mask=tl.where(in_step0, False, d < RD), other=0) - (r - 1)
+        first_pos = tl.where(in_step0, from_step, earlier)
         cos, sin = _rope_cos_sin(first_pos, inv_freq_ptr, d, RD, DT, INTERP)
         key = _norm_rope(pooled[None, :], pooled_p[None, :], w_ptr, d, Di, eps, cos, sin, RD, DT, INTERP)
         out_dt: tl.constexpr = comp_ptr.dtype.element_ty
@@ -280,7 +281,7 @@ def _prepare_kernel(
     slot_ptr, comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr,
     r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr,
     BHI: tl.constexpr, BDI: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr, BKV: tl.constexpr,
-    LOGICAL_POS: tl.constexpr, INTERP: tl.constexpr,
+    HAS_RING_POS: tl.constexpr, INTERP: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     task = tl.program_id(1)
@@ -295,7 +296,7 @@ def _prepare_kernel(
             comp_ptr, stride_cpage, stride_comp, comp_rows, ring_ptr, stride_rpage, stride_ring,
             ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
             comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
-            r, C, RPP, RD, BDI, LOGICAL_POS, INTERP,
+            r, C, RPP, RD, BDI, HAS_RING_POS, INTERP,
         )
     elif task == 2:
         _kv_task(t, k_ptr, k_stride_t, k_w_ptr, v_ptr, v_stride_t, Hkv, D, slot_ptr,
@@ -337,7 +338,7 @@ def _compress_kernel(
     ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
     comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
     r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr,
-    LOGICAL_POS: tl.constexpr, INTERP: tl.constexpr,
+    HAS_RING_POS: tl.constexpr, INTERP: tl.constexpr,
 ):
     _compress_row(
         tl.program_id(0).to(tl.int64), raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
@@ -345,7 +346,7 @@ def _compress_kernel(
         comp_ptr, stride_cpage, stride_comp, comp_rows, ring_ptr, stride_rpage, stride_ring,
         ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
         comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
-        r, C, RPP, RD, BD, LOGICAL_POS, INTERP,
+        r, C, RPP, RD, BD, HAS_RING_POS, INTERP,
     )
 
 
@@ -417,13 +418,11 @@ def _kv_cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> list:
     return [k_cache, v_cache, *k_cache.stride()[:3], *v_cache.stride()[:3]]
 
 
-def _compress_pos_mode(rope_positions: torch.Tensor, cache: "QSALayerCache") -> bool:
-    """True: the group key uses the logical position (1-D model); else rope positions."""
-    if rope_positions.dim() == 1 and cache.ring_positions is None:
-        return True
-    if cache.ring_positions is None:
+def _has_ring_positions(rope_positions: torch.Tensor, cache: "QSALayerCache") -> bool:
+    """Whether group keys of earlier steps read their first position from the ring."""
+    if rope_positions.dim() == 2 and cache.ring_positions is None:
         raise ValueError("3-axis rope_positions need a cache with ring_positions (MRoPE layout)")
-    return False
+    return cache.ring_positions is not None
 
 
 def qsa_store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0) -> None:
@@ -481,7 +480,7 @@ def qsa_compress_groups(
     T, Di = raw_keys.shape
     if T == 0:
         return
-    logical = _compress_pos_mode(rope_positions, cache)
+    has_ring_pos = _has_ring_positions(rope_positions, cache)
     rope, rs_axis, rs_t = _rope_args(rope_positions)
     ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, rope)
     _compress_kernel[(T,)](
@@ -491,8 +490,7 @@ def qsa_compress_groups(
         ring_pos, rpp, rp0, rp1,
         meta.compressed_slot, meta.token_to_req, meta.positions, meta.query_start_loc, meta.ring_index, Di,
         r=meta.compress_ratio, C=meta.ring_capacity, RPP=cache.compressed.shape[1], RD=2 * inv_freq.shape[0],
-        BD=_pow2(Di),
-        LOGICAL_POS=logical, INTERP=_interpreting(),
+        BD=_pow2(Di), HAS_RING_POS=has_ring_pos, INTERP=_interpreting(),
     )
 
 
@@ -545,7 +543,7 @@ def qsa_prepare(
     gate = q_gate.view(T, Hq, 2 * D)[..., D:]
     if T == 0:
         return q_idx, q, gate
-    logical = _compress_pos_mode(rope_positions, cache)
+    has_ring_pos = _has_ring_positions(rope_positions, cache)
     rope, rs_axis, rs_t = _rope_args(rope_positions)
     ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, rope)
     BD = _pow2(D)
@@ -566,7 +564,7 @@ def qsa_prepare(
         meta.query_start_loc, meta.ring_index,
         r=meta.compress_ratio, C=meta.ring_capacity, RPP=cache.compressed.shape[1], RD=2 * inv_freq.shape[0],
         BHI=_pow2(Hi), BDI=_pow2(Di), BHQ=heads_per_prog, BD=BD, BKV=_pow2(Hkv),
-        LOGICAL_POS=logical, INTERP=interp,
+        HAS_RING_POS=has_ring_pos, INTERP=interp,
     )
     _store_ring(raw_keys, rope_positions, cache, meta)
     return q_idx, q, gate

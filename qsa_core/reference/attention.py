@@ -85,6 +85,14 @@ def _attend_request_rows(
     pages = pages_of_request.long()[used // page].clamp(min=0)
     k = k_cache[pages, used % page].float()  # [U, Hkv, D]
     v = v_cache[pages, used % page].float()
+    if n > 1 and not (k.isfinite().all() and v.isfinite().all()):
+        # A non-finite K or V must reach only the rows that select it, and in the shared GEMM
+        # a zero probability times NaN is NaN: such a request attends row by row.
+        return torch.cat([
+            _attend_request_rows(q[i : i + 1], gate[i : i + 1], k_cache, v_cache, pages_of_request,
+                                 idx[i : i + 1], valid[i : i + 1], seq_len, scale, v_scale)
+            for i in range(n)
+        ])
     qf = (q.float() * scale).view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, n * G, D)
     logits = torch.bmm(qf, k.permute(1, 2, 0)).view(Hkv, n, G, -1)  # [Hkv, n, G, U]
     logits.add_(bias[None, :, None, :])

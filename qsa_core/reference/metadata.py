@@ -5,61 +5,117 @@ from __future__ import annotations
 import torch
 
 
+# Bits of the guard flag: why rows were made inert (`QSAPlanner.check_guard` names them).
+GUARD_MAX_SEQ_LEN = 1  # seq_len > max_seq_len (the column bound of selection)
+GUARD_SEQ_LEN = 2  # seq_len < the request's query length
+GUARD_QUERY_START_LOC = 4  # query_start_loc[-1] != num_live_rows (a request past the live rows)
+GUARD_SLOT = 8  # a slot_mapping entry outside [-1, num_slots)
+GUARD_RING_INDEX = 16  # ring_index outside [0, num_ring_rows)
+GUARD_PAGE = 32  # a block_table page the request uses outside [0, num_pages)
+
+
 def qsa_build_metadata(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     slot_mapping: torch.Tensor,
     ring_index: torch.Tensor,
+    block_table: torch.Tensor,
     *,
     compress_ratio: int,
     ring_capacity: int,
     max_seq_len: int,
+    page_size: int,
+    num_live_rows: int,
+    num_slots: int,
+    num_ring_rows: int,
     token_to_req: torch.Tensor,
     positions: torch.Tensor,
     visible_blocks: torch.Tensor,
     ring_slot: torch.Tensor,
     compressed_slot: torch.Tensor,
+    kv_slot: torch.Tensor,
+    request_flags: torch.Tensor,
     guard: torch.Tensor,
 ) -> None:
     """Fill the derived per-row fields in place (no host reads, no Python loop over rows).
 
     Inputs: query_start_loc int32 [R+1], seq_lens int32 [R], slot_mapping int64 [T],
-    ring_index int32 [R]. Outputs, all [T]: token_to_req int32, positions int64 (logical,
-    -1 for padding), visible_blocks int32, ring_slot int64, compressed_slot int64 (-1 = none).
-    Rows at or past query_start_loc[R] are padding: request 0, position -1, everything inert.
-    Guard: rows of a request with seq_len > max_seq_len (the column bound of selection) are
-    made inert the same way and guard int32 [1] is set to 1 (sticky; never cleared here).
+    ring_index int32 [R], block_table int32 [>= R, P]. Outputs, all [T]: token_to_req int32,
+    positions int64 (logical, -1 for padding), visible_blocks int32, ring_slot int64,
+    compressed_slot int64 and kv_slot int64 (slot_mapping, -1 for inert rows).
+    num_live_rows = T - padding rows, or -1 where the host does not know it (a CUDA graph
+    replays with any number of padding rows): query_start_loc[R] alone then bounds the live
+    rows and the two checks against it are off.
+    Rows at or past query_start_loc[R] (or num_live_rows) are padding: request 0, position
+    -1, everything inert. Guards: every row of a malformed request (seq_len > max_seq_len or
+    < its query length, rows past num_live_rows, ring_index outside [0, num_ring_rows), a
+    slot of its rows outside [-1, num_slots), a page among its first ceil(seq_len /
+    page_size) outside [0, num_slots / page_size)) is made inert the same way, and the
+    reason's GUARD_* bit is OR-ed into guard int32 [1] (sticky; never cleared here).
+    request_flags int32 [>= R] is scratch.
     """
     T = slot_mapping.shape[0]
+    R = seq_lens.shape[0]
     r, C = compress_ratio, ring_capacity
-    if seq_lens.shape[0] == 0:  # idle step: every row is padding
+    live_bound = T if num_live_rows < 0 else num_live_rows  # -1: query_start_loc[R] alone bounds
+    if R == 0:  # idle step: every row is padding
+        if num_live_rows > 0:
+            guard.copy_(guard | GUARD_QUERY_START_LOC)
         token_to_req.zero_()
-        for t in (positions, ring_slot, compressed_slot):
+        for t in (positions, ring_slot, compressed_slot, kv_slot):
             t.fill_(-1)
         visible_blocks.zero_()
         return
-    rows = torch.arange(T, device=slot_mapping.device)
-    ends = query_start_loc[1:].to(torch.int64)
+    dev = slot_mapping.device
+    qsl = query_start_loc.to(torch.int64)
+    seq = seq_lens.to(torch.int64)
+    starts, ends = qsl[:-1], qsl[1:]
+    # Per-request guards (bits), then the rows' own ones folded into their request.
+    ring = ring_index.to(torch.int64)
+    num_pages = num_slots // page_size
+    pages_used = (seq + page_size - 1) // page_size
+    cols = torch.arange(block_table.shape[1], device=dev)
+    table = block_table[:R].to(torch.int64)
+    bad_page = ((cols[None, :] < pages_used[:, None]) & ((table < 0) | (table >= num_pages))).any(1)
+    bad_page |= pages_used > block_table.shape[1]
+    flags = (
+        torch.where(seq > max_seq_len, GUARD_MAX_SEQ_LEN, 0)
+        | torch.where(seq < ends - starts, GUARD_SEQ_LEN, 0)
+        | torch.where(ends > live_bound, GUARD_QUERY_START_LOC, 0)
+        | torch.where((ring < 0) | (ring >= num_ring_rows), GUARD_RING_INDEX, 0)
+        | torch.where(bad_page, GUARD_PAGE, 0)
+    )
+    rows = torch.arange(T, device=dev)
     req = torch.searchsorted(ends, rows, right=True)
-    live = rows < query_start_loc[-1].to(torch.int64)
-    req = torch.where(live, req, 0).clamp_(max=max(seq_lens.shape[0] - 1, 0))
-    over = live & (seq_lens.to(torch.int64)[req] > max_seq_len)
-    torch.maximum(guard, over.any().to(guard.dtype).view(1), out=guard)
-    live = live & ~over
+    live = (rows < qsl[-1]) & (rows < live_bound)
+    req = torch.where(live, req, 0).clamp_(max=R - 1)
+    bad_slot = live & ((slot_mapping < -1) | (slot_mapping >= num_slots))
+    flags = flags.scatter_reduce(0, req[bad_slot], torch.full_like(req[bad_slot], GUARD_SLOT), "amax")
+    stray = (rows >= qsl[-1]) & (rows < num_live_rows)  # live rows no request owns
+    bits = torch.where(live, flags[req], 0)
+    bits_any = torch.zeros((), dtype=torch.int64, device=dev)
+    for bit in (GUARD_MAX_SEQ_LEN, GUARD_SEQ_LEN, GUARD_QUERY_START_LOC, GUARD_SLOT, GUARD_RING_INDEX, GUARD_PAGE):
+        bits_any = bits_any | torch.where(((bits & bit) != 0).any(), bit, 0)
+    bits_any = bits_any | torch.where(stray.any(), GUARD_QUERY_START_LOC, 0)
+    guard.copy_(guard | bits_any.to(guard.dtype).view(1))
+    request_flags[:R].copy_(flags.to(request_flags.dtype))
+    live = live & (bits == 0)
     req = torch.where(live, req, 0)
-    start = query_start_loc[:-1].to(torch.int64)[req]
+    start = starts[req]
     end = ends[req]
-    seq = seq_lens.to(torch.int64)[req]
+    seq = seq[req]
     pos = seq - (end - start) + (rows - start)
     pos = torch.where(live, pos, -1)
     vis = torch.minimum((pos + 1) // r, seq // r).clamp_(min=0)
     vis = torch.where(live, vis, 0)
-    ring = ring_index.to(torch.int64)[req] * C + pos.remainder(C)
-    ring = torch.where(live & (rows >= end - C), ring, -1)
-    closes = live & ((pos + 1) % r == 0) & (slot_mapping >= 0)
-    comp = torch.where(closes, slot_mapping // r, -1)
+    ring_row = ring[req] * C + pos.remainder(C)
+    ring_row = torch.where(live & (rows >= end - C), ring_row, -1)
+    kv = torch.where(live, slot_mapping, -1)
+    closes = live & ((pos + 1) % r == 0) & (kv >= 0)
+    comp = torch.where(closes, kv // r, -1)
     token_to_req.copy_(req)
     positions.copy_(pos)
     visible_blocks.copy_(vis)
-    ring_slot.copy_(ring)
+    ring_slot.copy_(ring_row)
     compressed_slot.copy_(comp)
+    kv_slot.copy_(kv)

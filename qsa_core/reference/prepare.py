@@ -43,17 +43,26 @@ def qsa_store_kv(
 
 
 def _group_first_rope_positions(
-    rope_positions: torch.Tensor, meta: "QSAForwardMetadata", cache: "QSALayerCache",
-    rows: torch.Tensor, in_step: torch.Tensor, ring_rows: torch.Tensor, first_pos: torch.Tensor,
+    rope_positions: torch.Tensor, cache: "QSALayerCache", closing: torch.Tensor, first_row: torch.Tensor,
+    in_step: torch.Tensor, ring_row: torch.Tensor, compress_ratio: int,
 ) -> torch.Tensor:
-    """RoPE position of each group's first token: [G] (1-D) or [3, G] (MRoPE, from the ring)."""
-    if rope_positions.dim() == 1 and cache.ring_positions is None:
-        return first_pos
-    here = rope_positions.view(-1, rope_positions.shape[-1]).expand(3, -1)[:, rows.clamp(min=0)]
+    """RoPE position of each closed group's first token: [G] (1-D) or [3, G] (MRoPE).
+
+    A first token of this step: its row of rope_positions. Of an earlier step: the position
+    its ring row remembered (cache.ring_positions); a cache without ring positions (1-D only)
+    takes the group's positions as contiguous: rope position of the closing row - (r - 1).
+    """
+    if rope_positions.dim() == 1:
+        here = rope_positions[first_row.clamp(min=0)]
+        if cache.ring_positions is None:
+            earlier = rope_positions[closing] - (compress_ratio - 1)
+        else:
+            earlier = paged_rows(cache.ring_positions, ring_row.clamp(min=0))[:, 0]
+        return torch.where(in_step, here, earlier)
     if cache.ring_positions is None:
         raise ValueError("3-axis rope_positions need a cache with ring_positions (MRoPE layout)")
-    from_ring = paged_rows(cache.ring_positions, ring_rows.clamp(min=0)).T
-    return torch.where(in_step[None, :], here, from_ring)
+    here = rope_positions[:, first_row.clamp(min=0)]
+    return torch.where(in_step[None, :], here, paged_rows(cache.ring_positions, ring_row.clamp(min=0)).T)
 
 
 def qsa_compress_groups(
@@ -72,7 +81,7 @@ def qsa_compress_groups(
     A row with compressed_slot >= 0 closes group g = (p + 1) / r - 1. Its r raw keys
     [T, Di] come from this step's rows, or from the ring for tokens of earlier steps (read
     before this step's ring writes). pooled = dtype(fp32 sum / r); key =
-    RoPE(GemmaRMSNorm(pooled, k_norm), position of the group's first token).
+    RoPE(GemmaRMSNorm(pooled, k_norm), RoPE position of the group's first token).
     """
     r, C = meta.compress_ratio, meta.ring_capacity
     closing = (meta.compressed_slot >= 0).nonzero().flatten()
@@ -91,7 +100,7 @@ def qsa_compress_groups(
     pooled = (keys.float().sum(1) / r).to(raw_keys.dtype)
     normed = gemma_rms_norm(pooled, k_norm, eps)
     first = _group_first_rope_positions(
-        rope_positions, meta, cache, rows[:, 0], in_step[:, 0], ring_rows[:, 0], pos[:, 0]
+        rope_positions, cache, closing, rows[:, 0], in_step[:, 0], ring_rows[:, 0], r
     )
     cos, sin = rope_cos_sin(first, inv_freq, rope_axes)
     keys_out = apply_rope(normed[:, None, :], cos, sin)[:, 0]

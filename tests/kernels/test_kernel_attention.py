@@ -13,6 +13,7 @@ if DEV == "cpu":
 
 from qsa_core.reference.attention import qsa_sparse_attention as reference  # noqa: E402
 from qsa_kernels import attention as ker  # noqa: E402
+from test_kernel_select import graph_replay, kernel_breakdown  # noqa: E402  (imported here: a rename fails on CPU too)
 
 
 def make_problem(
@@ -183,15 +184,13 @@ def test_gpu_fp8(kv_dtype, rows):
     ql = [1, 1] if rows == "decode" else [300, 100]
     problem = make_problem([131072, 9000], ql, Hq=24, Hkv=2, D=256, page=64, W=2051, dtype=torch.bfloat16,
                            kv_dtype=kv_dtype, pad_rows=2, device="cuda", seed=9)
-    compare(problem, k_scale=0.6, v_scale=1.7, tol=3e-2)
+    compare(problem, k_scale=0.6, v_scale=1.7, tol=2e-2)  # fp8 -> bf16 is exact: the bf16 tolerance
 
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_and_timing(capsys):
     """Attention replays from a CUDA graph bitwise as run eagerly; prints graph-replay
     timings and a per-kernel breakdown (no assertion on speed)."""
-    from test_kernel_select import graph_replay, kernel_breakdown
-
     for name, ql in [("decode 4 rows", [1] * 4), ("decode 64 rows", [1] * 64), ("prefill 4096 rows", [4096])]:
         problem = make_problem([131072] * len(ql), ql, Hq=24, Hkv=2, D=256, page=64, W=2051, dtype=torch.bfloat16,
                                device="cuda")

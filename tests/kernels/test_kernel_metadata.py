@@ -33,11 +33,29 @@ def make_step(qlens, context, num_pad, gen, device, num_slots=10_000, ring_rows=
     return [t.to(device) for t in (qsl, seq, slots, ring)]
 
 
-def build(fn, qsl, seq, slots, ring, r, C, outs, max_seq_len=1 << 30, guard=None):
-    """Run a metadata build `fn` into outs (the five derived fields); returns the guard flag."""
+def guard_args(qsl, seq, slots, page_size=8):
+    """Guard inputs of a well-formed step: a block table of valid pages for every request's
+    seq_len (so no guard trips), loose bounds. Reads the step on the host."""
+    dev = slots.device
+    max_pages = max(1, -(-int(seq.max()) // page_size)) if seq.numel() else 1
+    return dict(
+        block_table=torch.zeros(seq.shape[0], max_pages, dtype=torch.int32, device=dev),
+        page_size=page_size, num_live_rows=int(qsl[-1]), num_slots=1 << 40, num_ring_rows=1 << 40,
+        kv_slot=torch.empty(slots.shape[0], dtype=torch.int64, device=dev),
+        request_flags=torch.zeros(max(seq.shape[0], 1), dtype=torch.int32, device=dev),
+    )
+
+
+def build(fn, qsl, seq, slots, ring, r, C, outs, max_seq_len=1 << 30, guard=None, **extra):
+    """Run a metadata build `fn` into outs (the five derived fields, then optionally kv_slot);
+    returns the guard flag. extra: guard inputs (default `guard_args` of the step)."""
     guard = torch.zeros(1, dtype=torch.int32, device=slots.device) if guard is None else guard
-    fn(qsl, seq, slots, ring, compress_ratio=r, ring_capacity=C, max_seq_len=max_seq_len, guard=guard,
-       **dict(zip(FIELDS, outs)))
+    kw = extra or guard_args(qsl, seq, slots)
+    if len(outs) > len(FIELDS):
+        kw = dict(kw, kv_slot=outs[len(FIELDS)])
+    table = kw.pop("block_table")
+    fn(qsl, seq, slots, ring, table, compress_ratio=r, ring_capacity=C, max_seq_len=max_seq_len, guard=guard,
+       **kw, **dict(zip(FIELDS, outs)))
     return guard
 
 
@@ -53,6 +71,7 @@ def run_both(qsl, seq, slots, ring, r, C, max_seq_len=1 << 30):
             torch.full((T,), fill, dtype=torch.int32, device=dev),
             torch.full((T,), fill, dtype=torch.int64, device=dev),
             torch.full((T,), fill, dtype=torch.int64, device=dev),
+            torch.full((T,), fill, dtype=torch.int64, device=dev),  # kv_slot
         ]
 
     got, want = buffers(12345), buffers(0)
@@ -62,7 +81,7 @@ def run_both(qsl, seq, slots, ring, r, C, max_seq_len=1 << 30):
 
 
 def assert_same(got, want):
-    for name, g, w in zip(FIELDS + ("guard",), got, want):
+    for name, g, w in zip(FIELDS + ("kv_slot", "guard"), got, want):
         assert g.dtype == w.dtype, name
         assert torch.equal(g, w), f"{name}: {g.tolist()} != {w.tolist()}"
 
@@ -81,6 +100,7 @@ def test_ragged_batches(r, C):
     for qlens, ctx, pad in cases:
         got, want = run_both(*make_step(qlens, ctx, pad, gen, "cpu"), r, C)
         assert_same(got, want)
+        assert got[-1].item() == 0  # a well-formed step trips no guard
 
 
 @interp
@@ -152,7 +172,9 @@ def test_production_batch_gpu():
     qlens = [4] * 256 + [8192, 1, 3001, 513]
     ctx = torch.randint(1, 131072, (256,), generator=gen).tolist() + [0, 70000, 4096, 2]
     qsl, seq, slots, ring = make_step(qlens, ctx, 77, gen, "cuda", num_slots=1 << 22, ring_rows=512)
-    assert_same(*run_both(qsl, seq, slots, ring, 4, 8))
+    got, want = run_both(qsl, seq, slots, ring, 4, 8)
+    assert_same(got, want)
+    assert got[-1].item() == 0  # a well-formed step trips no guard
     before = compiled_variants(_metadata_kernel)
     for qlens, ctx, pad in (([1] * 17, list(range(17)), 15), ([16, 1, 32], [0, 5, 7], 0), ([], [], 33)):
         assert_same(*run_both(*make_step(qlens, ctx, pad, gen, "cuda"), 4, 8))
@@ -168,11 +190,12 @@ def test_cuda_graph_replay_gpu():
     T = static[2].shape[0]
     dtypes = (torch.int32, torch.int64, torch.int32, torch.int64, torch.int64)
     outs = [torch.empty(T, dtype=d, device="cuda") for d in dtypes]
-    build(qsa_build_metadata, *static, 4, 8, outs)  # compile outside the capture
+    extra = guard_args(*static[:3])  # host reads and allocations stay outside the capture
+    build(qsa_build_metadata, *static, 4, 8, outs, **extra)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        build(qsa_build_metadata, *static, 4, 8, outs)
+        build(qsa_build_metadata, *static, 4, 8, outs, **extra)
     for qlens, ctx in (([4] * 8 + [120, 17], [9] * 8 + [3, 0]), ([4] * 8 + [137, 0], [1] * 8 + [0, 5])):
         fresh = make_step(qlens, ctx, 11, gen, "cuda")
         for dst, src in zip(static, fresh):

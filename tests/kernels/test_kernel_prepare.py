@@ -44,7 +44,23 @@ GPU_FLIP_FRACTION = 1e-4
 GPU_FLIP_ATOL = 0.07
 
 
+# In the interpreter the kernels round every bf16 / fp8 intermediate as the reference does; only
+# the fp32 rsqrt and summation order differ, which flips one intermediate rounding in a rare
+# element (seen: 1 of 12288; RoPE's a*cos + b*sin may carry the flip into a few output steps).
+INTERP_FLIP_FRACTION = 1e-3
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """Interpreter, low-precision dtype: bitwise except at most INTERP_FLIP_FRACTION of the
+    elements, which stay within the dtype's tolerance. fp32 and the GPU: the tolerances above."""
+    if not actual.is_cuda and dtype != torch.float32:
+        assert actual.dtype == expected.dtype == dtype, what
+        a, e = actual.float(), expected.float()
+        same = (a == e) | (a.isnan() & e.isnan())
+        frac = float((~same).float().mean()) if same.numel() else 0.0
+        assert frac <= INTERP_FLIP_FRACTION, f"{what}: {frac:.2e} of the elements are not bitwise equal"
+        torch.testing.assert_close(a, e, **TOL[dtype], equal_nan=True, msg=lambda m: f"{what}: {m}")
+        return
     a, e = actual.float(), expected.float()
     tol = TOL[dtype]
     if a.is_cuda and dtype != torch.float32:
@@ -53,6 +69,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
         assert frac <= GPU_FLIP_FRACTION, f"{what}: {frac:.2e} of the elements off"
         tol = dict(tol, atol=max(tol["atol"], GPU_FLIP_ATOL))
     torch.testing.assert_close(a, e, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Bitwise (NaN == NaN): pure stores and casts round the same on every device."""
+    same = (actual == expected) | (actual.isnan() & expected.isnan())
+    assert actual.dtype == expected.dtype and bool(same.all()), (
+        f"{what}: {int((~same).sum())} of {same.numel()} elements differ"
+    )
 
 
 def small_config(mrope: bool, index_dtype: str = "auto", kv_dtype: str = "auto") -> QSAConfig:
@@ -200,7 +224,7 @@ def compare_caches(got: QSALayerCache, want: QSALayerCache, cfg: QSAConfig) -> N
     assert torch.equal(got.compressed._base[:, 0], want.compressed._base[:, 0]), "a neighbour's compressed keys changed"
     assert_close(got.compressed, want.compressed, got.compressed.dtype, "compressed keys")
     assert_close(got.k, want.k, got.k.dtype, "K cache")
-    assert_close(got.v, want.v, got.v.dtype, "V cache")
+    assert_same(got.v, want.v, "V cache")
 
 
 def run_prepare_step(cfg, sched, caches, weights, chunks, num_pad, num_decodes, dtype, device):
@@ -273,24 +297,30 @@ def test_prepare_scenario(mrope, dtype, index_dtype, kv_dtype, spec):
 
 
 @interp
-def test_prepare_one_d_rope_differs_from_logical():
-    """1-D model: queries use rope_positions, group keys the logical position (reference)."""
+@pytest.mark.parametrize("ring_positions", [True, False])
+def test_prepare_one_d_rope_differs_from_logical(ring_positions):
+    """1-D model, RoPE positions != logical: queries and group keys use the RoPE positions;
+    the second step closes a group whose first token the first step wrote (its position comes
+    from cache.ring_positions, or without them from the closing row's position - (r - 1))."""
     cfg = small_config(False)
     layout = QSACacheLayout(num_layers=1, page_size=8, num_pages=8, ring_rows=2)
     torch.manual_seed(1)
     sched = Scheduler(cfg, layout, "cpu", 1)
     got_cache, want_cache = random_caches(cfg, layout, torch.bfloat16, "cpu", fp8_scales=False)
+    if not ring_positions:
+        got_cache.ring_positions = want_cache.ring_positions = None
     weights = layer_weights(cfg, torch.bfloat16, "cpu")
-    meta, _ = sched.step([("a", 11)], 1, 0)
-    rope = meta.positions * 3 + 5
-    inputs = step_inputs(cfg, meta.num_tokens, 1, torch.bfloat16, "cpu")
-    args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
-    kw = dict(weights, index_dtype=torch.bfloat16, meta=meta)
-    want = reference.qsa_prepare(*args, **kw, cache=want_cache)
-    got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
-    live = meta.positions >= 0
-    assert_close(got[0][live], want[0][live], torch.bfloat16, "q_idx")
-    compare_caches(got_cache, want_cache, cfg)
+    for n in (11, 7):
+        meta, _ = sched.step([("a", n)], 1, 0)
+        rope = meta.positions * 3 + 5
+        inputs = step_inputs(cfg, meta.num_tokens, 1, torch.bfloat16, "cpu")
+        args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
+        kw = dict(weights, index_dtype=torch.bfloat16, meta=meta)
+        want = reference.qsa_prepare(*args, **kw, cache=want_cache)
+        got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
+        live = meta.positions >= 0
+        assert_close(got[0][live], want[0][live], torch.bfloat16, "q_idx")
+        compare_caches(got_cache, want_cache, cfg)
 
 
 @interp
@@ -345,10 +375,7 @@ def test_store_rows(cache_dtype, row_dtype, scale):
     reference.qsa_store_rows(want_base[:, :2], slots, rows, scale)
     kernels.qsa_store_rows(cache, slots, rows, scale)
     assert torch.equal(base[:, 2], want_base[:, 2]), "a neighbour row was written"
-    if cache_dtype.is_floating_point:
-        assert_close(cache, want_base[:, :2], cache_dtype, "store_rows")
-    else:
-        assert torch.equal(cache, want_base[:, :2])
+    assert_same(cache, want_base[:, :2], "store_rows")
 
 
 @interp
@@ -377,7 +404,7 @@ def test_store_kv(kv_dtype, scales):
     v[slots >= pages * page] = float("nan")
     reference.qsa_store_kv(want_kv[..., :D], want_kv[..., D:], slots, k, v, *scales)
     kernels.qsa_store_kv(kv[..., :D], kv[..., D:], slots, k, v, *scales)
-    assert_close(kv, want_kv, kv_dtype, "kv")
+    assert_same(kv, want_kv, "kv")
 
 
 @interp

@@ -1,0 +1,158 @@
+"""Malformed step metadata never yields a wrong answer.
+
+CPU tensors: `plan` reads the values (free there) and the error names the field, the entry and
+the expected value. A GPU's default path reads nothing back: there the metadata build's device
+guards make every row of the malformed request inert (no cache write, output 0), the other
+requests run as usual, and `check_guard` names the reason. The guard path is exercised here on
+CPU tensors with the host checks switched off (`value_checks=False`), with both backends.
+A layer fed hidden states whose row count differs from the plan's is refused.
+"""
+
+import pytest
+import torch
+
+from hf_oracle import DEVICE, random_hf_attention, tiny_config
+from qsa_core import QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs
+from qsa_core.reference import metadata as guards
+
+I32, I64 = torch.int32, torch.int64
+CONFIG = QSAConfig.from_hf(tiny_config())
+PAGE, NUM_PAGES, RING_ROWS, C = 8, 12, 3, 4
+A_SLOTS = [4 * PAGE + i for i in range(4)]  # request a: 4 new rows on page 4
+B_SLOTS = [2 * PAGE + i for i in range(6)]  # request b: 6 new rows on page 2
+
+
+def step(device=DEVICE, **change) -> QSAStepInputs:
+    """Two prefills (a: 4 rows, b: 6 rows) and 2 padding rows; `change` breaks one field."""
+    args = dict(
+        query_start_loc=torch.tensor([0, 4, 10], dtype=I32),
+        seq_lens=torch.tensor([4, 6], dtype=I32),
+        block_table=torch.tensor([[4, -1], [2, -1]], dtype=I32),
+        slot_mapping=torch.tensor(A_SLOTS + B_SLOTS + [-1, -1], dtype=I64),
+        ring_index=torch.tensor([0, 2], dtype=I32),
+        num_decodes=0,
+        max_query_len=6,
+        max_seq_len=7,
+        num_padding_rows=2,
+    )
+    args.update(change)
+    return QSAStepInputs(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+
+
+def with_entry(name, index, value):
+    t = step("cpu").__dict__[name].clone()
+    t[index] = value
+    return {name: t}
+
+
+# field: (change, CPU error, guard bit, the request whose rows become inert)
+BAD = {
+    "seq_lens": (
+        dict(seq_lens=torch.tensor([3, 6], dtype=I32)),
+        r"seq_lens\[0\] = 3 is below request 0's query length 4: expected seq_lens\[0\] >= 4",
+        guards.GUARD_SEQ_LEN, "a",
+    ),
+    "query_start_loc": (
+        dict(query_start_loc=torch.tensor([0, 4, 11], dtype=I32), seq_lens=torch.tensor([4, 7], dtype=I32)),
+        r"query_start_loc\[-1\] must equal the number of rows T - num_padding_rows = 12 - 2 = 10, got 11",
+        guards.GUARD_QUERY_START_LOC, "b",
+    ),
+    "slot_mapping": (
+        with_entry("slot_mapping", 2, NUM_PAGES * PAGE),
+        r"slot_mapping\[2\] = 96 is outside the cache: expected -1 or a slot in \[0, 96\)",
+        guards.GUARD_SLOT, "a",
+    ),
+    "ring_index": (
+        with_entry("ring_index", 1, RING_ROWS),
+        r"ring_index\[1\] = 3 is outside the ring: expected a ring row in \[0, 3\)",
+        guards.GUARD_RING_INDEX, "b",
+    ),
+    "block_table": (
+        with_entry("block_table", (0, 0), NUM_PAGES),
+        r"block_table\[0, 0\] = 12 is outside the cache: request 0 uses its first 1 pages, expected pages in \[0, 12\)",
+        guards.GUARD_PAGE, "a",
+    ),
+}
+ROWS = {"a": slice(0, 4), "b": slice(4, 10)}
+REASON = {
+    guards.GUARD_SEQ_LEN: "seq_lens entry was below",
+    guards.GUARD_QUERY_START_LOC: r"query_start_loc\[-1\] differed",
+    guards.GUARD_SLOT: "slot_mapping entry was outside",
+    guards.GUARD_RING_INDEX: "ring_index entry was outside",
+    guards.GUARD_PAGE: "block_table page",
+}
+
+
+def planner(device=DEVICE, **kw) -> QSAPlanner:
+    return QSAPlanner(CONFIG, dtype=torch.float32, page_size=PAGE, ring_capacity=C, max_num_tokens=16,
+                      max_model_len=64, device=device, num_slots=NUM_PAGES * PAGE, num_ring_rows=RING_ROWS, **kw)
+
+
+@pytest.mark.parametrize("field", list(BAD))
+def test_cpu_steps_are_checked_and_the_error_names_the_field(field):
+    """CPU tensors (on any machine): checked in plan, before anything runs."""
+    change, message, _, _ = BAD[field]
+    with pytest.raises(ValueError, match=message):
+        planner("cpu").plan(step("cpu", **change))
+
+
+@pytest.mark.parametrize("field", list(BAD))
+def test_qsa_debug_checks_every_step(monkeypatch, field):
+    change, message, _, _ = BAD[field]
+    monkeypatch.setenv("QSA_DEBUG", "1")
+    with pytest.raises(ValueError, match=message):
+        planner(value_checks=False).plan(step(**change))
+
+
+def run_step(inputs, p):
+    layer = QSAAttention.from_hf(random_hf_attention(tiny_config(), 0)).to(DEVICE)
+    cache = QSACacheLayout(num_layers=1, page_size=PAGE, num_pages=NUM_PAGES, ring_rows=RING_ROWS).allocate(
+        CONFIG, torch.float32, DEVICE)[0]
+    for t in (cache.k, cache.v, cache.compressed, cache.ring):
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(5)).to(t.dtype))
+    before = [t.clone() for t in (cache.k, cache.v, cache.compressed, cache.ring)]
+    hidden = torch.randn(12, CONFIG.hidden_size, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    plan = p.plan(inputs)
+    with torch.no_grad():
+        out = layer(hidden, plan, cache)
+    after = [cache.k, cache.v, cache.compressed, cache.ring]
+    return out.cpu(), before, after, plan
+
+
+@pytest.mark.parametrize("field", list(BAD))
+def test_device_guards_make_the_malformed_request_inert(backend, field):
+    change, _, bit, bad = BAD[field]
+    good = "b" if bad == "a" else "a"
+    want, _, _, _ = run_step(step(), planner(value_checks=False))
+    p = planner(value_checks=False)
+    out, before, after, plan = run_step(step(**change), p)
+
+    assert torch.equal(out[ROWS[bad]], torch.zeros_like(out[ROWS[bad]]))  # inert: output 0
+    assert torch.equal(out[ROWS[good]], want[ROWS[good]])  # the other request as usual
+    meta = plan.meta
+    assert (meta.positions[ROWS[bad]] == -1).all() and (meta.slot_mapping[ROWS[bad]] == -1).all()
+    own = {"a": A_SLOTS, "b": B_SLOTS}[good]
+    ring = int(step("cpu").ring_index[0 if good == "a" else 1])
+    k_rows = lambda t: t.flatten(0, 1).flatten(1)  # noqa: E731  one row per main slot
+    for name, old, new, allowed in (
+        ("k", k_rows(before[0]), k_rows(after[0]), own),
+        ("v", k_rows(before[1]), k_rows(after[1]), own),
+        ("compressed", before[2].flatten(0, 1), after[2].flatten(0, 1), [s // 4 for s in own]),  # flat rows
+        ("ring", before[3].flatten(0, 1), after[3].flatten(0, 1), range(ring * C, (ring + 1) * C)),
+    ):
+        changed = (old != new).any(1).nonzero().flatten().tolist()
+        assert set(changed) <= set(allowed), f"{name}: rows {changed} written, only {sorted(set(allowed))} allowed"
+    with pytest.raises(RuntimeError, match=REASON[bit]):
+        p.check_guard()
+    assert int(p.guard) == 0  # read and cleared
+
+
+
+@pytest.mark.parametrize("rows", [11, 13])
+def test_hidden_states_must_match_the_plan(rows):
+    layer = QSAAttention.from_hf(random_hf_attention(tiny_config(), 0)).to(DEVICE)
+    cache = QSACacheLayout(num_layers=1, page_size=PAGE, num_pages=NUM_PAGES, ring_rows=RING_ROWS).allocate(
+        CONFIG, torch.float32, DEVICE)[0]
+    plan = planner().plan(step())
+    with pytest.raises(ValueError, match=rf"hidden_states has {rows} rows, expected the plan's num_tokens = 12"):
+        layer(torch.zeros(rows, CONFIG.hidden_size, device=DEVICE), plan, cache)
