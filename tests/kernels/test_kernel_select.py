@@ -188,13 +188,13 @@ def test_float_kinds_by_score_values(nan_scratch, kind):
 
 def test_one_workspace_serves_consecutive_calls(nan_scratch):
     """A plan's persistent scratch: histograms are clean again after every call."""
-    ws = ker.select_workspace(max_rows=128, max_cols=64, block_topk=8, device="cpu")
+    ws = ker.select_workspace(max_rows=128, max_cols=64, block_topk=8, device=DEV)
     for seed, decode in ((0, False), (1, True), (2, False)):
         problem = make_problem(**RAGGED, kind="int", pad_rows=2, seed=seed)
         q, comp, table, to_req, vis, ms = problem
-        sched = ker.plan_select(q.shape[0], 64, 8, decode=decode, device="cpu", workspace=ws)
+        sched = ker.plan_select(q.shape[0], 64, 8, decode=decode, device=DEV, workspace=ws)
         fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
-        out = torch.full((q.shape[0], 8), 7, dtype=torch.int32)
+        out = torch.full((q.shape[0], 8), 7, dtype=torch.int32, device=DEV)
         fn(q, comp, table, to_req, vis, page_size=16, compress_ratio=4, block_topk=8, out=out, schedule=sched)
         _, expect = run_both(problem, decode=decode)
         assert torch.equal(out, expect)
