@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import requests
+from ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SITE = os.path.join(HERE, "server_site")  # test-only sitecustomize (baseline patch, dumps)
@@ -24,12 +24,6 @@ START_TIMEOUT_S = 300
 STOP_TIMEOUT_S = 30
 MAX_TOTAL_TOKENS = 16384
 CHUNK = 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_command(model: str, backend: str, port: int) -> list[str]:

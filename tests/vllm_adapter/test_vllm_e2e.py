@@ -8,7 +8,6 @@ beside prefills, finished requests' blocks and rings reused by waiting ones.
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from hf_reference import greedy, selection_gaps
+from ports import free_port
 from qwen4_checkpoint import VOCAB, tiny_config
 
 from transformers import Qwen4ExpForCausalLM
@@ -195,12 +195,6 @@ def test_core_record_of_every_real_vllm_step(fp32_run):
         if T > real:
             kinds.add("padded")
     assert {"decode", "prefill", "mixed", "chunked"} <= kinds, kinds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

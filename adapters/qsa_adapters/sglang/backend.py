@@ -102,14 +102,16 @@ class QSACoreBackend(AttentionBackend):
 
     # -- per-step metadata ------------------------------------------------------------
 
-    def _planner(self, max_num_tokens: int) -> QSAPlanner:
+    def _planner(self, max_num_tokens: int, graphs: bool = False) -> QSAPlanner:
         """Main slots: the pool's `size` plus the reserved page 0; the ring is C = r rows per
-        request slot."""
+        request slot. A planner for CUDA graphs never reads values back at a replay refresh
+        (the device guards stand in for the host value checks, as on a GPU)."""
         pool, r = self.token_to_kv_pool, self.config.compress_ratio
         return QSAPlanner(
             self.config, dtype=self.dtype, page_size=self.page_size, ring_capacity=r,
             max_num_tokens=max_num_tokens, max_model_len=self.max_seq_len, device=self.device,
             num_slots=pool.size + self.page_size, num_ring_rows=pool.qsa_num_request_slots,
+            value_checks=False if graphs else None,
         )
 
     def _set_plan(self, plan: QSAPlan | None) -> None:
@@ -138,7 +140,7 @@ class QSACoreBackend(AttentionBackend):
             max_num_tokens=max_num_tokens,
             max_seq_len=self.max_seq_len,
             page_size=self.page_size,
-            planner=self._planner(max_num_tokens),
+            planner=self._planner(max_num_tokens, graphs=True),
             device=self.device,
         )
 
