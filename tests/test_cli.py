@@ -39,7 +39,7 @@ def test_bench_help_explains_every_option():
     res = _bench("--help")
     assert res.returncode == 0, res.stderr
     for option, words in [("--out DIR", "results.json"), ("--smoke", "two small"), ("--dry-run", "CPU"),
-                          ("--sglang-dir SITE", "site-packages"), ("--no-plot", "matplotlib"),
+                          ("--sglang-dir SITE", "SGLang 0.5.23"), ("--no-plot", "matplotlib"),
                           ("--budget-s", "resume"), ("--markdown", "BENCHMARKS.md"),
                           ("--sweep-attention", "launch configs")]:
         assert option in res.stdout and words in res.stdout, option
