@@ -15,7 +15,7 @@
 #   .whl-bench1  flashinfer-python 0.7.2.post1 (59 MiB; one wheel, one call)
 #   .whl-bench2  tilelang 0.1.15 + apache-tvm-ffi 0.1.12 (one version for FlashInfer and TileLang),
 #                torch-c-dlpack-ext, cloudpickle, ml-dtypes, pydantic (+ core, annotated-types,
-#                typing-inspection)
+#                typing-inspection, typing-extensions 4.16: pydantic 2.14 needs >= 4.16)
 #   .whl-bench3  z3-solver 4.15.4 (tilelang: <4.15.5), nvidia-cudnn-frontend, cuda-tile, nccl4py
 #                (FlashInfer's import-time set as seen on the device; nccl-extensions is left out:
 #                `import flashinfer` works without it), plus peer/topk.so and peer/sglang-src/
@@ -27,6 +27,9 @@ CACHE=${WHEEL_CACHE:-/tmp/qsa-bench-wheels}
 TOPK_SO=${TOPK_SO:-/tmp/bench-topk/topk.so}
 SGLANG_SITE=${SGLANG_SITE:-$(ls -d "$HERE"/.venv-sglang/lib/python3*/site-packages | head -1)}
 mkdir -p "$CACHE"
+for d in .whl-bench1 .stage-bench; do  # they must not travel with every call
+  (cd "$DEST" && git check-ignore -q "$d/") || { echo "$DEST: git does not ignore $d/ (add /.whl*/ and /.stage*/ to .git/info/exclude)" >&2; exit 1; }
+done
 pip_dl() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
@@ -35,7 +38,7 @@ pip_dl() {
 }
 SET1=(flashinfer-python==0.7.2.post1)
 SET2=(tilelang==0.1.15 apache-tvm-ffi==0.1.12 torch-c-dlpack-ext==0.1.5 cloudpickle==3.1.3 ml-dtypes==0.7.0
-      pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5)
+      pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0)
 SET3=(z3-solver==4.15.4.0 nvidia-cudnn-frontend==1.32.0 cuda-tile==1.7.0 nccl4py==0.6.0)
 pip_dl "${SET1[@]}" "${SET2[@]}" "${SET3[@]}"
 
