@@ -154,7 +154,8 @@ class SGLangPath:
         if self.decode:
             pad = (-step.q_idx.shape[1]) % 8  # SGLang's decode projection pads heads to 8
             qi = step.q_idx
-            self.q_idx = torch.cat([qi, qi.new_zeros(T, pad, qi.shape[2])], 1) if pad else qi.contiguous()
+            wide = qi.to(torch.bfloat16)  # exact for fp8; the padding is built in bf16
+            self.q_idx = torch.cat([wide, wide.new_zeros(T, pad, qi.shape[2])], 1).to(qi.dtype) if pad else qi.contiguous()
             self.k_cache = comp.unsqueeze(2)  # [pages, 16, 1, Di]
             self.page_table = table.repeat_interleave(rows, 0).contiguous()
             self.lengths = groups
