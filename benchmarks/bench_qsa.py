@@ -365,6 +365,17 @@ def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result:
     return result
 
 
+def code_fingerprint() -> str:
+    """sha256 (12 hex) of the code the figures depend on: a resumed run must match it."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(p for d in ("qsa_core", "kernels", "benchmarks") for p in (root / d).rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def versions() -> str:
     out = [f"torch {torch.__version__}"]
     for name in ("triton", "flashinfer", "tilelang"):
@@ -488,7 +499,12 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "results.json"
     meta, done = rep.load(path) if path.exists() else ({}, [])
+    code = code_fingerprint()
+    if done and meta.get("code") != code:
+        print(f"{path}: written by other code ({meta.get('code')} != {code}); starting over")
+        meta, done = {}, []
     by_key = {r.case.key: r for r in done}
+    meta["code"] = code
     meta.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)",
                 versions=versions(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 method="one CPU wall-clock call (dry run: not a measurement)" if args.dry_run else

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run benchmarks/bench_qsa.py on the H200 machine after the chain's installs (bench_chain.md):
 # /tmp/site holds FlashInfer (+ its prebuilt top-k module), TileLang and pydantic; /tmp/qsa-peer
-# holds SGLang's three QSA files. Results go to /tmp/qsa-bench (kept while the machine is warm,
+# holds SGLang's three QSA files. Results go to /tmp/qsa-bench-MODE (kept while the machine is warm,
 # so the same command in the next call resumes) and are copied to $OUT/bench.
 #
 #   bash benchmarks/device/run_bench.sh smoke|full [SECONDS] [more bench_qsa.py options]
@@ -14,7 +14,7 @@ MODE=${1:?smoke or full}; LIMIT=${2:-540}; shift; [ $# -gt 0 ] && shift
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$REPO"
 export PYTHONPATH=$REPO:$REPO/kernels:$REPO/adapters:/tmp/site PYTHONUNBUFFERED=1
-RES=/tmp/qsa-bench; mkdir -p "$RES" "${OUT:-/tmp/out}/bench"
+RES=/tmp/qsa-bench-$MODE; mkdir -p "$RES" "${OUT:-/tmp/out}/bench"
 case $MODE in
   smoke) ARGS=(--smoke); MARGIN=30 ;;
   full) ARGS=(); MARGIN=90 ;;
