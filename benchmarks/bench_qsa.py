@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"    {r.check}; us: " + ", ".join(f"{k} {v:.1f}" for k, v in r.us.items())
               + (f"; agreement {r.agreement}" if r.agreement else "") + "".join(f"\n    note: {n}" for n in r.notes),
               flush=True)
-    finished = [r for r in results if r.check]
+    finished = [r for r in results if r.check or r.notes]
     print(rep.render(args.out, finished, meta, markdown=args.markdown, readme=args.readme,
                      with_plot=not args.no_plot))
     print(f"total {time.perf_counter() - t_start:.0f} s")
