@@ -82,6 +82,10 @@ def load(root: Path) -> types.SimpleNamespace:
     _shim("sglang.srt.utils", is_hip=is_hip)
     _shim("sglang.srt.utils.common", is_hip=is_hip)
     _shim("sglang.srt.batch_invariant_ops", is_batch_invariant_mode_enabled=_Switch.enabled)
+    try:  # finish FlashInfer's own package import before one of its submodules is blocked
+        import flashinfer  # noqa: F401
+    except ImportError:
+        pass
     blocked = "flashinfer.comm" not in sys.modules
     if blocked:
         sys.modules["flashinfer.comm"] = None  # `import flashinfer.comm` raises ImportError
