@@ -204,6 +204,29 @@ def short_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def targets(results: list[Result]) -> str:
+    """One line per target row: the verdict, the floor, and the op that takes the most time."""
+    out = []
+    for r in results:
+        tgt, ok = held(r)
+        if not tgt or WHOLE not in r.us:
+            continue
+        line = f"- {r.case.label} ({r.case.index_dtype}): whole step {_fmt(r.us[WHOLE])} us, target {tgt}"
+        if DENSE in r.us:
+            line += f" (dense {_fmt(r.us[DENSE])} us)"
+        line += f": {'held' if ok == 'yes' else 'not held' if ok == 'no' else 'no verdict'}"
+        if r.model:
+            m = r.model
+            line += (f"; floor {_fmt(floor_us(m['bytes'], m['flops']))} us ({m['bytes'] / 1e6:.0f} MB, "
+                     f"{m['flops'] / 1e9:.0f} GFLOP)")
+        parts = {c: r.us[c] for c in ("prepare", "select+expand", "attention") if c in r.us}
+        if parts:
+            top = max(parts, key=parts.get)
+            line += f"; the largest part is {top}: {_fmt(parts[top])} of {_fmt(sum(parts.values()))} us"
+        out.append(line)
+    return "\n".join(out)
+
+
 def notes(results: list[Result]) -> str:
     """Per-row check outcomes and the reasons for missing columns."""
     out = []
@@ -270,7 +293,7 @@ def render(out: Path, results: list[Result], meta: dict, *, markdown: Path | Non
     md = table(results)
     head = (f"Run: {meta.get('when', '?')} on {meta.get('device', '?')}, {meta.get('versions', '')}. "
             f"Times in us per layer, medians of {meta.get('method', 'CUDA-graph replays')}.")
-    full = f"{head}\n\n{md}\n\nChecks:\n{notes(results)}\n"
+    full = f"{head}\n\n{md}\n\nTargets:\n{targets(results)}\n\nChecks:\n{notes(results)}\n"
     (out / "table.md").write_text(full)
     if with_plot:
         plot(results, out / "latency.png")
