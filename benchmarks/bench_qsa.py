@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
-import os
 import statistics
 import sys
 import time
@@ -155,7 +154,8 @@ class Step:
         slots = self.block_table.long()[:, pos // P] * P + pos % P
         T = case.batch * case.rows
         planner = QSAPlanner(cfg, dtype=BF16, page_size=P, ring_capacity=C, max_num_tokens=T,
-                             max_model_len=case.context, device=dev)
+                             max_model_len=case.context, device=dev,
+                             backend="triton" if dev.type == "cuda" else "reference")
         self.plan = planner.plan(QSAStepInputs(
             query_start_loc=torch.arange(0, T + 1, case.rows, device=dev, dtype=torch.int32),
             seq_lens=torch.full((case.batch,), case.context, device=dev, dtype=torch.int32),
@@ -491,8 +491,6 @@ def main(argv: list[str] | None = None) -> None:
         return
     t_start = time.perf_counter()
     device = torch.device("cpu" if args.dry_run else "cuda")
-    if args.dry_run:
-        os.environ.setdefault("QSA_BACKEND", "reference")
     cases = dry_cases() if args.dry_run else smoke_cases() if args.smoke else full_cases()
     if args.only:
         cases = [c for c in cases if c.key in args.only]
