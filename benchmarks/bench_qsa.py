@@ -297,7 +297,15 @@ def sglang_agreement(step: Step, path, max_rows: int = 32) -> dict[str, int]:
                 continue
         gapped += 1
         agree += bool(torch.equal(chosen_groups(ours[r], vis), chosen_groups(theirs[r], vis)))
-    return {"rows": len(rows), "gapped": gapped, "agree": agree}
+    same = group_sets(ours[:, :-1], step.meta.visible_blocks[:T]) == group_sets(theirs[:, :-1], step.meta.visible_blocks[:T])
+    return {"rows": len(rows), "gapped": gapped, "agree": agree, "all_rows": T, "all_agree": int(same.all(1).sum())}
+
+
+def group_sets(tokens: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Each row's chosen complete groups, sorted, padded with a large value: [T, W] int64."""
+    t = tokens.long()
+    first = (t >= 0) & (t % 4 == 0) & (t < visible[:, None].long() * 4)
+    return torch.where(first, t // 4, torch.iinfo(torch.int64).max).sort(1).values
 
 
 def sglang_check(step: Step, path, rows: int = 2) -> float:

@@ -234,7 +234,8 @@ def notes(results: list[Result]) -> str:
         extra = "; ".join(r.notes)
         a = r.agreement
         agree = (f"; SGLang's selection equals ours in {a['agree']} of {a['gapped']} rows whose reference scores "
-                 f"have a gap at the boundary ({a['rows']} rows compared)") if a.get("rows") else ""
+                 f"have a gap at the boundary ({a['rows']} rows compared); in all {a.get('all_rows', '?')} rows, "
+                 f"ties included: {a.get('all_agree', '?')} equal") if a.get("rows") else ""
         out.append(f"- {r.case.label} ({r.case.index_dtype}): {r.check}{agree}" + (f"; {extra}" if extra else ""))
     return "\n".join(out)
 
