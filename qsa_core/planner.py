@@ -22,7 +22,7 @@ reason into a sticky device flag (`check_guard` names it); with the engine's hos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,7 @@ from .reference import metadata as reference_metadata
 _DERIVED = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot", "kv_slot")
 _NO_BOUND = 1 << 62
 _SCHEDULE_CACHE = 512
+_LAYER_CACHE = 256  # bound layer caches per schedule
 
 
 def column_bucket(num_cols: int) -> int:
@@ -55,7 +56,8 @@ class StepSchedule:
     outputs; None on the reference), blocks int32 [T, Kb], selection int32 [T, W + 1],
     attn_out [T, Hq*D]; the select
     schedules of the decode rows [:num_decode_tokens] and the prefill rows after them, and
-    the attention schedule (None on the reference backend).
+    the attention schedule (None on the reference backend); `launches`: the Triton launches
+    bound to this shape ("expand") and per layer cache (`layer_launches`).
     """
 
     num_tokens: int
@@ -70,6 +72,21 @@ class StepSchedule:
     select_decode: object | None
     select_prefill: object | None
     attention: object | None
+    launches: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def layer_launches(self, cache: object) -> dict:
+        """The Triton launches bound to this shape and one layer cache, by op name (each op
+        adds its own on first use).
+
+        Keyed by the cache object, which the entry keeps alive (so its id is never reused
+        while cached); an engine that builds a new cache view per call rebinds per call.
+        """
+        entry = self.launches.get(id(cache))
+        if entry is None or entry[0] is not cache:
+            if len(self.launches) >= _LAYER_CACHE:
+                self.launches.clear()
+            entry = self.launches[id(cache)] = (cache, {})
+        return entry[1]
 
 
 @dataclass(frozen=True)
@@ -180,6 +197,16 @@ class QSAPlanner:
             acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
             self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
                               torch.empty(acc, dtype=torch.float32, device=dev))
+        self._build = None
+        if self.backend == "triton":
+            from qsa_kernels.metadata import MetadataBuild
+
+            self._build = MetadataBuild(
+                **self._derived, request_flags=self._request_flags, guard=self.guard,
+                compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, page_size=self.page_size,
+                num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
+                num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
+            )
         self._static: dict[str, torch.Tensor] | None = None
         if max_num_reqs is not None:
             pages = -(-self.max_model_len // self.page_size)
@@ -225,8 +252,10 @@ class QSAPlanner:
 
     # -- per step -------------------------------------------------------------------------
 
-    def _stage(self, inputs: QSAStepInputs) -> dict[str, torch.Tensor]:
-        """Copy the step's tensors into the planner's static buffers (CUDA-graph addresses)."""
+    def _stage(self, inputs: QSAStepInputs) -> tuple[torch.Tensor, ...]:
+        """Copy the step's tensors into the planner's static buffers (CUDA-graph addresses);
+        returns (query_start_loc, seq_lens, block_table, slot_mapping, ring_index,
+        rope_positions or None) as views of them."""
         s = self._static
         if s is None:
             raise ValueError("plan(..., static=True) needs a planner built with max_num_reqs")
@@ -238,29 +267,24 @@ class QSAPlanner:
             raise ValueError(
                 f"block_table has {P} columns, more than max_model_len / page_size = {s['block_table'].shape[1]}"
             )
-        staged = dict(
-            query_start_loc=s["query_start_loc"][: R + 1].copy_(inputs.query_start_loc),
-            seq_lens=s["seq_lens"][:R].copy_(inputs.seq_lens),
-            block_table=s["block_table"][:R, :P].copy_(inputs.block_table[:R]),
-            slot_mapping=s["slot_mapping"][:T].copy_(inputs.slot_mapping),
-            ring_index=s["ring_index"][:R].copy_(inputs.ring_index),
-        )
+        rope = None
         rp = inputs.rope_positions
         if rp is not None:
             buf = s["rope_positions"]
             if rp.dim() == 2 and buf.shape[0] != 3:
                 raise ValueError("3-axis rope_positions need an MRoPE config (mrope_section)")
-            staged["rope_positions"] = (buf[0] if rp.dim() == 1 else buf)[..., :T].copy_(rp)
-        return staged
+            rope = (buf[0] if rp.dim() == 1 else buf)[..., :T].copy_(rp)
+        return (
+            s["query_start_loc"][: R + 1].copy_(inputs.query_start_loc),
+            s["seq_lens"][:R].copy_(inputs.seq_lens),
+            s["block_table"][:R, :P].copy_(inputs.block_table[:R]),
+            s["slot_mapping"][:T].copy_(inputs.slot_mapping),
+            s["ring_index"][:R].copy_(inputs.ring_index),
+            rope,
+        )
 
-    def plan(self, inputs: QSAStepInputs, *, static: bool = False) -> QSAPlan:
-        """Validate, derive (one launch) and schedule one step; reads nothing back.
-
-        static=True copies the step's tensors into planner-owned buffers first, so a CUDA
-        graph captured over `plan` + layers replays on fresh inputs (same shapes and
-        max_seq_len bucket => the same schedule).
-        """
-        inputs.validate(self.device)
+    def _check_capacity(self, inputs: QSAStepInputs) -> None:
+        """The step fits the workspace (host ints only)."""
         T = inputs.num_tokens
         if inputs.num_reqs > self._request_flags.shape[0]:
             raise ValueError(
@@ -271,31 +295,51 @@ class QSAPlanner:
             raise ValueError(f"num_tokens ({T}) exceeds the planner's max_num_tokens ({self.max_num_tokens})")
         if inputs.max_seq_len > self.max_model_len:
             raise ValueError(f"max_seq_len ({inputs.max_seq_len}) exceeds the planner's max_model_len ({self.max_model_len})")
+
+    def plan(self, inputs: QSAStepInputs, *, static: bool = False) -> QSAPlan:
+        """Validate, derive (two launches on Triton) and schedule one step; reads nothing back.
+
+        static=True copies the step's tensors into planner-owned buffers first, so a CUDA
+        graph captured over `plan` + layers replays on fresh inputs (same shapes and
+        max_seq_len bucket => the same schedule).
+        """
+        inputs.validate(self.device)
+        self._check_capacity(inputs)
         if self.value_checks or debug_enabled():
             inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         cfg = self.config
+        T = inputs.num_tokens
         schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(inputs.max_seq_len // cfg.compress_ratio))
-        fields = dict(inputs.__dict__)
         if static:
-            fields.update(self._stage(inputs))
-        derived = dict(schedule.derived)  # kv_slot is popped below; the schedule keeps its views
-        if fields["rope_positions"] is None:
-            fields["rope_positions"] = derived["positions"]
-        ops.build_metadata(
-            fields["query_start_loc"], fields["seq_lens"], fields["slot_mapping"], fields["ring_index"],
-            fields["block_table"],
-            compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
-            # A captured graph replays with any padding: the live-row bound then comes from
-            # query_start_loc on the device, never from this step's host int.
-            page_size=self.page_size, num_live_rows=-1 if static else T - inputs.num_padding_rows,
-            num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
-            num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
-            request_flags=self._request_flags, guard=self.guard, backend=self.backend, **derived,
-        )
-        fields["slot_mapping"] = derived.pop("kv_slot")  # the guarded one: inert rows write nothing
+            qsl, seq, table, slots, ring, rope = self._stage(inputs)
+        else:
+            qsl, seq, table, slots, ring, rope = (inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
+                                                  inputs.slot_mapping, inputs.ring_index, inputs.rope_positions)
+        d = schedule.derived
+        # A captured graph replays with any padding: the live-row bound then comes from
+        # query_start_loc on the device, never from this step's host int.
+        live = -1 if static else T - inputs.num_padding_rows
+        if self._build is not None:
+            self._build(qsl, seq, slots, ring, table, max_seq_len=inputs.max_seq_len, num_live_rows=live)
+        else:
+            ops.build_metadata(
+                qsl, seq, slots, ring, table,
+                compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
+                page_size=self.page_size, num_live_rows=live,
+                num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
+                num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
+                request_flags=self._request_flags, guard=self.guard, backend=self.backend, **d,
+            )
         meta = QSAForwardMetadata(
-            **fields, **derived,
+            query_start_loc=qsl, seq_lens=seq, block_table=table,
+            slot_mapping=d["kv_slot"],  # the guarded one: inert rows write nothing
+            ring_index=ring, num_decodes=inputs.num_decodes, max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len, decode_query_len=inputs.decode_query_len,
+            num_padding_rows=inputs.num_padding_rows,
+            rope_positions=d["positions"] if rope is None else rope, seq_lens_cpu=inputs.seq_lens_cpu,
             compress_ratio=cfg.compress_ratio, page_size=self.page_size, ring_capacity=self.ring_capacity,
+            token_to_req=d["token_to_req"], positions=d["positions"], visible_blocks=d["visible_blocks"],
+            ring_slot=d["ring_slot"], compressed_slot=d["compressed_slot"],
         )
         return QSAPlan(
             meta=meta, schedule=schedule, config=cfg, backend=self.backend, index_dtype=self.index_dtype,
