@@ -55,7 +55,8 @@ class StepSchedule:
     Row views [T, ...] of the workspace: the derived metadata fields, q_idx, q (prepare
     outputs; None on the reference), blocks int32 [T, Kb], selection int32 [T, W + 1],
     attn_out [T, Hq*D]; the select
-    schedules of the decode rows [:num_decode_tokens] and the prefill rows after them, and
+    schedules of the decode rows [:num_decode_tokens] and the prefill rows after them (and
+    their views of token_to_req, visible_blocks, blocks: `decode_rows`, `prefill_rows`), and
     the attention schedule (None on the reference backend); `launches`: the Triton launches
     bound to this shape ("expand") and per layer cache (`layer_launches`).
     """
@@ -72,6 +73,8 @@ class StepSchedule:
     select_decode: object | None
     select_prefill: object | None
     attention: object | None
+    decode_rows: tuple[torch.Tensor, ...]
+    prefill_rows: tuple[torch.Tensor, ...]
     launches: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layer_launches(self, cache: object) -> dict:
@@ -218,6 +221,11 @@ class QSAPlanner:
                 ring_index=torch.zeros(max_num_reqs, **i32),
                 rope_positions=torch.zeros(3 if cfg.uses_mrope else 1, n, **i64),
             )
+        self._stager = None
+        if self._static is not None and self.backend == "triton":
+            from qsa_kernels.metadata import StaticStage
+
+            self._stager = StaticStage(**self._static)
 
     def _schedule(self, num_tokens: int, num_decode_tokens: int, num_cols: int) -> StepSchedule:
         key = (num_tokens, num_decode_tokens, num_cols)
@@ -237,6 +245,7 @@ class QSAPlanner:
                 pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
             attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
                                   device=self.device, partials=self._partials)
+        rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols,
             derived={k: self._derived[k][:T] for k in _DERIVED},
@@ -244,6 +253,7 @@ class QSAPlanner:
             q=None if self._q is None else self._q[:T],
             blocks=self._blocks[:T], selection=self._selection[:T], attn_out=self._attn_out[:T],
             select_decode=dec, select_prefill=pre, attention=attn,
+            decode_rows=tuple(x[:nd] for x in rows), prefill_rows=tuple(x[nd:] for x in rows),
         )
         if len(self._schedules) >= _SCHEDULE_CACHE:
             self._schedules.clear()
@@ -267,12 +277,15 @@ class QSAPlanner:
             raise ValueError(
                 f"block_table has {P} columns, more than max_model_len / page_size = {s['block_table'].shape[1]}"
             )
-        rope = None
         rp = inputs.rope_positions
+        if rp is not None and rp.dim() == 2 and s["rope_positions"].shape[0] != 3:
+            raise ValueError("3-axis rope_positions need an MRoPE config (mrope_section)")
+        if self._stager is not None:  # one launch
+            return self._stager(inputs.query_start_loc, inputs.seq_lens, inputs.block_table, inputs.slot_mapping,
+                                inputs.ring_index, rp)
+        rope = None
         if rp is not None:
             buf = s["rope_positions"]
-            if rp.dim() == 2 and buf.shape[0] != 3:
-                raise ValueError("3-axis rope_positions need an MRoPE config (mrope_section)")
             rope = (buf[0] if rp.dim() == 1 else buf)[..., :T].copy_(rp)
         return (
             s["query_start_loc"][: R + 1].copy_(inputs.query_start_loc),

@@ -10,7 +10,8 @@ Mirrors `qsa_core.reference.metadata.qsa_build_metadata`. Two launches, CUDA-gra
    row of a flagged request inert (as padding) and its reasons OR-ed into the guard.
 
 `MetadataBuild` binds both launches (`qsa_kernels.launch`) to fixed outputs, once per
-(R, T); `qsa_build_metadata` is the op on it.
+(R, T); `qsa_build_metadata` is the op on it. `StaticStage` copies a step's inputs into a
+planner's fixed buffers in one launch (`plan(static=True)`).
 """
 
 from __future__ import annotations
@@ -243,3 +244,90 @@ def qsa_build_metadata(
         num_ring_rows=num_ring_rows,
     )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len=max_seq_len,
       num_live_rows=num_live_rows)
+
+
+@triton.jit(do_not_specialize=["R", "T", "P", "stride_bt0", "stride_bt1", "rope_stride_axis", "rope_stride_t"])
+def _stage_kernel(
+    qsl_ptr, seq_ptr, ring_index_ptr, bt_ptr, stride_bt0, stride_bt1, slot_ptr, rope_ptr, rope_stride_axis,
+    rope_stride_t, qsl_dst, seq_dst, ring_index_dst, bt_dst, dst_bt0, slot_dst, rope_dst, rope_dst_axis,
+    R, T, P,
+    AXES: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program p copies request p's entries and block-table row (p < R), and rows
+    [p*BLOCK, (p+1)*BLOCK) of slot_mapping and the AXES rope-position rows (0: none)."""
+    p = tl.program_id(0).to(tl.int64)
+    if p < R:
+        tl.store(seq_dst + p, tl.load(seq_ptr + p))
+        tl.store(ring_index_dst + p, tl.load(ring_index_ptr + p))
+        tl.store(qsl_dst + p + 1, tl.load(qsl_ptr + p + 1))
+        if p == 0:
+            tl.store(qsl_dst, tl.load(qsl_ptr))
+        c0 = p * 0
+        while c0 < P:
+            cols = c0 + tl.arange(0, BLOCK_P)
+            page = tl.load(bt_ptr + p * stride_bt0 + cols * stride_bt1, mask=cols < P)
+            tl.store(bt_dst + p * dst_bt0 + cols, page, mask=cols < P)
+            c0 += BLOCK_P
+    rows = p * BLOCK + tl.arange(0, BLOCK)
+    tl.store(slot_dst + rows, tl.load(slot_ptr + rows, mask=rows < T), mask=rows < T)
+    for a in tl.static_range(AXES):
+        pos = tl.load(rope_ptr + a * rope_stride_axis + rows * rope_stride_t, mask=rows < T)
+        tl.store(rope_dst + a * rope_dst_axis + rows, pos, mask=rows < T)
+
+
+_stage = Launcher(_stage_kernel)
+_STAGE_FREE = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "bt_ptr", "stride_bt0", "stride_bt1", "slot_ptr", "rope_ptr",
+               "rope_stride_axis", "rope_stride_t")
+
+
+class StaticStage:
+    """Copies a step's inputs into fixed buffers (`QSAPlanner.plan(static=True)`) in one launch.
+
+    Buffers (contiguous): query_start_loc int32 [>= R+1], seq_lens int32 [>= R], block_table
+    int32 [>= R, >= P], slot_mapping int64 [>= T], ring_index int32 [>= R], rope_positions
+    int64 [1 or 3, >= T]. Bound once per (R, T, P, rope rank).
+    """
+
+    def __init__(self, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 slot_mapping: torch.Tensor, ring_index: torch.Tensor, rope_positions: torch.Tensor) -> None:
+        self.buffers = (query_start_loc, seq_lens, block_table, slot_mapping, ring_index, rope_positions)
+        self._bound: dict[tuple[int, int, int, int], tuple[BoundLaunch, tuple]] = {}
+
+    def __call__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 slot_mapping: torch.Tensor, ring_index: torch.Tensor, rope_positions: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, ...]:
+        """Stage the step (block_table's first R rows); returns the buffers' views
+        (query_start_loc, seq_lens, block_table [R, P], slot_mapping, ring_index,
+        rope_positions or None) in the inputs' shapes."""
+        R, T, P = seq_lens.shape[0], slot_mapping.shape[0], block_table.shape[1]
+        axes = 0 if rope_positions is None else (1 if rope_positions.dim() == 1 else 3)
+        key = (R, T, P, axes)
+        found = self._bound.get(key)
+        if found is None:
+            found = self._bind(key, query_start_loc, seq_lens, block_table, slot_mapping, ring_index, rope_positions)
+        launch, views = found
+        rope, rs_axis, rs_t = (slot_mapping, 0, 1) if rope_positions is None else (
+            (rope_positions, 0, rope_positions.stride(0)) if axes == 1
+            else (rope_positions, rope_positions.stride(0), rope_positions.stride(1)))
+        if max(R, T):
+            launch(query_start_loc, seq_lens, ring_index, block_table, block_table.stride(0), block_table.stride(1),
+                   slot_mapping, rope, rs_axis, rs_t)
+        return views
+
+    def _bind(self, key, qsl, seq, table, slots, ring, rope_positions):
+        R, T, P, axes = key
+        qsl_b, seq_b, table_b, slots_b, ring_b, rope_b = self.buffers
+        rope, rs_axis, rs_t = (slots, 0, 1) if rope_positions is None else (
+            (rope_positions, 0, rope_positions.stride(0)) if axes == 1
+            else (rope_positions, rope_positions.stride(0), rope_positions.stride(1)))
+        launch = _stage.bind(
+            (max(R, triton.cdiv(T, BLOCK_ROWS), 1),), qsl, seq, ring, table, table.stride(0), table.stride(1),
+            slots, rope, rs_axis, rs_t, qsl_b, seq_b, ring_b, table_b, table_b.stride(0), slots_b, rope_b,
+            rope_b.stride(0), R, T, P, free=_STAGE_FREE, AXES=axes, BLOCK_P=BLOCK_PAGES, BLOCK=BLOCK_ROWS,
+        )
+        rope_view = None if axes == 0 else (rope_b[0, :T] if axes == 1 else rope_b[:, :T])
+        views = (qsl_b[: R + 1], seq_b[:R], table_b[:R, :P], slots_b[:T], ring_b[:R], rope_view)
+        if len(self._bound) >= _CACHE:
+            self._bound.clear()
+        self._bound[key] = (launch, views)
+        return launch, views

@@ -515,6 +515,8 @@ class PrepareLaunch:
     token_to_req, positions, ring_slot: the plan's workspace views), the q_idx / q outputs,
     the cache (views, strides, scales), the RoPE tables, eps and the geometry. Per call:
     the projections, the norm weights, rope_positions, query_start_loc and ring_index.
+    index_q may be wider than Hi*Di (the whole index_qk projection: only its first Hi*Di
+    columns are read; Hi comes from q_idx_out [T, Hi, Di]).
     """
 
     def __init__(
@@ -525,7 +527,7 @@ class PrepareLaunch:
     ) -> None:
         T, Di = raw_keys.shape
         D = k_norm.shape[0]
-        Hi, Hq, Hkv = index_q.shape[1] // Di, q_gate.shape[1] // (2 * D), k.shape[1] // D
+        Hi, Hq, Hkv = q_idx_out.shape[1], q_gate.shape[1] // (2 * D), k.shape[1] // D
         self.T, self.Hq, self.D = T, Hq, D
         self.q_idx, self.q = q_idx_out, q_out
         has_ring_pos = _has_ring_positions(rope_positions, cache)
