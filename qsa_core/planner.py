@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ops
-from .cache import check_page_size
+from .cache import QSALayerCache, check_page_size
 from .config import QSAConfig, resolve_dtype
 from .inputs import QSAStepInputs, debug_enabled
 from .metadata import QSAForwardMetadata
@@ -77,19 +77,41 @@ class StepSchedule:
     prefill_rows: tuple[torch.Tensor, ...]
     launches: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def layer_launches(self, cache: object) -> dict:
+    def layer_launches(self, cache: QSALayerCache) -> dict:
         """The Triton launches bound to this shape and one layer cache, by op name (each op
         adds its own on first use).
 
-        Keyed by the cache object, which the entry keeps alive (so its id is never reused
-        while cached); an engine that builds a new cache view per call rebinds per call.
+        Found by the cache object (kept alive by the entry, so its id is never reused while
+        cached), else by what the launches bake in (its views' pointers, dtypes, shapes and
+        strides, its scales), so an engine that builds a new cache view per call reuses them.
         """
         entry = self.launches.get(id(cache))
-        if entry is None or entry[0] is not cache:
-            if len(self.launches) >= _LAYER_CACHE:
-                self.launches.clear()
-            entry = self.launches[id(cache)] = (cache, {})
-        return entry[1]
+        if entry is not None and entry[0] is cache:
+            return entry[1]
+        by_views = self.launches.setdefault("by_views", {})
+        key = _cache_key(cache)
+        found = by_views.get(key)
+        if found is None:
+            if len(by_views) >= _LAYER_CACHE:
+                by_views.clear()
+            found = by_views[key] = {}
+        if len(self.launches) >= _LAYER_CACHE:
+            expand = self.launches.get("expand")
+            self.launches.clear()
+            self.launches.update(by_views=by_views, **({} if expand is None else {"expand": expand}))
+        self.launches[id(cache)] = (cache, found)
+        return found
+
+
+def _view_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def _cache_key(cache: QSALayerCache) -> tuple:
+    """What bound launches fix of a layer cache: its views and scales."""
+    c = cache
+    return (_view_key(c.k), _view_key(c.v), _view_key(c.compressed), _view_key(c.ring), _view_key(c.ring_positions),
+            c.k_scale, c.v_scale)
 
 
 @dataclass(frozen=True)
