@@ -1,28 +1,29 @@
 """A thin Triton launcher: bind a `@triton.jit` kernel once, relaunch it with the runtime args only.
 
-`JITFunction.run` costs 30-60 us of host time per launch (binding the arguments, computing
-the specialization key, looking up the compiled kernel, launch metadata and hooks). A QSA
-layer launches the same kernels with the same workspace, caches and constexprs on every
-call, so a `BoundLaunch` does that work once and then calls the compiled kernel's low-level
-`run` (the same call `JITFunction.run` ends with, in triton 3.6 and 3.9) with the grid, the
-current stream and the argument list, in which only the `free` arguments change per call.
+`JITFunction.run` costs 30-60 us of host time per launch: binding the arguments, the
+specialization key, the compiled-kernel lookup, launch metadata and hooks, and in the
+compiled launcher a `data_ptr()` call and a driver query per pointer. A QSA layer launches
+the same kernels with the same workspace, caches and constexprs on every call, so a
+`BoundLaunch` does that work once and then calls the compiled kernel's low-level `run` (the
+call `JITFunction.run` ends with, in triton 3.6 and 3.9) with the grid, the current stream
+and the argument list, pointers as raw ints, in which only the `free` arguments change.
 
 Specialization is respected: Triton compiles a different kernel when a tensor's dtype or
 16-byte alignment, or an int's range (i32/i64/u64), its being 1 or its divisibility by 16
-changes (the last two not for `do_not_specialize` ints). A bound launch computes that key for
-its free arguments on every call and, where it differs from the bound one, fetches (once) the
-compiled kernel of the new key through the ordinary path; fixed arguments are fixed by
-construction. Launches on the fast path skip Triton's check that the kernel's global
-variables are unchanged (ours are module constants) and run where no launch hook (profiler)
-is installed; with a hook, under `TRITON_INTERPRET=1`, or when disabled (`QSA_FAST_LAUNCH=0`,
-`set_enabled(False)`) every call is the ordinary `kernel[grid](...)` launch.
+changes (the last two not for `do_not_specialize` ints). A bound launch checks that key for
+its free arguments on every call (and their device) and, where it differs from the bound
+one, fetches (once) the compiled kernel of the new key through the ordinary path; fixed
+arguments must not change (bind anew). The fast path skips Triton's check that the kernel's
+global variables are unchanged (ours are module constants) and runs only where no launch
+hook (profiler) is installed; with a hook, under `TRITON_INTERPRET=1`, or when disabled
+(`QSA_FAST_LAUNCH=0`, `set_enabled(False)`) every call is the ordinary `kernel[grid](...)`.
 
     _expand = Launcher(_expand_kernel)                       # once, at module level
-    bound = _expand.bind(grid, *args, free=("blocks_ptr",), Kb=..., num_warps=4)
-    bound(blocks)                                             # per call: the free args, in order
+    bound = _expand.bind(grid, *args, free=("out_ptr", "stride_o"), Kb=..., num_warps=4)
+    bound(out, out.stride(0))                                 # per call: the free args, in order
 
-A binding is for the device current when it is made; the launch goes to that device's
-current stream (a CUDA-graph capture records it).
+A binding is for the device current when it is made; it launches on that device's current
+stream (a CUDA-graph capture records it). Fixed tensors are held alive by the binding.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import os
 from typing import Any, Callable, Sequence
 
 import torch
-import triton
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
@@ -46,10 +46,6 @@ def set_enabled(flag: bool) -> None:
     """Use the fast path (default) or the ordinary Triton launch for every bound launch."""
     global _enabled
     _enabled = bool(flag)
-
-
-def enabled() -> bool:
-    return _enabled
 
 
 def _fast() -> bool:
