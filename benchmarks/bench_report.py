@@ -271,19 +271,23 @@ def plot(results: list[Result], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, (kind, batch) in zip(axes, [("decode", 4), ("prefill", 1)]):
+        rows = 1 if kind == "decode" else 16384
         sel = sorted((r for r in results if r.case.kind == kind and r.case.batch == batch and r.case.index_dtype == "bf16"
-                      and (kind == "prefill" or r.case.rows == 1)), key=lambda r: r.case.context)
+                      and r.case.rows == rows), key=lambda r: r.case.context)
         for name in (WHOLE, NO_PREP, DENSE, SGL_ALL):
             pts = [(r.case.context, r.us[name]) for r in sel if name in r.us]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
         floors = [(r.case.context, floor_us(r.model["bytes"], r.model["flops"])) for r in sel if r.model]
         if floors:
-            ax.plot(*zip(*floors), linestyle="--", color="gray", label="floor (4.3 TB/s, 790 TFLOP/s)")
+            ax.plot(*zip(*floors), linestyle="--", marker=".", color="gray", label="floor (4.3 TB/s, 790 TFLOP/s)")
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="us per layer",
                title=f"{kind}, batch {batch}" + (", 1 row/request" if kind == "decode" else ", 16K-row chunk"))
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        if sel:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "not in this run", transform=ax.transAxes, ha="center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
