@@ -31,7 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_report as rep  # noqa: E402
-from bench_report import DENSE, NO_PREP, SGL_ALL, SGL_ATTN, SGL_INDEXER, WHOLE, Case, Geometry, Result  # noqa: E402
+from bench_report import (  # noqa: E402
+    DENSE, NO_PREP, SGL_ALL, SGL_ATTN, SGL_INDEXER, WHOLE, WHOLE_WARM, Case, Geometry, Result,
+)
 
 from qsa_core import (  # noqa: E402
     QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlanner, QSAStepInputs, ops, qsa_attention,
@@ -318,7 +320,7 @@ def sglang_check(step: Step, path, rows: int = 2) -> float:
 
 # -- one configuration -------------------------------------------------------------------------
 
-def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save) -> Result:
+def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save, warm_timer=None) -> Result:
     """Fill result column by column (save() after each, so a killed run keeps what it has)."""
     step = Step(case, device)
     step.select()
@@ -340,6 +342,9 @@ def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result:
         if name not in result.us:
             result.us[name] = timer(fn)
             save()
+    if warm_timer is not None and WHOLE_WARM not in result.us:
+        result.us[WHOLE_WARM] = warm_timer(step.full)
+        save()
     step.select()
     if sg is not None and SGL_ALL not in result.us and not any(n.startswith("sglang") for n in result.notes):
         try:
@@ -517,6 +522,7 @@ def main(argv: list[str] | None = None) -> None:
                 "CUDA-graph replays" + ("" if args.warm_l2 else ", L2 flushed before each replay"))
     sg, why = load_peer(args, device)
     timer = WallTimer() if args.dry_run else GraphTimer(flush_l2=not args.warm_l2)
+    warm_timer = None if args.dry_run or args.warm_l2 else GraphTimer(flush_l2=False)
     results = [by_key.get(c.key) or Result(c) for c in cases]
 
     failed: list[str] = []
@@ -533,7 +539,8 @@ def main(argv: list[str] | None = None) -> None:
         if why and why not in r.notes:
             r.notes.append(why)
         try:
-            measure(r.case, device, timer, sg, dense=not args.no_dense and not args.dry_run, result=r, save=save)
+            measure(r.case, device, timer, sg, dense=not args.no_dense and not args.dry_run, result=r, save=save,
+                    warm_timer=warm_timer)
         except Exception as e:  # noqa: BLE001 - a failed check stops this configuration only
             r.notes.append(f"FAILED: {type(e).__name__}: {e}"[:300])
             failed.append(r.case.key)
