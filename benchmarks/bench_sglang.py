@@ -72,15 +72,18 @@ def missing_files(root: Path) -> list[str]:
     return [str(QSA_DIR / f) for f in FILES if not (root / QSA_DIR / f).is_file()]
 
 
+def _is_hip() -> bool:
+    return False  # the benchmark runs CUDA (or the CPU dry run)
+
+
 def load(root: Path) -> types.SimpleNamespace:
     """SGLang's QSA modules from `root` (a site-packages, or a folder with just the 3 files)."""
     if missing_files(root):
         raise FileNotFoundError(f"{root}: missing {missing_files(root)}")
-    is_hip = lambda: False  # noqa: E731 - the benchmark runs CUDA (or the CPU dry run)
     for name in ("sglang", "sglang.srt"):
         _shim(name)
-    _shim("sglang.srt.utils", is_hip=is_hip)
-    _shim("sglang.srt.utils.common", is_hip=is_hip)
+    _shim("sglang.srt.utils", is_hip=_is_hip)
+    _shim("sglang.srt.utils.common", is_hip=_is_hip)
     _shim("sglang.srt.batch_invariant_ops", is_batch_invariant_mode_enabled=_Switch.enabled)
     try:  # finish FlashInfer's own package import before one of its submodules is blocked
         import flashinfer  # noqa: F401
