@@ -338,12 +338,15 @@ def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result:
         WHOLE: step.full,
     }
     step.select()
+    if warm_timer is not None:
+        ours[WHOLE_WARM] = step.full
     for name, fn in ours.items():
-        if name not in result.us:
-            result.us[name] = timer(fn)
-            save()
-    if warm_timer is not None and WHOLE_WARM not in result.us:
-        result.us[WHOLE_WARM] = warm_timer(step.full)
+        if name in result.us or any(n.startswith(f"{name}:") for n in result.notes):
+            continue
+        try:
+            result.us[name] = (warm_timer if name == WHOLE_WARM else timer)(fn)
+        except Exception as e:  # noqa: BLE001 - one column's failure (e.g. an API it relies on moved) is reported
+            result.notes.append(f"{name}: {type(e).__name__}: {e}"[:300])
         save()
     step.select()
     if sg is not None and SGL_ALL not in result.us and not any(n.startswith("sglang") for n in result.notes):
