@@ -22,6 +22,13 @@ case $MODE in
 esac
 PEER=(); [ -f /tmp/qsa-peer/sglang-src/sglang/srt/layers/attention/qsa/mqa.py ] && PEER=(--sglang-dir /tmp/qsa-peer/sglang-src)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+TOPK=/tmp/site/flashinfer/data/aot/topk/topk.so
+if [ -f "$TOPK" ]; then
+  echo "FlashInfer top-k module: $(nm -D --undefined-only "$TOPK" | grep -c cub_topk) undefined CUB symbols (0: complete;" \
+    "else linked without cub_topk.cu, which SGLang's deterministic call never uses)"
+else
+  echo "FlashInfer top-k module: not prebuilt (the SGLang columns will say why)"
+fi
 python3 -c "import tilelang, flashinfer; print('tilelang', tilelang.__version__, 'flashinfer', flashinfer.__version__)" 2>&1 | tail -1
 timeout -k 5 "$LIMIT" python3 benchmarks/bench_qsa.py "${ARGS[@]}" "${PEER[@]}" --out "$RES" --no-plot \
   --budget-s $((LIMIT - MARGIN)) "$@" 2>&1 | tee -a "$RES/log.txt"
