@@ -23,9 +23,11 @@ esac
 PEER=(); [ -f /tmp/qsa-peer/sglang-src/sglang/srt/layers/attention/qsa/mqa.py ] && PEER=(--sglang-dir /tmp/qsa-peer/sglang-src)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 TOPK=/tmp/site/flashinfer/data/aot/topk/topk.so
-if [ -f "$TOPK" ]; then
+if [ -f "$TOPK" ] && command -v nm >/dev/null; then
   echo "FlashInfer top-k module: $(nm -D --undefined-only "$TOPK" | grep -c cub_topk) undefined CUB symbols (0: complete;" \
     "else linked without cub_topk.cu, which SGLang's deterministic call never uses)"
+elif [ -f "$TOPK" ]; then
+  echo "FlashInfer top-k module: $TOPK (no nm here to inspect it)"
 else
   echo "FlashInfer top-k module: not prebuilt (the SGLang columns will say why)"
 fi
