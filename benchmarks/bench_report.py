@@ -71,6 +71,7 @@ class Result:
     check: str = ""  # the reference check's outcome
     agreement: dict[str, int] = field(default_factory=dict)  # SGLang vs our selection
     notes: list[str] = field(default_factory=list)  # why a column is missing
+    done: bool = False  # measured to the end (a resumed run skips it)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -78,7 +79,7 @@ class Result:
     @classmethod
     def from_json(cls, d: dict) -> "Result":
         return cls(Case(**d["case"]), d.get("us", {}), d.get("model", {}), d.get("check", ""),
-                   d.get("agreement", {}), d.get("notes", []))
+                   d.get("agreement", {}), d.get("notes", []), d.get("done", False))
 
 
 # The issue's targets (issue 12): per configuration, a bound in us or "no slower than dense".
