@@ -572,8 +572,9 @@ class PrepareLaunch:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Shapes as `qsa_prepare` (T rows each); returns (q_idx, q, gate)."""
         rope, rs_axis, rs_t = _rope_args(rope_positions)
-        raw_stride = raw_keys.stride(0)
-        self._main(index_q, index_q.stride(0), index_q_norm, raw_keys, raw_stride, index_k_norm, q_gate,
+        iq_stride = index_q.stride(0)
+        raw_stride = iq_stride if raw_keys is index_q else raw_keys.stride(0)
+        self._main(index_q, iq_stride, index_q_norm, raw_keys, raw_stride, index_k_norm, q_gate,
                    q_gate.stride(0), q_norm, k, k.stride(0), k_norm, v, v.stride(0), rope, rs_axis, rs_t,
                    query_start_loc, ring_index)
         self._ring(raw_keys, raw_stride, rope, rs_axis, rs_t)
