@@ -182,7 +182,7 @@ def qsa_prepare(
         index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in
                                   ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
     split = cfg.index_n_heads * cfg.index_head_dim
-    if s.q is None or T == 0:  # the reference backend (or nothing to do)
+    if plan.backend != "triton" or T == 0:  # the reference (or nothing to do)
         return ops.prepare(
             index_qk[:, :split], index_qk[:, split:], q_gate, k, v, meta.rope_positions,
             index_q_norm=norms.index_q, index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k,
@@ -231,7 +231,7 @@ def qsa_select(
         to_req, vis, blocks = s.prefill_rows
         ops.select_prefill(q_idx[nd:], comp, table, to_req, vis, out=blocks, schedule=s.select_prefill, **kw)
     blocks, vis = s.blocks, meta.visible_blocks
-    if s.q is None or T == 0:
+    if plan.backend != "triton" or T == 0:
         return ops.expand(blocks, meta.positions, vis, compress_ratio=cfg.compress_ratio, out=out, backend=plan.backend)
     expand = s.launches.get("expand")
     if expand is None:
