@@ -12,7 +12,7 @@ profiler.
 Every case runs twice in one run: with the ordinary Triton launch (`JITFunction.run`, the
 old path) and with the thin launcher (`qsa_kernels.launch`, bound launches).
 
-    python benchmarks/bench_host.py [--out DIR] [--launch both|ordinary|launcher]
+    python benchmarks/bench_host.py [--out DIR] [--launch both|ordinary|launcher] [--shapes 4x8192,...]
 """
 
 from __future__ import annotations
@@ -159,10 +159,12 @@ def main() -> None:
                         help="Triton launch path(s) to measure (default: both, old then new)")
     parser.add_argument("--calls", type=int, default=25, help="calls per timed round")
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds (the median is reported)")
+    parser.add_argument("--shapes", default="4x8192,64x8192,64x131072", help="BATCHxCONTEXT decode steps, comma separated")
     args = parser.parse_args()
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     modes = ("ordinary", "launcher") if args.launch == "both" else (args.launch,)
     rows, same = [], []
-    for batch, context in ((4, 8192), (64, 8192), (64, 131072)):
+    for batch, context in shapes:
         step = DecodeStep(batch, context)
         if len(modes) == 2:  # the two paths write the same bits
             try:

@@ -178,14 +178,13 @@ def qsa_prepare(
     call's tensors only."""
     meta, s, cfg = plan.meta, plan.schedule, plan.config
     T = s.num_tokens
-    if index_qk.shape[0] != T or q_gate.shape[0] != T or k.shape[0] != T or v.shape[0] != T:
+    if index_qk.size(0) != T or q_gate.size(0) != T or k.size(0) != T or v.size(0) != T:
         index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in
                                   ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
     split = cfg.index_n_heads * cfg.index_head_dim
-    raw_keys = index_qk[:, split:]
-    if s.q is None or T == 0:  # the reference backend (or nothing to do)
+    if plan.backend != "triton" or T == 0:  # the reference (or nothing to do)
         return ops.prepare(
-            index_qk[:, :split], raw_keys, q_gate, k, v, meta.rope_positions,
+            index_qk[:, :split], index_qk[:, split:], q_gate, k, v, meta.rope_positions,
             index_q_norm=norms.index_q, index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k,
             eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, index_dtype=plan.index_dtype,
             cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q, backend=plan.backend,
@@ -195,12 +194,14 @@ def qsa_prepare(
     if prepare is None:
         from qsa_kernels.prepare import PrepareLaunch
 
-        prepare = launches["prepare"] = PrepareLaunch(  # index_qk as index_q: its first Hi*Di columns
-            index_qk, raw_keys, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,
+        # index_qk as both index_q (its first Hi*Di columns) and raw_keys (from column Hi*Di).
+        prepare = launches["prepare"] = PrepareLaunch(
+            index_qk, index_qk, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,
             index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k, eps=cfg.rms_norm_eps,
             inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q,
+            raw_offset=split,
         )
-    return prepare(index_qk, raw_keys, q_gate, k, v, meta.rope_positions, norms.index_q, norms.index_k, norms.q,
+    return prepare(index_qk, index_qk, q_gate, k, v, meta.rope_positions, norms.index_q, norms.index_k, norms.q,
                    norms.k, meta.query_start_loc, meta.ring_index)
 
 
@@ -230,7 +231,7 @@ def qsa_select(
         to_req, vis, blocks = s.prefill_rows
         ops.select_prefill(q_idx[nd:], comp, table, to_req, vis, out=blocks, schedule=s.select_prefill, **kw)
     blocks, vis = s.blocks, meta.visible_blocks
-    if s.q is None or T == 0:
+    if plan.backend != "triton" or T == 0:
         return ops.expand(blocks, meta.positions, vis, compress_ratio=cfg.compress_ratio, out=out, backend=plan.backend)
     expand = s.launches.get("expand")
     if expand is None:

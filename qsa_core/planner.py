@@ -103,6 +103,14 @@ class StepSchedule:
         return found
 
 
+def _record(cls: type, **fields: object) -> object:
+    """An instance of the frozen dataclass `cls` from all its fields, without its __init__'s
+    per-field object.__setattr__ (plan makes two per step; neither has a __post_init__)."""
+    record = object.__new__(cls)
+    record.__dict__.update(fields)
+    return record
+
+
 def _view_key(t: torch.Tensor | None) -> tuple | None:
     return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
@@ -365,8 +373,8 @@ class QSAPlanner:
                 num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
                 request_flags=self._request_flags, guard=self.guard, backend=self.backend, **d,
             )
-        meta = QSAForwardMetadata(
-            query_start_loc=qsl, seq_lens=seq, block_table=table,
+        meta = _record(
+            QSAForwardMetadata, query_start_loc=qsl, seq_lens=seq, block_table=table,
             slot_mapping=d["kv_slot"],  # the guarded one: inert rows write nothing
             ring_index=ring, num_decodes=inputs.num_decodes, max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len, decode_query_len=inputs.decode_query_len,
@@ -376,8 +384,8 @@ class QSAPlanner:
             token_to_req=d["token_to_req"], positions=d["positions"], visible_blocks=d["visible_blocks"],
             ring_slot=d["ring_slot"], compressed_slot=d["compressed_slot"],
         )
-        return QSAPlan(
-            meta=meta, schedule=schedule, config=cfg, backend=self.backend, index_dtype=self.index_dtype,
+        return _record(
+            QSAPlan, meta=meta, schedule=schedule, config=cfg, backend=self.backend, index_dtype=self.index_dtype,
             inv_freq=self.inv_freq, rope_axes=self.rope_axes,
         )
 

@@ -183,3 +183,14 @@ def test_layer_launches_are_shared_by_equal_cache_views_only():
                                 ring_positions=a.ring_positions)
     for cache in (other, rescaled, fewer_pages):
         assert schedule.layer_launches(cache) == {}
+
+
+def test_a_plan_records_every_field_of_its_dataclasses():
+    """plan builds its records field by field: none may be missing or extra."""
+    from dataclasses import fields
+
+    from qsa_core import QSAForwardMetadata, QSAPlan
+
+    plan = planner().plan(mixed_step())
+    assert set(vars(plan)) == {f.name for f in fields(QSAPlan)}
+    assert set(vars(plan.meta)) == {f.name for f in fields(QSAForwardMetadata)}

@@ -272,8 +272,8 @@ def _kv_task(
 def _prepare_kernel(
     # indexer query
     iq_ptr, iq_stride_t, iq_w_ptr, qidx_ptr, Hi, Di,
-    # raw keys, compression, compressed cache
-    raw_ptr, stride_raw, ik_w_ptr, comp_ptr, stride_cpage, stride_comp, comp_rows,
+    # raw keys (row t at raw_ptr + raw_off + t * stride_raw), compression, compressed cache
+    raw_ptr, stride_raw, raw_off, ik_w_ptr, comp_ptr, stride_cpage, stride_comp, comp_rows,
     ring_ptr, stride_rpage, stride_ring, ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
     # main q / k / v
     qg_ptr, qg_stride_t, q_w_ptr, q_out_ptr, Hq, D,
@@ -295,7 +295,7 @@ def _prepare_kernel(
                     RD, BHI, BDI, INTERP)
     elif task == 1:
         _compress_row(
-            t, raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
+            t, raw_ptr + raw_off, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
             ik_w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
             comp_ptr, stride_cpage, stride_comp, comp_rows, ring_ptr, stride_rpage, stride_ring,
             ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
@@ -315,16 +315,17 @@ def _prepare_kernel(
 
 @triton.jit(do_not_specialize=["rope_stride_axis"])
 def _ring_store_kernel(
-    raw_ptr, stride_raw, ring_ptr, stride_rpage, stride_ring, ring_rows, ring_slot_ptr, Di,
+    raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring, ring_rows, ring_slot_ptr, Di,
     ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1, rope_ptr, rope_stride_axis, rope_stride_t,
     C: tl.constexpr, HAS_POS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
 ):
-    """ring[ring_slot[t]] = raw[t] (+ the row's 3 rope positions) for valid ring slots."""
+    """ring[ring_slot[t]] = raw[t] (at raw_ptr + raw_off + t * stride_raw; + the row's 3 rope
+    positions) for valid ring slots."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(ring_slot_ptr + t)
     if (slot >= 0) & (slot < ring_rows):
         d = tl.arange(0, BD)
-        x = tl.load(raw_ptr + t * stride_raw + d, mask=d < Di, other=0.0).to(tl.float32)
+        x = tl.load(raw_ptr + raw_off + t * stride_raw + d, mask=d < Di, other=0.0).to(tl.float32)
         dst = ring_ptr + (slot // C) * stride_rpage + (slot % C) * stride_ring
         tl.store(dst + d, _cvt(x, ring_ptr.dtype.element_ty, INTERP), mask=d < Di)
         if HAS_POS:
@@ -515,8 +516,9 @@ class PrepareLaunch:
     token_to_req, positions, ring_slot: the plan's workspace views), the q_idx / q outputs,
     the cache (views, strides, scales), the RoPE tables, eps and the geometry. Per call:
     the projections, the norm weights, rope_positions, query_start_loc and ring_index.
-    index_q may be wider than Hi*Di (the whole index_qk projection: only its first Hi*Di
-    columns are read; Hi comes from q_idx_out [T, Hi, Di]).
+    index_q may be wider than Hi*Di (only its first Hi*Di columns are read; Hi comes from
+    q_idx_out [T, Hi, Di]) and raw_keys' rows may start raw_offset elements in: the layer
+    passes the whole index_qk projection as both, raw_offset = Hi*Di (no per-call views).
     """
 
     def __init__(
@@ -524,8 +526,9 @@ class PrepareLaunch:
         v: torch.Tensor, rope_positions: torch.Tensor, *, index_q_norm: torch.Tensor, index_k_norm: torch.Tensor,
         q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor, rope_axes: torch.Tensor,
         cache: "QSALayerCache", meta: "QSAForwardMetadata", q_idx_out: torch.Tensor, q_out: torch.Tensor,
+        raw_offset: int = 0,
     ) -> None:
-        T, Di = raw_keys.shape
+        T, Di = raw_keys.shape[0], index_k_norm.shape[0]
         D = k_norm.shape[0]
         Hi, Hq, Hkv = q_idx_out.shape[1], q_gate.shape[1] // (2 * D), k.shape[1] // D
         self.T, self.Hq, self.D = T, Hq, D
@@ -541,7 +544,7 @@ class PrepareLaunch:
         self._main = _prepare.bind(
             (T, 3 + triton.cdiv(Hq, heads_per_prog)),
             index_q, index_q.stride(0), index_q_norm, q_idx_out, Hi, Di,
-            raw_keys, raw_keys.stride(0), index_k_norm, *_paged_args(cache.compressed),
+            raw_keys, raw_keys.stride(0), raw_offset, index_k_norm, *_paged_args(cache.compressed),
             *_paged_args(cache.ring)[:3], ring_pos, rpp, rp0, rp1,
             q_gate, q_gate.stride(0), q_norm, q_out, Hq, D,
             k, k.stride(0), k_norm, v, v.stride(0), Hkv,
@@ -556,7 +559,7 @@ class PrepareLaunch:
             HAS_RING_POS=has_ring_pos, INTERP=interp,
         )
         self._ring = _ring_store.bind(
-            (T,), raw_keys, raw_keys.stride(0), *_paged_args(cache.ring), meta.ring_slot, Di,
+            (T,), raw_keys, raw_keys.stride(0), raw_offset, *_paged_args(cache.ring), meta.ring_slot, Di,
             ring_pos, rpp, rp0, rp1, rope, rs_axis, rs_t,
             free=_RING_FREE,
             C=meta.ring_capacity, HAS_POS=cache.ring_positions is not None, BD=_pow2(Di), INTERP=interp,
@@ -569,12 +572,21 @@ class PrepareLaunch:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Shapes as `qsa_prepare` (T rows each); returns (q_idx, q, gate)."""
         rope, rs_axis, rs_t = _rope_args(rope_positions)
-        raw_stride = raw_keys.stride(0)
-        self._main(index_q, index_q.stride(0), index_q_norm, raw_keys, raw_stride, index_k_norm, q_gate,
+        iq_stride = index_q.stride(0)
+        raw_stride = iq_stride if raw_keys is index_q else raw_keys.stride(0)
+        self._main(index_q, iq_stride, index_q_norm, raw_keys, raw_stride, index_k_norm, q_gate,
                    q_gate.stride(0), q_norm, k, k.stride(0), k_norm, v, v.stride(0), rope, rs_axis, rs_t,
                    query_start_loc, ring_index)
         self._ring(raw_keys, raw_stride, rope, rs_axis, rs_t)
-        return self.q_idx, self.q, q_gate.view(self.T, self.Hq, 2 * self.D)[..., self.D:]
+        return self.q_idx, self.q, _gate(q_gate, self.T, self.Hq, self.D)
+
+
+def _gate(q_gate: torch.Tensor, T: int, Hq: int, D: int) -> torch.Tensor:
+    """The gate half [T, Hq, D] of q_gate [T, Hq*2D] (per head [q | gate], contiguous rows):
+    `q_gate.view(T, Hq, 2D)[..., D:]` as one view op."""
+    if q_gate.stride(1) != 1:
+        raise ValueError(f"q_gate rows must be contiguous, got strides {q_gate.stride()}")
+    return q_gate.as_strided((T, Hq, D), (q_gate.stride(0), 2 * D, 1), q_gate.storage_offset() + D)
 
 
 def qsa_prepare(
@@ -612,7 +624,7 @@ def qsa_prepare(
     q_idx = torch.empty(T, Hi, Di, dtype=index_dtype, device=index_q.device) if q_idx_out is None else q_idx_out
     q = torch.empty(T, Hq, D, dtype=q_gate.dtype, device=q_gate.device) if q_out is None else q_out
     if T == 0:
-        return q_idx, q, q_gate.view(T, Hq, 2 * D)[..., D:]
+        return q_idx, q, q_gate.view(T, Hq, 2 * D)[..., D:]  # as the reference
     norms = (index_q_norm, index_k_norm, q_norm, k_norm)
     launch = PrepareLaunch(index_q, raw_keys, q_gate, k, v, rope_positions, index_q_norm=norms[0],
                            index_k_norm=norms[1], q_norm=norms[2], k_norm=norms[3], eps=eps, inv_freq=inv_freq,
