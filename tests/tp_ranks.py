@@ -112,6 +112,38 @@ def run_schedule(layers: list[TPLayer], device: torch.device, dtype: torch.dtype
     return {"outputs": outputs, "selections": [layer.selections for layer in layers], "caches": caches}
 
 
+def check_ranks(ranks: list[dict], tp1: dict, *, rtol: float, atol: float) -> None:
+    """The ranks' results (`run_ranks`) against the unsharded run (`run_schedule`): outputs
+    close (the partial o_proj sums add in another order); every layer's selections bitwise
+    equal on every rank, layer 0's (same input everywhere) bitwise equal to TP 1's; each rank's
+    main K/V its KV heads of TP 1's, its indexer caches whole (layer 0: bitwise)."""
+    world = len(ranks)
+    close = dict(rtol=rtol, atol=atol)
+    for r, got in enumerate(ranks):
+        for step, (mine, want) in enumerate(zip(got["outputs"], tp1["outputs"])):
+            for rid in want:
+                torch.testing.assert_close(mine[rid], want[rid], **close, msg=lambda m: f"rank {r} step {step} {rid}: {m}")
+        for layer, sels in enumerate(got["selections"]):
+            assert len(sels) == len(tp1["selections"][layer]) == len(SCHEDULE)
+            for step, sel in enumerate(sels):
+                assert torch.equal(sel, ranks[0]["selections"][layer][step]), f"rank {r} layer {layer} step {step}"
+        for step, sel in enumerate(got["selections"][0]):
+            assert torch.equal(sel, tp1["selections"][0][step]), f"rank {r} step {step}: layer 0 selection != TP 1"
+        budget = TINY.token_topk
+        assert sum(int((s[:, -1] > budget).sum()) for s in got["selections"][0]) > 40  # rows past the budget
+        shard = TINY.head_shard(world, r)
+        heads = slice(shard.kv_heads.start, shard.kv_heads.stop)
+        for layer, (mine, want) in enumerate(zip(got["caches"], tp1["caches"])):
+            assert mine["k"].shape[2] == len(shard.kv_heads)
+            for name in ("k", "v"):
+                torch.testing.assert_close(mine[name], want[name][:, :, heads], **close)
+            for name in ("compressed", "ring"):
+                if layer == 0:
+                    assert torch.equal(mine[name], want[name]), f"rank {r} {name}"
+                else:
+                    torch.testing.assert_close(mine[name], want[name], **close)
+
+
 def model(config: QSAConfig = TINY, num_layers: int = 2) -> list[QSAAttention]:
     return [random_layer(config, seed) for seed in range(num_layers)]
 
