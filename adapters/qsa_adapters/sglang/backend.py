@@ -85,7 +85,8 @@ class QSACoreBackend(AttentionBackend):
         self.model_config: QSAConfig = model_qsa_config(runner)
         check_pool(self.token_to_kv_pool, self.model_config)
         # This rank's heads: its planner, workspace and cache checks are sized for them.
-        self.config = rank_config(self.model_config, *attn_tp(), self.token_to_kv_pool.head_num)
+        tp_size, tp_rank = attn_tp()
+        self.config = rank_config(self.model_config, tp_size, tp_rank, self.token_to_kv_pool.head_num)
         pool, r = self.token_to_kv_pool, self.config.compress_ratio
         self.page_size = pool.page_size
         self.mrope = self.config.uses_mrope
@@ -100,9 +101,9 @@ class QSACoreBackend(AttentionBackend):
         self._checked_layers: set[int] = set()
         logger.info(
             "qsa_core: QSA layers run on qsa_core (ratio %d, budget %d, page %d, index dtype %s, "
-            "ops backend %s)",
+            "ops backend %s; attention-TP rank %d of %d: %d query / %d KV heads)",
             r, self.config.token_topk, self.page_size, self.config.index_dtype,
-            self.planner.backend,
+            self.planner.backend, tp_rank, tp_size, self.config.num_heads, self.config.num_kv_heads,
         )
 
     # -- per-step metadata ------------------------------------------------------------
