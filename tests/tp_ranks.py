@@ -91,7 +91,12 @@ class TPLayer(nn.Module):
         out = self.attn(hidden, plan, cache, selection_out=sel)
         self.selections.append(sel.cpu())
         if self.group is not None:
-            dist.all_reduce(out, group=self.group)
+            if out.is_cuda and dist.get_backend(self.group) == "gloo":  # gloo reduces host copies
+                host = out.cpu()
+                dist.all_reduce(host, group=self.group)
+                out.copy_(host)
+            else:
+                dist.all_reduce(out, group=self.group)
         return out
 
 
