@@ -165,14 +165,19 @@ def load_rank_selections(folder: str) -> dict[int, dict[tuple[int, int], frozens
 
 
 @pytest.fixture(scope="module")
-def runs(servers, checkpoint, tmp_path_factory):
-    """qsa_core first, then SGLang's own QSA, one server at a time (2 CPU cores)."""
-    return {b: serve(servers, checkpoint, b, tmp_path_factory.mktemp(b)) for b in ("qsa_core", "qsa")}
+def core_run(servers, checkpoint, tmp_path_factory):
+    return serve(servers, checkpoint, "qsa_core", tmp_path_factory.mktemp("qsa_core"))
 
 
 @pytest.fixture(scope="module")
-def tp2(servers, checkpoint, tmp_path_factory, runs):
-    """qsa_core at `--tp 2` (after the TP 1 servers stopped): LONG, selections dumped per rank."""
+def runs(servers, checkpoint, tmp_path_factory, core_run):
+    """qsa_core first, then SGLang's own QSA, one server at a time (2 CPU cores)."""
+    return {"qsa_core": core_run, "qsa": serve(servers, checkpoint, "qsa", tmp_path_factory.mktemp("qsa"))}
+
+
+@pytest.fixture(scope="module")
+def tp2(servers, checkpoint, tmp_path_factory, core_run):
+    """qsa_core at `--tp 2` (each server stops before the next starts): LONG, selections dumped per rank."""
     return serve(servers, checkpoint, "qsa_core", tmp_path_factory.mktemp("qsa_core_tp2"), tp=2)
 
 
@@ -319,7 +324,7 @@ def test_selections_match_sglang_own_qsa_and_transformers(runs, hf):
     report("selection agreement", table)
 
 
-def test_tp2_server_tokens_and_selections_equal_tp1(runs, tp2, hf):
+def test_tp2_server_tokens_and_selections_equal_tp1(core_run, tp2, hf):
     """`--tp 2` on the CPU: each scheduler (rank) serves 2 of the 4 query heads and 1 of the 2
     KV heads (its planner and pool), the indexer whole. Both ranks select the same tokens; layer
     0 (the same input as TP 1) exactly as TP 1, layer 1 (its input all-reduced in bf16) as TP 1
@@ -328,10 +333,10 @@ def test_tp2_server_tokens_and_selections_equal_tp1(runs, tp2, hf):
     assert "no PyNccl: tensor parallelism all-reduces through gloo" in log, "the plugin must set it"
     for rank in (0, 1):
         assert f"attention-TP rank {rank} of 2: 2 query / 1 KV heads" in log
-    assert tp2["long"]["ids"] == runs["qsa_core"]["long"]["ids"]
+    assert tp2["long"]["ids"] == core_run["long"]["ids"]
     ranks = list(tp2["ranks"].values())
     assert len(ranks) == 2 and ranks[0] == ranks[1], "the two ranks selected different tokens"
-    tp1 = runs["qsa_core"]["selections"]
+    tp1 = core_run["selections"]
     assert set(ranks[0]) == set(tp1)
     differ = 0
     for (layer, p), sel in ranks[0].items():
