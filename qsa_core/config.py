@@ -7,6 +7,8 @@ import math
 import os
 from typing import Any, Literal
 
+from typing import NamedTuple
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
@@ -43,6 +45,15 @@ def _field_name(field: str, info: ValidationInfo | None) -> str:
     """`field`, or `hf_name [field]` when validating a config read by `from_hf`."""
     names = (info.context or {}).get("hf_fields", {}) if info is not None else {}
     return f"{names[field]} [{field}]" if field in names else field
+
+
+class QSAHeadShard(NamedTuple):
+    """The model's heads one tensor-parallel rank holds: query heads and KV heads (ranges of
+    the model's head indices; KV heads are shared by `tp_size / num_kv_heads` ranks when
+    tp_size > num_kv_heads)."""
+
+    query_heads: range
+    kv_heads: range
 
 
 def resolve_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -139,6 +150,44 @@ class QSAConfig(BaseModel):
             axes[(j % 3 == 1) & (j < 3 * self.mrope_section[1])] = 1
             axes[(j % 3 == 2) & (j < 3 * self.mrope_section[2])] = 2
         return axes.to(torch.int32)
+
+    def head_shard(self, tp_size: int, rank: int) -> QSAHeadShard:
+        """The heads of rank `rank` of `tp_size`, split as vLLM's and SGLang's QKVParallelLinear
+        split them: query heads in contiguous blocks of Hq / tp; KV heads in blocks of Hkv / tp
+        when tp <= Hkv, else one KV head per rank, head rank // (tp / Hkv) (each KV head
+        replicated on tp / Hkv consecutive ranks). The indexer is not split: its projection,
+        norms and one key head are whole on every rank, so every rank selects the same tokens.
+        """
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < tp_size:
+            raise ValueError(f"rank must be in [0, tp_size = {tp_size}), got {rank!r}")
+        Hq, Hkv = self.num_heads, self.num_kv_heads
+        if Hq % tp_size:
+            raise ValueError(f"num_heads ({Hq}) must be divisible by tp_size ({tp_size})")
+        if Hkv >= tp_size and Hkv % tp_size:
+            raise ValueError(f"num_kv_heads ({Hkv}) must be divisible by tp_size ({tp_size})")
+        if Hkv < tp_size and tp_size % Hkv:
+            raise ValueError(
+                f"tp_size ({tp_size}) must be divisible by num_kv_heads ({Hkv}) to replicate KV heads"
+            )
+        q = Hq // tp_size
+        if Hkv >= tp_size:
+            kv = Hkv // tp_size
+            kv_heads = range(rank * kv, (rank + 1) * kv)
+        else:
+            head = rank // (tp_size // Hkv)
+            kv_heads = range(head, head + 1)
+        return QSAHeadShard(range(rank * q, (rank + 1) * q), kv_heads)
+
+    def for_rank(self, tp_size: int, rank: int) -> "QSAConfig":
+        """The geometry of rank `rank` of `tp_size` (`head_shard`'s head counts, the rest
+        unchanged): what a rank's `QSAPlanner`, caches and layer are built from. Each of its
+        query heads reads the same KV head as in the model."""
+        shard = self.head_shard(tp_size, rank)
+        if tp_size == 1:
+            return self
+        return QSAConfig(**{**self.model_dump(), "num_heads": len(shard.query_heads), "num_kv_heads": len(shard.kv_heads)})
 
     @classmethod
     def from_hf(cls, config: Any, **overrides: Any) -> "QSAConfig":

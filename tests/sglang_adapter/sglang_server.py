@@ -26,7 +26,7 @@ MAX_TOTAL_TOKENS = 16384
 CHUNK = 1024
 
 
-def launch_command(model: str, backend: str, port: int) -> list[str]:
+def launch_command(model: str, backend: str, port: int, extra: tuple[str, ...] = ()) -> list[str]:
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", model,
@@ -42,6 +42,7 @@ def launch_command(model: str, backend: str, port: int) -> list[str]:
         "--max-running-requests", "4",
         "--chunked-prefill-size", str(CHUNK),
         "--log-level", "info",
+        *extra,
     ]
 
 
@@ -54,14 +55,16 @@ class Server:
     stopped: bool = field(default=False)
 
     @classmethod
-    def start(cls, model: str, backend: str, log_path: str, env: dict[str, str]) -> "Server":
+    def start(
+        cls, model: str, backend: str, log_path: str, env: dict[str, str], extra: tuple[str, ...] = ()
+    ) -> "Server":
         port = free_port()
         full_env = {**os.environ, **env}
         full_env["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, full_env.get("PYTHONPATH", "")) if p)
         t0 = time.monotonic()
         with open(log_path, "w") as log:
             proc = subprocess.Popen(
-                launch_command(model, backend, port), stdout=log, stderr=subprocess.STDOUT,
+                launch_command(model, backend, port, extra), stdout=log, stderr=subprocess.STDOUT,
                 env=full_env, start_new_session=True,
             )
         server = cls(proc, f"http://127.0.0.1:{port}", log_path)

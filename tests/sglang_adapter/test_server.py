@@ -64,8 +64,8 @@ def servers():
     """Starts servers on request; stops every one of them by pid at teardown (also on failure)."""
     started: list[Server] = []
 
-    def start(model, backend, log_path, env):
-        server = Server.start(model, backend, log_path, env)
+    def start(model, backend, log_path, env, extra=()):
+        server = Server.start(model, backend, log_path, env, extra)
         started.append(server)
         return server
 
@@ -95,8 +95,9 @@ def complete(url: str, prompt: list[int]) -> str:
     return out.choices[0].text
 
 
-def serve(start, checkpoint, backend: str, folder) -> dict:
-    """Launch `backend`, send every request, stop it; the outputs, dumps and log."""
+def serve(start, checkpoint, backend: str, folder, tp: int = 1) -> dict:
+    """Launch `backend` (with `--tp tp`), send every request (only LONG at tp > 1), stop it; the
+    outputs, dumps and log."""
     dump = folder / "selections"
     dump.mkdir()
     env = {
@@ -106,17 +107,30 @@ def serve(start, checkpoint, backend: str, folder) -> dict:
         # and change no result. Both servers run eager.
         "TORCHDYNAMO_DISABLE": "1",
     }
+    extra: tuple[str, ...] = ()
+    if tp > 1:
+        # SGLang binds each CPU rank's OpenMP threads to a NUMA node of its own unless told
+        # which cores each rank takes (this machine has one node): one group per rank.
+        cpus = sorted(os.sched_getaffinity(0))
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
+        extra = ("--tp", str(tp))
     if backend == "qsa":
         env.update(QSA_TEST_BASELINE="1", TRITON_INTERPRET="1")
     saved = os.environ.pop("TRITON_INTERPRET", None)  # qsa_core's server must set it itself
     try:
-        server = start(checkpoint, backend, str(folder / "server.log"), env)
+        server = start(checkpoint, backend, str(folder / "server.log"), env, extra)
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
     t0 = time.monotonic()
     out = {"start_s": server.start_s, "long": generate(server.url, LONG, "long")}
     t1 = time.monotonic()
+    if tp > 1:
+        out["long_s"] = t1 - t0
+        server.stop()
+        out["log"] = server.log_text()
+        out["ranks"] = load_rank_selections(str(dump))
+        return out
     with ThreadPoolExecutor(3) as pool:
         jobs = {
             "openai": pool.submit(complete, server.url, OPENAI),
@@ -133,20 +147,38 @@ def serve(start, checkpoint, backend: str, folder) -> dict:
 
 def load_selections(folder: str) -> dict[tuple[int, int], frozenset]:
     """(layer, position) -> the set of selected token positions, from a server's dumps."""
-    rows: dict[tuple[int, int], frozenset] = {}
+    (rows,) = load_rank_selections(folder).values()
+    return rows
+
+
+def load_rank_selections(folder: str) -> dict[int, dict[tuple[int, int], frozenset]]:
+    """Per dumping process (a scheduler: one per tensor-parallel rank), its selections."""
+    ranks: dict[int, dict[tuple[int, int], frozenset]] = {}
     for path in sorted(glob.glob(os.path.join(folder, "*.pt"))):
+        rows = ranks.setdefault(int(os.path.basename(path).split("-")[0]), {})
         rec = torch.load(path)
         for p, sel in zip(rec["positions"].tolist(), rec["selection"].tolist()):
             key = (rec["layer"], p)
             assert key not in rows, f"row {key} dumped twice"
             rows[key] = frozenset(t for t in sel if t >= 0)
-    return rows
+    return ranks
 
 
 @pytest.fixture(scope="module")
-def runs(servers, checkpoint, tmp_path_factory):
+def core_run(servers, checkpoint, tmp_path_factory):
+    return serve(servers, checkpoint, "qsa_core", tmp_path_factory.mktemp("qsa_core"))
+
+
+@pytest.fixture(scope="module")
+def runs(servers, checkpoint, tmp_path_factory, core_run):
     """qsa_core first, then SGLang's own QSA, one server at a time (2 CPU cores)."""
-    return {b: serve(servers, checkpoint, b, tmp_path_factory.mktemp(b)) for b in ("qsa_core", "qsa")}
+    return {"qsa_core": core_run, "qsa": serve(servers, checkpoint, "qsa", tmp_path_factory.mktemp("qsa"))}
+
+
+@pytest.fixture(scope="module")
+def tp2(servers, checkpoint, tmp_path_factory, core_run):
+    """qsa_core at `--tp 2` (each server stops before the next starts): LONG, selections dumped per rank."""
+    return serve(servers, checkpoint, "qsa_core", tmp_path_factory.mktemp("qsa_core_tp2"), tp=2)
 
 
 @pytest.fixture(scope="module")
@@ -290,3 +322,26 @@ def test_selections_match_sglang_own_qsa_and_transformers(runs, hf):
                       "identical to HF": same_as_hf, "different from HF, explained": hf_explained})
     assert layers == [0, 1]
     report("selection agreement", table)
+
+
+def test_tp2_server_tokens_and_selections_equal_tp1(core_run, tp2, hf):
+    """`--tp 2` on the CPU: each scheduler (rank) serves 2 of the 4 query heads and 1 of the 2
+    KV heads (its planner and pool), the indexer whole. Both ranks select the same tokens; layer
+    0 (the same input as TP 1) exactly as TP 1, layer 1 (its input all-reduced in bf16) as TP 1
+    up to bf16 ties; greedy ids equal TP 1's."""
+    log = tp2["log"]
+    assert "no PyNccl: tensor parallelism all-reduces through gloo" in log, "the plugin must set it"
+    for rank in (0, 1):
+        assert f"attention-TP rank {rank} of 2: 2 query / 1 KV heads" in log
+    assert tp2["long"]["ids"] == core_run["long"]["ids"]
+    ranks = list(tp2["ranks"].values())
+    assert len(ranks) == 2 and ranks[0] == ranks[1], "the two ranks selected different tokens"
+    tp1 = core_run["selections"]
+    assert set(ranks[0]) == set(tp1)
+    differ = 0
+    for (layer, p), sel in ranks[0].items():
+        if sel != tp1[(layer, p)]:
+            assert layer > 0 and explained(hf["scores"][layer], p, sel, tp1[(layer, p)]), (layer, p)
+            differ += 1
+    report("TP 2 server: rows, rows differing from TP 1 (bf16 ties), start s, LONG s",
+           [len(tp1), differ, round(tp2["start_s"], 1), round(tp2["long_s"], 1)])

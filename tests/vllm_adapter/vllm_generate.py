@@ -2,13 +2,17 @@
 
 python vllm_generate.py REQUEST_JSON OUT_JSON
 REQUEST_JSON: {"llm": {LLM keyword arguments}, "prompts": [[ids]], "max_tokens": [n per prompt],
-"prompt_logprobs": bool, "logprobs": k, "record_steps": path}.
+"prompt_logprobs": bool, "logprobs": k, "record_steps": path, "rank_selections": bool}.
 OUT_JSON: {"tokens": [[ids]], "cached_tokens": [prompt tokens served from the prefix cache],
 "prompt_logprobs": [[log-prob of each prompt token after the first]] (when asked),
 "logprobs": [[{token: log-prob} of the k most likely tokens at each generated position]] (with k)}.
 With "record_steps" the model runs in this process and every step's vLLM metadata (the main
 group's `CommonAttentionMetadata` fields, the ring group's block table) and the adapter's
 core record (the plan's metadata) are saved there (torch.save, a list of dicts).
+With "rank_selections" every worker (one per tensor-parallel rank) records a digest of each
+selection its QSA indexers make; OUT_JSON then has "ranks": per worker, its "selections"
+([layer prefix, rows, sha256 of the int32 rows, rows past the budget] per call, in order) and
+its QSA layers' "heads" ([query heads, KV heads, main K/V cache shape] per layer).
 """
 
 import json
@@ -28,7 +32,11 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         request["llm"]["distributed_executor_backend"] = "uni"
         record_steps(steps)
+    if request.get("rank_selections"):  # the probes are functions sent to the workers (cloudpickle)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(skip_tokenizer_init=True, enforce_eager=True, **request["llm"])
+    if request.get("rank_selections"):
+        llm.collective_rpc(install_selection_probe, timeout=60)
     want_logprobs = request.get("prompt_logprobs", False)
     params = [
         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False,
@@ -46,12 +54,44 @@ def main() -> None:
     if request.get("logprobs"):
         result["logprobs"] = [[{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
                               for o in outputs]
+    if request.get("rank_selections"):
+        result["ranks"] = llm.collective_rpc(selection_records, timeout=60)
     with open(out_path, "w") as f:
         json.dump(result, f)
     if request.get("record_steps"):
         import torch
 
         torch.save(steps, request["record_steps"])
+
+
+def install_selection_probe(worker) -> None:
+    """(In each worker; sent by `collective_rpc`) Record a digest of every selection made."""
+    import hashlib
+
+    from qsa_adapters.vllm.indexer import QSAIndexer
+
+    forward, records = QSAIndexer.forward, []
+
+    def probe(self, *args, **kwargs):
+        selection, indexed = forward(self, *args, **kwargs)
+        if indexed is not None:  # a step with metadata (not a profiling run)
+            rows = selection.cpu().contiguous()
+            digest = hashlib.sha256(rows.numpy().tobytes()).hexdigest()
+            records.append([self.prefix, rows.shape[0], digest, int((rows[:, -1] > self.qsa_config.token_topk).sum())])
+        return selection, indexed
+
+    QSAIndexer.forward = probe
+    QSAIndexer.probe_records = records
+
+
+def selection_records(worker) -> dict:
+    """(In each worker) The probe's records and the worker's QSA layers' heads and caches."""
+    from qsa_adapters.vllm.indexer import QSAIndexer
+    from qsa_adapters.vllm.qwen4_exp import QSACoreAttention
+
+    layers = [m for m in worker.get_model().modules() if isinstance(m, QSACoreAttention)]
+    heads = [[m.num_heads, m.num_kv_heads, list(m.kv_cache.shape)] for m in layers]
+    return {"selections": QSAIndexer.probe_records, "heads": heads}
 
 
 def record_steps(steps: list[dict]) -> None:

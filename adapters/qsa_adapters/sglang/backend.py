@@ -47,24 +47,29 @@ class QSALayerInputs:
     norms: QSANormWeights
 
 
-def attn_tp_size() -> int:
-    """SGLang's attention TP size in this scheduler process (1 before a context is published)."""
+def attn_tp() -> tuple[int, int]:
+    """SGLang's attention-TP (size, rank) in this scheduler process ((1, 0) before a parallel
+    context is published, as in unit tests without one)."""
     from sglang.srt.runtime_context import get_parallel
 
     try:
-        return int(get_parallel().attn_tp_size)
+        parallel = get_parallel()
+        return int(parallel.attn_tp_size), int(parallel.attn_tp_rank)
     except (AttributeError, LookupError, RuntimeError):
-        return 1
+        return 1, 0
 
 
-def rank_config(model: QSAConfig, tp_size: int, kv_heads: int) -> QSAConfig:
-    """The model config with one attention-TP rank's heads: Hq / tp query heads, `kv_heads`
-    KV heads (the pool's: max(1, Hkv / tp), replicated when tp > Hkv)."""
-    if model.num_heads % tp_size:
-        raise ValueError(f"num_heads {model.num_heads} must be a multiple of the attention TP size {tp_size}")
-    if (model.num_heads, model.num_kv_heads) == (model.num_heads // tp_size, kv_heads):
-        return model
-    return QSAConfig(**{**model.model_dump(), "num_heads": model.num_heads // tp_size, "num_kv_heads": kv_heads})
+def rank_config(model: QSAConfig, tp_size: int, rank: int, pool_kv_heads: int) -> QSAConfig:
+    """The model config with attention-TP rank `rank`'s heads (`QSAConfig.for_rank`: Hq / tp
+    query heads; Hkv / tp KV heads, or one replicated KV head when tp > Hkv, as SGLang's
+    QKVParallelLinear and its KV pool split them). The pool must hold that many KV heads."""
+    config = model.for_rank(tp_size, rank)
+    if config.num_kv_heads != pool_kv_heads:
+        raise ValueError(
+            f"QSATokenToKVPool.head_num is {pool_kv_heads}, but attention-TP rank {rank} of {tp_size} holds "
+            f"{config.num_kv_heads} of the model's {model.num_kv_heads} KV heads (QSAConfig.head_shard)"
+        )
+    return config
 
 
 class QSACoreBackend(AttentionBackend):
@@ -79,8 +84,9 @@ class QSACoreBackend(AttentionBackend):
         self.device = self.req_to_token.device
         self.model_config: QSAConfig = model_qsa_config(runner)
         check_pool(self.token_to_kv_pool, self.model_config)
-        # This rank's heads (attention TP shards the query heads, the pool holds this rank's KV heads).
-        self.config = rank_config(self.model_config, attn_tp_size(), self.token_to_kv_pool.head_num)
+        # This rank's heads: its planner, workspace and cache checks are sized for them.
+        tp_size, tp_rank = attn_tp()
+        self.config = rank_config(self.model_config, tp_size, tp_rank, self.token_to_kv_pool.head_num)
         pool, r = self.token_to_kv_pool, self.config.compress_ratio
         self.page_size = pool.page_size
         self.mrope = self.config.uses_mrope
@@ -95,9 +101,9 @@ class QSACoreBackend(AttentionBackend):
         self._checked_layers: set[int] = set()
         logger.info(
             "qsa_core: QSA layers run on qsa_core (ratio %d, budget %d, page %d, index dtype %s, "
-            "ops backend %s)",
+            "ops backend %s; attention-TP rank %d of %d: %d query / %d KV heads)",
             r, self.config.token_topk, self.page_size, self.config.index_dtype,
-            self.planner.backend,
+            self.planner.backend, tp_rank, tp_size, self.config.num_heads, self.config.num_kv_heads,
         )
 
     # -- per-step metadata ------------------------------------------------------------

@@ -43,12 +43,14 @@ def check_pool(pool, config: QSAConfig) -> None:
         raise ValueError(f"QSATokenToKVPool.qsa_compressed_dtype must be one of {list(INDEX_DTYPES)}, got {pool.qsa_compressed_dtype}")
 
 
-def _pages(buf: torch.Tensor, rows_per_page: int) -> torch.Tensor:
-    """[rows, ...] -> [rows // rows_per_page, rows_per_page, ...] (a view; single-head dims
-    of [rows, 1, Di] buffers dropped)."""
+def _pages(buf: torch.Tensor, rows_per_page: int, *, single_head: bool = False) -> torch.Tensor:
+    """[rows, ...] -> [rows // rows_per_page, rows_per_page, ...] (a view). single_head: the
+    buffer is [rows, 1, Di] (the indexer's one key head), whose head dim is dropped; K/V keep
+    theirs, also when a tensor-parallel rank holds one KV head."""
     n = buf.shape[0] // rows_per_page
-    tail = buf.shape[2:] if buf.dim() == 3 and buf.shape[1] == 1 else buf.shape[1:]
-    return buf[: n * rows_per_page].view(n, rows_per_page, *tail)
+    if single_head:
+        buf = buf[:, 0]
+    return buf[: n * rows_per_page].view(n, rows_per_page, *buf.shape[1:])
 
 
 def layer_cache(
@@ -59,8 +61,8 @@ def layer_cache(
     return QSALayerCache(
         k=_pages(pool.get_key_buffer(layer_id), page_size),
         v=_pages(pool.get_value_buffer(layer_id), page_size),
-        compressed=_pages(pool.get_qsa_compressed_k_buffer(layer_id), page_size // r),
-        ring=_pages(pool.get_qsa_key_state_buffer(layer_id), r),
+        compressed=_pages(pool.get_qsa_compressed_k_buffer(layer_id), page_size // r, single_head=True),
+        ring=_pages(pool.get_qsa_key_state_buffer(layer_id), r, single_head=True),
         ring_positions=_pages(pool.qsa_rope_position_buffer, r) if mrope else None,
         k_scale=k_scale,
         v_scale=v_scale,

@@ -10,6 +10,11 @@ scheduler process) sets, before the model is built:
   believes it runs on the CPU only with `SGLANG_USE_CPU_ENGINE=1`, which needs the CPU
   build of `sgl_kernel` (not on PyPI); otherwise RotaryEmbedding imports vLLM's CUDA ops.
   The flag selects RotaryEmbedding's native PyTorch path.
+- `SGLANG_NCCL_SO_PATH` to a path that loads no library: SGLang's process groups open a
+  PyNccl communicator whenever libnccl loads (the PyPI torch wheel ships one), and that
+  communicator needs a CUDA device, so `--tp 2` fails at start-up on the CPU. Without the
+  library SGLang disables PyNccl (its own fallback) and all-reduces with torch.distributed
+  (gloo). Set in the launcher, so the scheduler processes inherit it.
 Any other backend or device is left exactly as SGLang configures it.
 """
 
@@ -33,7 +38,7 @@ def wants_cpu_settings(server_args: Any) -> bool:
 
 
 def apply_cpu_settings(server_args: Any) -> None:
-    """Set TRITON_INTERPRET and SGLang's rotary CPU flag for `qsa_core` on the CPU (idempotent)."""
+    """Set TRITON_INTERPRET, SGLang's rotary CPU flag and SGLANG_NCCL_SO_PATH for `qsa_core` on the CPU (idempotent)."""
     global _applied
     if _applied or not wants_cpu_settings(server_args):
         return
@@ -41,13 +46,15 @@ def apply_cpu_settings(server_args: Any) -> None:
 
     interpret_before = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["SGLANG_NCCL_SO_PATH"] = os.devnull
     rope = importlib.import_module(ROPE_MODULE)
     rope._is_cpu = True
     _applied = True
     logger.info(
         "qsa_core on the CPU: TRITON_INTERPRET=1 (was %r; SGLang's MoE Triton kernel runs in the "
-        "interpreter) and %s._is_cpu = True (RotaryEmbedding's native path)",
-        interpret_before, ROPE_MODULE,
+        "interpreter), %s._is_cpu = True (RotaryEmbedding's native path), SGLANG_NCCL_SO_PATH=%s "
+        "(no PyNccl: tensor parallelism all-reduces through gloo)",
+        interpret_before, ROPE_MODULE, os.devnull,
     )
 
 

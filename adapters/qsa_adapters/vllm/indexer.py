@@ -59,6 +59,9 @@ class QSAIndexer(nn.Module):
 
     `prefix` is the checkpoint's indexer prefix (normally `model.layers.N.self_attn.indexer`);
     the ring registers as `{prefix}.raw_key_cache`; compressed keys sit in the main K/V pages.
+    `qsa_config`: the attention layer's geometry on this rank (its heads under tensor
+    parallelism, `QSAConfig.for_rank`); default the whole model's. The indexer itself (its
+    projection, norms, ring and compressed keys) is whole on every rank.
     """
 
     def __init__(
@@ -70,9 +73,10 @@ class QSAIndexer(nn.Module):
         rotary_emb: nn.Module,
         quant_config: QuantizationConfig | None = None,
         prefix: str = "",
+        qsa_config: QSAConfig | None = None,
     ) -> None:
         super().__init__()
-        cfg = qsa_config_for(vllm_config, config)
+        cfg = qsa_config_for(vllm_config, config) if qsa_config is None else qsa_config
         check_rotary(rotary_emb, cfg)
         self.qsa_config = cfg
         self.layer_id = int(layer_id)

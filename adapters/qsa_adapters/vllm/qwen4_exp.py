@@ -9,7 +9,11 @@ HyperConnection, MoE, GDN, PLE, weight loading) stays vLLM's.
 
 `QSACoreAttention` keeps upstream's parameters and loaders: the fused `qkv_proj`
 (q|gate, k, v and the indexer's `index_qk_proj` as shard 3), `o_proj`, `q_norm`, `k_norm`,
-`indexer.{q_layernorm, k_layernorm}`, and upstream's `load_weights`. From the projections on,
+`indexer.{q_layernorm, k_layernorm}`, and upstream's `load_weights`. Under tensor parallelism
+it shards as upstream does: each rank's `qkv_proj` holds its query heads and KV heads
+(`QSAConfig.head_shard`: KV heads replicated when TP > Hkv) with the indexer's projection
+whole, `o_proj` is row-parallel (its all-reduce sums the ranks' heads), and the rank's core
+config, planner and caches have its heads only. From the projections on,
 `qsa_core` runs the layer (through `QSAIndexer` and `run_core_attention`).
 """
 
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention.attention import set_default_quant_scales
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -40,7 +44,7 @@ from .attention import run_core_attention
 from .backend import BACKEND_NAME, QSACoreBackend
 from .cache import main_kv_spec
 from .hc_ops import register_torch_hc_ops
-from .indexer import QSAIndexer
+from .indexer import QSAIndexer, qsa_config_for
 
 # Upstream's HyperConnection ops are Triton bodies registered for the platform's dispatch
 # key; on a platform without Triton (the CPU) they get PyTorch bodies.
@@ -69,8 +73,6 @@ def check_supported(vllm_config: VllmConfig, config: Any) -> None:
             "QSA_CORE: MRoPE (rope_parameters.mrope_section) is not served yet: the adapter keeps no "
             "ring positions (the raw-key ring would need a [.., 3] position cache vLLM allocates)"
         )
-    if get_tensor_model_parallel_world_size() != 1:
-        raise NotImplementedError("QSA_CORE: tensor_parallel_size must be 1 (head sharding is not mapped)")
     parallel = vllm_config.parallel_config
     if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
         raise NotImplementedError("QSA_CORE: context parallelism is not supported")
@@ -97,9 +99,15 @@ class QSACoreAttention(Qwen4ExpQSAAttention):
         check_supported(vllm_config, config)
         self.config = config
         self.hidden_size = int(config.hidden_size)
-        self.total_num_heads = self.num_heads = int(config.num_attention_heads)
-        self.total_num_kv_heads = self.num_kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(config.head_dim or self.hidden_size // self.total_num_heads)
+        # This rank's heads, split as QKVParallelLinear splits them (KV heads replicated when
+        # TP > Hkv); the indexer stays whole on every rank.
+        rank_config = qsa_config_for(vllm_config, config).for_rank(
+            get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        )
+        self.total_num_heads = int(config.num_attention_heads)
+        self.total_num_kv_heads = int(config.num_key_value_heads)
+        self.num_heads, self.num_kv_heads = rank_config.num_heads, rank_config.num_kv_heads
+        self.head_dim = rank_config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
@@ -113,8 +121,14 @@ class QSACoreAttention(Qwen4ExpQSAAttention):
             quant_config=upstream_model.without_modelopt_fp4(quant_config),
             prefix=f"{prefix}.qkv_proj",
         )
+        if (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads) != (2 * self.num_heads, self.num_kv_heads):
+            raise RuntimeError(
+                f"QSA_CORE: vLLM's QKVParallelLinear holds {self.qkv_proj.num_heads // 2} query / "
+                f"{self.qkv_proj.num_kv_heads} KV heads on this rank, QSAConfig.for_rank "
+                f"{self.num_heads} / {self.num_kv_heads}"
+            )
         self.o_proj = RowParallelLinear(
-            self.q_size,
+            self.total_num_heads * self.head_dim,
             self.hidden_size,
             bias=False,
             reduce_results=reduce_results,
@@ -142,6 +156,7 @@ class QSACoreAttention(Qwen4ExpQSAAttention):
             rotary_emb=self.rotary_emb,
             quant_config=quant_config,
             prefix=f"{prefix}.indexer",
+            qsa_config=rank_config,
         )
         # Upstream's fused projection: the indexer's index_qk_proj becomes shard 3 of
         # qkv_proj (LoRA keeps it separate), and upstream's load_weights maps it there.
