@@ -224,11 +224,35 @@ def _launch_config(dp: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
+class SharedConfig:
+    """Shared-tile prefill launch: BM rows per block (MB = the MMA's M >= BM * G), CAND
+    entries per row and step, BN tokens per K/V tile."""
+
+    block_rows: int
+    block_m: int
+    cand: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _shared_config(group: int) -> SharedConfig:
+    """Rows per block: as many as fill an M of 128 (at most 16: the sort holds 16 x CAND)."""
+    if _interpreting():
+        bm = max(1, min(16, 32 // group))
+        return SharedConfig(bm, max(16, triton.next_power_of_2(bm * group)), 16, 16, 4, 1)
+    bm = max(1, min(16, 128 // group))
+    return SharedConfig(bm, max(16, triton.next_power_of_2(bm * group)), 64, 64, 8, 1)
+
+
+@dataclass(frozen=True)
 class AttentionSchedule:
     """How one sparse-attention call runs, fixed when the step is planned.
 
     n_splits > 1: flash-decoding partials part_ml fp32 [T, Hq, n_splits, 2] and part_acc
     fp32 [T, Hq, n_splits, D] (views), merged by the combine kernel; else one pass.
+    shared: rows [shared_from, T) (prefill) run the shared-tile kernel, rows before it the
+    one-pass per-row kernel.
     """
 
     num_rows: int
@@ -239,6 +263,8 @@ class AttentionSchedule:
     interpret: bool
     part_ml: torch.Tensor | None
     part_acc: torch.Tensor | None
+    shared: SharedConfig | None = None
+    shared_from: int = 0
 
 
 def partials_size(max_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, width: int,
@@ -262,14 +288,20 @@ def plan_attention(
     *,
     device: torch.device | str,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    num_decode_rows: int = 0,
 ) -> AttentionSchedule:
     """Schedule of a sparse attention over num_rows rows of W = width selection columns.
 
     partials: flat fp32 (ml, acc) buffers of a workspace (`partials_size`), else allocated.
+    num_decode_rows: the step's leading decode rows; the prefill rows after them share
+    K/V tiles when the step has more than _SPLIT_MAX_ROWS rows.
     """
     dev = torch.device(device)
     block_n, num_warps, num_stages = _launch_config(triton.next_power_of_2(head_dim))
     n_splits = _num_splits(num_rows, num_kv_heads, width, block_n, dev)
+    if n_splits == 1 and num_decode_rows < num_rows:
+        return AttentionSchedule(num_rows, 1, block_n, num_warps, num_stages, _interpreting(), None, None,
+                                 _shared_config(num_heads // num_kv_heads), num_decode_rows)
     part_ml = part_acc = None
     if n_splits > 1:
         n = num_rows * num_heads * n_splits
@@ -319,15 +351,30 @@ def qsa_sparse_attention(
     n_splits = schedule.n_splits
     split = n_splits > 1
     part_ml, part_acc = (schedule.part_ml, schedule.part_acc) if split else (out, out)
-    _attn_kernel[(T, Hkv, n_splits)](
+    per_row = schedule.shared_from if schedule.shared is not None else T
+    dot_dtype = _dot_dtype(q, k_cache, schedule.interpret)
+    strides = (q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+               block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1))
+    sh = schedule.shared
+    if sh is not None:
+        n = T - per_row
+        _shared_kernel[(triton.cdiv(n, sh.block_rows), Hkv)](
+            q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, out,
+            per_row, n, W, softmax_scale * k_scale * _LOG2E, v_scale, *strides,
+            G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page,
+            BM=sh.block_rows, BM_P=max(16, triton.next_power_of_2(sh.block_rows)), MB=sh.block_m,
+            CAND=sh.cand, BN=sh.block_n, DOT_DTYPE=dot_dtype, INTERPRET=schedule.interpret,
+            num_warps=sh.num_warps, num_stages=sh.num_stages,
+        )
+    if per_row == 0:
+        return out
+    _attn_kernel[(per_row, Hkv, n_splits)](
         q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, out, part_ml, part_acc,
-        n_splits, W, softmax_scale * k_scale * _LOG2E, v_scale,
-        q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1),
+        n_splits, W, softmax_scale * k_scale * _LOG2E, v_scale, *strides,
         HQ=Hq, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page, BLOCK_N=schedule.block_n,
-        DOT_DTYPE=_dot_dtype(q, k_cache, schedule.interpret), SPLIT=split, INTERPRET=schedule.interpret,
+        DOT_DTYPE=dot_dtype, SPLIT=split, INTERPRET=schedule.interpret,
         num_warps=schedule.num_warps, num_stages=schedule.num_stages,
     )
     if split:
@@ -336,3 +383,6 @@ def qsa_sparse_attention(
             HQ=Hq, D=D, DP=DP, SP=_MAX_SPLITS,
         )
     return out
+
+
+from .attention_shared import _shared_kernel  # noqa: E402  (it builds on this module's kernel bodies)

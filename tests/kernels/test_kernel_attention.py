@@ -202,3 +202,64 @@ def test_gpu_cuda_graph_and_timing(capsys):
         assert torch.equal(replayed, eager)
         with capsys.disabled():
             print(f"\nattention {name}: {us:.1f} us (graph replay); {kernel_breakdown(run)}")
+
+
+# ---------------------------------------------------------------- shared K/V tiles (prefill)
+
+
+def sorted_selection(seq_lens, query_lens, *, W, overlap, seed=0, pad_rows=0):
+    """Selections as `qsa_expand` writes them: valid, strictly ascending, -1 after the count.
+
+    overlap: "identical" (every row of a request the same set), "disjoint" (neighbours share
+    nothing), "partial" (each row keeps most of its neighbour's set, swaps some), "mixed"
+    (random sets of any size). Returns (int32 [T, W + 1], token_to_req list).
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows, reqs = [], []
+    for r, (s, lq) in enumerate(zip(seq_lens, query_lens)):
+        prev = None
+        for j in range(lq):
+            p = s - lq + j
+            n = min(W, p + 1)
+            if overlap == "identical":
+                base = torch.arange(0, s - lq + 1)[: n]
+                idx = base if n <= base.numel() else torch.arange(n)
+            elif overlap == "disjoint":
+                idx = torch.arange(j % max(1, (p + 1) // n), p + 1, max(1, (p + 1) // n))[:n]
+                idx = idx if idx.numel() else torch.tensor([p])
+            elif overlap == "partial" and prev is not None and prev.numel() >= n:
+                keep = prev[torch.randperm(prev.numel(), generator=g)[: n - n // 4]]
+                pool = torch.tensor(sorted(set(range(p + 1)) - set(keep.tolist())))
+                idx = torch.cat([keep, pool[torch.randperm(pool.numel(), generator=g)[: n // 4]]])
+            else:
+                idx = torch.randperm(p + 1, generator=g)[: int(torch.randint(1, n + 1, (1,), generator=g))]
+            idx = idx.sort().values
+            prev = idx
+            row = torch.full((W + 1,), -1, dtype=torch.int32)
+            row[: idx.numel()] = idx.int()
+            row[W] = idx.numel()
+            rows.append(row)
+            reqs.append(r)
+    for _ in range(pad_rows):
+        row = torch.full((W + 1,), -1, dtype=torch.int32)
+        row[W] = 0
+        rows.append(row)
+        reqs.append(0)
+    return torch.stack(rows), reqs
+
+
+def shared_problem(seq_lens, query_lens, overlap, *, W=40, pad_rows=0, seed=0, **kw):
+    base = make_problem(seq_lens, query_lens, W=W, pad_rows=pad_rows, seed=seed, **kw)
+    sel, reqs = sorted_selection(seq_lens, query_lens, W=W, overlap=overlap, seed=seed, pad_rows=pad_rows)
+    return (*base[:5], torch.tensor(reqs, dtype=torch.int32, device=base[0].device),
+            base[6], sel.to(base[0].device))
+
+
+@pytest.mark.parametrize("overlap", ["identical", "disjoint", "partial", "mixed"])
+def test_shared_tiles(monkeypatch, overlap):
+    monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
+    problem = shared_problem([90, 30], [12, 5], overlap, Hq=6, Hkv=2, pad_rows=2, seed=1)
+    sched = ker.plan_attention(problem[0].shape[0], 6, 2, 32, 40, device=problem[0].device)
+    assert sched.shared is not None and sched.shared_from == 0
+    out = compare(problem)
+    _empty_rows_zero(out, problem)
