@@ -207,59 +207,113 @@ def test_gpu_cuda_graph_and_timing(capsys):
 # ---------------------------------------------------------------- shared K/V tiles (prefill)
 
 
-def sorted_selection(seq_lens, query_lens, *, W, overlap, seed=0, pad_rows=0):
-    """Selections as `qsa_expand` writes them: valid, strictly ascending, -1 after the count.
-
-    overlap: "identical" (every row of a request the same set), "disjoint" (neighbours share
-    nothing), "partial" (each row keeps most of its neighbour's set, swaps some), "mixed"
-    (random sets of any size). Returns (int32 [T, W + 1], token_to_req list).
-    """
+def correlated_selection(seq_len, query_len, *, W, r=4, sigma=0.5, seed=0):
+    """Rows as `qsa_expand` writes them for the last query_len positions of one request: the
+    top W // r groups of base[g] + sigma * noise[row, g] (neighbours share most groups; sigma
+    None: independent rows), ascending, then the open tail, -1 after the count. int32 [n, W + 1]."""
     g = torch.Generator().manual_seed(seed)
-    rows, reqs = [], []
-    for r, (s, lq) in enumerate(zip(seq_lens, query_lens)):
-        prev = None
-        for j in range(lq):
-            p = s - lq + j
-            n = min(W, p + 1)
-            if overlap == "identical":
-                base = torch.arange(0, s - lq + 1)[: n]
-                idx = base if n <= base.numel() else torch.arange(n)
-            elif overlap == "disjoint":
-                idx = torch.arange(j % max(1, (p + 1) // n), p + 1, max(1, (p + 1) // n))[:n]
-                idx = idx if idx.numel() else torch.tensor([p])
-            elif overlap == "partial" and prev is not None and prev.numel() >= n:
-                keep = prev[torch.randperm(prev.numel(), generator=g)[: n - n // 4]]
-                pool = torch.tensor(sorted(set(range(p + 1)) - set(keep.tolist())))
-                idx = torch.cat([keep, pool[torch.randperm(pool.numel(), generator=g)[: n // 4]]])
-            else:
-                idx = torch.randperm(p + 1, generator=g)[: int(torch.randint(1, n + 1, (1,), generator=g))]
-            idx = idx.sort().values
-            prev = idx
-            row = torch.full((W + 1,), -1, dtype=torch.int32)
-            row[: idx.numel()] = idx.int()
-            row[W] = idx.numel()
-            rows.append(row)
-            reqs.append(r)
-    for _ in range(pad_rows):
+    groups = seq_len // r
+    base = torch.randn(groups, generator=g)
+    rows = []
+    for p in range(seq_len - query_len, seq_len):
+        vis = (p + 1) // r
+        noise = torch.randn(vis, generator=g)
+        score = noise if sigma is None else base[:vis] + sigma * noise
+        chosen = score.topk(min(W // r, vis)).indices.sort().values
+        idx = torch.cat([(chosen[:, None] * r + torch.arange(r)).flatten(), torch.arange(vis * r, p + 1)])
         row = torch.full((W + 1,), -1, dtype=torch.int32)
-        row[W] = 0
+        row[: idx.numel()] = idx.int()
+        row[W] = idx.numel()
         rows.append(row)
-        reqs.append(0)
-    return torch.stack(rows), reqs
+    return torch.stack(rows)
 
 
-def shared_problem(seq_lens, query_lens, overlap, *, W=40, pad_rows=0, seed=0, **kw):
-    base = make_problem(seq_lens, query_lens, W=W, pad_rows=pad_rows, seed=seed, **kw)
-    sel, reqs = sorted_selection(seq_lens, query_lens, W=W, overlap=overlap, seed=seed, pad_rows=pad_rows)
-    return (*base[:5], torch.tensor(reqs, dtype=torch.int32, device=base[0].device),
-            base[6], sel.to(base[0].device))
+def shared_problem(cases, *, W=39, pad_rows=2, seed=0, device=DEV, **kw):
+    """Requests given as (seq_len, query_len, kind): kind "identical" (every row the same
+    set), "disjoint" (neighbours share nothing), "correlated" (neighbours share most groups),
+    "independent" (random groups per row); then padding rows. make_problem's K/V and q."""
+    seq_lens = [c[0] for c in cases]
+    base = make_problem(seq_lens, [c[1] for c in cases], W=W, pad_rows=pad_rows, seed=seed, device=device, **kw)
+    sels, reqs = [], []
+    for i, (s, lq, kind) in enumerate(cases):
+        if kind == "identical":
+            row = torch.full((W + 1,), -1, dtype=torch.int32)
+            n = min(W, s - lq + 1)
+            row[:n] = torch.randperm(s - lq + 1, generator=torch.Generator().manual_seed(i))[:n].sort().values.int()
+            row[W] = n
+            sel = row.repeat(lq, 1)
+        elif kind == "disjoint":
+            sel = torch.full((lq, W + 1), -1, dtype=torch.int32)
+            for j in range(lq):
+                idx = torch.arange(j, s - lq + j + 1, lq)[:W]
+                sel[j, : idx.numel()] = idx.int()
+                sel[j, W] = idx.numel()
+        else:
+            sel = correlated_selection(s, lq, W=W, sigma=0.5 if kind == "correlated" else None, seed=seed + i)
+        sels.append(sel)
+        reqs += [i] * lq
+    pad = torch.full((pad_rows, W + 1), -1, dtype=torch.int32)
+    pad[:, W] = 0
+    sel = torch.cat([*sels, pad]).to(base[0].device)
+    to_req = torch.tensor(reqs + [0] * pad_rows, dtype=torch.int32, device=base[0].device)
+    return (*base[:5], to_req, base[6], sel)
 
 
-@pytest.mark.parametrize("overlap", ["identical", "disjoint", "partial", "mixed"])
-def test_shared_tiles(monkeypatch, overlap):
+def test_shared_tiles_exact_per_row(monkeypatch):
+    """Blocks of one request with identical, disjoint, correlated and independent rows, blocks
+    across request boundaries and padding rows: each row attends to its own selection only."""
     monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
-    problem = shared_problem([90, 30], [12, 5], overlap, Hq=6, Hkv=2, pad_rows=2, seed=1)
-    sched = ker.plan_attention(problem[0].shape[0], 6, 2, 32, 40, device=problem[0].device)
-    assert sched.shared is not None and sched.shared_from == 0
+    cases = [(90, 11, "identical"), (70, 9, "disjoint"), (120, 13, "correlated"), (60, 7, "independent")]
+    problem = shared_problem(cases, Hq=6, Hkv=2, seed=1)
+    T = problem[0].shape[0]
+    sched = ker.plan_attention(T, 6, 2, 32, 39, device=problem[0].device)
+    assert sched.shared is not None and sched.shared_from == 0 and sched.shared.block_rows > 1
     out = compare(problem)
+    _empty_rows_zero(out, problem)
+
+
+def test_shared_tiles_after_decode_rows(monkeypatch):
+    """A mixed step: leading decode rows run per row, the prefill rows after them share tiles."""
+    monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
+    problem = shared_problem([(40, 1, "independent"), (50, 1, "independent"), (100, 12, "correlated")],
+                             Hq=4, Hkv=1, pad_rows=1, seed=2)
+    q, gate, k, v, table, to_req, seq, sel = problem
+    T, Hq, D = q.shape
+    sched = ker.plan_attention(T, Hq, 1, D, 39, device=q.device, num_decode_rows=2)
+    assert sched.shared_from == 2
+    out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
+    ker.qsa_sparse_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
+    torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_tiles_non_finite_v_reaches_only_its_rows(monkeypatch):
+    """A NaN V in a shared tile: the rows that select it are NaN, every other row of the block
+    is exactly what it is without the NaN."""
+    monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
+    problem = shared_problem([(100, 10, "correlated")], Hq=6, Hkv=2, pad_rows=0, seed=3)
+    q, gate, k, v, table, to_req, seq, sel = problem
+    W = sel.shape[1] - 1
+    first = set(sel[0, : int(sel[0, W])].tolist())
+    tok = next(t for t in sel[-1, : int(sel[-1, W])].tolist() if t not in first)  # not in row 0's set
+    holders = (sel[:, :W] == tok).any(1)
+    assert holders.any() and not holders.all()
+    clean = attend(*problem, softmax_scale=0.2)
+    page = int(table[0, tok // k.shape[1]])
+    v[page, tok % k.shape[1], 1, 3] = float("nan")  # KV head 1 only
+    out = attend(*problem, softmax_scale=0.2).view(q.shape[0], 6, -1)
+    head1 = slice(3, 6)
+    assert out[holders][:, head1].isnan().all()
+    assert torch.equal(out[~holders], clean.view_as(out)[~holders])
+    assert torch.equal(out[:, :3], clean.view_as(out)[:, :3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["correlated", "independent"])
+def test_gpu_shared_production(kind):
+    """Production shapes on the shared-tile path (sorted selections as expand writes them)."""
+    problem = shared_problem([(131072, 300, kind), (5000, 200, "correlated")], W=2051, Hq=24, Hkv=2, D=256,
+                             page=64, dtype=torch.bfloat16, pad_rows=3, device="cuda", seed=4)
+    sched = ker.plan_attention(problem[0].shape[0], 24, 2, 256, 2051, device="cuda")
+    assert sched.shared is not None
+    out = compare(problem, tol=2e-2)
     _empty_rows_zero(out, problem)
