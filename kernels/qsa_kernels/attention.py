@@ -288,18 +288,19 @@ def plan_attention(
     *,
     device: torch.device | str,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_decode_rows: int = 0,
+    num_decode_rows: int | None = None,
 ) -> AttentionSchedule:
     """Schedule of a sparse attention over num_rows rows of W = width selection columns.
 
     partials: flat fp32 (ml, acc) buffers of a workspace (`partials_size`), else allocated.
     num_decode_rows: the step's leading decode rows; the prefill rows after them share
-    K/V tiles when the step has more than _SPLIT_MAX_ROWS rows.
+    K/V tiles when the step has more than _SPLIT_MAX_ROWS rows. None (not known): no row
+    shares, since a block of rows from different requests attends row by row in one program.
     """
     dev = torch.device(device)
     block_n, num_warps, num_stages = _launch_config(triton.next_power_of_2(head_dim))
     n_splits = _num_splits(num_rows, num_kv_heads, width, block_n, dev)
-    if n_splits == 1 and num_decode_rows < num_rows:
+    if n_splits == 1 and num_decode_rows is not None and num_decode_rows < num_rows:
         return AttentionSchedule(num_rows, 1, block_n, num_warps, num_stages, _interpreting(), None, None,
                                  _shared_config(num_heads // num_kv_heads), num_decode_rows)
     part_ml = part_acc = None

@@ -74,7 +74,7 @@ def make_problem(
 def attend(q, gate, k, v, table, to_req, seq, sel, **kw):
     """The kernel as a plan runs it: scheduled once for the shape, into an out buffer."""
     T, Hq, D = q.shape
-    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device, num_decode_rows=0)
     out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
     return ker.qsa_sparse_attention(q, gate, k, v, table, to_req, seq, sel, out=out, schedule=sched, **kw)
 
@@ -194,7 +194,8 @@ def test_gpu_cuda_graph_and_timing(capsys):
     for name, ql in [("decode 4 rows", [1] * 4), ("decode 64 rows", [1] * 64), ("prefill 4096 rows", [4096])]:
         problem = make_problem([131072] * len(ql), ql, Hq=24, Hkv=2, D=256, page=64, W=2051, dtype=torch.bfloat16,
                                device="cuda")
-        sched = ker.plan_attention(sum(ql), 24, 2, 256, 2051, device="cuda")
+        nd = 0 if name.startswith("prefill") else sum(ql)
+        sched = ker.plan_attention(sum(ql), 24, 2, 256, 2051, device="cuda", num_decode_rows=nd)
         out = torch.empty(sum(ql), 24 * 256, dtype=torch.bfloat16, device="cuda")
         run = lambda: ker.qsa_sparse_attention(*problem, softmax_scale=256**-0.5, out=out, schedule=sched)  # noqa: E731
         eager = run().clone()
@@ -266,7 +267,7 @@ def test_shared_tiles_exact_per_row(monkeypatch):
     cases = [(90, 11, "identical"), (70, 9, "disjoint"), (120, 13, "correlated"), (60, 7, "independent")]
     problem = shared_problem(cases, Hq=6, Hkv=2, seed=1)
     T = problem[0].shape[0]
-    sched = ker.plan_attention(T, 6, 2, 32, 39, device=problem[0].device)
+    sched = ker.plan_attention(T, 6, 2, 32, 39, device=problem[0].device, num_decode_rows=0)
     assert sched.shared is not None and sched.shared_from == 0 and sched.shared.block_rows > 1
     out = compare(problem)
     _empty_rows_zero(out, problem)
@@ -313,7 +314,7 @@ def test_gpu_shared_production(kind):
     """Production shapes on the shared-tile path (sorted selections as expand writes them)."""
     problem = shared_problem([(131072, 300, kind), (5000, 200, "correlated")], W=2051, Hq=24, Hkv=2, D=256,
                              page=64, dtype=torch.bfloat16, pad_rows=3, device="cuda", seed=4)
-    sched = ker.plan_attention(problem[0].shape[0], 24, 2, 256, 2051, device="cuda")
+    sched = ker.plan_attention(problem[0].shape[0], 24, 2, 256, 2051, device="cuda", num_decode_rows=0)
     assert sched.shared is not None
     out = compare(problem, tol=2e-2)
     _empty_rows_zero(out, problem)
