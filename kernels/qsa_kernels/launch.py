@@ -1,0 +1,162 @@
+"""A thin Triton launcher: bind a `@triton.jit` kernel once, relaunch it with the runtime args only.
+
+`JITFunction.run` costs 30-60 us of host time per launch (binding the arguments, computing
+the specialization key, looking up the compiled kernel, launch metadata and hooks). A QSA
+layer launches the same kernels with the same workspace, caches and constexprs on every
+call, so a `BoundLaunch` does that work once and then calls the compiled kernel's low-level
+`run` (the same call `JITFunction.run` ends with, in triton 3.6 and 3.9) with the grid, the
+current stream and the argument list, in which only the `free` arguments change per call.
+
+Specialization is respected: Triton compiles a different kernel when a tensor's dtype or
+16-byte alignment, or an int's range (i32/i64/u64), its being 1 or its divisibility by 16
+changes (the last two not for `do_not_specialize` ints). A bound launch computes that key for
+its free arguments on every call and, where it differs from the bound one, fetches (once) the
+compiled kernel of the new key through the ordinary path; fixed arguments are fixed by
+construction. Launches on the fast path skip Triton's check that the kernel's global
+variables are unchanged (ours are module constants) and run where no launch hook (profiler)
+is installed; with a hook, under `TRITON_INTERPRET=1`, or when disabled (`QSA_FAST_LAUNCH=0`,
+`set_enabled(False)`) every call is the ordinary `kernel[grid](...)` launch.
+
+    _expand = Launcher(_expand_kernel)                       # once, at module level
+    bound = _expand.bind(grid, *args, free=("blocks_ptr",), Kb=..., num_warps=4)
+    bound(blocks)                                             # per call: the free args, in order
+
+A binding is for the device current when it is made; the launch goes to that device's
+current stream (a CUDA-graph capture records it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+import triton
+from triton import knobs
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+_enabled = os.environ.get("QSA_FAST_LAUNCH", "1") != "0"
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def set_enabled(flag: bool) -> None:
+    """Use the fast path (default) or the ordinary Triton launch for every bound launch."""
+    global _enabled
+    _enabled = bool(flag)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def _hooked() -> bool:
+    """Whether a Triton launch enter/exit hook is installed (then launches take the ordinary path)."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def _int_kind(x: int) -> int:
+    """0: i32, 1: i64, 2: u64 (the int types Triton gives a Python int by its value)."""
+    return 0 if _I32[0] <= x <= _I32[1] else 1 if _I64[0] <= x <= _I64[1] else 2
+
+
+def spec_key(x: Any, specialize: bool = True, align: bool = True) -> Any:
+    """What Triton's specialization of one runtime argument depends on (equal key => same kernel).
+
+    `specialize` / `align` are off for `do_not_specialize` / `do_not_specialize_on_alignment`
+    parameters. Tensor: dtype and (both on) 16-byte alignment of data_ptr; int: its range
+    and (specialize on) == 1 and (both on) % 16 == 0; bool, float, None: the type only.
+    """
+    if isinstance(x, torch.Tensor):
+        return x.dtype, specialize and align and x.data_ptr() % 16 == 0
+    if type(x) is int:
+        return (_int_kind(x), x == 1, align and x % 16 == 0) if specialize else _int_kind(x)
+    return type(x)
+
+
+class Launcher:
+    """Binds one `@triton.jit` kernel (a `JITFunction`, or the interpreter's function)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.signature = inspect.signature(fn.fn)
+        self.names = list(self.signature.parameters)
+        self._constexpr = {n for n, p in self.signature.parameters.items() if "constexpr" in str(p.annotation)}
+        params = {p.name: p for p in getattr(fn, "params", ())}  # a JITFunction's (not the interpreter's)
+        # (specialize ints, specialize alignment) per parameter, as Triton's binder reads them.
+        self._spec_flags = {n: (not params[n].do_not_specialize, not params[n].do_not_specialize_on_alignment)
+                            if n in params else (True, True) for n in self.names}
+
+    def bind(self, grid: Sequence[int], *args: Any, free: Sequence[str] = (), **kwargs: Any) -> "BoundLaunch":
+        """Bind `kernel[grid](*args, **kwargs)`: the values given are the first call's; the
+        `free` parameters (non-constexpr names) are passed again, in that order, on every call.
+        kwargs: constexprs and launch options (num_warps, num_stages, ...). Compiles now."""
+        options = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
+        call = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.signature.parameters})
+        call.apply_defaults()
+        for name in free:
+            if name not in call.arguments or name in self._constexpr:
+                raise ValueError(f"{self.fn.__name__}: free argument {name!r} must be a runtime parameter")
+        return BoundLaunch(self, tuple(grid), list(call.arguments.values()), options, tuple(free))
+
+    def compiled(self, grid: Sequence[int], values: list, options: dict) -> Any:
+        """The compiled kernel of these argument values (Triton's cache; compiles if needed)."""
+        kernel = self.fn.run(*values, grid=grid, warmup=True, **options)
+        return kernel.result() if hasattr(kernel, "result") else kernel
+
+    def ordinary(self, grid: Sequence[int], values: list, options: dict) -> None:
+        """The ordinary launch `kernel[grid](...)` (also the interpreter's)."""
+        self.fn[grid](*values, **options)
+
+
+class BoundLaunch:
+    """One kernel bound to a grid and all arguments but the free ones; `bound(*free)` launches."""
+
+    def __init__(self, launcher: Launcher, grid: tuple[int, ...], values: list, options: dict,
+                 free: tuple[str, ...]) -> None:
+        self.launcher = launcher
+        self.grid = grid
+        self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        self.values = values  # every parameter in order (constexprs included), as Triton's binder
+        self.options = options
+        self.free_index = tuple(launcher.names.index(n) for n in free)
+        self.free_flags = tuple(launcher._spec_flags[n] for n in free)
+        self.native = isinstance(launcher.fn, JITFunction)  # False under TRITON_INTERPRET=1
+        self._variants: dict[tuple, tuple] = {}
+        self._key = None
+        self._entry: tuple | None = None
+        if self.native:
+            self._key = self.key([values[i] for i in self.free_index])
+            self._entry = self._variant(self._key, values)
+            self._stream: Callable[[int], int] = driver.active.get_current_stream
+            self.device = driver.active.get_current_device()
+
+    def key(self, free: Sequence[Any]) -> tuple:
+        """The specialization key of free argument values."""
+        return tuple(spec_key(x, s, a) for x, (s, a) in zip(free, self.free_flags))
+
+    def _variant(self, key: tuple, values: list) -> tuple:
+        """(run, function, packed metadata) of the compiled kernel for `key`, fetched once."""
+        entry = self._variants.get(key)
+        if entry is None:
+            kernel = self.launcher.compiled(self.grid, values, self.options)
+            entry = (kernel.run, kernel.function, kernel.packed_metadata)
+            self._variants[key] = entry
+        return entry
+
+    def __call__(self, *free: Any) -> None:
+        values = self.values.copy()
+        for i, x in zip(self.free_index, free):
+            values[i] = x
+        if not (self.native and _enabled) or _hooked():
+            self.launcher.ordinary(self.grid, values, self.options)
+            return
+        key = self.key(free)
+        run, function, packed = self._entry if key == self._key else self._variant(key, values)
+        g0, g1, g2 = self.grid3
+        run(g0, g1, g2, self._stream(self.device), function, packed, None, None, None, *values)

@@ -1,0 +1,187 @@
+"""The thin launcher: Triton's specialization respected, the same arguments as Triton's own
+launch, a rebind where the specialization changes, results equal to the ordinary launch."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from qsa_kernels import launch  # noqa: E402
+from qsa_kernels.launch import Launcher, spec_key  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+CUDA_BACKEND = make_backend(GPUTarget("cuda", 90, 32))
+
+
+def _scale_rows(x_ptr, out_ptr, stride_x, n, scale, BLOCK: tl.constexpr):
+    """out[i, :n] = x[i, :n] * scale (one program per row)."""
+    i = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i * stride_x + c, mask=c < n, other=0.0)
+    tl.store(out_ptr + i * BLOCK + c, x * scale, mask=c < n)
+
+
+def _values():
+    """Runtime argument values whose Triton specializations differ in every way there is."""
+    base = torch.zeros(64, dtype=torch.float32)
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, -17, (1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 1,
+            1 << 40, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+    tensors = [base, base[1:], base[4:], base.to(torch.bfloat16), base.to(torch.bfloat16)[8:],
+               base.to(torch.int64), base.to(torch.int8)[1:], base.to(torch.int8)[16:]]
+    return ints + tensors + [0.5, 1.0, True, False, None]
+
+
+@pytest.mark.parametrize("specialize,align", [(True, True), (False, True), (True, False)])
+def test_spec_key_equal_exactly_where_triton_specializes_equally(specialize, align):
+    values = _values()
+    triton_spec = [native_specialize_impl(type(CUDA_BACKEND), x, False, specialize, align) for x in values]
+    ours = [spec_key(x, specialize, align) for x in values]
+    for i in range(len(values)):
+        for j in range(len(values)):
+            assert (ours[i] == ours[j]) == (triton_spec[i] == triton_spec[j]), (values[i], values[j])
+
+
+class FakeCompiled:
+    """A compiled kernel's launch surface (`run`, `function`, `packed_metadata`), recording calls."""
+
+    def __init__(self, tag: int, calls: list) -> None:
+        self.function, self.packed_metadata, self.calls, self.tag = f"fn{tag}", f"meta{tag}", calls, tag
+
+    @property
+    def run(self):
+        return lambda *a: self.calls.append((self.tag, a))
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """A native JITFunction with Triton's compile replaced by FakeCompiled kernels (CPU tensors)."""
+    calls, compiled = [], []
+
+    def compile_(self, grid, values, options):
+        compiled.append(list(values))
+        return FakeCompiled(len(compiled), calls)
+
+    monkeypatch.setattr(Launcher, "compiled", compile_)
+    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(
+        get_current_stream=lambda device: 1000 + device, get_current_device=lambda: 3)))
+    monkeypatch.setattr(launch, "_enabled", True)
+    fn = JITFunction(_scale_rows, do_not_specialize=["n"])
+    return Launcher(fn), fn, calls, compiled
+
+
+def test_bound_launch_passes_what_triton_passes(fake_device):
+    """The fast path hands the compiled kernel's run the grid, the current stream and the
+    argument list Triton's own binder makes for the same call (constexprs included)."""
+    launcher, fn, calls, compiled = fake_device
+    x, out = torch.randn(4, 48), torch.empty(4, 32)
+    bound = launcher.bind((4,), x, out, 48, 32, 2.0, free=("x_ptr", "n"), BLOCK=32, num_warps=2)
+    assert len(compiled) == 1 and not calls
+    y = torch.randn(4, 48)
+    bound(y, 20)
+    binder = create_function_from_signature(fn.signature, fn.params, CUDA_BACKEND)
+    want = list(binder(y, out, 48, 20, 2.0, BLOCK=32)[0].values())
+    (tag, got), = calls
+    assert tag == 1 and got[:9] == (4, 1, 1, 1003, "fn1", "meta1", None, None, None)
+    assert len(got[9:]) == len(want) and all(a is b or a == b for a, b in zip(got[9:], want))
+
+
+def test_a_specialization_change_rebinds_and_a_repeated_one_reuses(fake_device):
+    launcher, fn, calls, compiled = fake_device
+    x, out = torch.randn(4, 64), torch.empty(4, 32)
+    bound = launcher.bind((4,), x, out, 64, 32, 2.0, free=("x_ptr", "stride_x", "n"), BLOCK=32)
+    bound(x, 64, 17)  # n is do_not_specialize: its value never changes the kernel
+    bound(x, 64, 1)
+    assert len(compiled) == 1 and [t for t, _ in calls] == [1, 1]
+    bound(x[:, 1:], 64, 32)  # a 4-byte offset: no 16-byte alignment
+    assert len(compiled) == 2 and calls[-1][0] == 2 and compiled[-1][0].data_ptr() == x[:, 1:].data_ptr()
+    bound(x, 1, 32)  # stride 1: Triton makes it a constexpr
+    bound(x, 17, 32)  # stride not divisible by 16
+    bound(x, 1 << 33, 32)  # stride past i32
+    assert len(compiled) == 5 and [t for t, _ in calls[-3:]] == [3, 4, 5]
+    bound(x, 48, 5)  # back to the bound key: the first kernel, no new compile
+    bound(x[:, 1:], 64, 3)
+    assert len(compiled) == 5 and [t for t, _ in calls[-2:]] == [1, 2]
+    bound(x.to(torch.bfloat16), 64, 3)  # another dtype
+    assert len(compiled) == 6
+
+
+def test_disabled_or_hooked_launches_take_the_ordinary_path(fake_device, monkeypatch):
+    launcher, fn, calls, compiled = fake_device
+    ordinary = []
+    monkeypatch.setattr(Launcher, "ordinary", lambda self, grid, values, options: ordinary.append(values))
+    x, out = torch.randn(4, 64), torch.empty(4, 32)
+    bound = launcher.bind((4,), x, out, 64, 32, 2.0, free=("n",), BLOCK=32)
+    launch.set_enabled(False)
+    bound(7)
+    launch.set_enabled(True)
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        bound(8)
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    bound(9)
+    assert [v[3] for v in ordinary] == [7, 8] and [a[9 + 3] for _, a in calls] == [9]
+
+
+def test_free_arguments_must_be_runtime_parameters(fake_device):
+    launcher = fake_device[0]
+    x, out = torch.randn(4, 64), torch.empty(4, 32)
+    with pytest.raises(ValueError, match="'BLOCK' must be a runtime parameter"):
+        launcher.bind((4,), x, out, 64, 32, 2.0, free=("BLOCK",), BLOCK=32)
+    with pytest.raises(ValueError, match="'nope' must be a runtime parameter"):
+        launcher.bind((4,), x, out, 64, 32, 2.0, free=("nope",), BLOCK=32)
+
+
+scale_rows = triton.jit(_scale_rows, do_not_specialize=["n"])
+
+
+def _device() -> str:
+    return "cpu" if INTERPRET else "cuda"
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the interpreter or a GPU")
+def test_bound_launch_results_equal_the_ordinary_launch():
+    """Interpreter: the ordinary path with the free args substituted; GPU: the fast path,
+    across rebinds (misaligned rows, stride 1) and back."""
+    dev = _device()
+    x = torch.randn(6, 80, device=dev)
+    out = torch.zeros(6, 64, device=dev)
+    want = torch.zeros(6, 64, device=dev)
+    bound = Launcher(scale_rows).bind((6,), x, out, 80, 64, 3.0, free=("x_ptr", "stride_x", "n"), BLOCK=64)
+    for src, n in ((x, 64), (x[:, 3:], 50), (x.reshape(-1)[:6].view(6, 1), 1), (x, 7)):
+        out.zero_(), want.zero_()
+        bound(src, src.stride(0), n)
+        scale_rows[(6,)](src, want, src.stride(0), n, 3.0, BLOCK=64)
+        assert torch.equal(out, want)
+        assert torch.equal(out[:, :n], src[:, :n] * 3.0)
+
+
+@pytest.mark.gpu
+def test_bound_launches_replay_in_a_cuda_graph_gpu():
+    x = torch.randn(6, 80, device="cuda")
+    out = torch.zeros(6, 64, device="cuda")
+    bound = Launcher(scale_rows).bind((6,), x, out, 80, 64, 3.0, free=("n",), BLOCK=64)
+    bound(64)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bound(64)
+    out.zero_()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x[:, :64] * 3.0)
