@@ -25,7 +25,20 @@ import triton.language as tl
 
 from .attention import _attend, _gated_store
 
-_SENT = 2147483647  # int32 max: an empty candidate / tile slot, sorts last
+_SENT = tl.constexpr(2147483647)  # int32 max: an empty candidate / tile slot, sorts last
+
+
+@triton.jit
+def _sort(x, N: tl.constexpr, INTERPRET: tl.constexpr):
+    """x [N] int32 ascending. The interpreter runs tl.sort's bitonic network op by op (about
+    7 s per sort of 256 on a CI core), so it ranks by an [N, N] comparison instead."""
+    if INTERPRET:
+        k = tl.arange(0, N)
+        before = (x[None, :] < x[:, None]) | ((x[None, :] == x[:, None]) & (k[None, :] < k[:, None]))
+        rank = tl.sum(before.to(tl.int32), 1)  # final position of x[k]
+        return tl.sum(tl.where(rank[None, :] == k[:, None], x[None, :], 0), 1)
+    else:
+        return tl.sort(x)
 
 
 @triton.jit
@@ -100,10 +113,10 @@ def _shared_kernel(
             cols = cur[:, None] + jc[None, :]
             e_mask = cols < cnt[:, None]
             e = tl.load(sel_rows + cols * stride_sc, mask=e_mask, other=_SENT)  # [BM_P, CAND]
-            s_all = tl.sort(tl.reshape(e, [BM_P * CAND]))
+            s_all = _sort(tl.reshape(e, [BM_P * CAND]), BM_P * CAND, INTERPRET)
             prev = tl.gather(s_all, tl.maximum(kk - 1, 0), 0)
             first = (s_all != prev) | (kk == 0)
-            uniq = tl.sort(tl.where(first, s_all, _SENT))
+            uniq = _sort(tl.where(first, s_all, _SENT), BM_P * CAND, INTERPRET)
             u = tl.min(tl.reshape(uniq, [BM_P * CAND // BN, BN]), 0)  # BN smallest distinct
             u_ok = u != _SENT
             u_last = tl.max(tl.where(u_ok, u, -1), 0)
@@ -143,8 +156,8 @@ def _shared_kernel(
         _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
     else:
         g = tl.arange(0, GP)
-        heads = kvh * G + g
-        mask = (g < G)[:, None] & d_mask[None, :]
+        heads1 = kvh * G + g
+        mask1 = (g < G)[:, None] & d_mask[None, :]
         r = 0
         while r < n_here:
             row = row0 + r
@@ -156,7 +169,7 @@ def _shared_kernel(
             )
             has1 = (l1 > 0.0)[:, None]
             o1 = acc1 / tl.where(has1, l1[:, None], 1.0) * v_scale
-            g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
-            o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
-            _gated_store(o1, has1, gate_ptr, out_ptr, g_off, o_off, mask)
+            g_off1 = row.to(tl.int64) * stride_gt + heads1[:, None] * stride_gh + d[None, :]
+            o_off1 = row.to(tl.int64) * stride_ot + heads1[:, None] * D + d[None, :]
+            _gated_store(o1, has1, gate_ptr, out_ptr, g_off1, o_off1, mask1)
             r += 1
