@@ -25,6 +25,8 @@ _MAX_SPLITS = 64
 # Rows above which the one-pass kernel already fills the GPU.
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
+# Shared tiles pay while a block's union stays within this many times its longest row.
+_MAX_UNION = 2.5
 
 
 def _interpreting() -> bool:
@@ -232,7 +234,8 @@ def _launch_config(dp: int) -> tuple[int, int, int]:
 @dataclass(frozen=True)
 class SharedConfig:
     """Shared-tile prefill launch: BM rows per block (MB = the MMA's M >= BM * G), CAND
-    entries per row and step, BN tokens per K/V tile."""
+    entries per row and step, BN tokens per K/V tile; a block whose estimated union exceeds
+    max_union x its longest row attends row by row."""
 
     block_rows: int
     block_m: int
@@ -240,15 +243,16 @@ class SharedConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    max_union: float
 
 
 def _shared_config(group: int) -> SharedConfig:
     """Rows per block: as many as fill an M of 128 (at most 16: the sort holds 16 x CAND)."""
     if _interpreting():
         bm = max(1, min(16, 32 // group))
-        return SharedConfig(bm, max(16, triton.next_power_of_2(bm * group)), 16, 16, 4, 1)
+        return SharedConfig(bm, max(16, triton.next_power_of_2(bm * group)), 16, 16, 4, 1, _MAX_UNION)
     bm = max(1, min(16, 128 // group))
-    return SharedConfig(bm, max(16, triton.next_power_of_2(bm * group)), 64, 64, 8, 1)
+    return SharedConfig(bm, max(16, triton.next_power_of_2(bm * group)), 64, 64, 8, 1, _MAX_UNION)
 
 
 @dataclass(frozen=True)
@@ -364,8 +368,8 @@ class AttentionLaunch:
         if sh is not None:
             n = T - per_row
             self._launches.append((_shared.bind(
-                (triton.cdiv(n, sh.block_rows), Hkv), *tensors, per_row, n, W, qk_scale, v_scale, *strides,
-                free=_FREE, BM=sh.block_rows, BM_P=max(16, triton.next_power_of_2(sh.block_rows)), MB=sh.block_m,
+                (triton.cdiv(n, sh.block_rows), Hkv), *tensors, per_row, n, W, qk_scale, v_scale, sh.max_union,
+                *strides, free=_FREE, LOG_W=max(1, W.bit_length()), BM=sh.block_rows, BM_P=max(16, triton.next_power_of_2(sh.block_rows)), MB=sh.block_m,
                 CAND=sh.cand, BN=sh.block_n, num_warps=sh.num_warps, num_stages=sh.num_stages, **common,
             ), False))
         if per_row:

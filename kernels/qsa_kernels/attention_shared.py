@@ -61,18 +61,51 @@ def _block_shareable(sel_ptr, rows, rvalid, cnt, seq_len, W, stride_st, stride_s
     return tl.sum((~ok).to(tl.int32), 0) == 0
 
 
+@triton.jit
+def _union_estimate(sel_ptr, rows, rvalid, cnt, stride_st, stride_sc,
+                    BM: tl.constexpr, BM_P: tl.constexpr, SAMPLES: tl.constexpr, LOG_W: tl.constexpr):
+    """Estimated size of the union of the block's (sorted) selections: the sum over rows of
+    count x the fraction of SAMPLES evenly spaced entries that no earlier row holds (binary
+    searches); exact for identical or disjoint rows."""
+    j = tl.arange(0, SAMPLES)
+    i = tl.arange(0, BM_P)
+    cols = (j[None, :] * cnt[:, None]) // SAMPLES  # [BM_P, SAMPLES], < cnt where cnt > 0
+    has = rvalid[:, None] & (cnt[:, None] > 0)
+    x = tl.load(sel_ptr + rows.to(tl.int64)[:, None] * stride_st + cols * stride_sc, mask=has, other=0)
+    seen = tl.zeros((BM_P, SAMPLES), tl.int1)
+    for back in range(1, BM):
+        other = sel_ptr + (rows - back).to(tl.int64)[:, None] * stride_st
+        n_other = tl.sum(tl.where(i[None, :] == i[:, None] - back, cnt[None, :], 0), 1)  # cnt of row i - back
+        look = has & (i[:, None] >= back)
+        lo = tl.zeros((BM_P, SAMPLES), tl.int32)
+        hi = tl.where(look, n_other[:, None], 0)
+        for _ in tl.static_range(LOG_W):
+            mid = (lo + hi) // 2
+            v = tl.load(other + mid * stride_sc, mask=mid < hi, other=0)
+            right = v < x
+            lo = tl.where((mid < hi) & right, mid + 1, lo)
+            hi = tl.where((mid < hi) & ~right, mid, hi)
+        hit = tl.load(other + lo * stride_sc, mask=look & (lo < n_other[:, None]), other=-1) == x
+        seen = seen | (look & hit)
+    new = tl.sum((has & ~seen).to(tl.float32), 1) / SAMPLES
+    return tl.sum(new * cnt.to(tl.float32), 0)
+
+
 @triton.jit(do_not_specialize=["row_base", "num_rows", "W"])
 def _shared_kernel(
     q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, out_ptr,
-    row_base, num_rows, W, qk_scale, v_scale,
+    row_base, num_rows, W, qk_scale, v_scale, max_union,
     stride_qt, stride_qh, stride_gt, stride_gh, stride_ot,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btr, stride_btp, stride_st, stride_sc,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
     BM: tl.constexpr, BM_P: tl.constexpr, MB: tl.constexpr, CAND: tl.constexpr, BN: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    LOG_W: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Grid (cdiv(num_rows, BM), KV heads): rows row_base + [blk*BM, blk*BM + BM) -> out."""
+    """Grid (cdiv(num_rows, BM), KV heads): rows row_base + [blk*BM, blk*BM + BM) -> out.
+
+    A block shares tiles when its estimated union is at most max_union x its longest row
+    (beyond that the masked MMA work outweighs the loads saved)."""
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
     row0 = row_base + blk * BM
@@ -87,6 +120,8 @@ def _shared_kernel(
     cnt = tl.where(rvalid, tl.minimum(tl.maximum(cnt, 0), W), 0)
     one_req = tl.sum((rvalid & (reqs != req0)).to(tl.int32), 0) == 0
     shareable = one_req & _block_shareable(sel_ptr, rows, rvalid, cnt, seq_len, W, stride_st, stride_sc, BM_P, 64)
+    union = _union_estimate(sel_ptr, rows, rvalid, cnt, stride_st, stride_sc, BM, BM_P, 32, LOG_W)
+    shareable = shareable & (union <= max_union * tl.max(cnt, 0).to(tl.float32))
 
     d = tl.arange(0, DP)
     d_mask = d < D

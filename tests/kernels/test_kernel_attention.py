@@ -5,6 +5,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 # Small-shape tests run on the GPU when there is one, else in the Triton interpreter.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -13,6 +15,7 @@ if DEV == "cpu":
 
 from qsa_core.reference.attention import qsa_sparse_attention as reference  # noqa: E402
 from qsa_kernels import attention as ker  # noqa: E402
+from qsa_kernels.attention_shared import _union_estimate  # noqa: E402
 from test_kernel_select import graph_replay, kernel_breakdown  # noqa: E402  (imported here: a rename fails on CPU too)
 
 
@@ -262,8 +265,10 @@ def shared_problem(cases, *, W=39, pad_rows=2, seed=0, device=DEV, **kw):
 
 def test_shared_tiles_exact_per_row(monkeypatch):
     """Blocks of one request with identical, disjoint, correlated and independent rows, blocks
-    across request boundaries and padding rows: each row attends to its own selection only."""
+    across request boundaries and padding rows: each row attends to its own selection only
+    (every block of one request shares tiles, whatever its union)."""
     monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
+    monkeypatch.setattr(ker, "_MAX_UNION", 1e9)
     cases = [(90, 11, "identical"), (70, 9, "disjoint"), (120, 13, "correlated"), (60, 7, "independent")]
     problem = shared_problem(cases, Hq=6, Hkv=2, seed=1)
     T = problem[0].shape[0]
@@ -291,6 +296,7 @@ def test_shared_tiles_non_finite_v_reaches_only_its_rows(monkeypatch):
     """A NaN V in a shared tile: the rows that select it are NaN, every other row of the block
     is exactly what it is without the NaN."""
     monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
+    monkeypatch.setattr(ker, "_MAX_UNION", 1e9)
     problem = shared_problem([(100, 10, "correlated")], Hq=6, Hkv=2, pad_rows=0, seed=3)
     q, gate, k, v, table, to_req, seq, sel = problem
     W = sel.shape[1] - 1
@@ -318,3 +324,28 @@ def test_gpu_shared_production(kind):
     assert sched.shared is not None
     out = compare(problem, tol=2e-2)
     _empty_rows_zero(out, problem)
+
+
+@triton.jit
+def _union_probe(sel_ptr, out_ptr, n, stride_st, BM_P: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
+    i = tl.arange(0, BM_P)
+    rvalid = i < n
+    cnt = tl.load(sel_ptr + i * stride_st + W, mask=rvalid, other=0)
+    tl.store(out_ptr, _union_estimate(sel_ptr, i, rvalid, cnt, stride_st, 1, BM_P, BM_P, 32, LOG_W))
+
+
+def test_union_estimate_tracks_the_exact_union():
+    """The block's union estimate (it decides shared tiles vs row by row): exact for identical
+    rows, one count per row for disjoint rows, near the exact union for correlated rows."""
+    W = 39
+    for kind in ("identical", "disjoint", "correlated"):
+        sel = shared_problem([(300, 10, kind)], W=W, pad_rows=0, Hq=2, Hkv=1, seed=5)[-1]
+        est = torch.zeros(1, device=sel.device)
+        _union_probe[(1,)](sel, est, 10, sel.stride(0), BM_P=16, W=W, LOG_W=W.bit_length())
+        exact = torch.unique(sel[:, :W][sel[:, :W] >= 0]).numel()
+        if kind == "identical":
+            assert est.item() == sel[0, W].item()
+        elif kind == "disjoint":
+            assert est.item() == sel[:, W].sum().item() == exact
+        else:
+            assert 0.8 * exact <= est.item() <= 1.3 * exact, (est.item(), exact)
