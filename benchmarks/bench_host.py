@@ -9,8 +9,10 @@ sync, in batches short enough that the launch queue never fills), so it is the t
 CPU spends issuing work. GPU time: CUDA events around the same loop (the GPU's span; when
 it is above the host time, the GPU waits on nothing). Kernel launches per call come from the
 profiler.
+Every case runs twice in one run: with the ordinary Triton launch (`JITFunction.run`, the
+old path) and with the thin launcher (`qsa_kernels.launch`, bound launches).
 
-    python benchmarks/bench_host.py [--out DIR]
+    python benchmarks/bench_host.py [--out DIR] [--launch both|ordinary|launcher]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from qsa_core import (
     QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs, qsa_attention,
     qsa_indexer, qsa_prepare, qsa_select,
 )
+from qsa_kernels.launch import set_enabled
 
 CONFIG = QSAConfig(
     hidden_size=2048, num_heads=24, num_kv_heads=2, head_dim=256, index_n_heads=4, index_head_dim=128,
@@ -35,9 +38,10 @@ CONFIG = QSAConfig(
 PAGE = 64
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
+COUNTED = ("layer halves", "plan", "plan static")  # cases whose kernel launches are counted
 
 
-def host_and_gpu_us(fn: Callable[[], object], calls: int = 40, rounds: int = 10) -> tuple[float, float]:
+def host_and_gpu_us(fn: Callable[[], object], calls: int = 25, rounds: int = 6) -> tuple[float, float]:
     """Median over rounds of (host us per call, GPU us per call) for `calls` unsynchronised calls."""
     for _ in range(3):
         fn()
@@ -136,6 +140,13 @@ class DecodeStep:
             "  attention": lambda: qsa_attention(plan, indexed, cache, out=self.out),
         }
 
+    def outputs(self) -> list[torch.Tensor]:
+        """What a layer call writes: gated output, selection, caches (for comparing paths)."""
+        out = self.halves()
+        torch.cuda.synchronize()
+        c = self.cache
+        return [t.clone() for t in (out, self.plan.schedule.selection, c.k, c.v, c.compressed, c.ring)]
+
     def forward(self) -> torch.Tensor:
         with torch.no_grad():
             return self.layer(self.hidden, self.plan, self.cache)
@@ -144,23 +155,49 @@ class DecodeStep:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="folder for host.json")
+    parser.add_argument("--launch", choices=("both", "ordinary", "launcher"), default="both",
+                        help="Triton launch path(s) to measure (default: both, old then new)")
+    parser.add_argument("--calls", type=int, default=25, help="calls per timed round")
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds (the median is reported)")
     args = parser.parse_args()
-    rows = []
+    modes = ("ordinary", "launcher") if args.launch == "both" else (args.launch,)
+    rows, same = [], []
     for batch, context in ((4, 8192), (64, 8192), (64, 131072)):
         step = DecodeStep(batch, context)
+        if len(modes) == 2:  # the two paths write the same bits
+            try:
+                set_enabled(False)
+                ordinary = step.outputs()
+                set_enabled(True)
+                equal = all(torch.equal(a, b) for a, b in zip(ordinary, step.outputs()))
+            except Exception as exc:  # report it with the figures
+                equal = f"{type(exc).__name__}: {exc}"[:120]
+            same.append(f"B{batch} {context}: {equal}")
         cases = [("layer halves", step.halves), *step.ops_alone().items(), ("QSAAttention.forward", step.forward),
                  ("plan", step.make_plan), ("plan static", lambda: step.make_plan(static=True))]
         for name, fn in cases:
-            host, gpu = host_and_gpu_us(fn)
-            rows.append(dict(case=name, batch=batch, context=context, host_us=round(host, 1), gpu_us=round(gpu, 1),
-                             launches=launches(fn)))
-    head = f"{'case':<22}{'batch':>6}{'context':>9}{'host us':>10}{'gpu us':>10}{'launches':>10}"
-    lines = [head] + [f"{r['case']:<22}{r['batch']:>6}{r['context']:>9}{r['host_us']:>10}{r['gpu_us']:>10}"
-                      f"{str(r['launches']):>10}" for r in rows]
+            for mode in modes:
+                set_enabled(mode == "launcher")
+                row = dict(case=name, launch=mode, batch=batch, context=context)
+                try:
+                    host, gpu = host_and_gpu_us(fn, args.calls, args.rounds)
+                    # Both paths launch the same kernels: count them once, for the whole cases.
+                    count = launches(fn) if mode == modes[-1] and name in COUNTED else "-"
+                    row.update(host_us=round(host, 1), gpu_us=round(gpu, 1), launches=count)
+                except Exception as exc:  # report the failure of one case and go on
+                    row.update(host_us="error", gpu_us="-", launches=f"{type(exc).__name__}: {exc}"[:80])
+                rows.append(row)
+                print(row, flush=True)
+    set_enabled(True)
+    head = f"{'case':<22}{'launch':>10}{'batch':>6}{'context':>9}{'host us':>10}{'gpu us':>10}{'launches':>10}"
+    lines = [head] + [f"{r['case']:<22}{r['launch']:>10}{r['batch']:>6}{r['context']:>9}{r['host_us']:>10}"
+                      f"{r['gpu_us']:>10}{str(r['launches']):>10}" for r in rows]
+    if same:
+        lines.append("launcher outputs == ordinary outputs (bitwise): " + "; ".join(same))
     print("\n".join(lines))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "host.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "host.json").write_text(json.dumps(dict(rows=rows, launcher_equals_ordinary=same), indent=1))
 
 
 if __name__ == "__main__":

@@ -1,106 +1,182 @@
-"""Per-layer QSA step on the GPU against dense FlashInfer and SGLang 0.5.23's sparse kernels.
+"""One QSA layer step on the GPU against dense FlashInfer and SGLang 0.5.23's whole QSA path.
 
-Production geometry (bf16, Hq 24 / Hkv 2 / D 256, indexer 4 x 128, r 4, budget 2048,
-page 64), synthetic random data. Every configuration is checked against the reference
-before it is timed. Times are medians of CUDA-graph replays (`do_bench_cudagraph`).
-Needs a CUDA GPU; the plot needs matplotlib (`pip install -e '.[bench]'`), the dense
-column FlashInfer (`.[flashinfer]`), the SGLang column SGLang's installed files.
+Production geometry (bf16, Hq 24 / Hkv 2 / D 256, indexer 4 x 128, r 4, budget 2048, page 64),
+synthetic random data. Every configuration is checked against the PyTorch reference before it
+is timed. Each column is one CUDA graph (captured once) timed as the median of its replays, L2
+flushed before each replay (a layer's caches are cold in a served step); "whole step" is all of
+the layer's launches (prepare, select, expand, attention) in one graph. bench_report.py holds
+the byte/FLOP model, the issue's targets and the table writers.
 
-    python benchmarks/bench_qsa.py [--out DIR] [--quick] [--sglang-dir SITE_PACKAGES] [--no-plot]
-    python benchmarks/bench_qsa.py --sweep-attention
+    python benchmarks/bench_qsa.py --out DIR [--sglang-dir SITE] [--markdown BENCHMARKS.md --readme README.md]
+    python benchmarks/bench_qsa.py --smoke --out DIR ...     # two small configurations
+    python benchmarks/bench_qsa.py --dry-run --out DIR       # CPU: tiny shapes, reference ops, no timing
+    python benchmarks/bench_qsa.py --sweep-attention         # the attention kernel's launch configs
 
-Writes DIR/results.json (after every configuration), DIR/table.md and DIR/latency.png, and
-prints a line per configuration, then the table.
+DIR/results.json is written after every measurement; a rerun with the same --out resumes
+(configurations already there are skipped), so a run cut by a time limit continues in the next
+call. --budget-s stops starting configurations that would not fit.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
+import statistics
 import sys
-import types
-from dataclasses import asdict, dataclass, field
+import time
 from pathlib import Path
 
 import torch
 
-from qsa_core import (
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_report as rep  # noqa: E402
+from bench_report import (  # noqa: E402
+    DENSE, NO_PREP, SGL_ALL, SGL_ATTN, SGL_INDEXER, WHOLE, WHOLE_WARM, Case, Geometry, Result,
+)
+
+from qsa_core import (  # noqa: E402
     QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlanner, QSAStepInputs, ops, qsa_attention,
     qsa_indexer, qsa_prepare, qsa_select, ring_capacity,
 )
-from qsa_core.reference import qsa_select_decode as ref_select, qsa_sparse_attention as ref_attention
-from qsa_core.reference.select import compressed_rows, group_scores, paged_rows
+from qsa_core.reference import qsa_select_decode as ref_select, qsa_sparse_attention as ref_attention  # noqa: E402
+from qsa_core.reference.select import compressed_rows, group_scores, paged_rows  # noqa: E402
 
-PEAK_BYTES_PER_S = 4.3e12  # device-to-device copy measured on this machine kind
-PAGE = 64
-CONFIG = QSAConfig(
-    hidden_size=2048, num_heads=24, num_kv_heads=2, head_dim=256, index_n_heads=4, index_head_dim=128,
-    token_topk=2048, compress_ratio=4, rotary_dim=64, rope_theta=1e7,
-)
-DEV = torch.device("cuda")
+GEOM = Geometry()
 BF16 = torch.bfloat16
+SGLANG_MARK = Path("sglang/srt/layers/attention/qsa/sparse_attn.py")
 
 
-@dataclass
-class Row:
-    kind: str  # decode | prefill
-    context: int
-    batch: int
-    rows_per_req: int
-    ms: dict[str, float] = field(default_factory=dict)
-    qsa_bytes: float = 0.0
-    dense_bytes: float = 0.0
-    check: str = ""
+def qsa_config(index_dtype: str) -> QSAConfig:
+    g = GEOM
+    return QSAConfig(
+        hidden_size=2048, num_heads=g.num_heads, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+        index_n_heads=g.index_n_heads, index_head_dim=g.index_head_dim, token_topk=g.token_topk,
+        compress_ratio=g.compress_ratio, rotary_dim=64, rope_theta=1e7, index_dtype=index_dtype,
+    )
 
+
+# -- the configurations ------------------------------------------------------------------------
+
+def full_cases() -> list[Case]:
+    """The issue's target rows, the fp8 rows, and the decode B4 contexts for the plot."""
+    M = 1 << 20
+    return [
+        Case("decode", 8192, 1, 1), Case("decode", 32768, 4, 1),
+        Case("decode", 131072, 4, 1), Case("decode", 131072, 4, 1, "fp8_e4m3"), Case("decode", 131072, 64, 1),
+        Case("decode", M, 4, 1), Case("decode", M, 4, 1, "fp8_e4m3"), Case("decode", M, 4, 4),
+        Case("prefill", 16384, 1, 16384), Case("prefill", 131072, 1, 16384), Case("prefill", M, 1, 16384),
+    ]
+
+
+def smoke_cases() -> list[Case]:
+    return [Case("decode", 8192, 1, 1), Case("prefill", 8192, 1, 2048)]
+
+
+def dry_cases() -> list[Case]:
+    """CPU: contexts just above the budget, so the top-k has something to choose."""
+    return [Case("decode", 4096, 1, 1), Case("decode", 4096, 1, 2, "fp8_e4m3"), Case("prefill", 4096, 1, 8)]
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+class GraphTimer:
+    """Median us of CUDA-graph replays of fn, each replay after an L2 flush (not timed)."""
+
+    def __init__(self, flush_l2: bool = True, reps: int = 25, budget_ms: float = 600.0) -> None:
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
+        self.reps, self.budget_ms = reps, budget_ms
+
+    def __call__(self, fn) -> float:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (compiles) outside the graph
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        one_ms = (time.perf_counter() - t0) * 1e3
+        reps = max(3, min(self.reps, int(self.budget_ms / max(one_ms, 1e-3))))
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for a, b in ev:
+            if self.flush is not None:
+                self.flush.zero_()
+            a.record()
+            graph.replay()
+            b.record()
+        torch.cuda.synchronize()
+        del graph
+        return statistics.median(a.elapsed_time(b) for a, b in ev) * 1e3
+
+
+class WallTimer:
+    """The CPU dry run: wall-clock time of one call (no graphs; not a benchmark)."""
+
+    def __call__(self, fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+
+
+# -- one step ----------------------------------------------------------------------------------
 
 class Step:
-    """Caches, metadata and projections of one step: `batch` requests at `context` tokens,
-    the last `rows` of each computed in this step."""
+    """Caches, plan and projections of one step of `case` (random data, seeded)."""
 
-    def __init__(self, context: int, batch: int, rows: int, seed: int = 0) -> None:
+    def __init__(self, case: Case, device: torch.device, seed: int = 0) -> None:
         torch.manual_seed(seed)
-        cfg = CONFIG
-        self.context, self.batch, self.rows = context, batch, rows
-        pages_per_req = math.ceil(context / PAGE)
-        num_pages = pages_per_req * batch + 1
+        cfg = self.cfg = qsa_config(case.index_dtype)
+        self.case = case
+        self.context, self.batch, self.rows = case.context, case.batch, case.rows
+        self.decode = case.kind == "decode"
+        P = GEOM.page_size
+        pages_per_req = math.ceil(case.context / P)
+        num_pages = pages_per_req * case.batch + 1
         D, Hkv, Di = cfg.head_dim, cfg.num_kv_heads, cfg.index_head_dim
-        C = ring_capacity(cfg.compress_ratio, max(0, rows - 1) if rows <= 4 else 0)
+        idt = torch.float8_e4m3fn if case.index_dtype == "fp8_e4m3" else BF16
+        C = ring_capacity(cfg.compress_ratio, case.rows - 1 if self.decode else 0)
+        dev = device
         self.cache = QSALayerCache(
-            k=torch.randn(num_pages, PAGE, Hkv, D, device=DEV, dtype=BF16),
-            v=torch.randn(num_pages, PAGE, Hkv, D, device=DEV, dtype=BF16),
-            compressed=torch.randn(num_pages, PAGE // 4, Di, device=DEV, dtype=BF16),
-            ring=torch.randn(batch, C, Di, device=DEV, dtype=BF16),
+            k=torch.randn(num_pages, P, Hkv, D, device=dev, dtype=BF16),
+            v=torch.randn(num_pages, P, Hkv, D, device=dev, dtype=BF16),
+            compressed=torch.randn(num_pages, P // 4, Di, device=dev, dtype=BF16).to(idt),
+            ring=torch.randn(case.batch, C, Di, device=dev, dtype=BF16),
             ring_positions=None,
         )
-        perm = torch.randperm(num_pages - 1, device=DEV).to(torch.int32) + 1  # page 0 unused
-        self.block_table = perm[: pages_per_req * batch].view(batch, pages_per_req)
-        pos = torch.arange(context - rows, context, device=DEV)
-        slots = self.block_table.long()[:, pos // PAGE] * PAGE + pos % PAGE
-        T = batch * rows
-        decode = rows <= 4
-        planner = QSAPlanner(cfg, dtype=BF16, page_size=PAGE, ring_capacity=C, max_num_tokens=T,
-                             max_model_len=context, device=DEV)
+        perm = torch.randperm(num_pages - 1, device=dev).to(torch.int32) + 1  # page 0 unused
+        self.block_table = perm[: pages_per_req * case.batch].view(case.batch, pages_per_req)
+        pos = torch.arange(case.context - case.rows, case.context, device=dev)
+        slots = self.block_table.long()[:, pos // P] * P + pos % P
+        T = case.batch * case.rows
+        planner = QSAPlanner(cfg, dtype=BF16, page_size=P, ring_capacity=C, max_num_tokens=T,
+                             max_model_len=case.context, device=dev,
+                             backend="triton" if dev.type == "cuda" else "reference")
         self.plan = planner.plan(QSAStepInputs(
-            query_start_loc=torch.arange(0, T + 1, rows, device=DEV, dtype=torch.int32),
-            seq_lens=torch.full((batch,), context, device=DEV, dtype=torch.int32),
+            query_start_loc=torch.arange(0, T + 1, case.rows, device=dev, dtype=torch.int32),
+            seq_lens=torch.full((case.batch,), case.context, device=dev, dtype=torch.int32),
             block_table=self.block_table,
             slot_mapping=slots.reshape(-1),
-            ring_index=torch.arange(batch, device=DEV, dtype=torch.int32),
-            num_decodes=batch if decode else 0,
-            decode_query_len=rows if decode else 1,
-            max_query_len=rows,
-            max_seq_len=context,
+            ring_index=torch.arange(case.batch, device=dev, dtype=torch.int32),
+            num_decodes=case.batch if self.decode else 0,
+            decode_query_len=case.rows if self.decode else 1,
+            max_query_len=case.rows,
+            max_seq_len=case.context,
         ))
         self.meta = self.plan.meta
         Hi, Hq = cfg.index_n_heads, cfg.num_heads
-        self.index_qk = torch.randn(T, (Hi + 1) * Di, device=DEV, dtype=BF16)
-        self.q_gate = torch.randn(T, Hq * 2 * D, device=DEV, dtype=BF16)
-        self.k = torch.randn(T, Hkv * D, device=DEV, dtype=BF16)
-        self.v = torch.randn(T, Hkv * D, device=DEV, dtype=BF16)
-        self.norms = QSANormWeights(*(torch.randn(n, device=DEV) * 0.1 for n in (Di, Di, D, D)))
-        self.selection = torch.empty(T, cfg.packed_width, dtype=torch.int32, device=DEV)
+        self.index_qk = torch.randn(T, (Hi + 1) * Di, device=dev, dtype=BF16)
+        self.q_gate = torch.randn(T, Hq * 2 * D, device=dev, dtype=BF16)
+        self.k = torch.randn(T, Hkv * D, device=dev, dtype=BF16)
+        self.v = torch.randn(T, Hkv * D, device=dev, dtype=BF16)
+        self.norms = QSANormWeights(*(torch.randn(n, device=dev) * 0.1 for n in (Di, Di, D, D)))
+        self.selection = torch.empty(T, cfg.packed_width, dtype=torch.int32, device=dev)
         self.q_idx, self.q, self.gate = self.prepare()
 
     def prepare(self):
@@ -112,291 +188,316 @@ class Step:
     def attention(self):
         return qsa_attention(self.plan, QSAIndexed(self.selection, self.q, self.gate), self.cache)
 
+    def no_prepare(self):
+        self.select()
+        return self.attention()
+
     def full(self):
         indexed = qsa_indexer(self.plan, self.norms, self.index_qk, self.q_gate, self.k, self.v, self.cache,
                               selection_out=self.selection)
         return qsa_attention(self.plan, indexed, self.cache)
 
+    # -- reference checks (before timing) --
+
+    def ref_scores(self, row: int) -> torch.Tensor:
+        """fp32 reference scores of one row over the groups it sees."""
+        req, vis = int(self.meta.token_to_req[row]), int(self.meta.visible_blocks[row])
+        keys = paged_rows(self.cache.compressed, compressed_rows(self.meta.block_table, req, vis, GEOM.page_size, 4))
+        return group_scores(self.q_idx[row:row + 1], keys)[0]
+
     def check(self, rows: int = 2) -> str:
-        """Kernel vs reference on request 0's first rows: selected scores and attention."""
-        rows = min(rows, self.rows)
+        """Kernel vs reference on the first rows: selected scores, then attention to 2e-2."""
+        rows = min(rows, self.batch * self.rows)
         sel = self.select()
-        picked = rows_in(self, sel, rows)
-        Kb = CONFIG.block_topk
-        ref_blocks = torch.empty(rows, Kb, dtype=torch.int32, device=DEV)
-        ref_select(self.q_idx[:rows], self.cache.compressed, self.meta.block_table,
-                   self.meta.token_to_req[:rows], self.meta.visible_blocks[:rows], page_size=PAGE,
-                   compress_ratio=4, block_topk=Kb, out=ref_blocks)
-        vis = int(self.meta.visible_blocks[:rows].max())
-        keys = paged_rows(self.cache.compressed, compressed_rows(self.meta.block_table, 0, vis, PAGE, 4))
-        scores = group_scores(self.q_idx[:rows], keys)
+        Kb = self.cfg.block_topk
+        ref_blocks = torch.empty(rows, Kb, dtype=torch.int32, device=sel.device)
+        ref_select(self.q_idx[:rows], self.cache.compressed, self.meta.block_table, self.meta.token_to_req[:rows],
+                   self.meta.visible_blocks[:rows], page_size=GEOM.page_size, compress_ratio=4, block_topk=Kb,
+                   out=ref_blocks)
         for r in range(rows):
-            want = scores[r, ref_blocks[r][ref_blocks[r] >= 0].long()].sort().values
-            got = scores[r, picked[r]].sort().values
+            scores = self.ref_scores(r)
+            want = scores[ref_blocks[r][ref_blocks[r] >= 0].long()].sort().values
+            got = scores[chosen_groups(sel[r], int(self.meta.visible_blocks[r]))].sort().values
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-3, atol=1e-3):
-                raise AssertionError(f"selection differs from the reference at row {r}")
-        out = self.attention()[:rows].float()
-        ref = ref_attention(self.q[:rows], self.gate[:rows], self.cache.k, self.cache.v, self.meta.block_table,
-                            self.meta.token_to_req[:rows], self.meta.seq_lens, sel[:rows],
-                            softmax_scale=CONFIG.softmax_scale).float()
-        err = ((out - ref).abs().max() / ref.abs().max()).item()
+                raise AssertionError(f"{self.case.label}: selection differs from the reference at row {r}")
+        err = attention_error(self.attention()[:rows], self.reference_attention(sel, rows))
         if err > 2e-2:
-            raise AssertionError(f"attention differs from the reference: {err:.2e}")
-        return f"ok (attn err {err:.1e})"
+            raise AssertionError(f"{self.case.label}: attention differs from the reference: {err:.2e}")
+        return f"ok (attention err {err:.1e} on {rows} rows)"
+
+    def reference_attention(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
+        return ref_attention(self.q[:rows], self.gate[:rows], self.cache.k, self.cache.v, self.meta.block_table,
+                             self.meta.token_to_req[:rows], self.meta.seq_lens, packed[:rows],
+                             softmax_scale=self.cfg.softmax_scale)
+
+    def traffic(self) -> dict:
+        """The byte/FLOP model's inputs from this step's own selection (bench_report.traffic)."""
+        sel = self.select()
+        W = self.cfg.selection_width
+        T = sel.shape[0]
+        tok = sel[:, :W].long()
+        valid = torch.arange(W, device=sel.device)[None, :] < sel[:, W:].long()
+        req = self.meta.token_to_req[:T].long()[:, None].expand(-1, W)
+        distinct = torch.unique((req * self.context + tok)[valid]).numel()
+        scored = int(self.meta.visible_blocks[:T].long().sum())
+        return rep.traffic(self.case, GEOM, float(distinct), float(scored), float(valid.sum()))
 
 
-def rows_in(step: Step, sel: torch.Tensor, rows: int) -> list[torch.Tensor]:
-    """Chosen groups of the first rows, from the packed selection."""
-    out = []
-    for r in range(rows):
-        vis = int(step.meta.visible_blocks[r])
-        toks = sel[r, : int(sel[r, -1])].long()
-        out.append(torch.unique(toks[toks < vis * 4] // 4))
-    return out
+def chosen_groups(packed_row: torch.Tensor, visible: int) -> torch.Tensor:
+    """Distinct complete groups of one packed selection row (the open tail excluded)."""
+    toks = packed_row[: int(packed_row[-1])].long()
+    return torch.unique(toks[toks < visible * 4] // 4)
 
 
-def bench(fn) -> float:
-    """Median ms of CUDA-graph replays (launch overhead excluded, as in a graph-served step)."""
-    import triton.testing
+def attention_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float().flatten(1), want.float().flatten(1)
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
 
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
+# -- peers -------------------------------------------------------------------------------------
 
 def flashinfer_dense(step: Step):
-    """Dense paged attention over the whole context with FlashInfer's decode kernel (same KV
-    pages). With several rows per request (MTP), row j of a request is its own decode entry
-    over the first context - rows + j + 1 tokens: exactly the causal dense attention."""
+    """Dense paged attention over the whole context with FlashInfer on the same KV pages:
+    decode rows (MTP: row j of a request is its own entry over its causal prefix) with the
+    tensor-core decode kernel; a prefill chunk with the causal paged prefill."""
     import flashinfer
 
-    B, rows, ctx = step.batch, step.rows, step.context
-    cfg = CONFIG
-    ws = torch.empty(512 << 20, dtype=torch.uint8, device=DEV)
+    dev, B, rows, ctx, cfg, P = step.q.device, step.batch, step.rows, step.context, step.cfg, GEOM.page_size
+    ws = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
     q = step.q.contiguous()
-    heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE)
-    if rows > 4:  # a prefill chunk of one request: FlashInfer's causal paged prefill
+    heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, P)
+    i32 = dict(device=dev, dtype=torch.int32)
+    if not step.decode:
         ppr = step.block_table.shape[1]
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        i32 = dict(device=DEV, dtype=torch.int32)
         w.plan(torch.tensor([0, rows], **i32), torch.tensor([0, ppr], **i32), step.block_table[0].contiguous(),
-               torch.tensor([ctx - (ppr - 1) * PAGE], **i32), *heads, causal=True,
-               q_data_type=BF16, kv_data_type=BF16)
+               torch.tensor([ctx - (ppr - 1) * P], **i32), *heads, causal=True, q_data_type=BF16, kv_data_type=BF16)
         return lambda: w.run(q, (step.cache.k, step.cache.v))
-    lens = (ctx - rows + 1 + torch.arange(rows, device=DEV)).repeat(B)  # [B * rows]
-    pages = (lens + PAGE - 1) // PAGE
+    lens = (ctx - rows + 1 + torch.arange(rows, device=dev)).repeat(B)  # [B * rows]
+    pages = (lens + P - 1) // P
     kv_indptr = torch.cat([pages.new_zeros(1), pages.cumsum(0)]).to(torch.int32)
     table = step.block_table.repeat_interleave(rows, 0)
-    keep = torch.arange(table.shape[1], device=DEV)[None, :] < pages[:, None]
+    keep = torch.arange(table.shape[1], device=dev)[None, :] < pages[:, None]
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-    w.plan(kv_indptr, table[keep].contiguous(), (lens - (pages - 1) * PAGE).to(torch.int32), *heads,
+    w.plan(kv_indptr, table[keep].contiguous(), (lens - (pages - 1) * P).to(torch.int32), *heads,
            q_data_type=BF16, kv_data_type=BF16)
     return lambda: w.run(q, (step.cache.k, step.cache.v))
 
 
-def load_sglang_sparse_attn(root: Path):
-    """SGLang 0.5.23's sparse attention module, loaded from its installed files.
-
-    Its only SGLang import (the batch-invariant switch) is stubbed to "off", so the
-    package's heavy __init__ chain (CUDA kernels this machine lacks) is not needed.
-    """
-    stub = types.ModuleType("sglang.srt.batch_invariant_ops")
-    stub.is_batch_invariant_mode_enabled = lambda: False
-    sys.modules.setdefault("sglang.srt.batch_invariant_ops", stub)
-    path = root / "sglang/srt/layers/attention/qsa/sparse_attn.py"
-    spec = importlib.util.spec_from_file_location("sglang_qsa_sparse_attn", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def sglang_attention(step: Step, sa):
-    """SGLang's own sparse attention path on our selection (its decode gathers the chosen
-    K/V into scratch, then runs a packed kernel; its prefill reads the pool in place)."""
-    cfg = CONFIG
-    B, rows, ctx = step.batch, step.rows, step.context
-    W = cfg.selection_width
-    T = B * rows
-    k_flat = step.cache.k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-    v_flat = step.cache.v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-    pos = torch.arange(ctx, device=DEV)
-    req_to_token = (step.block_table.long()[:, pos // PAGE] * PAGE + pos % PAGE).to(torch.int32)
-    indices = step.selection[:, :W].contiguous()
-    q = step.q.contiguous()
-    seq = torch.full((B,), ctx, device=DEV, dtype=torch.int32)
-    if rows == 1:
-        counts = torch.empty(B, dtype=torch.int32, device=DEV)
-        cu_k = torch.empty(B + 1, dtype=torch.int32, device=DEV)
-        cu_q = torch.arange(B + 1, dtype=torch.int32, device=DEV)
-        pk = torch.empty(B * W, cfg.num_kv_heads, cfg.head_dim, device=DEV, dtype=BF16)
-        pv = torch.empty_like(pk)
-        rel = torch.arange(W, dtype=torch.int32, device=DEV).expand(B, -1).contiguous()
-        req_idx = torch.arange(B, device=DEV, dtype=torch.int32)
-
-        def run():
-            sa.qwen_sparse_fa2_cu_seqlens_triton(seq, indices, counts, cu_k, B, W)
-            sa.qwen_sparse_kv_extraction_compact_triton(k_flat, v_flat, req_to_token, req_idx, indices, seq,
-                                                         cu_k, pk, pv, B, W)
-            return sa.sparse_gqa_packed_decode_triton(q, pk, pv, rel, cu_q, cu_k, counts, cfg.softmax_scale)
-        return run
-    cu_q = torch.arange(0, T + 1, rows, device=DEV, dtype=torch.int32)
-    return lambda: sa.sparse_gqa_paged_prefill_triton(q, k_flat, v_flat, req_to_token, indices, cu_q, seq,
-                                                      cfg.softmax_scale, max_q=rows)
-
-
-def measure(kind: str, context: int, batch: int, rows: int, sa) -> Row:
-    row = Row(kind, context, batch, rows)
-    step = Step(context, batch, rows)
-    step.select()
-    row.check = step.check()
-    row.ms["prepare"] = bench(step.prepare)
-    row.ms["select+expand"] = bench(step.select)
-    blocks = torch.empty(step.q.shape[0], CONFIG.block_topk, dtype=torch.int32, device=DEV)
-    blocks.copy_(torch.arange(CONFIG.block_topk, device=DEV, dtype=torch.int32))
-    row.ms["expand"] = bench(lambda: ops.expand(blocks, step.meta.positions, step.meta.visible_blocks,
-                                                compress_ratio=4, out=step.selection))
-    step.select()
-    row.ms["attention"] = bench(step.attention)
-    row.ms["qsa (no prepare)"] = bench(lambda: (step.select(), step.attention()))
-    row.ms["qsa (all)"] = bench(step.full)
-    step.select()
-    try:
-        row.ms["flashinfer dense"] = bench(flashinfer_dense(step))
-    except Exception as e:  # noqa: BLE001 - report, keep measuring the rest
-        row.check += f"; flashinfer: {type(e).__name__}: {e}"[:200]
-    if sa is not None:
-        try:
-            row.ms["sglang attention"] = bench(sglang_attention(step, sa))
-        except Exception as e:  # noqa: BLE001
-            row.check += f"; sglang: {type(e).__name__}: {e}"[:200]
-    cfg = CONFIG
-    T = batch * rows
-    vis = context // 4
-    kv_row = cfg.num_kv_heads * cfg.head_dim * 2 * 2  # K and V, bf16
-    row.qsa_bytes = batch * vis * cfg.index_head_dim * 2 + T * cfg.selection_width * kv_row
-    row.dense_bytes = batch * context * kv_row
-    return row
-
-
-def configs(quick: bool):
-    ctxs = [8192, 32768, 131072] if quick else [8192, 32768, 65536, 131072, 1 << 20]
-    for ctx in ctxs:
-        for batch in (1, 4, 64):
-            if batch * ctx > (16 << 20):
-                continue
-            for rows in (1, 4):
-                yield "decode", ctx, batch, rows
-    for ctx in ([16384, 131072] if quick else [16384, 131072, 1 << 20]):
-        yield "prefill", ctx, 1, 16384
-
-
-def table(rows: list[Row]) -> str:
-    cols = ["prepare", "select+expand", "attention", "qsa (no prepare)", "qsa (all)", "flashinfer dense",
-            "sglang attention"]
-    head = ["kind", "ctx", "B", "q/req"] + [f"{c} us" for c in cols] + ["dense/qsa", "qsa GB/s", "% of 4.3 TB/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+def sglang_agreement(step: Step, path, max_rows: int = 32) -> dict[str, int]:
+    """SGLang's chosen groups against ours on up to max_rows rows spread over the step, counted
+    where the reference scores have a gap at the top-k boundary (else any tie order is right)."""
+    ours, theirs = step.select(), path.packed()
+    T, Kb = ours.shape[0], step.cfg.block_topk
+    rows = sorted({int(i) for i in torch.linspace(0, T - 1, min(max_rows, T)).round().long()})
+    gapped = agree = 0
     for r in rows:
-        us = [f"{r.ms[c] * 1e3:.1f}" if c in r.ms else "-" for c in cols]
-        qsa = r.ms.get("qsa (no prepare)")
-        dense = r.ms.get("flashinfer dense")
-        ratio = f"{dense / qsa:.1f}x" if qsa and dense else "-"
-        gbs = r.qsa_bytes / (qsa * 1e-3) / 1e9 if qsa else 0
-        ctx = f"{r.context // 1024}K"
-        lines.append("| " + " | ".join([r.kind, ctx, str(r.batch), str(r.rows_per_req)] + us +
-                                        [ratio, f"{gbs:.0f}", f"{100 * gbs * 1e9 / PEAK_BYTES_PER_S:.0f}"]) + " |")
-    return "\n".join(lines)
+        vis = int(step.meta.visible_blocks[r])
+        if vis > Kb:
+            s = step.ref_scores(r).sort(descending=True).values
+            if float(s[Kb - 1] - s[Kb]) <= 1e-4 * max(abs(float(s[Kb - 1])), 1e-6):
+                continue
+        gapped += 1
+        agree += bool(torch.equal(chosen_groups(ours[r], vis), chosen_groups(theirs[r], vis)))
+    same = group_sets(ours[:, :-1], step.meta.visible_blocks[:T]) == group_sets(theirs[:, :-1], step.meta.visible_blocks[:T])
+    return {"rows": len(rows), "gapped": gapped, "agree": agree, "all_rows": T, "all_agree": int(same.all(1).sum())}
 
 
-def plot(rows: list[Row], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, (kind, batch, q) in zip(axes, [("decode", 4, 1), ("prefill", 1, 16384)]):
-        sel = sorted((r for r in rows if (r.kind, r.batch, r.rows_per_req) == (kind, batch, q)),
-                     key=lambda r: r.context)
-        for name in ("qsa (no prepare)", "qsa (all)", "flashinfer dense", "sglang attention"):
-            pts = [(r.context, r.ms[name] * 1e3) for r in sel if name in r.ms]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=name)
-        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="us per layer",
-               title=f"{kind}, batch {batch}, {q} row(s)/request")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def group_sets(tokens: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Each row's chosen complete groups, sorted, padded with a large value: [T, W] int64."""
+    t = tokens.long()
+    first = (t >= 0) & (t % 4 == 0) & (t < visible[:, None].long() * 4)
+    return torch.where(first, t // 4, torch.iinfo(torch.int64).max).sort(1).values
 
 
-SGLANG_SPARSE_ATTN = Path("sglang/srt/layers/attention/qsa/sparse_attn.py")
-SWEEP_CASES = [("prefill 16K rows @128K", 131072, 1, 16384), ("decode B64 x4 @128K", 131072, 64, 4),
-               ("decode B4 @128K", 131072, 4, 1)]
+def sglang_check(step: Step, path, rows: int = 2) -> float:
+    """SGLang's attention (ungated) times our gate against the reference on its own selection."""
+    rows = min(rows, step.batch * step.rows)
+    out = path.attention()[:rows].float().view(rows, step.cfg.num_heads, -1)
+    gated = out * torch.sigmoid(step.gate[:rows].float())
+    return attention_error(gated, step.reference_attention(path.packed(), rows))
+
+
+# -- one configuration -------------------------------------------------------------------------
+
+def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save, warm_timer=None) -> Result:
+    """Fill result column by column (save() after each, so a killed run keeps what it has)."""
+    step = Step(case, device)
+    step.select()
+    if not result.check:
+        result.check = step.check()
+        result.model = step.traffic()
+        save()
+    ours = {
+        "prepare": step.prepare,
+        "select+expand": step.select,
+        "expand": lambda: ops.expand(step.plan.schedule.blocks, step.meta.positions, step.meta.visible_blocks,
+                                     compress_ratio=4, out=step.selection, backend=step.plan.backend),
+        "attention": step.attention,
+        NO_PREP: step.no_prepare,
+        WHOLE: step.full,
+    }
+    step.select()
+    if warm_timer is not None:
+        ours[WHOLE_WARM] = step.full
+    for name, fn in ours.items():
+        if name in result.us or any(n.startswith(f"{name}:") for n in result.notes):
+            continue
+        try:
+            result.us[name] = (warm_timer if name == WHOLE_WARM else timer)(fn)
+        except Exception as e:  # noqa: BLE001 - one column's failure (e.g. an API it relies on moved) is reported
+            result.notes.append(f"{name}: {type(e).__name__}: {e}"[:300])
+        save()
+    step.select()
+    if sg is not None and SGL_ALL not in result.us and not any(n.startswith("sglang") for n in result.notes):
+        try:
+            from bench_sglang import SGLangPath
+
+            path = SGLangPath(sg, step, page_size=GEOM.page_size, ratio=4, token_topk=GEOM.token_topk,
+                              softmax_scale=step.cfg.softmax_scale)
+            path.indexer()
+            result.agreement = sglang_agreement(step, path)
+            if device.type == "cuda":
+                err = sglang_check(step, path)
+                if err > 2e-2:
+                    raise AssertionError(f"its attention differs from the reference on its selection: {err:.2e}")
+                result.check += f"; sglang attention err {err:.1e}"
+            result.us[SGL_INDEXER] = timer(path.indexer)
+            save()
+            if device.type == "cuda":
+                result.us[SGL_ATTN] = timer(path.attention)
+                result.us[SGL_ALL] = timer(path.full)
+            else:
+                result.notes.append("sglang attention: dry run (its Triton kernels need CUDA)")
+        except Exception as e:  # noqa: BLE001 - report why, keep measuring the rest
+            result.notes.append(f"sglang: {type(e).__name__}: {e}"[:300])
+        save()
+    if dense and DENSE not in result.us and not any(n.startswith("flashinfer") for n in result.notes):
+        try:
+            result.us[DENSE] = timer(flashinfer_dense(step))
+        except Exception as e:  # noqa: BLE001
+            result.notes.append(f"flashinfer: {type(e).__name__}: {e}"[:300])
+        save()
+    return result
+
+
+def code_fingerprint() -> str:
+    """sha256 (12 hex) of the code the figures depend on: a resumed run must match it."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for f in sorted(p for d in ("qsa_core", "kernels", "benchmarks") for p in (root / d).rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def versions() -> str:
+    out = [f"torch {torch.__version__}"]
+    for name in ("triton", "flashinfer", "tilelang"):
+        try:
+            out.append(f"{name} {__import__(name).__version__}")
+        except Exception:  # noqa: BLE001 - not installed here
+            pass
+    return ", ".join(out)
+
+
+# -- attention launch-config sweep (a tuning aid) -------------------------------------------------
+
+SWEEP_CASES = [Case("prefill", 131072, 1, 16384), Case("decode", 131072, 64, 4), Case("decode", 131072, 4, 1)]
 
 
 def sweep_attention() -> None:
     """Time every (BLOCK_N, num_warps, num_stages) of the sparse attention kernel on three
-    128K cases; each output must equal the default configuration's (a tuning aid)."""
+    128K cases; each output must equal the default configuration's."""
     import itertools
 
     from qsa_kernels import attention
 
+    timer = GraphTimer()
     default = attention._launch_config
-    for name, ctx, batch, rows in SWEEP_CASES:
-        step = Step(ctx, batch, rows)
+    for case in SWEEP_CASES:
+        step = Step(case, torch.device("cuda"))
         step.select()
         want = step.attention().clone()
         results = []
         for cfg in itertools.product((16, 32, 64), (2, 4, 8), (1, 2)):
             attention._launch_config = lambda r, dp, cfg=cfg: cfg
             try:
-                got = step.attention()
-                same = torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
-                results.append((bench(step.attention) * 1e3, cfg, same))
+                same = torch.allclose(step.attention().float(), want.float(), atol=2e-2, rtol=2e-2)
+                results.append((timer(step.attention), cfg, same))
             except Exception as e:  # noqa: BLE001 - a config the compiler rejects
                 results.append((float("inf"), cfg, type(e).__name__))
             finally:
                 attention._launch_config = default
         results.sort(key=lambda x: x[0])
-        print(f"{name}: default {default(step.q.shape[0], 256)} = {bench(step.attention) * 1e3:.1f} us")
+        print(f"{case.label}: default {default(step.q.shape[0], 256)} = {timer(step.attention):.1f} us")
         for us, cfg, same in results[:6]:
             print(f"  BLOCK_N {cfg[0]:>2} warps {cfg[1]} stages {cfg[2]}: {us:8.1f} us  same={same}", flush=True)
         del step
         torch.cuda.empty_cache()
 
 
+# -- command line ------------------------------------------------------------------------------
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python benchmarks/bench_qsa.py",
-        description="Time one QSA layer step (prepare, select + expand, sparse attention) on a CUDA GPU "
-        "at production geometry, against dense FlashInfer and SGLang 0.5.23's sparse attention. "
-        "Every configuration is checked against the PyTorch reference before it is timed.",
+        description="Time one QSA layer step (prepare, select + expand, sparse attention; each alone and all in "
+        "one CUDA graph) on a CUDA GPU at production geometry, against dense FlashInfer and SGLang 0.5.23's whole "
+        "QSA path. Every configuration is checked against the PyTorch reference before it is timed.",
     )
     ap.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
-                    help="folder for results.json, table.md and latency.png; created if missing "
-                    "(default: %(default)s)")
-    ap.add_argument("--quick", action="store_true",
-                    help="contexts 8K, 32K and 128K only (the full run adds 64K and 1M)")
-    ap.add_argument("--sglang-dir", type=Path, default=None, metavar="SITE_PACKAGES",
-                    help="the folder that holds SGLang 0.5.23's installed 'sglang' package, i.e. its "
-                    "site-packages, e.g. $(python -c 'import sglang, pathlib; "
-                    "print(pathlib.Path(sglang.__file__).parents[1])'). Only "
-                    f"{SGLANG_SPARSE_ATTN} is loaded from it (no SGLang import chain, so no "
-                    "sgl_kernel is needed); its sparse attention is timed on QSA's selection as the "
-                    "'sglang attention' column. Without it that column is left out.")
-    ap.add_argument("--no-plot", action="store_true",
-                    help="do not write latency.png (the plot needs matplotlib: pip install -e '.[bench]')")
-    ap.add_argument("--sweep-attention", action="store_true",
-                    help="instead of the table: time all 18 launch configs of the sparse attention "
-                    "kernel on three 128K cases and check each against the default config")
+                    help="folder for results.json, table.md and latency.png; an existing results.json there is "
+                    "resumed (default: %(default)s)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--smoke", action="store_true", help="two small configurations (decode 8K B1, prefill 2K at 8K)")
+    mode.add_argument("--dry-run", action="store_true",
+                      help="on the CPU: tiny shapes through the reference ops (and SGLang's torch fallbacks), "
+                      "wall-clock times that mean nothing; checks the benchmark's own logic and writers")
+    mode.add_argument("--sweep-attention", action="store_true",
+                      help="instead of the table: time the sparse attention kernel's 18 launch configs")
+    ap.add_argument("--only", nargs="+", metavar="KEY", help="only these configurations (keys as in results.json)")
+    ap.add_argument("--sglang-dir", type=Path, metavar="SITE",
+                    help="a folder holding SGLang 0.5.23's sglang/srt/layers/attention/qsa/{mqa,kernel,sparse_attn}.py "
+                    "(its site-packages, or a copy of just those files): SGLang's QSA path becomes the peer columns. "
+                    "Needs tilelang 0.1.15 and FlashInfer with its top-k module prebuilt; without this option the "
+                    "peer columns are left out")
+    ap.add_argument("--no-dense", action="store_true", help="leave out the dense FlashInfer column")
+    ap.add_argument("--warm-l2", action="store_true", help="do not flush L2 between replays")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="start no configuration after this many seconds (0: no limit); rerun to resume")
+    ap.add_argument("--markdown", type=Path, help="rewrite the bench section of this file (BENCHMARKS.md) at the end")
+    ap.add_argument("--readme", type=Path, help="rewrite the bench section of this file (README.md) at the end")
+    ap.add_argument("--no-plot", action="store_true", help="do not write latency.png (needs matplotlib)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False): it times the Triton kernels "
-                 "under CUDA graphs. Without a GPU, `python -m qsa_core` runs QSA on the CPU.")
+    if not args.dry_run and not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False): it times the kernels under CUDA graphs. "
+                 "--dry-run checks the benchmark's logic on the CPU; `python -m qsa_core` runs QSA there.")
     if not args.no_plot and not args.sweep_attention and importlib.util.find_spec("matplotlib") is None:
-        ap.error("the plot needs matplotlib: pip install -e '.[bench]' (or pass --no-plot)")
-    if args.sglang_dir is not None and not (args.sglang_dir / SGLANG_SPARSE_ATTN).is_file():
-        ap.error(f"--sglang-dir {args.sglang_dir}: no {SGLANG_SPARSE_ATTN} there; pass the "
-                 "site-packages folder that holds SGLang 0.5.23's 'sglang' package")
+        ap.error("the plot needs matplotlib: pip install -e '.[bench]' (or pass --no-plot; "
+                 "bench_report.py DIR renders it later from results.json)")
+    if args.sglang_dir is not None and not (args.sglang_dir / SGLANG_MARK).is_file():
+        ap.error(f"--sglang-dir {args.sglang_dir}: no {SGLANG_MARK} there; pass the folder that holds SGLang 0.5.23's "
+                 "'sglang' package (its site-packages) or a copy of its qsa files")
     return args
+
+
+def load_peer(args, device: torch.device):
+    """SGLang's modules, or (None, why) when the peer cannot run here."""
+    if args.sglang_dir is None:
+        return None, ""
+    try:
+        import bench_sglang
+
+        sg = bench_sglang.load(args.sglang_dir)
+        if device.type == "cuda":
+            if not sg.mqa.HAS_TILELANG:
+                return None, "sglang: tilelang is not importable here (its indexer is TileLang)"
+            bench_sglang.preload_flashinfer_topk()
+        return sg, ""
+    except Exception as e:  # noqa: BLE001
+        return None, f"sglang: {type(e).__name__}: {e}"[:300]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -404,22 +505,60 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep_attention:
         sweep_attention()
         return
+    t_start = time.perf_counter()
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    cases = dry_cases() if args.dry_run else smoke_cases() if args.smoke else full_cases()
+    if args.only:
+        cases = [c for c in cases if c.key in args.only]
     args.out.mkdir(parents=True, exist_ok=True)
-    sa = load_sglang_sparse_attn(args.sglang_dir) if args.sglang_dir else None
-    todo = list(configs(args.quick))
-    rows = []
-    for i, (kind, ctx, batch, q) in enumerate(todo, 1):
-        print(f"[{i}/{len(todo)}] {kind} ctx {ctx} batch {batch} rows/request {q} ...", flush=True)
-        r = measure(kind, ctx, batch, q, sa)
-        torch.cuda.empty_cache()  # the step's caches went with measure()
-        rows.append(r)
-        print(f"    {r.check}; us:", {k: round(v * 1e3, 1) for k, v in r.ms.items()}, flush=True)
-        (args.out / "results.json").write_text(json.dumps([asdict(x) for x in rows], indent=1))
-    md = table(rows)
-    (args.out / "table.md").write_text(md + "\n")
-    if not args.no_plot:
-        plot(rows, args.out / "latency.png")
-    print(md)
+    path = args.out / "results.json"
+    meta, done = rep.load(path) if path.exists() else ({}, [])
+    code = code_fingerprint()
+    if done and meta.get("code") != code:
+        print(f"{path}: written by other code ({meta.get('code')} != {code}); starting over")
+        meta, done = {}, []
+    by_key = {r.case.key: r for r in done}
+    meta["code"] = code
+    meta.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)",
+                versions=versions(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                method="one CPU wall-clock call (dry run: not a measurement)" if args.dry_run else
+                "CUDA-graph replays" + ("" if args.warm_l2 else ", L2 flushed before each replay"))
+    sg, why = load_peer(args, device)
+    timer = WallTimer() if args.dry_run else GraphTimer(flush_l2=not args.warm_l2)
+    warm_timer = None if args.dry_run or args.warm_l2 else GraphTimer(flush_l2=False)
+    results = [by_key.get(c.key) or Result(c) for c in cases]
+
+    failed: list[str] = []
+
+    def save() -> None:
+        rep.save(path, meta, results)
+
+    for i, r in enumerate(results, 1):
+        elapsed = time.perf_counter() - t_start
+        if args.budget_s and elapsed > args.budget_s:
+            print(f"[{i}/{len(results)}] {r.case.label}: not started ({elapsed:.0f} s > --budget-s); rerun to resume")
+            continue
+        print(f"[{i}/{len(results)}] {r.case.label} ({r.case.index_dtype}) at {elapsed:.0f} s ...", flush=True)
+        if why and why not in r.notes:
+            r.notes.append(why)
+        try:
+            measure(r.case, device, timer, sg, dense=not args.no_dense and not args.dry_run, result=r, save=save,
+                    warm_timer=warm_timer)
+        except Exception as e:  # noqa: BLE001 - a failed check stops this configuration only
+            r.notes.append(f"FAILED: {type(e).__name__}: {e}"[:300])
+            failed.append(r.case.key)
+        save()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"    {r.check}; us: " + ", ".join(f"{k} {v:.1f}" for k, v in r.us.items())
+              + (f"; agreement {r.agreement}" if r.agreement else "") + "".join(f"\n    note: {n}" for n in r.notes),
+              flush=True)
+    finished = [r for r in results if r.check or r.notes]
+    print(rep.render(args.out, finished, meta, markdown=args.markdown, readme=args.readme,
+                     with_plot=not args.no_plot))
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (see the notes above)")
 
 
 if __name__ == "__main__":

@@ -79,12 +79,13 @@ class QSAStepInputs:
 
     def validate(self, device: torch.device) -> None:
         """Shapes, dtypes, devices and host ints (no tensor reads)."""
+        if not self._tensors_as_expected(device):  # the per-step fast check failed: name the field
+            _expect("query_start_loc", self.query_start_loc, torch.int32, 1, device)
+            _expect("seq_lens", self.seq_lens, torch.int32, 1, device)
+            _expect("block_table", self.block_table, torch.int32, 2, device)
+            _expect("slot_mapping", self.slot_mapping, torch.int64, 1, device)
+            _expect("ring_index", self.ring_index, torch.int32, 1, device)
         R, T = self.num_reqs, self.num_tokens
-        _expect("query_start_loc", self.query_start_loc, torch.int32, 1, device)
-        _expect("seq_lens", self.seq_lens, torch.int32, 1, device)
-        _expect("block_table", self.block_table, torch.int32, 2, device)
-        _expect("slot_mapping", self.slot_mapping, torch.int64, 1, device)
-        _expect("ring_index", self.ring_index, torch.int32, 1, device)
         if self.query_start_loc.shape[0] != R + 1:
             raise ValueError(
                 f"query_start_loc must have num_reqs + 1 = {R + 1} entries, got {self.query_start_loc.shape[0]}"
@@ -100,9 +101,10 @@ class QSAStepInputs:
         ):
             got = f"{rp.dtype} {tuple(rp.shape)} on {rp.device}" if isinstance(rp, torch.Tensor) else type(rp).__name__
             raise ValueError(f"rope_positions must be int64 [{T}] or [3, {T}] on {device}, got {got}")
-        for name in ("num_decodes", "max_query_len", "max_seq_len", "num_padding_rows"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if min(self.num_decodes, self.max_query_len, self.max_seq_len, self.num_padding_rows) < 0:
+            for name in ("num_decodes", "max_query_len", "max_seq_len", "num_padding_rows"):
+                if getattr(self, name) < 0:
+                    raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.decode_query_len < 1:
             raise ValueError(f"decode_query_len must be >= 1, got {self.decode_query_len}")
         if self.num_padding_rows > T:
@@ -117,6 +119,24 @@ class QSAStepInputs:
                 f"max_seq_len ({self.max_seq_len}) is below a request's seq_len ({int(host.max())}): it bounds "
                 "the groups selection scores, so such a request would be cut off"
             )
+
+    def _tensors_as_expected(self, device: torch.device) -> bool:
+        """The five tensors' dtypes, ranks and CUDA device in one cheap test (other devices
+        take the detailed checks)."""
+        index = device.index
+        if device.type != "cuda" or index is None:
+            return False
+        q, s, b, m, r = self.query_start_loc, self.seq_lens, self.block_table, self.slot_mapping, self.ring_index
+        try:
+            return (
+                q.dtype is torch.int32 and s.dtype is torch.int32 and b.dtype is torch.int32
+                and m.dtype is torch.int64 and r.dtype is torch.int32
+                and q.dim() == 1 and s.dim() == 1 and b.dim() == 2 and m.dim() == 1 and r.dim() == 1
+                and q.get_device() == index and s.get_device() == index and b.get_device() == index
+                and m.get_device() == index and r.get_device() == index
+            )
+        except AttributeError:  # not a tensor
+            return False
 
     def check_values(
         self, page_size: int, num_slots: int | None = None, num_ring_rows: int | None = None,

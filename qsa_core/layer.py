@@ -172,32 +172,36 @@ def qsa_prepare(
     cache: QSALayerCache,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused write side on a plan (inputs as `qsa_indexer`): stores the step's compressed
-    keys, ring rows and K/V; returns q_idx [T, Hi, Di] (index dtype), q and gate [T, Hq, D]."""
+    keys, ring rows and K/V; returns q_idx [T, Hi, Di] (index dtype), q and gate [T, Hq, D].
+
+    On Triton the launches are bound once per (schedule, cache) and relaunched with this
+    call's tensors only."""
     meta, s, cfg = plan.meta, plan.schedule, plan.config
-    T = meta.num_tokens
-    index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
+    T = s.num_tokens
+    if index_qk.shape[0] != T or q_gate.shape[0] != T or k.shape[0] != T or v.shape[0] != T:
+        index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in
+                                  ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
     split = cfg.index_n_heads * cfg.index_head_dim
-    return ops.prepare(
-        index_qk[:, :split],
-        index_qk[:, split:],
-        q_gate,
-        k,
-        v,
-        meta.rope_positions,
-        index_q_norm=norms.index_q,
-        index_k_norm=norms.index_k,
-        q_norm=norms.q,
-        k_norm=norms.k,
-        eps=cfg.rms_norm_eps,
-        inv_freq=plan.inv_freq,
-        rope_axes=plan.rope_axes,
-        index_dtype=plan.index_dtype,
-        cache=cache,
-        meta=meta,
-        q_idx_out=s.q_idx,
-        q_out=s.q,
-        backend=plan.backend,
-    )
+    raw_keys = index_qk[:, split:]
+    if s.q is None or T == 0:  # the reference backend (or nothing to do)
+        return ops.prepare(
+            index_qk[:, :split], raw_keys, q_gate, k, v, meta.rope_positions,
+            index_q_norm=norms.index_q, index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k,
+            eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, index_dtype=plan.index_dtype,
+            cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q, backend=plan.backend,
+        )
+    launches = s.layer_launches(cache)
+    prepare = launches.get("prepare")
+    if prepare is None:
+        from qsa_kernels.prepare import PrepareLaunch
+
+        prepare = launches["prepare"] = PrepareLaunch(  # index_qk as index_q: its first Hi*Di columns
+            index_qk, raw_keys, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,
+            index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k, eps=cfg.rms_norm_eps,
+            inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q,
+        )
+    return prepare(index_qk, raw_keys, q_gate, k, v, meta.rope_positions, norms.index_q, norms.index_k, norms.q,
+                   norms.k, meta.query_start_loc, meta.ring_index)
 
 
 def qsa_select(
@@ -209,21 +213,32 @@ def qsa_select(
     the plan's workspace.
     """
     meta, s, cfg = plan.meta, plan.schedule, plan.config
-    T = meta.num_tokens
-    out = s.selection if out is None else out
-    if tuple(out.shape) != (T, cfg.packed_width) or out.dtype != torch.int32:
+    T = s.num_tokens
+    if out is None:
+        out = s.selection
+    elif out.shape != s.selection.shape or out.dtype != torch.int32:
         raise ValueError(f"selection out must be int32 [{T}, {cfg.packed_width}], got {out.dtype} {tuple(out.shape)}")
     nd = s.num_decode_tokens
     kw = dict(page_size=meta.page_size, compress_ratio=cfg.compress_ratio, block_topk=cfg.block_topk,
               backend=plan.backend)
-    comp, table, to_req, vis, blocks = cache.compressed, meta.block_table, meta.token_to_req, meta.visible_blocks, s.blocks
+    comp, table = cache.compressed, meta.block_table
     if nd:
-        ops.select_decode(_rows(q_idx, nd, "q_idx"), comp, table, to_req[:nd], vis[:nd], out=blocks[:nd],
+        to_req, vis, blocks = s.decode_rows
+        ops.select_decode(_rows(q_idx, nd, "q_idx"), comp, table, to_req, vis, out=blocks,
                           schedule=s.select_decode, **kw)
     if nd < T:
-        ops.select_prefill(q_idx[nd:], comp, table, to_req[nd:], vis[nd:], out=blocks[nd:],
-                           schedule=s.select_prefill, **kw)
-    return ops.expand(blocks, meta.positions, vis, compress_ratio=cfg.compress_ratio, out=out, backend=plan.backend)
+        to_req, vis, blocks = s.prefill_rows
+        ops.select_prefill(q_idx[nd:], comp, table, to_req, vis, out=blocks, schedule=s.select_prefill, **kw)
+    blocks, vis = s.blocks, meta.visible_blocks
+    if s.q is None or T == 0:
+        return ops.expand(blocks, meta.positions, vis, compress_ratio=cfg.compress_ratio, out=out, backend=plan.backend)
+    expand = s.launches.get("expand")
+    if expand is None:
+        from qsa_kernels.expand import ExpandLaunch
+
+        expand = s.launches["expand"] = ExpandLaunch(blocks, meta.positions, vis, compress_ratio=cfg.compress_ratio,
+                                                     out=out)
+    return expand(out)
 
 
 def qsa_attention(

@@ -22,12 +22,12 @@ reason into a sticky device flag (`check_guard` names it); with the engine's hos
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from . import ops
-from .cache import check_page_size
+from .cache import QSALayerCache, check_page_size
 from .config import QSAConfig, resolve_dtype
 from .inputs import QSAStepInputs, debug_enabled
 from .metadata import QSAForwardMetadata
@@ -36,6 +36,7 @@ from .reference import metadata as reference_metadata
 _DERIVED = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot", "kv_slot")
 _NO_BOUND = 1 << 62
 _SCHEDULE_CACHE = 512
+_LAYER_CACHE = 256  # bound layer caches per schedule
 
 
 def column_bucket(num_cols: int) -> int:
@@ -54,8 +55,10 @@ class StepSchedule:
     Row views [T, ...] of the workspace: the derived metadata fields, q_idx, q (prepare
     outputs; None on the reference), blocks int32 [T, Kb], selection int32 [T, W + 1],
     attn_out [T, Hq*D]; the select
-    schedules of the decode rows [:num_decode_tokens] and the prefill rows after them, and
-    the attention schedule (None on the reference backend).
+    schedules of the decode rows [:num_decode_tokens] and the prefill rows after them (and
+    their views of token_to_req, visible_blocks, blocks: `decode_rows`, `prefill_rows`), and
+    the attention schedule (None on the reference backend); `launches`: the Triton launches
+    bound to this shape ("expand") and per layer cache (`layer_launches`).
     """
 
     num_tokens: int
@@ -70,6 +73,45 @@ class StepSchedule:
     select_decode: object | None
     select_prefill: object | None
     attention: object | None
+    decode_rows: tuple[torch.Tensor, ...]
+    prefill_rows: tuple[torch.Tensor, ...]
+    launches: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def layer_launches(self, cache: QSALayerCache) -> dict:
+        """The Triton launches bound to this shape and one layer cache, by op name (each op
+        adds its own on first use).
+
+        Found by the cache object (kept alive by the entry, so its id is never reused while
+        cached), else by what the launches bake in (its views' pointers, dtypes, shapes and
+        strides, its scales), so an engine that builds a new cache view per call reuses them.
+        """
+        entry = self.launches.get(id(cache))
+        if entry is not None and entry[0] is cache:
+            return entry[1]
+        by_views = self.launches.setdefault("by_views", {})
+        key = _cache_key(cache)
+        found = by_views.get(key)
+        if found is None:
+            if len(by_views) >= _LAYER_CACHE:
+                by_views.clear()
+            found = by_views[key] = {}
+        if len(self.launches) >= _LAYER_CACHE:
+            expand = self.launches.get("expand")
+            self.launches.clear()
+            self.launches.update(by_views=by_views, **({} if expand is None else {"expand": expand}))
+        self.launches[id(cache)] = (cache, found)
+        return found
+
+
+def _view_key(t: torch.Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+
+
+def _cache_key(cache: QSALayerCache) -> tuple:
+    """What bound launches fix of a layer cache: its views and scales."""
+    c = cache
+    return (_view_key(c.k), _view_key(c.v), _view_key(c.compressed), _view_key(c.ring), _view_key(c.ring_positions),
+            c.k_scale, c.v_scale)
 
 
 @dataclass(frozen=True)
@@ -180,6 +222,16 @@ class QSAPlanner:
             acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
             self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
                               torch.empty(acc, dtype=torch.float32, device=dev))
+        self._build = None
+        if self.backend == "triton":
+            from qsa_kernels.metadata import MetadataBuild
+
+            self._build = MetadataBuild(
+                **self._derived, request_flags=self._request_flags, guard=self.guard,
+                compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, page_size=self.page_size,
+                num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
+                num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
+            )
         self._static: dict[str, torch.Tensor] | None = None
         if max_num_reqs is not None:
             pages = -(-self.max_model_len // self.page_size)
@@ -191,6 +243,11 @@ class QSAPlanner:
                 ring_index=torch.zeros(max_num_reqs, **i32),
                 rope_positions=torch.zeros(3 if cfg.uses_mrope else 1, n, **i64),
             )
+        self._stager = None
+        if self._static is not None and self.backend == "triton":
+            from qsa_kernels.metadata import StaticStage
+
+            self._stager = StaticStage(**self._static)
 
     def _schedule(self, num_tokens: int, num_decode_tokens: int, num_cols: int) -> StepSchedule:
         key = (num_tokens, num_decode_tokens, num_cols)
@@ -210,6 +267,7 @@ class QSAPlanner:
                 pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
             attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
                                   device=self.device, partials=self._partials)
+        rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols,
             derived={k: self._derived[k][:T] for k in _DERIVED},
@@ -217,6 +275,7 @@ class QSAPlanner:
             q=None if self._q is None else self._q[:T],
             blocks=self._blocks[:T], selection=self._selection[:T], attn_out=self._attn_out[:T],
             select_decode=dec, select_prefill=pre, attention=attn,
+            decode_rows=tuple(x[:nd] for x in rows), prefill_rows=tuple(x[nd:] for x in rows),
         )
         if len(self._schedules) >= _SCHEDULE_CACHE:
             self._schedules.clear()
@@ -225,8 +284,10 @@ class QSAPlanner:
 
     # -- per step -------------------------------------------------------------------------
 
-    def _stage(self, inputs: QSAStepInputs) -> dict[str, torch.Tensor]:
-        """Copy the step's tensors into the planner's static buffers (CUDA-graph addresses)."""
+    def _stage(self, inputs: QSAStepInputs) -> tuple[torch.Tensor, ...]:
+        """Copy the step's tensors into the planner's static buffers (CUDA-graph addresses);
+        returns (query_start_loc, seq_lens, block_table, slot_mapping, ring_index,
+        rope_positions or None) as views of them."""
         s = self._static
         if s is None:
             raise ValueError("plan(..., static=True) needs a planner built with max_num_reqs")
@@ -238,29 +299,27 @@ class QSAPlanner:
             raise ValueError(
                 f"block_table has {P} columns, more than max_model_len / page_size = {s['block_table'].shape[1]}"
             )
-        staged = dict(
-            query_start_loc=s["query_start_loc"][: R + 1].copy_(inputs.query_start_loc),
-            seq_lens=s["seq_lens"][:R].copy_(inputs.seq_lens),
-            block_table=s["block_table"][:R, :P].copy_(inputs.block_table[:R]),
-            slot_mapping=s["slot_mapping"][:T].copy_(inputs.slot_mapping),
-            ring_index=s["ring_index"][:R].copy_(inputs.ring_index),
-        )
         rp = inputs.rope_positions
+        if rp is not None and rp.dim() == 2 and s["rope_positions"].shape[0] != 3:
+            raise ValueError("3-axis rope_positions need an MRoPE config (mrope_section)")
+        if self._stager is not None:  # one launch
+            return self._stager(inputs.query_start_loc, inputs.seq_lens, inputs.block_table, inputs.slot_mapping,
+                                inputs.ring_index, rp)
+        rope = None
         if rp is not None:
             buf = s["rope_positions"]
-            if rp.dim() == 2 and buf.shape[0] != 3:
-                raise ValueError("3-axis rope_positions need an MRoPE config (mrope_section)")
-            staged["rope_positions"] = (buf[0] if rp.dim() == 1 else buf)[..., :T].copy_(rp)
-        return staged
+            rope = (buf[0] if rp.dim() == 1 else buf)[..., :T].copy_(rp)
+        return (
+            s["query_start_loc"][: R + 1].copy_(inputs.query_start_loc),
+            s["seq_lens"][:R].copy_(inputs.seq_lens),
+            s["block_table"][:R, :P].copy_(inputs.block_table[:R]),
+            s["slot_mapping"][:T].copy_(inputs.slot_mapping),
+            s["ring_index"][:R].copy_(inputs.ring_index),
+            rope,
+        )
 
-    def plan(self, inputs: QSAStepInputs, *, static: bool = False) -> QSAPlan:
-        """Validate, derive (one launch) and schedule one step; reads nothing back.
-
-        static=True copies the step's tensors into planner-owned buffers first, so a CUDA
-        graph captured over `plan` + layers replays on fresh inputs (same shapes and
-        max_seq_len bucket => the same schedule).
-        """
-        inputs.validate(self.device)
+    def _check_capacity(self, inputs: QSAStepInputs) -> None:
+        """The step fits the workspace (host ints only)."""
         T = inputs.num_tokens
         if inputs.num_reqs > self._request_flags.shape[0]:
             raise ValueError(
@@ -271,31 +330,51 @@ class QSAPlanner:
             raise ValueError(f"num_tokens ({T}) exceeds the planner's max_num_tokens ({self.max_num_tokens})")
         if inputs.max_seq_len > self.max_model_len:
             raise ValueError(f"max_seq_len ({inputs.max_seq_len}) exceeds the planner's max_model_len ({self.max_model_len})")
+
+    def plan(self, inputs: QSAStepInputs, *, static: bool = False) -> QSAPlan:
+        """Validate, derive (two launches on Triton) and schedule one step; reads nothing back.
+
+        static=True copies the step's tensors into planner-owned buffers first, so a CUDA
+        graph captured over `plan` + layers replays on fresh inputs (same shapes and
+        max_seq_len bucket => the same schedule).
+        """
+        inputs.validate(self.device)
+        self._check_capacity(inputs)
         if self.value_checks or debug_enabled():
             inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         cfg = self.config
+        T = inputs.num_tokens
         schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(inputs.max_seq_len // cfg.compress_ratio))
-        fields = dict(inputs.__dict__)
         if static:
-            fields.update(self._stage(inputs))
-        derived = dict(schedule.derived)  # kv_slot is popped below; the schedule keeps its views
-        if fields["rope_positions"] is None:
-            fields["rope_positions"] = derived["positions"]
-        ops.build_metadata(
-            fields["query_start_loc"], fields["seq_lens"], fields["slot_mapping"], fields["ring_index"],
-            fields["block_table"],
-            compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
-            # A captured graph replays with any padding: the live-row bound then comes from
-            # query_start_loc on the device, never from this step's host int.
-            page_size=self.page_size, num_live_rows=-1 if static else T - inputs.num_padding_rows,
-            num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
-            num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
-            request_flags=self._request_flags, guard=self.guard, backend=self.backend, **derived,
-        )
-        fields["slot_mapping"] = derived.pop("kv_slot")  # the guarded one: inert rows write nothing
+            qsl, seq, table, slots, ring, rope = self._stage(inputs)
+        else:
+            qsl, seq, table, slots, ring, rope = (inputs.query_start_loc, inputs.seq_lens, inputs.block_table,
+                                                  inputs.slot_mapping, inputs.ring_index, inputs.rope_positions)
+        d = schedule.derived
+        # A captured graph replays with any padding: the live-row bound then comes from
+        # query_start_loc on the device, never from this step's host int.
+        live = -1 if static else T - inputs.num_padding_rows
+        if self._build is not None:
+            self._build(qsl, seq, slots, ring, table, max_seq_len=inputs.max_seq_len, num_live_rows=live)
+        else:
+            ops.build_metadata(
+                qsl, seq, slots, ring, table,
+                compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
+                page_size=self.page_size, num_live_rows=live,
+                num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
+                num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
+                request_flags=self._request_flags, guard=self.guard, backend=self.backend, **d,
+            )
         meta = QSAForwardMetadata(
-            **fields, **derived,
+            query_start_loc=qsl, seq_lens=seq, block_table=table,
+            slot_mapping=d["kv_slot"],  # the guarded one: inert rows write nothing
+            ring_index=ring, num_decodes=inputs.num_decodes, max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len, decode_query_len=inputs.decode_query_len,
+            num_padding_rows=inputs.num_padding_rows,
+            rope_positions=d["positions"] if rope is None else rope, seq_lens_cpu=inputs.seq_lens_cpu,
             compress_ratio=cfg.compress_ratio, page_size=self.page_size, ring_capacity=self.ring_capacity,
+            token_to_req=d["token_to_req"], positions=d["positions"], visible_blocks=d["visible_blocks"],
+            ring_slot=d["ring_slot"], compressed_slot=d["compressed_slot"],
         )
         return QSAPlan(
             meta=meta, schedule=schedule, config=cfg, backend=self.backend, index_dtype=self.index_dtype,

@@ -38,15 +38,16 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 def test_bench_help_explains_every_option():
     res = _bench("--help")
     assert res.returncode == 0, res.stderr
-    for option, words in [("--out DIR", "results.json"), ("--quick", "contexts"),
-                          ("--sglang-dir SITE_PACKAGES", "site-packages"), ("--no-plot", "matplotlib"),
+    for option, words in [("--out DIR", "results.json"), ("--smoke", "two small"), ("--dry-run", "CPU"),
+                          ("--sglang-dir SITE", "SGLang 0.5.23"), ("--no-plot", "matplotlib"),
+                          ("--budget-s", "resume"), ("--markdown", "BENCHMARKS.md"),
                           ("--sweep-attention", "launch configs")]:
         assert option in res.stdout and words in res.stdout, option
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_bench_refuses_clearly_without_cuda(tmp_path):
-    res = _bench("--out", str(tmp_path / "r"), "--quick")
+    res = _bench("--out", str(tmp_path / "r"), "--smoke")
     assert res.returncode == 2
     assert "needs a CUDA GPU" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "r").exists()

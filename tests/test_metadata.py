@@ -160,3 +160,26 @@ def test_value_checks_on_cpu_tensors_and_under_qsa_debug(monkeypatch, change, me
     monkeypatch.setenv("QSA_DEBUG", "1")
     with pytest.raises(ValueError, match=message):
         p.plan(mixed_step(**change))
+
+
+def test_layer_launches_are_shared_by_equal_cache_views_only():
+    """A schedule's bound launches are found again for the same cache object and for a new
+    cache object over the same views (an engine rebuilding its views per call); another
+    buffer, stride or scale gets its own."""
+    from qsa_core import QSACacheLayout, QSALayerCache
+
+    p = planner()
+    schedule = p.plan(mixed_step()).schedule
+    cache = QSACacheLayout(num_layers=2, page_size=8, num_pages=4, ring_rows=4).allocate(CONFIG, torch.float32)
+    a, other = cache
+    launches = schedule.layer_launches(a)
+    launches["prepare"] = "bound"
+    same_views = QSALayerCache(k=a.k[:], v=a.v[:], compressed=a.compressed[:], ring=a.ring[:],
+                               ring_positions=a.ring_positions)
+    assert schedule.layer_launches(a) is launches and schedule.layer_launches(same_views) is launches
+    rescaled = QSALayerCache(k=a.k, v=a.v, compressed=a.compressed, ring=a.ring, ring_positions=a.ring_positions,
+                             k_scale=0.5)
+    fewer_pages = QSALayerCache(k=a.k[:3], v=a.v[:3], compressed=a.compressed[:3], ring=a.ring,
+                                ring_positions=a.ring_positions)
+    for cache in (other, rescaled, fewer_pages):
+        assert schedule.layer_launches(cache) == {}

@@ -3,6 +3,7 @@
 Mirrors `qsa_core.reference.expand.qsa_expand`. One program per row: the valid groups
 (0 <= g < visible) are compacted in their given order by a prefix sum, each is expanded to
 its r tokens, then the tail visible*r .. p and the -1 padding follow, and the count column.
+`ExpandLaunch` binds it (`qsa_kernels.launch`) to a plan's workspace.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .launch import Launcher
 
 BLOCK_COLS = 1024
 
@@ -44,6 +47,34 @@ def _expand_kernel(
     tl.store(row_out + W, group_cols + tail_len)
 
 
+_expand = Launcher(_expand_kernel)
+
+
+class ExpandLaunch:
+    """`qsa_expand` bound to fixed block_indices [T, Kb], positions and visible_blocks (a
+    plan's workspace); `__call__(out)` writes out int32 [T, W + 1] (any row stride)."""
+
+    def __init__(self, block_indices: torch.Tensor, positions: torch.Tensor, visible_blocks: torch.Tensor, *,
+                 compress_ratio: int, out: torch.Tensor) -> None:
+        T, Kb = block_indices.shape
+        W = out.shape[1] - 1
+        self.shape = (T, W + 1)
+        self._launch = _expand.bind(
+            (T,), block_indices, block_indices.stride(0), positions, visible_blocks, out, out.stride(0),
+            free=("out_ptr", "stride_o"),
+            Kb=Kb, W=W, r=compress_ratio,
+            BLOCK_KB=triton.next_power_of_2(max(Kb, 1)),
+            R_POW2=triton.next_power_of_2(compress_ratio),
+            BLOCK_W=min(BLOCK_COLS, triton.next_power_of_2(W + 1)),
+        )
+
+    def __call__(self, out: torch.Tensor) -> torch.Tensor:
+        if out.shape != self.shape:
+            raise ValueError(f"expand out must be [{self.shape[0]}, {self.shape[1]}], got {tuple(out.shape)}")
+        self._launch(out, out.stride(0))
+        return out
+
+
 def qsa_expand(
     block_indices: torch.Tensor,
     positions: torch.Tensor,
@@ -55,17 +86,9 @@ def qsa_expand(
     """block_indices int32 [T, Kb] -> out int32 [T, W + 1] (W >= Kb*r); same as the reference.
 
     positions int64 [T] and visible_blocks int32 [T] contiguous; block_indices and out may
-    have any row stride (contiguous last dim).
+    have any row stride (contiguous last dim). Binds on every call: a plan keeps an
+    `ExpandLaunch` instead.
     """
-    T, Kb = block_indices.shape
-    W = out.shape[1] - 1
-    if T == 0:
+    if block_indices.shape[0] == 0:
         return out
-    _expand_kernel[(T,)](
-        block_indices, block_indices.stride(0), positions, visible_blocks, out, out.stride(0),
-        Kb=Kb, W=W, r=compress_ratio,
-        BLOCK_KB=triton.next_power_of_2(max(Kb, 1)),
-        R_POW2=triton.next_power_of_2(compress_ratio),
-        BLOCK_W=min(BLOCK_COLS, triton.next_power_of_2(W + 1)),
-    )
-    return out
+    return ExpandLaunch(block_indices, positions, visible_blocks, compress_ratio=compress_ratio, out=out)(out)

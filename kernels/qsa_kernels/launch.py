@@ -1,28 +1,29 @@
 """A thin Triton launcher: bind a `@triton.jit` kernel once, relaunch it with the runtime args only.
 
-`JITFunction.run` costs 30-60 us of host time per launch (binding the arguments, computing
-the specialization key, looking up the compiled kernel, launch metadata and hooks). A QSA
-layer launches the same kernels with the same workspace, caches and constexprs on every
-call, so a `BoundLaunch` does that work once and then calls the compiled kernel's low-level
-`run` (the same call `JITFunction.run` ends with, in triton 3.6 and 3.9) with the grid, the
-current stream and the argument list, in which only the `free` arguments change per call.
+`JITFunction.run` costs 30-60 us of host time per launch: binding the arguments, the
+specialization key, the compiled-kernel lookup, launch metadata and hooks, and in the
+compiled launcher a `data_ptr()` call and a driver query per pointer. A QSA layer launches
+the same kernels with the same workspace, caches and constexprs on every call, so a
+`BoundLaunch` does that work once and then calls the compiled kernel's low-level `run` (the
+call `JITFunction.run` ends with, in triton 3.6 and 3.9) with the grid, the current stream
+and the argument list, pointers as raw ints, in which only the `free` arguments change.
 
 Specialization is respected: Triton compiles a different kernel when a tensor's dtype or
 16-byte alignment, or an int's range (i32/i64/u64), its being 1 or its divisibility by 16
-changes (the last two not for `do_not_specialize` ints). A bound launch computes that key for
-its free arguments on every call and, where it differs from the bound one, fetches (once) the
-compiled kernel of the new key through the ordinary path; fixed arguments are fixed by
-construction. Launches on the fast path skip Triton's check that the kernel's global
-variables are unchanged (ours are module constants) and run where no launch hook (profiler)
-is installed; with a hook, under `TRITON_INTERPRET=1`, or when disabled (`QSA_FAST_LAUNCH=0`,
-`set_enabled(False)`) every call is the ordinary `kernel[grid](...)` launch.
+changes (the last two not for `do_not_specialize` ints). A bound launch checks that key for
+its free arguments on every call (and their device) and, where it differs from the bound
+one, fetches (once) the compiled kernel of the new key through the ordinary path; fixed
+arguments must not change (bind anew). The fast path skips Triton's check that the kernel's
+global variables are unchanged (ours are module constants) and runs only where no launch
+hook (profiler) is installed; with a hook, under `TRITON_INTERPRET=1`, or when disabled
+(`QSA_FAST_LAUNCH=0`, `set_enabled(False)`) every call is the ordinary `kernel[grid](...)`.
 
     _expand = Launcher(_expand_kernel)                       # once, at module level
-    bound = _expand.bind(grid, *args, free=("blocks_ptr",), Kb=..., num_warps=4)
-    bound(blocks)                                             # per call: the free args, in order
+    bound = _expand.bind(grid, *args, free=("out_ptr", "stride_o"), Kb=..., num_warps=4)
+    bound(out, out.stride(0))                                 # per call: the free args, in order
 
-A binding is for the device current when it is made; the launch goes to that device's
-current stream (a CUDA-graph capture records it).
+A binding is for the device current when it is made; it launches on that device's current
+stream (a CUDA-graph capture records it). Fixed tensors are held alive by the binding.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import os
 from typing import Any, Callable, Sequence
 
 import torch
-import triton
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
@@ -48,16 +48,15 @@ def set_enabled(flag: bool) -> None:
     _enabled = bool(flag)
 
 
-def enabled() -> bool:
-    return _enabled
-
-
-def _hooked() -> bool:
-    """Whether a Triton launch enter/exit hook is installed (then launches take the ordinary path)."""
+def _fast() -> bool:
+    """Whether launches take the fast path: enabled, and no Triton launch enter/exit hook
+    (a profiler's) installed."""
+    if not _enabled:
+        return False
     for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
+            return False
+    return True
 
 
 def _int_kind(x: int) -> int:
@@ -115,26 +114,37 @@ class Launcher:
 
 
 class BoundLaunch:
-    """One kernel bound to a grid and all arguments but the free ones; `bound(*free)` launches."""
+    """One kernel bound to a grid and all arguments but the free ones; `bound(*free)` launches.
+
+    On the fast path the call is a function generated at binding (`source`): it checks the
+    free arguments' specialization key against the bound one inline (tensor dtype, device
+    and alignment; int range, == 1, % 16) and calls the compiled kernel's run with every
+    pointer as a raw int (fixed tensors resolved here, held alive by `values`), which also
+    spares the launcher's per-pointer `data_ptr` call and driver query. Any other key, or a
+    disabled / hooked launcher, goes to `_slow`: the variant of that key or the ordinary launch.
+    """
 
     def __init__(self, launcher: Launcher, grid: tuple[int, ...], values: list, options: dict,
                  free: tuple[str, ...]) -> None:
         self.launcher = launcher
         self.grid = grid
-        self.grid3 = tuple(grid) + (1,) * (3 - len(grid))
         self.values = values  # every parameter in order (constexprs included), as Triton's binder
         self.options = options
         self.free_index = tuple(launcher.names.index(n) for n in free)
         self.free_flags = tuple(launcher._spec_flags[n] for n in free)
         self.native = isinstance(launcher.fn, JITFunction)  # False under TRITON_INTERPRET=1
         self._variants: dict[tuple, tuple] = {}
-        self._key = None
-        self._entry: tuple | None = None
+        self.source = ""
+        self._call: Callable[..., None] = self._slow
         if self.native:
-            self._key = self.key([values[i] for i in self.free_index])
-            self._entry = self._variant(self._key, values)
-            self._stream: Callable[[int], int] = driver.active.get_current_stream
             self.device = driver.active.get_current_device()
+            self._stream: Callable[[int], int] = driver.active.get_current_stream
+            free_values = [values[i] for i in self.free_index]
+            key = self.key(free_values)
+            self._call = self._generate(self._variant(key, values), free_values)
+
+    def __call__(self, *free: Any) -> None:
+        self._call(*free)
 
     def key(self, free: Sequence[Any]) -> tuple:
         """The specialization key of free argument values."""
@@ -149,14 +159,60 @@ class BoundLaunch:
             self._variants[key] = entry
         return entry
 
-    def __call__(self, *free: Any) -> None:
+    def _slow(self, *free: Any) -> None:
+        """Any free arguments: the compiled variant of their key, or the ordinary launch."""
         values = self.values.copy()
         for i, x in zip(self.free_index, free):
             values[i] = x
-        if not (self.native and _enabled) or _hooked():
+        if not (self.native and _fast()):
             self.launcher.ordinary(self.grid, values, self.options)
             return
-        key = self.key(free)
-        run, function, packed = self._entry if key == self._key else self._variant(key, values)
-        g0, g1, g2 = self.grid3
-        run(g0, g1, g2, self._stream(self.device), function, packed, None, None, None, *values)
+        run, function, packed = self._variant(self.key(free), values)
+        g = tuple(self.grid) + (1,) * (3 - len(self.grid))
+        run(*g, self._stream(self.device), function, packed, None, None, None, *values)
+
+    def _generate(self, entry: tuple, free_values: list) -> Callable[..., None]:
+        """The fast call for the bound key: inline key checks, then the compiled run."""
+        names = {"RUN": entry[0], "FN": entry[1], "PACKED": entry[2], "STREAM": self._stream, "DEV": self.device,
+                 "SLOW": self._slow, "FAST": _fast,
+                 "KIND": _int_kind}
+        params = [f"f{j}" for j in range(len(self.free_index))]
+        checks, prep, args = [], [], []
+        for j, (x, (spec, align)) in enumerate(zip(free_values, self.free_flags)):
+            f = f"f{j}"
+            if isinstance(x, torch.Tensor):
+                names[f"K{j}"] = x.dtype
+                prep.append(f"p{j} = {f}.data_ptr()")
+                checks.append(f"{f}.dtype is K{j} and {f}.get_device() == DEV")
+                if spec and align:
+                    checks.append(f"(p{j} & 15 == 0) is {x.data_ptr() % 16 == 0}")
+            elif type(x) is int:
+                kind = _int_kind(x)
+                checks.append(f"type({f}) is int and " + (f"{_I32[0]} <= {f} <= {_I32[1]}" if kind == 0
+                                                          else f"KIND({f}) == {kind}"))
+                if spec:
+                    checks.append(f"({f} == 1) is {x == 1}")
+                    if align:
+                        checks.append(f"({f} & 15 == 0) is {x % 16 == 0}")
+            else:
+                names[f"T{j}"] = type(x)
+                checks.append(f"type({f}) is T{j}")
+        free_at = dict(zip(self.free_index, range(len(self.free_index))))
+        for i, value in enumerate(self.values):
+            if i in free_at:
+                j = free_at[i]
+                args.append(f"p{j}" if isinstance(free_values[j], torch.Tensor) else f"f{j}")
+            else:
+                names[f"V{i}"] = value.data_ptr() if isinstance(value, torch.Tensor) else value
+                args.append(f"V{i}")
+        g = tuple(self.grid) + (1,) * (3 - len(self.grid))
+        sig = ", ".join(params)
+        self.source = "\n".join([
+            f"def fast({sig}):",
+            *(f"    {line}" for line in prep),
+            f"    if not ({' and '.join(checks) or 'True'}) or not FAST():",
+            f"        return SLOW({sig})",
+            f"    RUN({g[0]}, {g[1]}, {g[2]}, STREAM(DEV), FN, PACKED, None, None, None, {', '.join(args)})",
+        ])
+        exec(compile(self.source, f"<bound {self.launcher.fn.__name__}>", "exec"), names)
+        return names["fast"]

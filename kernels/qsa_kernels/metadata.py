@@ -1,14 +1,17 @@
 """Triton metadata build: SPEC.md section 3's derived per-row fields, guarded.
 
-Mirrors `qsa_core.reference.metadata.qsa_build_metadata`. Three launches after clearing the
-per-request flags, all CUDA-graph safe (grids from T, R and the block-table width only, no
-host reads, batch-varying ints not specialized):
-1. `_request_guard_kernel`, grid (R, page blocks): the per-request guards (seq_len bounds,
-   rows past the live rows, ring_index, the block-table pages the request uses);
-2. `_row_guard_kernel`, grid (row blocks): each row finds its request by a binary search of
-   `query_start_loc` and flags it when the row's slot is outside the cache;
-3. `_metadata_kernel`, grid (row blocks): the derived fields, with every row of a flagged
-   request inert (as padding) and its reasons OR-ed into the guard.
+Mirrors `qsa_core.reference.metadata.qsa_build_metadata`. Two launches, CUDA-graph safe
+(grids from T and R only, no host reads, batch-varying ints not specialized), no memset:
+1. `_request_guard_kernel`, grid (R,): request i's guard bits (seq_len bounds, rows past
+   the live rows, ring_index, the block-table pages it uses, the slots of its rows), stored
+   to request_flags[i] by this one program (loops over its pages and rows);
+2. `_metadata_kernel`, grid (row blocks): each row finds its request by a binary search of
+   `query_start_loc`, flags live rows no request owns, and derives its fields, with every
+   row of a flagged request inert (as padding) and its reasons OR-ed into the guard.
+
+`MetadataBuild` binds both launches (`qsa_kernels.launch`) to fixed outputs, once per
+(R, T); `qsa_build_metadata` is the op on it. `StaticStage` copies a step's inputs into a
+planner's fixed buffers in one launch (`plan(static=True)`).
 """
 
 from __future__ import annotations
@@ -26,50 +29,75 @@ from qsa_core.reference.metadata import (
     GUARD_SLOT,
 )
 
+from .launch import BoundLaunch, Launcher
+
 BLOCK_ROWS = 256
 BLOCK_PAGES = 1024
+BLOCK_SLOTS = 1024
+_CACHE = 256  # bound (R, T) pairs kept per build
 
 
-@triton.jit(do_not_specialize=["P", "max_seq_len", "num_live", "num_pages", "num_ring_rows", "stride_bt0",
-                               "stride_bt1"])
+@triton.jit(do_not_specialize=["R", "T", "P", "max_seq_len", "num_live", "num_pages", "num_slots", "num_ring_rows",
+                               "stride_bt0", "stride_bt1"])
 def _request_guard_kernel(
-    qsl_ptr, seq_ptr, ring_index_ptr, bt_ptr, stride_bt0, stride_bt1, flags_ptr,
-    P, max_seq_len, num_live, num_pages, num_ring_rows, page_size,
-    BLOCK: tl.constexpr,
+    qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1, flags_ptr,
+    R, T, P, max_seq_len, num_live, num_pages, num_slots, num_ring_rows, page_size,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
+    SLOT: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
-    block = tl.program_id(1)
     seq = tl.load(seq_ptr + i).to(tl.int64)
-    cols = block * BLOCK + tl.arange(0, BLOCK)
-    used = (cols < P) & (cols.to(tl.int64) * page_size < seq)
-    page = tl.load(bt_ptr + i * stride_bt0 + cols * stride_bt1, mask=used, other=0).to(tl.int64)
-    bad = ((page < 0) | (page >= num_pages)) & used
-    flag = tl.max(bad.to(tl.int32), 0) * PAGE
-    if block == 0:
-        start = tl.load(qsl_ptr + i).to(tl.int64)
-        end = tl.load(qsl_ptr + i + 1).to(tl.int64)
-        ring = tl.load(ring_index_ptr + i).to(tl.int64)
-        flag = flag | (seq > max_seq_len).to(tl.int32) * MAX_SEQ
-        flag = flag | (seq < end - start).to(tl.int32) * SEQ
-        flag = flag | (end > num_live).to(tl.int32) * QSL
-        flag = flag | ((ring < 0) | (ring >= num_ring_rows)).to(tl.int32) * RING
-        flag = flag | ((seq + page_size - 1) // page_size > P).to(tl.int32) * PAGE
-    tl.atomic_or(flags_ptr + i, flag, mask=flag != 0)
+    start = tl.load(qsl_ptr + i).to(tl.int64)
+    end = tl.load(qsl_ptr + i + 1).to(tl.int64)
+    ring = tl.load(ring_index_ptr + i).to(tl.int64)
+    flag = (seq > max_seq_len).to(tl.int32) * MAX_SEQ
+    flag = flag | (seq < end - start).to(tl.int32) * SEQ
+    flag = flag | (end > num_live).to(tl.int32) * QSL
+    flag = flag | ((ring < 0) | (ring >= num_ring_rows)).to(tl.int32) * RING
+    pages = (seq + page_size - 1) // page_size
+    flag = flag | (pages > P).to(tl.int32) * PAGE
+    # The pages it uses: the first min(ceil(seq / page_size), P) of its block-table row.
+    used = tl.minimum(pages, P)
+    bad = tl.zeros([BLOCK_P], dtype=tl.int32)
+    c0 = seq * 0
+    while c0 < used:
+        cols = c0 + tl.arange(0, BLOCK_P)
+        page = tl.load(bt_ptr + i * stride_bt0 + cols * stride_bt1, mask=cols < used, other=0).to(tl.int64)
+        bad = bad | (((page < 0) | (page >= num_pages)) & (cols < used)).to(tl.int32)
+        c0 += BLOCK_P
+    flag = flag | tl.max(bad, 0) * PAGE
+    # The slots of its rows: those a search of query_start_loc[1:] maps to it (request 0 also
+    # owns rows before query_start_loc[0]), live (< query_start_loc[R], num_live and T).
+    lo = tl.where(i == 0, 0, start)
+    hi = tl.minimum(tl.minimum(end, tl.load(qsl_ptr + R).to(tl.int64)), tl.minimum(num_live, T))
+    bad = tl.zeros([BLOCK_S], dtype=tl.int32)
+    r0 = lo
+    while r0 < hi:
+        rows = r0 + tl.arange(0, BLOCK_S)
+        slot = tl.load(slot_ptr + rows, mask=rows < hi, other=-1)
+        bad = bad | (((slot < -1) | (slot >= num_slots)) & (rows < hi)).to(tl.int32)
+        r0 += BLOCK_S
+    flag = flag | tl.max(bad, 0) * SLOT
+    tl.store(flags_ptr + i, flag)
 
 
-@triton.jit(do_not_specialize=["R", "T", "num_live", "stray_end", "num_slots"])
-def _row_guard_kernel(
-    qsl_ptr, slot_ptr, to_req_ptr, flags_ptr, guard_ptr, R, T, num_live, stray_end, num_slots,
-    BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, SLOT: tl.constexpr, QSL: tl.constexpr,
+@triton.jit(do_not_specialize=["R", "T", "num_live", "stray_end"])
+def _metadata_kernel(
+    qsl_ptr, seq_ptr, slot_ptr, ring_index_ptr, flags_ptr,
+    to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
+    R, T, num_live, stray_end,
+    r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, QSL: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < T
     owned = tl.load(qsl_ptr + R).to(tl.int64)
+    # tl.where, not `& (R > 0)`: triton 3.9's interpreter refuses a block mask & a scalar.
     live = tl.where(R > 0, in_range & (rows < owned) & (rows < num_live), False)
+    stray = in_range & (rows >= owned) & (rows < stray_end)  # live rows that no request owns
+    tl.atomic_or(guard_ptr + rows * 0, tl.full([BLOCK], QSL, tl.int32), mask=stray)
     # req = number of request ends (query_start_loc[1:]) <= row: searchsorted(right=True).
-    # A fixed step count (enough for any int32 R) keeps R out of the compiled code; the
-    # interpreter cannot run loops bounded by a kernel argument either.
+    # A fixed step count (enough for any int32 R) keeps R out of the compiled code.
     lo = tl.zeros([BLOCK], dtype=tl.int32)
     hi = tl.zeros([BLOCK], dtype=tl.int32) + R
     for _ in range(SEARCH_STEPS):
@@ -80,26 +108,6 @@ def _row_guard_kernel(
         lo = tl.where(go_right, mid + 1, lo)
         hi = tl.where(active & ~go_right, mid, hi)
     req = tl.where(live, lo, 0)
-    slot = tl.load(slot_ptr + rows, mask=in_range, other=-1)
-    bad = live & ((slot < -1) | (slot >= num_slots))
-    tl.atomic_or(flags_ptr + req, tl.full([BLOCK], SLOT, tl.int32), mask=bad)
-    stray = in_range & (rows >= owned) & (rows < stray_end)  # live rows that no request owns
-    tl.atomic_or(guard_ptr + rows * 0, tl.full([BLOCK], QSL, tl.int32), mask=stray)
-    tl.store(to_req_ptr + rows, req, mask=in_range)
-
-
-@triton.jit(do_not_specialize=["R", "T", "num_live"])
-def _metadata_kernel(
-    qsl_ptr, seq_ptr, slot_ptr, ring_index_ptr, flags_ptr,
-    to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
-    R, T, num_live,
-    r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = rows < T
-    # tl.where, not `& (R > 0)`: triton 3.9's interpreter refuses a block mask & a scalar.
-    live = tl.where(R > 0, in_range & (rows < tl.load(qsl_ptr + R).to(tl.int64)) & (rows < num_live), False)
-    req = tl.load(to_req_ptr + rows, mask=live, other=0)
     # Guards: every row of a flagged request becomes inert (as padding); the reasons go to
     # the sticky flag. Such a request is never run on malformed values.
     flags = tl.load(flags_ptr + req, mask=live, other=0)
@@ -125,6 +133,76 @@ def _metadata_kernel(
     tl.store(ring_slot_ptr + rows, ring, mask=in_range)
     tl.store(comp_slot_ptr + rows, comp, mask=in_range)
     tl.store(kv_slot_ptr + rows, slot, mask=in_range)
+
+
+_request_guard = Launcher(_request_guard_kernel)
+_derive = Launcher(_metadata_kernel)
+_GUARD_FREE = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "slot_ptr", "bt_ptr", "stride_bt0", "stride_bt1", "P",
+               "max_seq_len", "num_live")
+_DERIVE_FREE = ("qsl_ptr", "seq_ptr", "slot_ptr", "ring_index_ptr", "num_live", "stray_end")
+
+
+class MetadataBuild:
+    """The metadata build into fixed outputs (a planner's workspace), bound once per (R, T).
+
+    Outputs, contiguous [>= T]: token_to_req int32, positions int64, visible_blocks int32,
+    ring_slot int64, compressed_slot int64, kv_slot int64; request_flags int32 [>= R]
+    scratch; guard int32 [1] (sticky). Geometry: compress_ratio r, ring_capacity C,
+    page_size, num_slots and num_ring_rows (the bounds of the guards).
+    """
+
+    def __init__(
+        self, *, token_to_req: torch.Tensor, positions: torch.Tensor, visible_blocks: torch.Tensor,
+        ring_slot: torch.Tensor, compressed_slot: torch.Tensor, kv_slot: torch.Tensor,
+        request_flags: torch.Tensor, guard: torch.Tensor,
+        compress_ratio: int, ring_capacity: int, page_size: int, num_slots: int, num_ring_rows: int,
+    ) -> None:
+        self.outputs = (token_to_req, positions, visible_blocks, ring_slot, compressed_slot, kv_slot)
+        self.request_flags, self.guard = request_flags, guard
+        self.r, self.C, self.page_size = compress_ratio, ring_capacity, page_size
+        self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
+        self._bound: dict[tuple[int, int], tuple[BoundLaunch | None, BoundLaunch]] = {}
+
+    def __call__(
+        self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
+        ring_index: torch.Tensor, block_table: torch.Tensor, *, max_seq_len: int, num_live_rows: int,
+    ) -> None:
+        """Inputs as `qsa_build_metadata`; num_live_rows -1: query_start_loc[R] alone bounds."""
+        T, R = slot_mapping.shape[0], seq_lens.shape[0]
+        if T == 0:
+            return
+        live_bound = T if num_live_rows < 0 else num_live_rows
+        bound = self._bound.get((R, T))
+        if bound is None:
+            bound = self._bind(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len,
+                               live_bound, num_live_rows)
+        guard_launch, derive_launch = bound
+        if guard_launch is not None:
+            guard_launch(query_start_loc, seq_lens, ring_index, slot_mapping, block_table, block_table.stride(0),
+                         block_table.stride(1), block_table.shape[1], max_seq_len, live_bound)
+        derive_launch(query_start_loc, seq_lens, slot_mapping, ring_index, live_bound, num_live_rows)
+
+    def _bind(self, qsl, seq, slots, ring, table, max_seq_len, live_bound, stray_end):
+        T, R = slots.shape[0], seq.shape[0]
+        flags = self.request_flags[: max(R, 1)]
+        guard_launch = None
+        if R:
+            guard_launch = _request_guard.bind(
+                (R,), qsl, seq, ring, slots, table, table.stride(0), table.stride(1), flags,
+                R, T, table.shape[1], max_seq_len, live_bound, self.num_slots // self.page_size, self.num_slots,
+                self.num_ring_rows, self.page_size, free=_GUARD_FREE,
+                BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS, MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN,
+                QSL=GUARD_QUERY_START_LOC, RING=GUARD_RING_INDEX, PAGE=GUARD_PAGE, SLOT=GUARD_SLOT,
+            )
+        derive_launch = _derive.bind(
+            (triton.cdiv(T, BLOCK_ROWS),), qsl, seq, slots, ring, flags, *(o[:T] for o in self.outputs), self.guard,
+            R, T, live_bound, stray_end, free=_DERIVE_FREE,
+            r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, QSL=GUARD_QUERY_START_LOC,
+        )
+        if len(self._bound) >= _CACHE:
+            self._bound.clear()
+        self._bound[(R, T)] = (guard_launch, derive_launch)
+        return guard_launch, derive_launch
 
 
 def qsa_build_metadata(
@@ -157,30 +235,99 @@ def qsa_build_metadata(
     Outputs, contiguous [T]: token_to_req int32, positions int64, visible_blocks int32,
     ring_slot int64, compressed_slot int64, kv_slot int64; guard int32 [1] gets the GUARD_*
     bits of the malformed requests (never cleared here); request_flags int32 [>= R] scratch.
+    Binds its launches on every call: a planner keeps a `MetadataBuild` instead.
     """
-    T = slot_mapping.shape[0]
-    R = seq_lens.shape[0]
-    if T == 0:
-        return
-    live_bound = T if num_live_rows < 0 else num_live_rows  # -1: query_start_loc[R] alone bounds
-    flags = request_flags[:R]
-    flags.zero_()
-    rows_grid = (triton.cdiv(T, BLOCK_ROWS),)
-    if R:
-        P = block_table.shape[1]
-        _request_guard_kernel[(R, max(1, triton.cdiv(P, BLOCK_PAGES)))](
-            query_start_loc, seq_lens, ring_index, block_table, block_table.stride(0), block_table.stride(1), flags,
-            P, max_seq_len, live_bound, num_slots // page_size, num_ring_rows, page_size,
-            BLOCK=BLOCK_PAGES, MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN, QSL=GUARD_QUERY_START_LOC,
-            RING=GUARD_RING_INDEX, PAGE=GUARD_PAGE,
+    MetadataBuild(
+        token_to_req=token_to_req, positions=positions, visible_blocks=visible_blocks, ring_slot=ring_slot,
+        compressed_slot=compressed_slot, kv_slot=kv_slot, request_flags=request_flags, guard=guard,
+        compress_ratio=compress_ratio, ring_capacity=ring_capacity, page_size=page_size, num_slots=num_slots,
+        num_ring_rows=num_ring_rows,
+    )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len=max_seq_len,
+      num_live_rows=num_live_rows)
+
+
+@triton.jit(do_not_specialize=["R", "T", "P", "stride_bt0", "stride_bt1", "rope_stride_axis", "rope_stride_t"])
+def _stage_kernel(
+    qsl_ptr, seq_ptr, ring_index_ptr, bt_ptr, stride_bt0, stride_bt1, slot_ptr, rope_ptr, rope_stride_axis,
+    rope_stride_t, qsl_dst, seq_dst, ring_index_dst, bt_dst, dst_bt0, slot_dst, rope_dst, rope_dst_axis,
+    R, T, P,
+    AXES: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program p copies request p's entries and block-table row (p < R), and rows
+    [p*BLOCK, (p+1)*BLOCK) of slot_mapping and the AXES rope-position rows (0: none)."""
+    p = tl.program_id(0).to(tl.int64)
+    if p < R:
+        tl.store(seq_dst + p, tl.load(seq_ptr + p))
+        tl.store(ring_index_dst + p, tl.load(ring_index_ptr + p))
+        tl.store(qsl_dst + p + 1, tl.load(qsl_ptr + p + 1))
+        if p == 0:
+            tl.store(qsl_dst, tl.load(qsl_ptr))
+        c0 = p * 0
+        while c0 < P:
+            cols = c0 + tl.arange(0, BLOCK_P)
+            page = tl.load(bt_ptr + p * stride_bt0 + cols * stride_bt1, mask=cols < P)
+            tl.store(bt_dst + p * dst_bt0 + cols, page, mask=cols < P)
+            c0 += BLOCK_P
+    rows = p * BLOCK + tl.arange(0, BLOCK)
+    tl.store(slot_dst + rows, tl.load(slot_ptr + rows, mask=rows < T), mask=rows < T)
+    for a in tl.static_range(AXES):
+        pos = tl.load(rope_ptr + a * rope_stride_axis + rows * rope_stride_t, mask=rows < T)
+        tl.store(rope_dst + a * rope_dst_axis + rows, pos, mask=rows < T)
+
+
+_stage = Launcher(_stage_kernel)
+_STAGE_FREE = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "bt_ptr", "stride_bt0", "stride_bt1", "slot_ptr", "rope_ptr",
+               "rope_stride_axis", "rope_stride_t")
+
+
+class StaticStage:
+    """Copies a step's inputs into fixed buffers (`QSAPlanner.plan(static=True)`) in one launch.
+
+    Buffers (contiguous): query_start_loc int32 [>= R+1], seq_lens int32 [>= R], block_table
+    int32 [>= R, >= P], slot_mapping int64 [>= T], ring_index int32 [>= R], rope_positions
+    int64 [1 or 3, >= T]. Bound once per (R, T, P, rope rank).
+    """
+
+    def __init__(self, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 slot_mapping: torch.Tensor, ring_index: torch.Tensor, rope_positions: torch.Tensor) -> None:
+        self.buffers = (query_start_loc, seq_lens, block_table, slot_mapping, ring_index, rope_positions)
+        self._bound: dict[tuple[int, int, int, int], tuple[BoundLaunch, tuple]] = {}
+
+    def __call__(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 slot_mapping: torch.Tensor, ring_index: torch.Tensor, rope_positions: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, ...]:
+        """Stage the step (block_table's first R rows); returns the buffers' views
+        (query_start_loc, seq_lens, block_table [R, P], slot_mapping, ring_index,
+        rope_positions or None) in the inputs' shapes."""
+        R, T, P = seq_lens.shape[0], slot_mapping.shape[0], block_table.shape[1]
+        axes = 0 if rope_positions is None else (1 if rope_positions.dim() == 1 else 3)
+        key = (R, T, P, axes)
+        found = self._bound.get(key)
+        if found is None:
+            found = self._bind(key, query_start_loc, seq_lens, block_table, slot_mapping, ring_index, rope_positions)
+        launch, views = found
+        rope, rs_axis, rs_t = (slot_mapping, 0, 1) if rope_positions is None else (
+            (rope_positions, 0, rope_positions.stride(0)) if axes == 1
+            else (rope_positions, rope_positions.stride(0), rope_positions.stride(1)))
+        if max(R, T):
+            launch(query_start_loc, seq_lens, ring_index, block_table, block_table.stride(0), block_table.stride(1),
+                   slot_mapping, rope, rs_axis, rs_t)
+        return views
+
+    def _bind(self, key, qsl, seq, table, slots, ring, rope_positions):
+        R, T, P, axes = key
+        qsl_b, seq_b, table_b, slots_b, ring_b, rope_b = self.buffers
+        rope, rs_axis, rs_t = (slots, 0, 1) if rope_positions is None else (
+            (rope_positions, 0, rope_positions.stride(0)) if axes == 1
+            else (rope_positions, rope_positions.stride(0), rope_positions.stride(1)))
+        launch = _stage.bind(
+            (max(R, triton.cdiv(T, BLOCK_ROWS), 1),), qsl, seq, ring, table, table.stride(0), table.stride(1),
+            slots, rope, rs_axis, rs_t, qsl_b, seq_b, ring_b, table_b, table_b.stride(0), slots_b, rope_b,
+            rope_b.stride(0), R, T, P, free=_STAGE_FREE, AXES=axes, BLOCK_P=BLOCK_PAGES, BLOCK=BLOCK_ROWS,
         )
-    _row_guard_kernel[rows_grid](
-        query_start_loc, slot_mapping, token_to_req, flags, guard, R, T, live_bound, num_live_rows, num_slots,
-        BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, SLOT=GUARD_SLOT, QSL=GUARD_QUERY_START_LOC,
-    )
-    _metadata_kernel[rows_grid](
-        query_start_loc, seq_lens, slot_mapping, ring_index, flags,
-        token_to_req, positions, visible_blocks, ring_slot, compressed_slot, kv_slot, guard,
-        R, T, live_bound,
-        r=compress_ratio, C=ring_capacity, BLOCK=BLOCK_ROWS,
-    )
+        rope_view = None if axes == 0 else (rope_b[0, :T] if axes == 1 else rope_b[:, :T])
+        views = (qsl_b[: R + 1], seq_b[:R], table_b[:R, :P], slots_b[:T], ring_b[:R], rope_view)
+        if len(self._bound) >= _CACHE:
+            self._bound.clear()
+        self._bound[key] = (launch, views)
+        return launch, views

@@ -9,6 +9,8 @@ task 0 the indexer query, task 1 the compression of the group the row closes (if
 task 2 the row's K/V store, tasks 3.. blocks of main query heads. Launch 2 stores the raw
 keys (and MRoPE positions) into the ring. It must follow launch 1: compression reads ring
 rows of earlier steps, and a chunk's last C rows map onto those same ring slots.
+`PrepareLaunch` binds both (`qsa_kernels.launch`) once per step shape and layer cache; the
+standalone stores and compression (not on a layer's path) launch the ordinary way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 import triton
 import triton.language as tl
+
+from .launch import Launcher
 
 if TYPE_CHECKING:
     from qsa_core.cache import QSALayerCache
@@ -494,17 +498,83 @@ def qsa_compress_groups(
     )
 
 
-def _store_ring(raw_keys: torch.Tensor, rope_positions: torch.Tensor, cache: "QSALayerCache",
-                meta: "QSAForwardMetadata") -> None:
-    """The step's ring store (launch 2 of prepare): raw keys and, for MRoPE, positions."""
-    T, Di = raw_keys.shape
-    rope, rs_axis, rs_t = _rope_args(rope_positions)
-    ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, rope)
-    _ring_store_kernel[(T,)](
-        raw_keys, raw_keys.stride(0), *_paged_args(cache.ring), meta.ring_slot, Di,
-        ring_pos, rpp, rp0, rp1, rope, rs_axis, rs_t,
-        C=meta.ring_capacity, HAS_POS=cache.ring_positions is not None, BD=_pow2(Di), INTERP=_interpreting(),
-    )
+_prepare = Launcher(_prepare_kernel)
+_ring_store = Launcher(_ring_store_kernel)
+# Per call: the projections, the norm weights (per layer), the step's positions and requests.
+_PREPARE_FREE = ("iq_ptr", "iq_stride_t", "iq_w_ptr", "raw_ptr", "stride_raw", "ik_w_ptr", "qg_ptr", "qg_stride_t",
+                 "q_w_ptr", "k_ptr", "k_stride_t", "k_w_ptr", "v_ptr", "v_stride_t",
+                 "rope_ptr", "rope_stride_axis", "rope_stride_t", "qsl_ptr", "ring_index_ptr")
+_RING_FREE = ("raw_ptr", "stride_raw", "rope_ptr", "rope_stride_axis", "rope_stride_t")
+
+
+class PrepareLaunch:
+    """`qsa_prepare`'s two launches bound to one step shape (T rows, the plan's workspace) and
+    one layer cache; `__call__` takes what changes per layer call.
+
+    Fixed at binding: the metadata's derived per-row fields (slot_mapping, compressed_slot,
+    token_to_req, positions, ring_slot: the plan's workspace views), the q_idx / q outputs,
+    the cache (views, strides, scales), the RoPE tables, eps and the geometry. Per call:
+    the projections, the norm weights, rope_positions, query_start_loc and ring_index.
+    index_q may be wider than Hi*Di (the whole index_qk projection: only its first Hi*Di
+    columns are read; Hi comes from q_idx_out [T, Hi, Di]).
+    """
+
+    def __init__(
+        self, index_q: torch.Tensor, raw_keys: torch.Tensor, q_gate: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor, rope_positions: torch.Tensor, *, index_q_norm: torch.Tensor, index_k_norm: torch.Tensor,
+        q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor, rope_axes: torch.Tensor,
+        cache: "QSALayerCache", meta: "QSAForwardMetadata", q_idx_out: torch.Tensor, q_out: torch.Tensor,
+    ) -> None:
+        T, Di = raw_keys.shape
+        D = k_norm.shape[0]
+        Hi, Hq, Hkv = q_idx_out.shape[1], q_gate.shape[1] // (2 * D), k.shape[1] // D
+        self.T, self.Hq, self.D = T, Hq, D
+        self.q_idx, self.q = q_idx_out, q_out
+        has_ring_pos = _has_ring_positions(rope_positions, cache)
+        rope, rs_axis, rs_t = _rope_args(rope_positions)
+        # Without MRoPE the ring positions are never read: any fixed tensor stands in.
+        ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, cache.ring)
+        BD = _pow2(D)
+        heads_per_prog = min(_pow2(Hq), max(1, MAIN_TILE // BD))
+        page = cache.k.shape[1]
+        interp = _interpreting()
+        self._main = _prepare.bind(
+            (T, 3 + triton.cdiv(Hq, heads_per_prog)),
+            index_q, index_q.stride(0), index_q_norm, q_idx_out, Hi, Di,
+            raw_keys, raw_keys.stride(0), index_k_norm, *_paged_args(cache.compressed),
+            *_paged_args(cache.ring)[:3], ring_pos, rpp, rp0, rp1,
+            q_gate, q_gate.stride(0), q_norm, q_out, Hq, D,
+            k, k.stride(0), k_norm, v, v.stride(0), Hkv,
+            *_kv_cache_args(cache.k, cache.v), page, cache.k.shape[0] * page,
+            float(cache.k_scale), float(cache.v_scale),
+            rope, rs_axis, rs_t, inv_freq, rope_axes, float(eps),
+            meta.slot_mapping, meta.compressed_slot, meta.token_to_req, meta.positions,
+            meta.query_start_loc, meta.ring_index,
+            free=_PREPARE_FREE,
+            r=meta.compress_ratio, C=meta.ring_capacity, RPP=cache.compressed.shape[1], RD=2 * inv_freq.shape[0],
+            BHI=_pow2(Hi), BDI=_pow2(Di), BHQ=heads_per_prog, BD=BD, BKV=_pow2(Hkv),
+            HAS_RING_POS=has_ring_pos, INTERP=interp,
+        )
+        self._ring = _ring_store.bind(
+            (T,), raw_keys, raw_keys.stride(0), *_paged_args(cache.ring), meta.ring_slot, Di,
+            ring_pos, rpp, rp0, rp1, rope, rs_axis, rs_t,
+            free=_RING_FREE,
+            C=meta.ring_capacity, HAS_POS=cache.ring_positions is not None, BD=_pow2(Di), INTERP=interp,
+        )
+
+    def __call__(
+        self, index_q: torch.Tensor, raw_keys: torch.Tensor, q_gate: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor, rope_positions: torch.Tensor, index_q_norm: torch.Tensor, index_k_norm: torch.Tensor,
+        q_norm: torch.Tensor, k_norm: torch.Tensor, query_start_loc: torch.Tensor, ring_index: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Shapes as `qsa_prepare` (T rows each); returns (q_idx, q, gate)."""
+        rope, rs_axis, rs_t = _rope_args(rope_positions)
+        raw_stride = raw_keys.stride(0)
+        self._main(index_q, index_q.stride(0), index_q_norm, raw_keys, raw_stride, index_k_norm, q_gate,
+                   q_gate.stride(0), q_norm, k, k.stride(0), k_norm, v, v.stride(0), rope, rs_axis, rs_t,
+                   query_start_loc, ring_index)
+        self._ring(raw_keys, raw_stride, rope, rs_axis, rs_t)
+        return self.q_idx, self.q, q_gate.view(self.T, self.Hq, 2 * self.D)[..., self.D:]
 
 
 def qsa_prepare(
@@ -534,37 +604,17 @@ def qsa_prepare(
     raw_keys [T, Di], q_gate [T, Hq*2D], k and v [T, Hkv*D]. Returns q_idx [T, Hi, Di]
     (index_dtype), q [T, Hq, D] and gate [T, Hq, D] (a view of q_gate, as the reference).
     q_idx_out / q_out: contiguous buffers of those shapes (a plan's workspace), else allocated.
+    Binds its launches on every call: a plan keeps a `PrepareLaunch` per layer cache instead.
     """
     T, Di = raw_keys.shape
     D = k_norm.shape[0]
-    Hi, Hq, Hkv = index_q.shape[1] // Di, q_gate.shape[1] // (2 * D), k.shape[1] // D
+    Hi, Hq = index_q.shape[1] // Di, q_gate.shape[1] // (2 * D)
     q_idx = torch.empty(T, Hi, Di, dtype=index_dtype, device=index_q.device) if q_idx_out is None else q_idx_out
     q = torch.empty(T, Hq, D, dtype=q_gate.dtype, device=q_gate.device) if q_out is None else q_out
-    gate = q_gate.view(T, Hq, 2 * D)[..., D:]
     if T == 0:
-        return q_idx, q, gate
-    has_ring_pos = _has_ring_positions(rope_positions, cache)
-    rope, rs_axis, rs_t = _rope_args(rope_positions)
-    ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, rope)
-    BD = _pow2(D)
-    heads_per_prog = min(_pow2(Hq), max(1, MAIN_TILE // BD))
-    page = cache.k.shape[1]
-    interp = _interpreting()
-    grid = (T, 3 + triton.cdiv(Hq, heads_per_prog))
-    _prepare_kernel[grid](
-        index_q, index_q.stride(0), index_q_norm, q_idx, Hi, Di,
-        raw_keys, raw_keys.stride(0), index_k_norm, *_paged_args(cache.compressed),
-        *_paged_args(cache.ring)[:3], ring_pos, rpp, rp0, rp1,
-        q_gate, q_gate.stride(0), q_norm, q, Hq, D,
-        k, k.stride(0), k_norm, v, v.stride(0), Hkv,
-        *_kv_cache_args(cache.k, cache.v), page, cache.k.shape[0] * page,
-        float(cache.k_scale), float(cache.v_scale),
-        rope, rs_axis, rs_t, inv_freq, rope_axes, float(eps),
-        meta.slot_mapping, meta.compressed_slot, meta.token_to_req, meta.positions,
-        meta.query_start_loc, meta.ring_index,
-        r=meta.compress_ratio, C=meta.ring_capacity, RPP=cache.compressed.shape[1], RD=2 * inv_freq.shape[0],
-        BHI=_pow2(Hi), BDI=_pow2(Di), BHQ=heads_per_prog, BD=BD, BKV=_pow2(Hkv),
-        HAS_RING_POS=has_ring_pos, INTERP=interp,
-    )
-    _store_ring(raw_keys, rope_positions, cache, meta)
-    return q_idx, q, gate
+        return q_idx, q, q_gate.view(T, Hq, 2 * D)[..., D:]
+    norms = (index_q_norm, index_k_norm, q_norm, k_norm)
+    launch = PrepareLaunch(index_q, raw_keys, q_gate, k, v, rope_positions, index_q_norm=norms[0],
+                           index_k_norm=norms[1], q_norm=norms[2], k_norm=norms[3], eps=eps, inv_freq=inv_freq,
+                           rope_axes=rope_axes, cache=cache, meta=meta, q_idx_out=q_idx, q_out=q)
+    return launch(index_q, raw_keys, q_gate, k, v, rope_positions, *norms, meta.query_start_loc, meta.ring_index)

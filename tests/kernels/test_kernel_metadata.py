@@ -204,3 +204,43 @@ def test_cuda_graph_replay_gpu():
         want = [torch.empty_like(o) for o in outs]
         build(reference_build, *fresh, 4, 8, want)
         assert_same(outs, want)
+
+
+@interp
+@pytest.mark.parametrize("rope_axes", [0, 1, 3])
+def test_static_stage_copies_a_step_in_one_launch(rope_axes):
+    """Every input lands in its fixed buffer (a strided block table included); entries past
+    the step keep their old values; the views returned have the inputs' shapes."""
+    from qsa_kernels.metadata import StaticStage
+
+    gen = torch.Generator().manual_seed(rope_axes)
+    R, T, P = 5, 300, 7  # more rows than one block
+    buffers = dict(
+        query_start_loc=torch.full((9,), -7, dtype=torch.int32), seq_lens=torch.full((8,), -7, dtype=torch.int32),
+        block_table=torch.full((8, 10), -7, dtype=torch.int32), slot_mapping=torch.full((320,), -7),
+        ring_index=torch.full((8,), -7, dtype=torch.int32), rope_positions=torch.full((3, 320), -7),
+    )
+    before = {k: v.clone() for k, v in buffers.items()}
+    inputs = (
+        torch.randint(0, 99, (R + 1,), generator=gen, dtype=torch.int32),
+        torch.randint(0, 99, (R,), generator=gen, dtype=torch.int32),
+        torch.randint(0, 99, (P, R + 2), generator=gen, dtype=torch.int32).t(),  # [R + 2, P], column-major
+        torch.randint(-1, 999, (T,), generator=gen),
+        torch.randint(0, 9, (R,), generator=gen, dtype=torch.int32),
+        None if rope_axes == 0 else torch.randint(0, 999, (T,) if rope_axes == 1 else (3, T), generator=gen),
+    )
+    views = StaticStage(**buffers)(*inputs)
+    want = list(inputs)
+    want[2] = inputs[2][:R]
+    for got, src in zip(views, want):
+        assert (got is None) == (src is None)
+        if src is not None:
+            assert torch.equal(got, src)
+    staged = dict(query_start_loc=(R + 1,), seq_lens=(R,), slot_mapping=(T,), ring_index=(R,))
+    for name, (n,) in staged.items():
+        assert torch.equal(buffers[name][n:], before[name][n:]), name
+    assert torch.equal(buffers["block_table"][R:], before["block_table"][R:])
+    assert torch.equal(buffers["block_table"][:, P:], before["block_table"][:, P:])
+    assert torch.equal(buffers["rope_positions"][:, T:], before["rope_positions"][:, T:])
+    if rope_axes < 3:
+        assert torch.equal(buffers["rope_positions"][rope_axes:], before["rope_positions"][rope_axes:])

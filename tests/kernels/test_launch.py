@@ -76,7 +76,7 @@ def fake_device(monkeypatch):
 
     monkeypatch.setattr(Launcher, "compiled", compile_)
     monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(
-        get_current_stream=lambda device: 1000 + device, get_current_device=lambda: 3)))
+        get_current_stream=lambda device: 1000 + device, get_current_device=lambda: -1)))  # CPU tensors' device
     monkeypatch.setattr(launch, "_enabled", True)
     fn = JITFunction(_scale_rows, do_not_specialize=["n"])
     return Launcher(fn), fn, calls, compiled
@@ -84,7 +84,8 @@ def fake_device(monkeypatch):
 
 def test_bound_launch_passes_what_triton_passes(fake_device):
     """The fast path hands the compiled kernel's run the grid, the current stream and the
-    argument list Triton's own binder makes for the same call (constexprs included)."""
+    argument list Triton's own binder makes for the same call (constexprs included), with
+    every tensor as its raw pointer."""
     launcher, fn, calls, compiled = fake_device
     x, out = torch.randn(4, 48), torch.empty(4, 32)
     bound = launcher.bind((4,), x, out, 48, 32, 2.0, free=("x_ptr", "n"), BLOCK=32, num_warps=2)
@@ -94,8 +95,9 @@ def test_bound_launch_passes_what_triton_passes(fake_device):
     binder = create_function_from_signature(fn.signature, fn.params, CUDA_BACKEND)
     want = list(binder(y, out, 48, 20, 2.0, BLOCK=32)[0].values())
     (tag, got), = calls
-    assert tag == 1 and got[:9] == (4, 1, 1, 1003, "fn1", "meta1", None, None, None)
-    assert len(got[9:]) == len(want) and all(a is b or a == b for a, b in zip(got[9:], want))
+    assert tag == 1 and got[:9] == (4, 1, 1, 999, "fn1", "meta1", None, None, None)
+    want = [w.data_ptr() if isinstance(w, torch.Tensor) else w for w in want]
+    assert list(got[9:]) == want
 
 
 def test_a_specialization_change_rebinds_and_a_repeated_one_reuses(fake_device):
@@ -185,3 +187,54 @@ def test_bound_launches_replay_in_a_cuda_graph_gpu():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, x[:, :64] * 3.0)
+
+
+@pytest.mark.gpu
+def test_a_layer_on_bound_launches_equals_the_ordinary_launches_gpu():
+    """Plans and layers (metadata, prepare, expand bound; a second shape; a new cache object)
+    give bitwise the same outputs and caches with the launcher on and off."""
+    from qsa_core import QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs
+
+    config = QSAConfig(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, index_n_heads=2,
+                       index_head_dim=64, token_topk=64, compress_ratio=4, rotary_dim=32, rope_theta=1e4)
+    page, dev = 16, "cuda"
+
+    def run(fast: bool) -> list[torch.Tensor]:
+        launch.set_enabled(fast)
+        try:
+            torch.manual_seed(0)
+            layer = QSAAttention(config).to(dev, torch.bfloat16)
+            for p in layer.parameters():
+                p.data.normal_(0, 0.05 if p.dim() == 2 else 0.3)
+            layout = QSACacheLayout(num_layers=2, page_size=page, num_pages=40, ring_rows=4)
+            caches = layout.allocate(config, torch.bfloat16, dev)
+            planner = QSAPlanner(config, dtype=torch.bfloat16, page_size=page,
+                                 ring_capacity=layout.ring_capacity(config), max_num_tokens=64, max_model_len=256,
+                                 device=dev)
+            outs = []
+            for qlens, ctx in (([40, 9], [0, 0]), ([1, 1], [40, 9]), ([1, 1], [41, 10]), ([5, 3], [42, 11])):
+                seq = [c + q for c, q in zip(ctx, qlens)]
+                qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device=dev)
+                table = torch.arange(20, dtype=torch.int32, device=dev).view(2, 10) + 1
+                pos = torch.cat([torch.arange(c, s) for c, s in zip(ctx, seq)]).to(dev)
+                req = torch.repeat_interleave(torch.arange(2, device=dev), torch.tensor(qlens, device=dev))
+                slots = table[req, pos // page].long() * page + pos % page
+                inputs = QSAStepInputs(
+                    query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), block_table=table,
+                    slot_mapping=slots, ring_index=torch.tensor([0, 2], dtype=torch.int32, device=dev),
+                    num_decodes=2 if qlens == [1, 1] else 0, max_query_len=max(qlens), max_seq_len=max(seq),
+                )
+                plan = planner.plan(inputs)
+                hidden = torch.randn(sum(qlens), config.hidden_size, device=dev, dtype=torch.bfloat16)
+                with torch.no_grad():
+                    for cache in caches:
+                        outs.append(layer(hidden, plan, cache).clone())
+                        outs.append(plan.schedule.selection.clone())
+            return outs + [t for c in caches for t in (c.k, c.v, c.compressed, c.ring)]
+        finally:
+            launch.set_enabled(True)
+
+    fast, ordinary = run(True), run(False)
+    assert len(fast) == len(ordinary)
+    for a, b in zip(fast, ordinary):
+        assert torch.equal(a, b)

@@ -1,0 +1,100 @@
+"""The benchmark's own logic on the CPU: the byte/FLOP model against the issue's figures,
+target verdicts, the writers, and one configuration of the dry run end to end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_report as rep  # noqa: E402
+from bench_report import Case, Geometry, Result  # noqa: E402
+
+G = Geometry()
+M = 1 << 20
+
+
+def decode_model(ctx: int, batch: int, index_dtype: str = "bf16") -> dict:
+    """One row per request selecting the full budget (W distinct tokens)."""
+    case = Case("decode", ctx, batch, 1, index_dtype)
+    return rep.traffic(case, G, kv_tokens=batch * G.selection_width, scored_groups=batch * ctx // 4,
+                       selected_tokens=batch * G.selection_width)
+
+
+def test_decode_bytes_match_the_issue_floors():
+    # issue 12: decode 128K batch 4 reads about 50 MB (about 12 us); 1M batch 4 about 285 MB
+    # (66 us with bf16 index keys, about 33 us with fp8)
+    m128 = decode_model(131072, 4)
+    assert 48e6 < m128["bytes"] < 53e6
+    assert 11 < rep.floor_us(m128["bytes"], m128["flops"]) < 12.5
+    m1 = decode_model(M, 4)
+    assert 280e6 < m1["bytes"] < 290e6 and 64 < rep.floor_us(m1["bytes"], m1["flops"]) < 68
+    fp8 = decode_model(M, 4, "fp8_e4m3")
+    assert 32 < rep.floor_us(fp8["bytes"], fp8["flops"]) < 36
+
+
+def test_prefill_flops_match_the_issue_floor():
+    # issue 12: a 16K chunk at 128K is about 1.4-1.7 ms of tensor-core work
+    case = Case("prefill", 131072, 1, 16384)
+    scored = sum((case.context - case.rows + 1 + j) // 4 for j in range(case.rows))
+    m = rep.traffic(case, G, kv_tokens=case.context, scored_groups=scored, selected_tokens=case.rows * G.selection_width)
+    assert 1300 < m["flops"] / rep.PEAK_FLOPS * 1e6 < 1800
+    assert m["dense_flops"] > 10 * m["flops"]
+
+
+def test_targets_are_held_only_when_the_whole_step_meets_them():
+    r = Result(Case("decode", 131072, 4, 1), us={rep.WHOLE: 19.0})
+    assert rep.held(r) == ("<= 20", "yes")
+    r.us[rep.WHOLE] = 21.0
+    assert rep.held(r) == ("<= 20", "no")
+    d = Result(Case("decode", 8192, 1, 1), us={rep.WHOLE: 30.0})
+    assert rep.held(d) == ("<= dense", "?")  # no dense figure: no verdict
+    d.us[rep.DENSE] = 13.0
+    assert rep.held(d) == ("<= dense", "no")
+    assert rep.held(Result(Case("decode", 32768, 4, 1))) == ("", "")  # not an issue row
+
+
+def test_results_round_trip_and_render_into_the_marked_sections(tmp_path):
+    r = Result(Case("decode", 131072, 4, 1, "fp8_e4m3"), us={"prepare": 5.0, "select+expand": 10.0, "attention": 8.0,
+                                                             rep.WHOLE: 21.0, rep.DENSE: 250.0, rep.SGL_ALL: 150.0},
+               model=decode_model(131072, 4, "fp8_e4m3"), check="ok", agreement={"rows": 4, "gapped": 3, "agree": 3})
+    rep.save(tmp_path / "results.json", {"device": "H200"}, [r])
+    assert json.loads((tmp_path / "results.json").read_text())["schema"] == rep.SCHEMA
+    meta, back = rep.load(tmp_path / "results.json")
+    assert back == [r] and meta == {"device": "H200"}
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"intro\n{rep.MARK_START}\nold\n{rep.MARK_END}\nafter\n")
+    rep.render(tmp_path, back, meta, markdown=doc, with_plot=False)
+    text = doc.read_text()
+    assert text.startswith("intro\n") and text.endswith(f"{rep.MARK_END}\nafter\n") and "old" not in text
+    row = next(line for line in text.splitlines() if line.startswith("| decode 128K, B4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "fp8_e4m3" and cells[6] == "23.0" and cells[7] == "21.0"  # sum of ops, whole step
+    assert cells[14:16] == ["<= 20", "no"] and cells[-1] == "3/3"
+    assert "- decode 128K, B4 (fp8_e4m3): whole step 21.0 us, target <= 20 (dense 250.0 us): not held" in text
+    assert "the largest part is select+expand: 10.0 of 23.0 us" in text
+    gbs = float(cells[17].split()[0])
+    assert gbs == pytest.approx(r.model["bytes"] / 21e-6 / 1e9, rel=1e-2)
+    with pytest.raises(ValueError, match="markers"):
+        rep.replace_section(tmp_path / "table.md", "x")  # table.md has no markers
+
+
+def test_dry_run_checks_and_writes_one_configuration(tmp_path):
+    import bench_qsa
+
+    key = Case("decode", 4096, 1, 1).key
+    bench_qsa.main(["--dry-run", "--no-plot", "--out", str(tmp_path), "--only", key])
+    _, results = rep.load(tmp_path / "results.json")
+    (r,) = results
+    assert r.case.key == key and r.check.startswith("ok")
+    assert {"prepare", "select+expand", "expand", "attention", rep.NO_PREP, rep.WHOLE} <= set(r.us)
+    # the model's inputs come from the step's own selection: one row at position 4095 sees 1024
+    # complete groups and no open tail, so it selects exactly the budget
+    assert r.model["selected_tokens"] == r.model["kv_tokens"] == G.token_topk
+    assert r.model["scored_groups"] == 4096 // 4
+    assert "| decode 4K, B1 |" in (tmp_path / "table.md").read_text()
