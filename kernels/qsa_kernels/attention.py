@@ -5,8 +5,11 @@ the head group's queries as a [GP, D] tile (GP = group size padded to a power of
 for tl.dot) and runs an online softmax (fp32, exp2) over blocks of selection columns,
 gathering K/V rows through the block table. Many rows: one pass (`_attn_kernel`, SPLIT off)
 that also applies the gate. Few rows (decode): flash-decoding, each split writes (m, l, acc)
-partials and `_combine_kernel` merges them and applies the gate. Entries < 0, >= the
-request's seq_len or at columns >= the count column are ignored; rows with none left are 0.
+partials and `_combine_kernel` merges them and applies the gate. When the plan names the
+decode rows, the prefill rows after them run `attention_shared._shared_kernel` instead:
+blocks of consecutive rows share each gathered K/V tile. Entries < 0, >= the request's
+seq_len or at columns >= the count column are ignored; rows with none left are 0.
+`AttentionLaunch` binds the launches once per (schedule, layer cache) (`launch.py`).
 """
 
 from __future__ import annotations
