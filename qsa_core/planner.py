@@ -266,7 +266,7 @@ class QSAPlanner:
             if nd < T:
                 pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
             attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
-                                  device=self.device, partials=self._partials, num_decode_rows=nd)
+                                  device=self.device, partials=self._partials)
         rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols,

@@ -5,10 +5,8 @@ the head group's queries as a [GP, D] tile (GP = group size padded to a power of
 for tl.dot) and runs an online softmax (fp32, exp2) over blocks of selection columns,
 gathering K/V rows through the block table. Many rows: one pass (`_attn_kernel`, SPLIT off)
 that also applies the gate. Few rows (decode): flash-decoding, each split writes (m, l, acc)
-partials and `_combine_kernel` merges them and applies the gate. When the plan names the
-decode rows, the prefill rows after them run `attention_shared._shared_kernel` instead:
-blocks of consecutive rows share each gathered K/V tile. Entries < 0, >= the request's
-seq_len or at columns >= the count column are ignored; rows with none left are 0.
+partials and `_combine_kernel` merges them and applies the gate. Entries < 0, >= the
+request's seq_len or at columns >= the count column are ignored; rows with none left are 0.
 `AttentionLaunch` binds the launches once per (schedule, layer cache) (`launch.py`).
 """
 
@@ -28,8 +26,6 @@ _MAX_SPLITS = 64
 # Rows above which the one-pass kernel already fills the GPU.
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
-# Shared tiles pay while a block's union stays within this many times its longest row.
-_MAX_UNION = 2.5
 
 
 def _interpreting() -> bool:
@@ -235,38 +231,11 @@ def _launch_config(dp: int) -> tuple[int, int, int]:
 
 
 @dataclass(frozen=True)
-class SharedConfig:
-    """Shared-tile prefill launch: BM rows per block (MB = the MMA's M >= BM * G), CAND
-    entries per row and step, BN tokens per K/V tile; a block whose estimated union exceeds
-    max_union x its longest row attends row by row."""
-
-    block_rows: int
-    block_m: int
-    cand: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-    max_union: float
-
-
-def _shared_config(group: int) -> SharedConfig:
-    """Rows per block: as many as fill an M of 128 (at most 16: the sort holds 16 x CAND).
-    CAND 16 (a sort of 256 per tile): CAND 64 took about 4x the compile time (minutes)."""
-    if _interpreting():
-        bm = max(1, min(16, 32 // group))
-        return SharedConfig(bm, max(16, triton.next_power_of_2(bm * group)), 16, 16, 4, 1, _MAX_UNION)
-    bm = max(1, min(16, 128 // group))
-    return SharedConfig(bm, max(16, triton.next_power_of_2(bm * group)), 16, 64, 8, 1, _MAX_UNION)
-
-
-@dataclass(frozen=True)
 class AttentionSchedule:
     """How one sparse-attention call runs, fixed when the step is planned.
 
     n_splits > 1: flash-decoding partials part_ml fp32 [T, Hq, n_splits, 2] and part_acc
     fp32 [T, Hq, n_splits, D] (views), merged by the combine kernel; else one pass.
-    shared: rows [shared_from, T) (prefill) run the shared-tile kernel, rows before it the
-    one-pass per-row kernel.
     """
 
     num_rows: int
@@ -277,8 +246,6 @@ class AttentionSchedule:
     interpret: bool
     part_ml: torch.Tensor | None
     part_acc: torch.Tensor | None
-    shared: SharedConfig | None = None
-    shared_from: int = 0
 
 
 def partials_size(max_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, width: int,
@@ -302,21 +269,14 @@ def plan_attention(
     *,
     device: torch.device | str,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
-    num_decode_rows: int | None = None,
 ) -> AttentionSchedule:
     """Schedule of a sparse attention over num_rows rows of W = width selection columns.
 
     partials: flat fp32 (ml, acc) buffers of a workspace (`partials_size`), else allocated.
-    num_decode_rows: the step's leading decode rows; the prefill rows after them share
-    K/V tiles when the step has more than _SPLIT_MAX_ROWS rows. None (not known): no row
-    shares, since a block of rows from different requests attends row by row in one program.
     """
     dev = torch.device(device)
     block_n, num_warps, num_stages = _launch_config(triton.next_power_of_2(head_dim))
     n_splits = _num_splits(num_rows, num_kv_heads, width, block_n, dev)
-    if n_splits == 1 and num_decode_rows is not None and num_decode_rows < num_rows:
-        return AttentionSchedule(num_rows, 1, block_n, num_warps, num_stages, _interpreting(), None, None,
-                                 _shared_config(num_heads // num_kv_heads), num_decode_rows)
     part_ml = part_acc = None
     if n_splits > 1:
         n = num_rows * num_heads * n_splits
@@ -359,7 +319,6 @@ class AttentionLaunch:
         n_splits = schedule.n_splits
         split = n_splits > 1
         part_ml, part_acc = (schedule.part_ml, schedule.part_acc) if split else (out, out)
-        per_row = schedule.shared_from if schedule.shared is not None else T
         common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page,
                       DOT_DTYPE=_dot_dtype(q, k_cache, schedule.interpret), INTERPRET=schedule.interpret)
         qk_scale = softmax_scale * k_scale * _LOG2E
@@ -368,20 +327,11 @@ class AttentionLaunch:
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                    block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1))
-        sh = schedule.shared
-        if sh is not None:
-            n = T - per_row
-            self._launches.append((_shared.bind(
-                (triton.cdiv(n, sh.block_rows), Hkv), *tensors, per_row, n, W, qk_scale, v_scale, sh.max_union,
-                *strides, free=_FREE, LOG_W=max(1, W.bit_length()), BM=sh.block_rows, BM_P=max(16, triton.next_power_of_2(sh.block_rows)), MB=sh.block_m,
-                CAND=sh.cand, BN=sh.block_n, num_warps=sh.num_warps, num_stages=sh.num_stages, **common,
-            ), False))
-        if per_row:
-            self._launches.append((_per_row.bind(
-                (per_row, Hkv, n_splits), *tensors, part_ml, part_acc, n_splits, W, qk_scale, v_scale, *strides,
-                free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split,
-                num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
-            ), False))
+        self._launches.append((_per_row.bind(
+            (T, Hkv, n_splits), *tensors, part_ml, part_acc, n_splits, W, qk_scale, v_scale, *strides,
+            free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split,
+            num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
+        ), False))
         if split:
             self._launches.append((_combine.bind(
                 (T, Hq), gate, out, part_ml, part_acc, n_splits, v_scale, gate.stride(0), gate.stride(1),
@@ -433,8 +383,5 @@ def qsa_sparse_attention(
     return launch(q, gate, block_table, token_to_req, seq_lens, selection, out)
 
 
-from .attention_shared import _shared_kernel  # noqa: E402  (it builds on this module's kernel bodies)
-
-_shared = Launcher(_shared_kernel)
 _per_row = Launcher(_attn_kernel)
 _combine = Launcher(_combine_kernel)

@@ -5,8 +5,6 @@ import os
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 # Small-shape tests run on the GPU when there is one, else in the Triton interpreter.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -15,7 +13,6 @@ if DEV == "cpu":
 
 from qsa_core.reference.attention import qsa_sparse_attention as reference  # noqa: E402
 from qsa_kernels import attention as ker  # noqa: E402
-from qsa_kernels.attention_shared import _union_estimate  # noqa: E402
 from test_kernel_select import graph_replay, kernel_breakdown  # noqa: E402  (imported here: a rename fails on CPU too)
 
 
@@ -77,7 +74,7 @@ def make_problem(
 def attend(q, gate, k, v, table, to_req, seq, sel, **kw):
     """The kernel as a plan runs it: scheduled once for the shape, into an out buffer."""
     T, Hq, D = q.shape
-    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device, num_decode_rows=0)
+    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
     out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
     return ker.qsa_sparse_attention(q, gate, k, v, table, to_req, seq, sel, out=out, schedule=sched, **kw)
 
@@ -163,6 +160,36 @@ def test_empty_batch():
     assert out.shape == (0, q.shape[1] * q.shape[2])
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
+def test_split_count_leaves_no_split_empty(monkeypatch, rows):
+    """A full row of W 2051 in 64-column blocks on an H200 (132 SMs): every planned split gets
+    a share of blocks (32 splits would leave 15 of them empty)."""
+    monkeypatch.setattr(ker, "_num_sms", lambda device: 132)
+    n = ker._num_splits(rows, 2, 2051, 64, torch.device("cpu"))
+    blocks = -(-2051 // 64)
+    per_split = -(-blocks // n)
+    assert n > 1 and (n - 1) * per_split < blocks <= n * per_split
+
+
+def test_bound_launch_relaunches_with_new_tensors():
+    """An AttentionLaunch bound to one step's tensors runs another step's (same shapes, other
+    buffers and strides) exactly as the op does."""
+    first = make_problem([40, 9], [3, 2], pad_rows=1, seed=11)
+    second = make_problem([40, 9], [3, 2], pad_rows=1, seed=12)
+    q, gate, k, v, table, to_req, seq, sel = first
+    T, Hq, D = q.shape
+    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    out = torch.empty(T, Hq * D, device=q.device)
+    bound = ker.AttentionLaunch(*first, softmax_scale=D**-0.5, out=out, schedule=sched)
+    q2, gate2, _, _, table2, to_req2, seq2, sel2 = second
+    wide = torch.zeros(T, Hq * D + 4, device=q.device)
+    bound(q2, gate2, table2, to_req2, seq2, sel2, wide[:, : Hq * D])
+    expect = attend(q2, gate2, k, v, table2, to_req2, seq2, sel2, softmax_scale=D**-0.5)
+    torch.testing.assert_close(wide[:, : Hq * D], expect, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="bound for"):
+        bound(q2[:2], gate2[:2], table2, to_req2[:2], seq2, sel2[:2], wide[:2, : Hq * D])
+
+
 # ---------------------------------------------------------------- GPU, production shapes
 
 
@@ -197,8 +224,7 @@ def test_gpu_cuda_graph_and_timing(capsys):
     for name, ql in [("decode 4 rows", [1] * 4), ("decode 64 rows", [1] * 64), ("prefill 4096 rows", [4096])]:
         problem = make_problem([131072] * len(ql), ql, Hq=24, Hkv=2, D=256, page=64, W=2051, dtype=torch.bfloat16,
                                device="cuda")
-        nd = 0 if name.startswith("prefill") else sum(ql)
-        sched = ker.plan_attention(sum(ql), 24, 2, 256, 2051, device="cuda", num_decode_rows=nd)
+        sched = ker.plan_attention(sum(ql), 24, 2, 256, 2051, device="cuda")
         out = torch.empty(sum(ql), 24 * 256, dtype=torch.bfloat16, device="cuda")
         run = lambda: ker.qsa_sparse_attention(*problem, softmax_scale=256**-0.5, out=out, schedule=sched)  # noqa: E731
         eager = run().clone()
@@ -206,146 +232,3 @@ def test_gpu_cuda_graph_and_timing(capsys):
         assert torch.equal(replayed, eager)
         with capsys.disabled():
             print(f"\nattention {name}: {us:.1f} us (graph replay); {kernel_breakdown(run)}")
-
-
-# ---------------------------------------------------------------- shared K/V tiles (prefill)
-
-
-def correlated_selection(seq_len, query_len, *, W, r=4, sigma=0.5, seed=0):
-    """Rows as `qsa_expand` writes them for the last query_len positions of one request: the
-    top W // r groups of base[g] + sigma * noise[row, g] (neighbours share most groups; sigma
-    None: independent rows), ascending, then the open tail, -1 after the count. int32 [n, W + 1]."""
-    g = torch.Generator().manual_seed(seed)
-    groups = seq_len // r
-    base = torch.randn(groups, generator=g)
-    rows = []
-    for p in range(seq_len - query_len, seq_len):
-        vis = (p + 1) // r
-        noise = torch.randn(vis, generator=g)
-        score = noise if sigma is None else base[:vis] + sigma * noise
-        chosen = score.topk(min(W // r, vis)).indices.sort().values
-        idx = torch.cat([(chosen[:, None] * r + torch.arange(r)).flatten(), torch.arange(vis * r, p + 1)])
-        row = torch.full((W + 1,), -1, dtype=torch.int32)
-        row[: idx.numel()] = idx.int()
-        row[W] = idx.numel()
-        rows.append(row)
-    return torch.stack(rows)
-
-
-def shared_problem(cases, *, W=39, pad_rows=2, seed=0, device=DEV, **kw):
-    """Requests given as (seq_len, query_len, kind): kind "identical" (every row the same
-    set), "disjoint" (neighbours share nothing), "correlated" (neighbours share most groups),
-    "independent" (random groups per row); then padding rows. make_problem's K/V and q."""
-    seq_lens = [c[0] for c in cases]
-    base = make_problem(seq_lens, [c[1] for c in cases], W=W, pad_rows=pad_rows, seed=seed, device=device, **kw)
-    sels, reqs = [], []
-    for i, (s, lq, kind) in enumerate(cases):
-        if kind == "identical":
-            row = torch.full((W + 1,), -1, dtype=torch.int32)
-            n = min(W, s - lq + 1)
-            row[:n] = torch.randperm(s - lq + 1, generator=torch.Generator().manual_seed(i))[:n].sort().values.int()
-            row[W] = n
-            sel = row.repeat(lq, 1)
-        elif kind == "disjoint":
-            sel = torch.full((lq, W + 1), -1, dtype=torch.int32)
-            for j in range(lq):
-                idx = torch.arange(j, s - lq + j + 1, lq)[:W]
-                sel[j, : idx.numel()] = idx.int()
-                sel[j, W] = idx.numel()
-        else:
-            sel = correlated_selection(s, lq, W=W, sigma=0.5 if kind == "correlated" else None, seed=seed + i)
-        sels.append(sel)
-        reqs += [i] * lq
-    pad = torch.full((pad_rows, W + 1), -1, dtype=torch.int32)
-    pad[:, W] = 0
-    sel = torch.cat([*sels, pad]).to(base[0].device)
-    to_req = torch.tensor(reqs + [0] * pad_rows, dtype=torch.int32, device=base[0].device)
-    return (*base[:5], to_req, base[6], sel)
-
-
-def test_shared_tiles_exact_per_row(monkeypatch):
-    """Blocks of one request with identical, disjoint, correlated and independent rows, blocks
-    across request boundaries and padding rows: each row attends to its own selection only
-    (every block of one request shares tiles, whatever its union)."""
-    monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
-    monkeypatch.setattr(ker, "_MAX_UNION", 1e9)
-    cases = [(90, 11, "identical"), (70, 9, "disjoint"), (120, 13, "correlated"), (60, 7, "independent")]
-    problem = shared_problem(cases, Hq=6, Hkv=2, seed=1)
-    T = problem[0].shape[0]
-    sched = ker.plan_attention(T, 6, 2, 32, 39, device=problem[0].device, num_decode_rows=0)
-    assert sched.shared is not None and sched.shared_from == 0 and sched.shared.block_rows > 1
-    out = compare(problem)
-    _empty_rows_zero(out, problem)
-
-
-def test_shared_tiles_after_decode_rows(monkeypatch):
-    """A mixed step: leading decode rows run per row, the prefill rows after them share tiles."""
-    monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
-    problem = shared_problem([(40, 1, "independent"), (50, 1, "independent"), (100, 12, "correlated")],
-                             Hq=4, Hkv=1, pad_rows=1, seed=2)
-    q, gate, k, v, table, to_req, seq, sel = problem
-    T, Hq, D = q.shape
-    sched = ker.plan_attention(T, Hq, 1, D, 39, device=q.device, num_decode_rows=2)
-    assert sched.shared_from == 2
-    out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
-    ker.qsa_sparse_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
-    torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
-
-
-def test_shared_tiles_non_finite_v_reaches_only_its_rows(monkeypatch):
-    """A NaN V in a shared tile: the rows that select it are NaN, every other row of the block
-    is exactly what it is without the NaN."""
-    monkeypatch.setattr(ker, "_SPLIT_MAX_ROWS", 0)
-    monkeypatch.setattr(ker, "_MAX_UNION", 1e9)
-    problem = shared_problem([(100, 10, "correlated")], Hq=6, Hkv=2, pad_rows=0, seed=3)
-    q, gate, k, v, table, to_req, seq, sel = problem
-    W = sel.shape[1] - 1
-    first = set(sel[0, : int(sel[0, W])].tolist())
-    tok = next(t for t in sel[-1, : int(sel[-1, W])].tolist() if t not in first)  # not in row 0's set
-    holders = (sel[:, :W] == tok).any(1)
-    assert holders.any() and not holders.all()
-    clean = attend(*problem, softmax_scale=0.2)
-    page = int(table[0, tok // k.shape[1]])
-    v[page, tok % k.shape[1], 1, 3] = float("nan")  # KV head 1 only
-    out = attend(*problem, softmax_scale=0.2).view(q.shape[0], 6, -1)
-    head1 = slice(3, 6)
-    assert out[holders][:, head1].isnan().all()
-    assert torch.equal(out[~holders], clean.view_as(out)[~holders])
-    assert torch.equal(out[:, :3], clean.view_as(out)[:, :3])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["correlated", "independent"])
-def test_gpu_shared_production(kind):
-    """Production shapes on the shared-tile path (sorted selections as expand writes them)."""
-    problem = shared_problem([(131072, 300, kind), (5000, 200, "correlated")], W=2051, Hq=24, Hkv=2, D=256,
-                             page=64, dtype=torch.bfloat16, pad_rows=3, device="cuda", seed=4)
-    sched = ker.plan_attention(problem[0].shape[0], 24, 2, 256, 2051, device="cuda", num_decode_rows=0)
-    assert sched.shared is not None
-    out = compare(problem, tol=2e-2)
-    _empty_rows_zero(out, problem)
-
-
-@triton.jit
-def _union_probe(sel_ptr, out_ptr, n, stride_st, BM_P: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
-    i = tl.arange(0, BM_P)
-    rvalid = i < n
-    cnt = tl.load(sel_ptr + i * stride_st + W, mask=rvalid, other=0)
-    tl.store(out_ptr, _union_estimate(sel_ptr, i, rvalid, cnt, stride_st, 1, BM_P, BM_P, 32, LOG_W))
-
-
-def test_union_estimate_tracks_the_exact_union():
-    """The block's union estimate (it decides shared tiles vs row by row): exact for identical
-    rows, one count per row for disjoint rows, near the exact union for correlated rows."""
-    W = 39
-    for kind in ("identical", "disjoint", "correlated"):
-        sel = shared_problem([(300, 10, kind)], W=W, pad_rows=0, Hq=2, Hkv=1, seed=5)[-1]
-        est = torch.zeros(1, device=sel.device)
-        _union_probe[(1,)](sel, est, 10, sel.stride(0), BM_P=16, W=W, LOG_W=W.bit_length())
-        exact = torch.unique(sel[:, :W][sel[:, :W] >= 0]).numel()
-        if kind == "identical":
-            assert est.item() == sel[0, W].item()
-        elif kind == "disjoint":
-            assert est.item() == sel[:, W].sum().item() == exact
-        else:
-            assert 0.8 * exact <= est.item() <= 1.3 * exact, (est.item(), exact)
