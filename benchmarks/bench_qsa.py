@@ -14,7 +14,9 @@ the byte/FLOP model, the issue's targets and the table writers.
 
 DIR/results.json is written after every measurement; a rerun with the same --out resumes
 (configurations already there are skipped), so a run cut by a time limit continues in the next
-call. --budget-s stops starting configurations that would not fit.
+call (finished configurations are skipped). --budget-s stops starting configurations that would
+not fit; --config-timeout ends the process (exit 3) when one configuration hangs, noting it, so a
+rerun goes on without it (benchmarks/device/run_bench.sh loops on that).
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -440,6 +444,21 @@ def sweep_attention() -> None:
 
 # -- command line ------------------------------------------------------------------------------
 
+ABORTED = "aborted:"
+EXIT_ABORTED = 3  # run_bench.sh reruns (resumes) after this exit code
+
+
+def abort(r: Result, seconds: float, save) -> None:
+    """Watchdog: a configuration ran past --config-timeout (a compile or a kernel that hangs).
+    Note it, save, and end the process; a rerun resumes and skips this configuration."""
+    r.notes.append(f"{ABORTED} not finished within {seconds:.0f} s; the rest of the run went on without it")
+    try:
+        save()
+    finally:
+        print(f"    {r.case.label}: {r.notes[-1]}", flush=True)
+        os._exit(EXIT_ABORTED)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python benchmarks/bench_qsa.py",
@@ -467,6 +486,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warm-l2", action="store_true", help="do not flush L2 between replays")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no configuration after this many seconds (0: no limit); rerun to resume")
+    ap.add_argument("--config-timeout", type=float, default=0.0, metavar="S",
+                    help=f"end the process (exit {EXIT_ABORTED}) when one configuration runs past S seconds, "
+                    "noting it in results.json; a rerun resumes without it (0: no limit)")
     ap.add_argument("--markdown", type=Path, help="rewrite the bench section of this file (BENCHMARKS.md) at the end")
     ap.add_argument("--readme", type=Path, help="rewrite the bench section of this file (README.md) at the end")
     ap.add_argument("--no-plot", action="store_true", help="do not write latency.png (needs matplotlib)")
@@ -530,23 +552,36 @@ def main(argv: list[str] | None = None) -> None:
 
     failed: list[str] = []
 
+    keys = {r.case.key for r in results}
+    others = [r for r in done if r.case.key not in keys]  # kept in the file, not measured now
+
     def save() -> None:
-        rep.save(path, meta, results)
+        rep.save(path, meta, results + others)
 
     for i, r in enumerate(results, 1):
         elapsed = time.perf_counter() - t_start
+        if r.done or any(n.startswith(ABORTED) for n in r.notes):
+            continue  # measured (or aborted) by an earlier call
         if args.budget_s and elapsed > args.budget_s:
             print(f"[{i}/{len(results)}] {r.case.label}: not started ({elapsed:.0f} s > --budget-s); rerun to resume")
             continue
         print(f"[{i}/{len(results)}] {r.case.label} ({r.case.index_dtype}) at {elapsed:.0f} s ...", flush=True)
         if why and why not in r.notes:
             r.notes.append(why)
+        watchdog = None
+        if args.config_timeout:
+            watchdog = threading.Timer(args.config_timeout, abort, args=(r, args.config_timeout, save))
+            watchdog.daemon = True
+            watchdog.start()
         try:
             measure(r.case, device, timer, sg, dense=not args.no_dense and not args.dry_run, result=r, save=save,
                     warm_timer=warm_timer)
         except Exception as e:  # noqa: BLE001 - a failed check stops this configuration only
             r.notes.append(f"FAILED: {type(e).__name__}: {e}"[:300])
             failed.append(r.case.key)
+        if watchdog is not None:
+            watchdog.cancel()
+        r.done = True
         save()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -71,6 +71,7 @@ class Result:
     check: str = ""  # the reference check's outcome
     agreement: dict[str, int] = field(default_factory=dict)  # SGLang vs our selection
     notes: list[str] = field(default_factory=list)  # why a column is missing
+    done: bool = False  # measured to the end (a resumed run skips it)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -78,7 +79,7 @@ class Result:
     @classmethod
     def from_json(cls, d: dict) -> "Result":
         return cls(Case(**d["case"]), d.get("us", {}), d.get("model", {}), d.get("check", ""),
-                   d.get("agreement", {}), d.get("notes", []))
+                   d.get("agreement", {}), d.get("notes", []), d.get("done", False))
 
 
 # The issue's targets (issue 12): per configuration, a bound in us or "no slower than dense".
@@ -193,15 +194,16 @@ def table(results: list[Result]) -> str:
 
 def short_table(results: list[Result]) -> str:
     """The README's table: the issue's target rows and the fp8 rows."""
-    head = ["case", "QSA whole step", "dense FlashInfer", "SGLang QSA", "target", "held?"]
+    head = ["case", "QSA whole step", "QSA without prepare", "dense FlashInfer", "SGLang QSA (no prepare)", "target",
+            "held?"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if not held(r)[0]:
             continue
         tgt, ok = held(r)
         label = r.case.label + (f" ({r.case.index_dtype})" if r.case.index_dtype != "bf16" else "")
-        lines.append("| " + " | ".join([label, _fmt(r.us.get(WHOLE)), _fmt(r.us.get(DENSE)), _fmt(r.us.get(SGL_ALL)),
-                                        tgt or "-", ok or "-"]) + " |")
+        lines.append("| " + " | ".join([label, _fmt(r.us.get(WHOLE)), _fmt(r.us.get(NO_PREP)), _fmt(r.us.get(DENSE)),
+                                        _fmt(r.us.get(SGL_ALL)), tgt or "-", ok or "-"]) + " |")
     return "\n".join(lines)
 
 

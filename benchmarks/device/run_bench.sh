@@ -32,9 +32,19 @@ else
   echo "FlashInfer top-k module: not prebuilt (the SGLang columns will say why)"
 fi
 python3 -c "import tilelang, flashinfer; print('tilelang', tilelang.__version__, 'flashinfer', flashinfer.__version__)" 2>&1 | tail -1
-timeout -k 5 "$LIMIT" python3 benchmarks/bench_qsa.py "${ARGS[@]}" "${PEER[@]}" --out "$RES" --no-plot \
-  --budget-s $((LIMIT - MARGIN)) "$@" 2>&1 | tee -a "$RES/log.txt"
-rc=${PIPESTATUS[0]}
+# A configuration that runs past CONFIG_TIMEOUT (a compile or kernel that hangs) ends the process
+# with exit 3 after noting it; the loop resumes the rest within the same LIMIT.
+CONFIG_TIMEOUT=${CONFIG_TIMEOUT:-$([ "$MODE" = full ] && echo 200 || echo 0)}
+t0=$(date +%s); rc=1
+while :; do
+  left=$((LIMIT - ($(date +%s) - t0)))
+  [ "$left" -gt "$MARGIN" ] || { echo "no time left for a resume"; break; }
+  timeout -k 5 "$left" python3 benchmarks/bench_qsa.py "${ARGS[@]}" "${PEER[@]}" --out "$RES" --no-plot \
+    --budget-s $((left - MARGIN)) --config-timeout "$CONFIG_TIMEOUT" "$@" 2>&1 | tee -a "$RES/log.txt"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 3 ] || break
+  echo "resuming after an aborted configuration"
+done
 cp "$RES"/results.json "$RES"/table.md "$RES"/log.txt "${OUT:-/tmp/out}/bench/" 2>/dev/null
 echo "bench rc=$rc"
 exit "$rc"

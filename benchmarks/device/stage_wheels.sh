@@ -5,7 +5,9 @@
 #   bash benchmarks/device/stage_wheels.sh [DEST]
 #
 # Env: TOPK_SO (FlashInfer's prebuilt top-k module for sm_90a; default /tmp/bench-topk/topk.so,
-# see ../shared/peers/flashinfer_topk_sm90/), SGLANG_SITE (a site-packages that holds sglang 0.5.23;
+# see ../shared/peers/flashinfer_topk_sm90/; seen here: topk.cu needs curand headers, which
+# /usr/local/cuda lacks (the nvidia-cu13 pip wheel's include/ has them), and the final link needs
+# `-lcudart` only: the objects use no driver symbols and there is no libcuda stub), SGLANG_SITE (a site-packages that holds sglang 0.5.23;
 # default this worktree's .venv-sglang), STAGE_TREE=1 also copies this worktree's files to
 # DEST/.stage-bench (needed while the branch is not on main), WHEEL_CACHE (download folder).
 #
