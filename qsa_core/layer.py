@@ -253,19 +253,20 @@ def qsa_attention(
     """
     meta, s, cfg = plan.meta, plan.schedule, plan.config
     dst = s.attn_out if out is None else _rows(out, meta.num_tokens, "out")
-    return ops.sparse_attention(
-        indexed.q,
-        indexed.gate,
-        cache.k,
-        cache.v,
-        meta.block_table,
-        meta.token_to_req,
-        meta.seq_lens,
-        indexed.selection,
-        softmax_scale=cfg.softmax_scale,
-        k_scale=cache.k_scale,
-        v_scale=cache.v_scale,
-        out=dst,
-        schedule=s.attention,
-        backend=plan.backend,
-    )
+    if s.q is None or s.num_tokens == 0:  # the reference backend (or nothing to do)
+        return ops.sparse_attention(
+            indexed.q, indexed.gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens,
+            indexed.selection, softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
+            out=dst, schedule=s.attention, backend=plan.backend,
+        )
+    launches = s.layer_launches(cache)
+    attend = launches.get("attention")
+    if attend is None:
+        from qsa_kernels.attention import AttentionLaunch
+
+        attend = launches["attention"] = AttentionLaunch(
+            indexed.q, indexed.gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens,
+            indexed.selection, softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
+            out=dst, schedule=s.attention,
+        )
+    return attend(indexed.q, indexed.gate, meta.block_table, meta.token_to_req, meta.seq_lens, indexed.selection, dst)

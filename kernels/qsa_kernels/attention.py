@@ -7,6 +7,7 @@ gathering K/V rows through the block table. Many rows: one pass (`_attn_kernel`,
 that also applies the gate. Few rows (decode): flash-decoding, each split writes (m, l, acc)
 partials and `_combine_kernel` merges them and applies the gate. Entries < 0, >= the
 request's seq_len or at columns >= the count column are ignored; rows with none left are 0.
+`AttentionLaunch` binds the launches once per (schedule, layer cache) (`launch.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-_MAX_SPLITS = 32
+from .launch import BoundLaunch, Launcher
+
+_MAX_SPLITS = 64
 # Rows above which the one-pass kernel already fills the GPU.
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
@@ -205,11 +208,15 @@ def _combine_kernel(
 
 def _num_splits(rows: int, kv_heads: int, width: int, block_n: int, device: torch.device) -> int:
     """Splits of the selection per (row, KV head): enough programs for about two waves of
-    the GPU when rows are few; 1 (one pass) when rows alone fill it. Host ints only."""
+    the GPU when rows are few; 1 (one pass) when rows alone fill it. The count is balanced so
+    that a full row leaves no split empty (W 2051 in 64-column blocks: 33 splits of one
+    block, or 17 of two, never 32 with 15 empty). Host ints only."""
     if rows > _SPLIT_MAX_ROWS:
         return 1
     want = triton.cdiv(2 * _num_sms(device), max(rows, 1) * kv_heads)
-    return max(1, min(_MAX_SPLITS, triton.cdiv(width, block_n), want))
+    blocks = triton.cdiv(width, block_n)
+    n = max(1, min(_MAX_SPLITS, blocks, want))
+    return triton.cdiv(blocks, triton.cdiv(blocks, n))
 
 
 def _launch_config(dp: int) -> tuple[int, int, int]:
@@ -284,6 +291,67 @@ def plan_attention(
     return AttentionSchedule(num_rows, n_splits, block_n, num_warps, num_stages, _interpreting(), part_ml, part_acc)
 
 
+_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "stride_qt", "stride_qh",
+         "stride_gt", "stride_gh", "stride_ot", "stride_btr", "stride_btp", "stride_st", "stride_sc")
+_COMBINE_FREE = ("gate_ptr", "out_ptr", "stride_gt", "stride_gh", "stride_ot")
+
+
+class AttentionLaunch:
+    """`qsa_sparse_attention` bound once to a schedule, a layer's K/V cache and its scales
+    (`qsa_kernels.launch`); `__call__(q, gate, block_table, token_to_req, seq_lens, selection,
+    out)` relaunches with those tensors only (same shapes, any strides as in the op)."""
+
+    def __init__(self, q: torch.Tensor, gate: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, token_to_req: torch.Tensor, seq_lens: torch.Tensor,
+                 selection: torch.Tensor, *, softmax_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                 out: torch.Tensor, schedule: AttentionSchedule) -> None:
+        T, Hq, D = q.shape
+        _, page, Hkv, _ = k_cache.shape
+        W = selection.shape[1] - 1
+        if T != schedule.num_rows:
+            raise ValueError(f"the attention schedule was planned for {schedule.num_rows} rows, got {T}")
+        self.num_rows = T
+        self._launches: list[tuple[BoundLaunch, bool]] = []  # (launch, combine: fewer free args)
+        if T == 0:
+            return
+        G = Hq // Hkv
+        DP = triton.next_power_of_2(D)
+        n_splits = schedule.n_splits
+        split = n_splits > 1
+        part_ml, part_acc = (schedule.part_ml, schedule.part_acc) if split else (out, out)
+        common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page,
+                      DOT_DTYPE=_dot_dtype(q, k_cache, schedule.interpret), INTERPRET=schedule.interpret)
+        qk_scale = softmax_scale * k_scale * _LOG2E
+        tensors = (q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, out)
+        strides = (q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0),
+                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                   block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1))
+        self._launches.append((_per_row.bind(
+            (T, Hkv, n_splits), *tensors, part_ml, part_acc, n_splits, W, qk_scale, v_scale, *strides,
+            free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split,
+            num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
+        ), False))
+        if split:
+            self._launches.append((_combine.bind(
+                (T, Hq), gate, out, part_ml, part_acc, n_splits, v_scale, gate.stride(0), gate.stride(1),
+                out.stride(0), free=_COMBINE_FREE, HQ=Hq, D=D, DP=DP, SP=max(2, triton.next_power_of_2(n_splits)),
+            ), True))
+
+    def __call__(self, q: torch.Tensor, gate: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,
+                 seq_lens: torch.Tensor, selection: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if q.shape[0] != self.num_rows or out.shape[0] != self.num_rows:
+            raise ValueError(f"attention bound for {self.num_rows} rows, got q {tuple(q.shape)}, out {tuple(out.shape)}")
+        for launch, combine in self._launches:
+            if combine:
+                launch(gate, out, gate.stride(0), gate.stride(1), out.stride(0))
+            else:
+                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, q.stride(0), q.stride(1),
+                       gate.stride(0), gate.stride(1), out.stride(0), block_table.stride(0), block_table.stride(1),
+                       selection.stride(0), selection.stride(1))
+        return out
+
+
 def qsa_sparse_attention(
     q: torch.Tensor,
     gate: torch.Tensor,
@@ -305,34 +373,15 @@ def qsa_sparse_attention(
     q, gate [T, Hq, D] (last dim contiguous); k_cache, v_cache [pages, page_size, Hkv, D]
     (any strides, contiguous last dim; bf16 or fp8 with per-tensor k_scale / v_scale);
     selection int32 [T, W + 1] with the count in the last column; out [T, Hq*D] contiguous
-    rows (any row stride). schedule: `plan_attention(T, Hq, Hkv, D, W, ...)`; launches only.
+    rows (any row stride). schedule: `plan_attention(T, Hq, Hkv, D, W, ...)`. Binds on every
+    call: a plan keeps an `AttentionLaunch` per layer cache instead.
     """
-    T, Hq, D = q.shape
-    _, page, Hkv, _ = k_cache.shape
-    W = selection.shape[1] - 1
-    if T == 0:
+    if q.shape[0] == 0:
         return out
-    if T != schedule.num_rows:
-        raise ValueError(f"the attention schedule was planned for {schedule.num_rows} rows, got {T}")
-    G = Hq // Hkv
-    DP = triton.next_power_of_2(D)
-    n_splits = schedule.n_splits
-    split = n_splits > 1
-    part_ml, part_acc = (schedule.part_ml, schedule.part_acc) if split else (out, out)
-    _attn_kernel[(T, Hkv, n_splits)](
-        q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, out, part_ml, part_acc,
-        n_splits, W, softmax_scale * k_scale * _LOG2E, v_scale,
-        q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1),
-        HQ=Hq, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page, BLOCK_N=schedule.block_n,
-        DOT_DTYPE=_dot_dtype(q, k_cache, schedule.interpret), SPLIT=split, INTERPRET=schedule.interpret,
-        num_warps=schedule.num_warps, num_stages=schedule.num_stages,
-    )
-    if split:
-        _combine_kernel[(T, Hq)](
-            gate, out, part_ml, part_acc, n_splits, v_scale, gate.stride(0), gate.stride(1), out.stride(0),
-            HQ=Hq, D=D, DP=DP, SP=_MAX_SPLITS,
-        )
-    return out
+    launch = AttentionLaunch(q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection,
+                             softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale, out=out, schedule=schedule)
+    return launch(q, gate, block_table, token_to_req, seq_lens, selection, out)
+
+
+_per_row = Launcher(_attn_kernel)
+_combine = Launcher(_combine_kernel)

@@ -160,6 +160,36 @@ def test_empty_batch():
     assert out.shape == (0, q.shape[1] * q.shape[2])
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
+def test_split_count_leaves_no_split_empty(monkeypatch, rows):
+    """A full row of W 2051 in 64-column blocks on an H200 (132 SMs): every planned split gets
+    a share of blocks (32 splits would leave 15 of them empty)."""
+    monkeypatch.setattr(ker, "_num_sms", lambda device: 132)
+    n = ker._num_splits(rows, 2, 2051, 64, torch.device("cpu"))
+    blocks = -(-2051 // 64)
+    per_split = -(-blocks // n)
+    assert n > 1 and (n - 1) * per_split < blocks <= n * per_split
+
+
+def test_bound_launch_relaunches_with_new_tensors():
+    """An AttentionLaunch bound to one step's tensors runs another step's (same shapes, other
+    buffers and strides) exactly as the op does."""
+    first = make_problem([40, 9], [3, 2], pad_rows=1, seed=11)
+    second = make_problem([40, 9], [3, 2], pad_rows=1, seed=12)
+    q, gate, k, v, table, to_req, seq, sel = first
+    T, Hq, D = q.shape
+    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    out = torch.empty(T, Hq * D, device=q.device)
+    bound = ker.AttentionLaunch(*first, softmax_scale=D**-0.5, out=out, schedule=sched)
+    q2, gate2, _, _, table2, to_req2, seq2, sel2 = second
+    wide = torch.zeros(T, Hq * D + 4, device=q.device)
+    bound(q2, gate2, table2, to_req2, seq2, sel2, wide[:, : Hq * D])
+    expect = attend(q2, gate2, k, v, table2, to_req2, seq2, sel2, softmax_scale=D**-0.5)
+    torch.testing.assert_close(wide[:, : Hq * D], expect, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="bound for"):
+        bound(q2[:2], gate2[:2], table2, to_req2[:2], seq2, sel2[:2], wide[:2, : Hq * D])
+
+
 # ---------------------------------------------------------------- GPU, production shapes
 
 
