@@ -9,7 +9,7 @@ halves directly; `QSAAttention` is the whole layer with HF weight names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -189,20 +189,32 @@ def qsa_prepare(
             eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, index_dtype=plan.index_dtype,
             cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q, backend=plan.backend,
         )
-    launches = s.layer_launches(cache)
-    prepare = launches.get("prepare")
-    if prepare is None:
-        from qsa_kernels.prepare import PrepareLaunch
-
-        # index_qk as both index_q (its first Hi*Di columns) and raw_keys (from column Hi*Di).
-        prepare = launches["prepare"] = PrepareLaunch(
-            index_qk, index_qk, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,
-            index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k, eps=cfg.rms_norm_eps,
-            inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q,
-            raw_offset=split,
-        )
+    prepare = _bound(s.layer_launches(cache), "prepare", lambda: _prepare_launch(
+        plan, norms, index_qk, q_gate, k, v, cache, split))
     return prepare(index_qk, index_qk, q_gate, k, v, meta.rope_positions, norms.index_q, norms.index_k, norms.q,
                    norms.k, meta.query_start_loc, meta.ring_index)
+
+
+def _bound(launches: dict, name: str, make: Callable[[], Any]) -> Any:
+    """The Triton launch `name` bound to a schedule (and layer cache), made on first use."""
+    found = launches.get(name)
+    if found is None:
+        found = launches[name] = make()
+    return found
+
+
+def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tensor, q_gate: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, cache: QSALayerCache, split: int) -> Any:
+    from qsa_kernels.prepare import PrepareLaunch
+
+    meta, s, cfg = plan.meta, plan.schedule, plan.config
+    # index_qk as both index_q (its first Hi*Di columns) and raw_keys (from column Hi*Di).
+    return PrepareLaunch(
+        index_qk, index_qk, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,
+        index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k, eps=cfg.rms_norm_eps,
+        inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q,
+        raw_offset=split,
+    )
 
 
 def qsa_select(
@@ -219,27 +231,49 @@ def qsa_select(
         out = s.selection
     elif out.shape != s.selection.shape or out.dtype != torch.int32:
         raise ValueError(f"selection out must be int32 [{T}, {cfg.packed_width}], got {out.dtype} {tuple(out.shape)}")
+    if q_idx.shape[0] != T:
+        q_idx = _rows(q_idx, T, "q_idx")
     nd = s.num_decode_tokens
-    kw = dict(page_size=meta.page_size, compress_ratio=cfg.compress_ratio, block_topk=cfg.block_topk,
-              backend=plan.backend)
-    comp, table = cache.compressed, meta.block_table
-    if nd:
-        to_req, vis, blocks = s.decode_rows
-        ops.select_decode(_rows(q_idx, nd, "q_idx"), comp, table, to_req, vis, out=blocks,
-                          schedule=s.select_decode, **kw)
-    if nd < T:
-        to_req, vis, blocks = s.prefill_rows
-        ops.select_prefill(q_idx[nd:], comp, table, to_req, vis, out=blocks, schedule=s.select_prefill, **kw)
-    blocks, vis = s.blocks, meta.visible_blocks
-    if plan.backend != "triton" or T == 0:
-        return ops.expand(blocks, meta.positions, vis, compress_ratio=cfg.compress_ratio, out=out, backend=plan.backend)
-    expand = s.launches.get("expand")
-    if expand is None:
-        from qsa_kernels.expand import ExpandLaunch
-
-        expand = s.launches["expand"] = ExpandLaunch(blocks, meta.positions, vis, compress_ratio=cfg.compress_ratio,
-                                                     out=out)
+    if plan.backend != "triton" or T == 0:  # the reference (or nothing to do)
+        kw = dict(page_size=meta.page_size, compress_ratio=cfg.compress_ratio, block_topk=cfg.block_topk,
+                  backend=plan.backend)
+        comp, table = cache.compressed, meta.block_table
+        if nd:
+            to_req, vis, blocks = s.decode_rows
+            ops.select_decode(q_idx[:nd], comp, table, to_req, vis, out=blocks, schedule=s.select_decode, **kw)
+        if nd < T:
+            to_req, vis, blocks = s.prefill_rows
+            ops.select_prefill(q_idx[nd:], comp, table, to_req, vis, out=blocks, schedule=s.select_prefill, **kw)
+        return ops.expand(s.blocks, meta.positions, meta.visible_blocks, compress_ratio=cfg.compress_ratio, out=out,
+                          backend=plan.backend)
+    for launch in _bound(s.layer_launches(cache), "select", lambda: _select_launches(plan, q_idx, cache)):
+        launch(q_idx, meta.block_table)
+    expand = _bound(s.launches, "expand", lambda: _expand_launch(plan, out))
     return expand(out)
+
+
+def _select_launches(plan: QSAPlan, q_idx: torch.Tensor, cache: QSALayerCache) -> tuple:
+    """The decode select launch (rows [0, num_decode_tokens)) and the prefill one (the rest)
+    of a step shape and layer cache, over the step's whole row tensors; each takes
+    (q_idx [T, Hi, Di], block_table)."""
+    from qsa_kernels.select import SelectLaunch
+
+    meta, s, cfg = plan.meta, plan.schedule, plan.config
+    nd, T = s.num_decode_tokens, s.num_tokens
+    kw = dict(page_size=meta.page_size, compress_ratio=cfg.compress_ratio, block_topk=cfg.block_topk)
+    return tuple(
+        SelectLaunch(sched, q_idx, cache.compressed, meta.block_table, meta.token_to_req, meta.visible_blocks,
+                     s.blocks, first_row=lo, **kw)
+        for sched, lo, hi in ((s.select_decode, 0, nd), (s.select_prefill, nd, T)) if lo < hi
+    )
+
+
+def _expand_launch(plan: QSAPlan, out: torch.Tensor) -> Any:
+    from qsa_kernels.expand import ExpandLaunch
+
+    s = plan.schedule
+    return ExpandLaunch(s.blocks, plan.meta.positions, plan.meta.visible_blocks,
+                        compress_ratio=plan.config.compress_ratio, out=out)
 
 
 def qsa_attention(
@@ -259,14 +293,16 @@ def qsa_attention(
             indexed.selection, softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
             out=dst, schedule=s.attention, backend=plan.backend,
         )
-    launches = s.layer_launches(cache)
-    attend = launches.get("attention")
-    if attend is None:
-        from qsa_kernels.attention import AttentionLaunch
-
-        attend = launches["attention"] = AttentionLaunch(
-            indexed.q, indexed.gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens,
-            indexed.selection, softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
-            out=dst, schedule=s.attention,
-        )
+    attend = _bound(s.layer_launches(cache), "attention", lambda: _attention_launch(plan, indexed, cache, dst))
     return attend(indexed.q, indexed.gate, meta.block_table, meta.token_to_req, meta.seq_lens, indexed.selection, dst)
+
+
+def _attention_launch(plan: QSAPlan, indexed: QSAIndexed, cache: QSALayerCache, dst: torch.Tensor) -> Any:
+    from qsa_kernels.attention import AttentionLaunch
+
+    meta, cfg = plan.meta, plan.config
+    return AttentionLaunch(
+        indexed.q, indexed.gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens,
+        indexed.selection, softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
+        out=dst, schedule=plan.schedule.attention,
+    )
