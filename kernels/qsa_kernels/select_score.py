@@ -2,15 +2,24 @@
 
 Contract: `qsa_core.reference.select.group_scores`. Scores go to a chunk's scratch
 [chunk rows, num_cols], only for rows with visible > Kb and columns g < visible; nothing
-else of the scratch is written. Decode (`_scores_decode_kernel`, grid: rows x column tiles):
-a row's heads are the dot's M. Prefill (`_scores_prefill_kernel`, grid: row tiles x column
-tiles): rows of one request are the dot's M, one dot per head. `ScoreLaunch` binds one
-chunk's launch (`launch.py`): per call only q_idx, the block table and the chunk's first row.
+else of the scratch is written. Both kernels give a program a span of `span` columns that it
+streams in BLOCK_G tiles (a software-pipelined loop: the next tiles' keys load while this
+one's dots run). Decode (`_scores_decode_kernel`, grid: rows x spans): a row's heads
+(padded to HM >= 16) are the dot's M. Prefill (`_scores_prefill_kernel`, grid: row tiles x
+spans, row tiles fastest so that programs sharing a span's keys run together): BLOCK_R rows
+of one request are the dot's M, one dot per head, the 4 heads' q loaded once per program
+and request, each key tile loaded once for all heads. `ScoreLaunch` binds one chunk's
+launch (`launch.py`): per call only q_idx, the block table and the chunk's first row.
+
+Bits: each score is one fp32 dot per head over all of Di (the tile shape never splits Di),
+the heads' ReLUs summed in head order, then an IEEE division, so a score depends on its
+row's q and its key only, never on the tile or span (batch-invariant).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,19 +50,26 @@ def _finish(relu_sum, norm):
     return tl.where(s == 0.0, 0.0, s)
 
 
+@triton.jit
+def _relu_dot(q, keys):
+    """relu(q . keys^T) in fp32: q [M, DP], keys [N, DP] -> [M, N]."""
+    return tl.maximum(tl.dot(q, tl.trans(keys), input_precision="ieee"), 0.0)
+
+
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
 def _scores_decode_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
-    row0, n_cols, norm,
+    row0, n_cols, span, norm,
     stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
-    PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
+    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """Scores of one row x groups [pid1*BLOCK_G, +BLOCK_G): its heads (padded to HM >= 16)
-    are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols]."""
+    """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
+    to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols]."""
     lr = tl.program_id(0)
     row = row0 + lr
-    col0 = tl.program_id(1) * BLOCK_G
+    col0 = tl.program_id(1) * span
     vis = tl.load(vis_ptr + row)
     vis = tl.where(vis > KB, tl.minimum(vis, n_cols), 0)  # <= Kb: chosen without scores
     if col0 < vis:
@@ -62,29 +78,39 @@ def _scores_decode_kernel(
         d = tl.arange(0, DP)
         q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
                     mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
-        g = col0 + tl.arange(0, BLOCK_G)
-        g_mask = g < vis
-        keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
-                          stride_btp, DI, PAGE, R, DOT_DTYPE)
-        dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # fp32 [HM, BLOCK_G]
-        s = _finish(tl.sum(tl.maximum(dots, 0.0), 0), norm)
-        tl.store(s_ptr + lr.to(tl.int64) * stride_sr + g, s, mask=g_mask)
+        g_end = tl.minimum(vis, col0 + span)
+        s_row = s_ptr + lr.to(tl.int64) * stride_sr
+        for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
+            g = c + tl.arange(0, BLOCK_G)
+            g_mask = g < g_end
+            keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
+                              stride_btp, DI, PAGE, R, DOT_DTYPE)
+            s = _finish(tl.sum(_relu_dot(q, keys), 0), norm)  # fp32 [BLOCK_G]
+            tl.store(s_row + g, s, mask=g_mask)
+
+
+@triton.jit
+def _q_head(q_row, h, stride_qh, mask, HI: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """q [BLOCK_R, DP] of head h of a row tile (zeros where masked or h >= HI)."""
+    return tl.load(q_row + h * stride_qh, mask=mask & (h < HI), other=0.0).to(DOT_DTYPE)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr"])
 def _scores_prefill_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
-    row0, n_rows, n_cols, norm,
+    row0, n_rows, n_cols, span, norm,
     stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
     HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
-    """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*BLOCK_G, +BLOCK_G):
-    rows are the dot's M, one dot per head. A row tile may span requests: each request in it
-    loads its own keys once."""
+    """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
+    BLOCK_G tiles: rows are the dot's M, one dot per head. Heads 0..3 keep their q for the
+    whole span (further heads reload theirs per tile). A row tile may span requests: each
+    request in it streams its own keys."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col0 = tl.program_id(1) * BLOCK_G
+    col0 = tl.program_id(1) * span
     in_chunk = lr < n_rows
     rows = row0 + lr
     vis = tl.load(vis_ptr + rows, mask=in_chunk, other=0)
@@ -95,23 +121,68 @@ def _scores_prefill_kernel(
         req_lo = tl.min(tl.where(active, req, 2147483647), 0)
         req_hi = tl.max(tl.where(active, req, -1), 0)
         d = tl.arange(0, DP)
-        g = col0 + tl.arange(0, BLOCK_G)
+        cols = tl.arange(0, BLOCK_G)
         q_row = q_ptr + rows.to(tl.int64)[:, None] * stride_qt + d[None, :] * stride_qd
+        s_rows = s_ptr + lr.to(tl.int64)[:, None] * stride_sr
         cur = req_lo
         while cur <= req_hi:  # (a while loop: the interpreter cannot range over reductions)
             mine = active & (req == cur)
-            g_end = tl.max(tl.where(mine, vis, 0), 0)
-            if g_end > col0:
+            g_end = tl.minimum(tl.max(tl.where(mine, vis, 0), 0), col0 + span)
+            q_mask = mine[:, None] & (d < DI)[None, :]
+            q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
+            q1 = _q_head(q_row, 1, stride_qh, q_mask, HI, DOT_DTYPE)
+            q2 = _q_head(q_row, 2, stride_qh, q_mask, HI, DOT_DTYPE)
+            q3 = _q_head(q_row, 3, stride_qh, q_mask, HI, DOT_DTYPE)
+            for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
+                g = c + cols
                 keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
                                   stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
-                acc = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
-                for h in range(HI):
-                    q = tl.load(q_row + h * stride_qh, mask=mine[:, None] & (d < DI)[None, :], other=0.0)
-                    dots = tl.dot(q.to(DOT_DTYPE), tl.trans(keys), input_precision="ieee")
-                    acc += tl.maximum(dots, 0.0)
-                s_off = lr.to(tl.int64)[:, None] * stride_sr + g[None, :]
-                tl.store(s_ptr + s_off, _finish(acc, norm), mask=mine[:, None] & (g[None, :] < vis[:, None]))
+                acc = _relu_dot(q0, keys)  # fp32 [BLOCK_R, BLOCK_G], heads summed in order
+                if HI > 1:
+                    acc += _relu_dot(q1, keys)
+                if HI > 2:
+                    acc += _relu_dot(q2, keys)
+                if HI > 3:
+                    acc += _relu_dot(q3, keys)
+                for h in tl.static_range(4, HI):
+                    acc += _relu_dot(_q_head(q_row, h, stride_qh, q_mask, HI, DOT_DTYPE), keys)
+                tl.store(s_rows + g[None, :], _finish(acc, norm), mask=mine[:, None] & (g[None, :] < vis[:, None]))
             cur += 1
+
+
+@dataclass(frozen=True)
+class ScoreTiles:
+    """Compile-time shape of a score launch. block_r: prefill rows per program (the dot's M;
+    unused by decode); block_g: columns per tile (N); span: columns per program (a multiple
+    of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop."""
+
+    block_r: int
+    block_g: int
+    span: int
+    stages: int
+    num_warps: int
+
+
+def score_tiles(decode: bool, tiles: dict, interpret: bool) -> ScoreTiles:
+    """The score tiles: the schedule's small tiles under the interpreter (tests cross tile and
+    span borders), else the H200's."""
+    if interpret:
+        return ScoreTiles(block_r=tiles["block_r"], block_g=tiles["block_g"], span=2 * tiles["block_g"], stages=1,
+                          num_warps=4)
+    if decode:
+        return ScoreTiles(block_r=1, block_g=128, span=0, stages=3, num_warps=4)
+    return ScoreTiles(block_r=64, block_g=128, span=0, stages=3, num_warps=4)
+
+
+def _span(t: ScoreTiles, row_tiles: int, num_cols: int, min_programs: int = 1024) -> int:
+    """Columns per program: the fixed span, or (span 0) the longest power-of-two multiple of
+    block_g up to 32 tiles that still leaves >= min_programs programs (row tiles x spans)."""
+    if t.span:
+        return t.span
+    span = t.block_g
+    while span < 32 * t.block_g and row_tiles * triton.cdiv(num_cols, 2 * span) >= min_programs:
+        span *= 2
+    return span
 
 
 _decode = Launcher(_scores_decode_kernel)
@@ -128,28 +199,34 @@ class ScoreLaunch:
     """The score launch of one chunk of `rows` rows (from a free first row `row0`) bound to
     the compressed keys [pages, page_size / r, Di], token_to_req / visible_blocks int32 [T]
     and the score scratch fp32 [>= rows, num_cols]; `__call__(q_idx [T, Hi, Di], block_table
-    int32 [R, P], row0)` launches it. q_idx's dtype is fixed at binding."""
+    int32 [R, P], row0)` launches it. q_idx's dtype is fixed at binding. `score` overrides
+    the tiles (`score_tiles`; benchmarks)."""
 
     def __init__(self, q_idx: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor, visible_blocks: torch.Tensor, scores: torch.Tensor, *, row0: int,
                  rows: int, num_cols: int, page_size: int, compress_ratio: int, block_topk: int, decode: bool,
-                 tiles: dict, interpret: bool) -> None:
+                 tiles: dict, interpret: bool, score: ScoreTiles | None = None) -> None:
         _, Hi, Di = q_idx.shape
+        t = score or score_tiles(decode, tiles, interpret)
+        row_tiles = rows if decode else triton.cdiv(rows, t.block_r)
+        span = _span(t, row_tiles, num_cols)
+        if span % t.block_g:
+            raise ValueError(f"score span {span} must be a multiple of block_g {t.block_g}")
         common = dict(HI=Hi, DI=Di, DP=triton.next_power_of_2(Di), PAGE=page_size, R=compress_ratio, KB=block_topk,
-                      BLOCK_G=tiles["block_g"],
+                      BLOCK_G=t.block_g, STAGES=t.stages,
                       DOT_DTYPE=tl.bfloat16 if exact_dot(q_idx, compressed, interpret) else tl.float32)
-        col_tiles = triton.cdiv(num_cols, tiles["block_g"])
+        spans = triton.cdiv(num_cols, span)
         args = (
             q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
-            row0, *(() if decode else (rows,)), num_cols, math.sqrt(Di),
+            row0, *(() if decode else (rows,)), num_cols, span, math.sqrt(Di),
             *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0),
         )
         if decode:
-            self._launch = _decode.bind((rows, col_tiles), *args, free=_FREE,
-                                        HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=4)
+            self._launch = _decode.bind((rows, spans), *args, free=_FREE,
+                                        HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)
         else:
-            self._launch = _prefill.bind((triton.cdiv(rows, tiles["block_r"]), col_tiles), *args, free=_FREE,
-                                         BLOCK_R=tiles["block_r"], **common, num_warps=8)
+            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE,
+                                         BLOCK_R=t.block_r, **common, num_warps=t.num_warps)
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:
         sq, sb = q_idx.stride(), block_table.stride()
