@@ -36,21 +36,30 @@ R, PAGE, HI, DI, KB = 4, 64, 4, 128, 512
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
-# Variants: name -> tiles (None: the baseline module's ScoreLaunch with the schedule's tiles).
+# Variants: name -> (tiles or None: the baseline's ScoreLaunch, score scratch cap in bytes or
+# None: select.py's). Spans are runtime arguments: variants differing in span share a compile.
+CAP = 256 << 20
 DECODE = {
-    "new g128 s3 auto": ScoreTiles(1, 128, 0, 3, 4),
-    "new g128 s4 auto": ScoreTiles(1, 128, 0, 4, 4),
-    "new g128 s3 sp1024": ScoreTiles(1, 128, 1024, 3, 4),
-    "new g256 s3 auto w8": ScoreTiles(1, 256, 0, 3, 8),
-    "new g64 s4 auto": ScoreTiles(1, 64, 0, 4, 4),
+    "main": (None, None),
+    "new g128 s3 auto": (ScoreTiles(1, 128, 0, 3, 4), None),
+    "new g128 s3 sp256": (ScoreTiles(1, 128, 256, 3, 4), None),
+    "new g128 s3 sp4096": (ScoreTiles(1, 128, 4096, 3, 4), None),
+    "new g128 s4 auto": (ScoreTiles(1, 128, 0, 4, 4), None),
+    "new g256 s3 auto w8": (ScoreTiles(1, 256, 0, 3, 8), None),
+    "new g64 s4 auto": (ScoreTiles(1, 64, 0, 4, 4), None),
 }
 PREFILL = {
-    "new r64 g128 s3 w4": ScoreTiles(64, 128, 0, 3, 4),
-    "new r64 g128 s2 w4": ScoreTiles(64, 128, 0, 2, 4),
-    "new r64 g128 s3 w8": ScoreTiles(64, 128, 0, 3, 8),
-    "new r128 g128 s2 w8": ScoreTiles(128, 128, 0, 2, 8),
-    "new r64 g64 s3 w4": ScoreTiles(64, 64, 0, 3, 4),
-    "new r128 g64 s3 w8": ScoreTiles(128, 64, 0, 3, 8),
+    "main": (None, None),
+    "new r64 g128 s3 w4": (ScoreTiles(64, 128, 0, 3, 4), None),
+    "new r64 g128 s3 w4 sp512": (ScoreTiles(64, 128, 512, 3, 4), None),
+    "new r64 g128 s3 w4 sp2K": (ScoreTiles(64, 128, 2048, 3, 4), None),
+    "new r64 g128 s2 w4": (ScoreTiles(64, 128, 0, 2, 4), None),
+    "new r64 g128 s3 w8": (ScoreTiles(64, 128, 0, 3, 8), None),
+    "new r128 g128 s2 w8": (ScoreTiles(128, 128, 0, 2, 8), None),
+    "new r64 g64 s3 w4": (ScoreTiles(64, 64, 0, 3, 4), None),
+    "new r128 g64 s3 w8": (ScoreTiles(128, 64, 0, 3, 8), None),
+    "main cap256M": (None, CAP),
+    "new r64 g128 s3 w4 cap256M": (ScoreTiles(64, 128, 0, 3, 4), CAP),
 }
 
 
@@ -95,10 +104,15 @@ def problem(c: Case, seed: int = 0):
 class Scores:
     """All score launches of one select call (one per row chunk), on a NaN-filled scratch."""
 
-    def __init__(self, module, c: Case, data, tiles: ScoreTiles | None) -> None:
+    def __init__(self, module, c: Case, data, tiles: ScoreTiles | None, cap: int | None = None) -> None:
         q, comp, table, to_req, vis = data
         decode = c.kind == "decode"
-        self.s = sel.plan_select(q.shape[0], c.context // R, KB, decode=decode, device=DEV)
+        keep = sel.SCORE_SCRATCH_BYTES
+        sel.SCORE_SCRATCH_BYTES = cap or keep
+        try:
+            self.s = sel.plan_select(q.shape[0], c.context // R, KB, decode=decode, device=DEV)
+        finally:
+            sel.SCORE_SCRATCH_BYTES = keep
         self.s.scores.fill_(float("nan"))
         self.q, self.table = q, table
         extra = {} if tiles is None else {"score": tiles}
@@ -144,8 +158,8 @@ def load_module(path: str):
 def _warm(args) -> str:
     """Compile one variant (a worker process): bind it on a small case of the same dtypes."""
     baseline, kind, dtype, name = args
-    mod = load_module(baseline) if name == "main" else ss
-    tiles = None if name == "main" else (DECODE if kind == "decode" else PREFILL)[name]
+    tiles = (DECODE if kind == "decode" else PREFILL)[name][0]
+    mod = load_module(baseline) if tiles is None else ss
     c = Case(kind, 8192, 2, 1 if kind == "decode" else 256, dtype)
     try:
         Scores(mod, c, problem(c), tiles)()
@@ -193,7 +207,12 @@ def main() -> None:
         from bench_qsa import GraphTimer
 
         jobs = {(c.kind, c.dtype) for c in cases(a.big, a.dry)}
-        work = [(a.baseline, k, d, n) for k, d in sorted(jobs) for n in ["main", *(DECODE if k == "decode" else PREFILL)]]
+        work = []
+        for k, d in sorted(jobs):
+            by_compile = {}  # one name per compiled kernel (tiles without the span)
+            for n, (t, _) in (DECODE if k == "decode" else PREFILL).items():
+                by_compile.setdefault(None if t is None else (t.block_r, t.block_g, t.stages, t.num_warps), n)
+            work += [(a.baseline, k, d, n) for n in by_compile.values()]
         with ProcessPoolExecutor(a.workers, mp_context=mp.get_context("spawn")) as pool:
             errors = [e for e in pool.map(_warm, work) if e]
         print(f"compiled {len(work)} variants in {time.time() - t0:.0f} s; failed: {errors or 'none'}", flush=True)
@@ -203,11 +222,13 @@ def main() -> None:
     for c in cases(a.big, a.dry):
         data = problem(c)
         flop, nbytes = measures(c, data)
-        ref = Scores(base, c, data, None)
-        variants = {"main": None, **(DECODE if c.kind == "decode" else PREFILL)}
-        for name, tiles in variants.items():
+        refs = {}  # scratch cap -> the baseline's launches
+        for name, (tiles, cap) in (DECODE if c.kind == "decode" else PREFILL).items():
+            if cap not in refs:
+                refs[cap] = Scores(base, c, data, None, cap)
+            ref = refs[cap]
             try:
-                run = ref if tiles is None else Scores(ss, c, data, tiles)
+                run = ref if tiles is None else Scores(ss, c, data, tiles, cap)
             except Exception as exc:  # reported above by the compile step
                 print(f"{c.name:24s} {name:22s} skipped: {type(exc).__name__}", flush=True)
                 continue
@@ -222,7 +243,7 @@ def main() -> None:
             print(f"{c.name:24s} {name:22s} {us:9.1f} us {r['tflops']:7.1f} TF/s {r['gbs']:7.0f} GB/s "
                   f"bits={eq:.4f} rel={rel:.1e}{'' if ok else ' MISMATCH'}", flush=True)
             del run
-        del ref, data
+        del ref, refs, data
         torch.cuda.empty_cache()
         if a.out:
             Path(a.out).write_text(json.dumps(results, indent=1))
@@ -231,9 +252,10 @@ def main() -> None:
     for cname in dict.fromkeys(r["case"] for r in results):
         rows = [r for r in results if r["case"] == cname]
         main_us = rows[0]["us"]
-        if len(rows) < 2:
+        rows = [r for r in rows if r["variant"].startswith("new")]
+        if not rows:
             continue
-        best = min(rows[1:], key=lambda r: r["us"] if r["us"] == r["us"] else 1e30)
+        best = min(rows, key=lambda r: r["us"] if r["us"] == r["us"] else 1e30)
         print(f"  {cname:24s} main {main_us:9.1f}  best {best['variant']:22s} {best['us']:9.1f} "
               f"({main_us / best['us']:.2f}x; {best['tflops']:.0f} TF/s, {best['gbs']:.0f} GB/s)")
 
