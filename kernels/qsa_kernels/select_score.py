@@ -103,12 +103,12 @@ def _scores_prefill_kernel(
     HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
-    BLOCK_G tiles: rows are the dot's M, one dot per head. Heads 0..3 keep their q for the
-    whole span (further heads reload theirs per tile). A row tile may span requests: each
-    request in it streams its own keys."""
+    BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M; else rows are the dot's M,
+    one dot per head, heads 0..3 keeping their q for the whole span (further heads reload theirs
+    per tile). A row tile may span requests: each request in it streams its own keys."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * span
     in_chunk = lr < n_rows
@@ -128,25 +128,41 @@ def _scores_prefill_kernel(
         while cur <= req_hi:  # (a while loop: the interpreter cannot range over reductions)
             mine = active & (req == cur)
             g_end = tl.minimum(tl.max(tl.where(mine, vis, 0), 0), col0 + span)
-            q_mask = mine[:, None] & (d < DI)[None, :]
-            q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
-            q1 = _q_head(q_row, 1, stride_qh, q_mask, HI, DOT_DTYPE)
-            q2 = _q_head(q_row, 2, stride_qh, q_mask, HI, DOT_DTYPE)
-            q3 = _q_head(q_row, 3, stride_qh, q_mask, HI, DOT_DTYPE)
-            for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
-                g = c + cols
-                keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
-                                  stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
-                acc = _relu_dot(q0, keys)  # fp32 [BLOCK_R, BLOCK_G], heads summed in order
-                if HI > 1:
-                    acc += _relu_dot(q1, keys)
-                if HI > 2:
-                    acc += _relu_dot(q2, keys)
-                if HI > 3:
-                    acc += _relu_dot(q3, keys)
-                for h in tl.static_range(4, HI):
-                    acc += _relu_dot(_q_head(q_row, h, stride_qh, q_mask, HI, DOT_DTYPE), keys)
-                tl.store(s_rows + g[None, :], _finish(acc, norm), mask=mine[:, None] & (g[None, :] < vis[:, None]))
+            if PACK:  # heads outermost on the dot's M (m = h * BLOCK_R + r): one dot, a thread-local head sum
+                m = tl.arange(0, HP * BLOCK_R)
+                m_lr = tl.program_id(0) * BLOCK_R + m % BLOCK_R
+                m_mine = tl.reshape(tl.broadcast_to(mine[None, :], (HP, BLOCK_R)), (HP * BLOCK_R,))
+                qa = tl.load(q_ptr + (row0 + m_lr).to(tl.int64)[:, None] * stride_qt
+                             + (m // BLOCK_R)[:, None] * stride_qh + d[None, :] * stride_qd,
+                             mask=(m_mine & (m // BLOCK_R < HI))[:, None] & (d < DI)[None, :], other=0.0)
+                qa = qa.to(DOT_DTYPE)
+                for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
+                    g = c + cols
+                    keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
+                                      stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
+                    acc = tl.sum(tl.reshape(_relu_dot(qa, keys), (HP, BLOCK_R, BLOCK_G)), 0)
+                    tl.store(s_rows + g[None, :], _finish(acc, norm),
+                             mask=mine[:, None] & (g[None, :] < vis[:, None]))
+            else:
+                q_mask = mine[:, None] & (d < DI)[None, :]
+                q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
+                q1 = _q_head(q_row, 1, stride_qh, q_mask, HI, DOT_DTYPE)
+                q2 = _q_head(q_row, 2, stride_qh, q_mask, HI, DOT_DTYPE)
+                q3 = _q_head(q_row, 3, stride_qh, q_mask, HI, DOT_DTYPE)
+                for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
+                    g = c + cols
+                    keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
+                                      stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
+                    acc = _relu_dot(q0, keys)  # fp32 [BLOCK_R, BLOCK_G], heads summed in order
+                    if HI > 1:
+                        acc += _relu_dot(q1, keys)
+                    if HI > 2:
+                        acc += _relu_dot(q2, keys)
+                    if HI > 3:
+                        acc += _relu_dot(q3, keys)
+                    for h in tl.static_range(4, HI):
+                        acc += _relu_dot(_q_head(q_row, h, stride_qh, q_mask, HI, DOT_DTYPE), keys)
+                    tl.store(s_rows + g[None, :], _finish(acc, norm), mask=mine[:, None] & (g[None, :] < vis[:, None]))
             cur += 1
 
 
@@ -154,24 +170,26 @@ def _scores_prefill_kernel(
 class ScoreTiles:
     """Compile-time shape of a score launch. block_r: prefill rows per program (the dot's M;
     unused by decode); block_g: columns per tile (N); span: columns per program (a multiple
-    of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop."""
+    of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
+    pack: prefill rows x heads on one dot's M (for at most 4 heads)."""
 
     block_r: int
     block_g: int
     span: int
     stages: int
     num_warps: int
+    pack: bool = False
 
 
 def score_tiles(decode: bool, tiles: dict, interpret: bool) -> ScoreTiles:
     """The score tiles: the schedule's small tiles under the interpreter (tests cross tile and
-    span borders), else the H200's."""
+    span borders), else the H200's (prefill: heads packed on M, no register spills on sm_90)."""
     if interpret:
         return ScoreTiles(block_r=tiles["block_r"], block_g=tiles["block_g"], span=2 * tiles["block_g"], stages=1,
-                          num_warps=4)
+                          num_warps=4, pack=not decode)
     if decode:
         return ScoreTiles(block_r=1, block_g=128, span=0, stages=3, num_warps=4)
-    return ScoreTiles(block_r=64, block_g=128, span=0, stages=3, num_warps=4)
+    return ScoreTiles(block_r=64, block_g=64, span=0, stages=3, num_warps=8, pack=True)
 
 
 def _span(t: ScoreTiles, row_tiles: int, num_cols: int, min_programs: int = 1024) -> int:
@@ -225,8 +243,9 @@ class ScoreLaunch:
             self._launch = _decode.bind((rows, spans), *args, free=_FREE,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)
         else:
-            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE,
-                                         BLOCK_R=t.block_r, **common, num_warps=t.num_warps)
+            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=t.block_r,
+                                         PACK=t.pack and Hi <= 4, HP=triton.next_power_of_2(Hi), **common,
+                                         num_warps=t.num_warps)
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:
         sq, sb = q_idx.stride(), block_table.stride()

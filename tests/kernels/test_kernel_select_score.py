@@ -140,8 +140,8 @@ def test_num_cols_bounds_every_row():
 
 @pytest.mark.parametrize("Hi,Di", [(1, 32), (3, 24), (6, 16)])
 def test_heads_and_dims(Hi, Di):
-    """Fewer than 4 heads, a dim that is not a power of two, and more than 4 heads (the
-    heads past the 4 kept ones reload their q per tile)."""
+    """Fewer than 4 heads (packed on M with padding), a dim that is not a power of two, and
+    more than 4 heads (one dot per head; the heads past the 4 kept ones reload q per tile)."""
     problem = make_problem([120, 64], [17, 2], kind="int", Hi=Hi, Di=Di, seed=5)
     rows, cols = range(0, 19), 120 // 4
     for decode in (True, False):
@@ -154,8 +154,9 @@ def test_tiles_do_not_change_a_score():
     problem = make_problem(**PREFILL, kind="int", seed=6)
     rows, cols = range(0, 102), 150 // 4
     base = kernel_scores(problem, rows, cols, 8, decode=False)
-    for t in (ss.ScoreTiles(block_r=32, block_g=16, span=16, stages=1, num_warps=4),
-              ss.ScoreTiles(block_r=16, block_g=32, span=96, stages=1, num_warps=4)):
+    for t in (ss.ScoreTiles(block_r=32, block_g=16, span=16, stages=1, num_warps=4, pack=True),
+              ss.ScoreTiles(block_r=16, block_g=32, span=96, stages=1, num_warps=4, pack=False),
+              ss.ScoreTiles(block_r=16, block_g=16, span=32, stages=1, num_warps=4, pack=False)):
         assert torch.equal(kernel_scores(problem, rows, cols, 8, decode=False, tiles=t).nan_to_num(99.0),
                            base.nan_to_num(99.0))
 
@@ -183,7 +184,7 @@ from qsa_kernels import select_score as ss
 for decode, kdt in ((True, "bf16"), (True, "fp8e4nv"), (False, "bf16")):
     t = ss.score_tiles(decode, {}, False)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
-                 DOT_DTYPE=tl.bfloat16, **(dict(HM=16) if decode else dict(BLOCK_R=t.block_r)))
+                 DOT_DTYPE=tl.bfloat16, **(dict(HM=16) if decode else dict(BLOCK_R=t.block_r, PACK=t.pack, HP=4)))
     fn = ss._scores_decode_kernel if decode else ss._scores_prefill_kernel
     types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, bt_ptr="*i32", req_ptr="*i32", vis_ptr="*i32", s_ptr="*fp32",
                  norm="fp32")
