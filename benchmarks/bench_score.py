@@ -55,6 +55,8 @@ PREFILL = {
     "new r64 g64 s3 w4": (ScoreTiles(64, 64, 0, 3, 4), None),
     "new r128 g64 s3 w8": (ScoreTiles(128, 64, 0, 3, 8), None),
     "pk r64 g64 s3 w8": (ScoreTiles(64, 64, 0, 3, 8, True), None),
+    "pk r64 g64 s3 w8 fdiv": (ScoreTiles(64, 64, 0, 3, 8, True, True), None),
+    "pk r32 g64 s4 w4 fdiv": (ScoreTiles(32, 64, 0, 4, 4, True, True), None),
     "pk r64 g64 s3 w8 sp512": (ScoreTiles(64, 64, 512, 3, 8, True), None),
     "pk r64 g64 s3 w8 sp2K": (ScoreTiles(64, 64, 2048, 3, 8, True), None),
     "pk r64 g64 s2 w8": (ScoreTiles(64, 64, 0, 2, 8, True), None),
@@ -214,7 +216,7 @@ def main() -> None:
         for k, d in sorted(jobs):
             by_compile = {}  # one name per compiled kernel (tiles without the span)
             for n, (t, _) in (DECODE if k == "decode" else PREFILL).items():
-                by_compile.setdefault(None if t is None else (t.block_r, t.block_g, t.stages, t.num_warps, t.pack), n)
+                by_compile.setdefault(None if t is None else (t.block_r, t.block_g, t.stages, t.num_warps, t.pack, t.fast_div), n)
             work += [(a.baseline, k, d, n) for n in by_compile.values()]
         with ProcessPoolExecutor(a.workers, mp_context=mp.get_context("spawn")) as pool:
             errors = [e for e in pool.map(_warm, work) if e]

@@ -51,6 +51,20 @@ def _finish(relu_sum, norm):
 
 
 @triton.jit
+def _finish_fast(relu_sum, norm, rcp):
+    """`_finish` by a Markstein correction of relu_sum * rcp (rcp = fp32(1 / norm)): the IEEE
+    quotient for every relu_sum >= 0 whose quotient is normal, where norm's significand is 1
+    or that of sqrt(2) (Di a power of two; every fp32 checked on the CPU); sums below 2^-100
+    are scaled by 2^64 first (the remainder would underflow)."""
+    tiny = relu_sum < 7.888609052210118e-31  # 2^-100
+    x = tl.where(tiny, relu_sum * 18446744073709551616.0, relu_sum)
+    q0 = x * rcp
+    q = tl.fma(tl.fma(-q0, norm, x), rcp, q0)
+    s = tl.where(tiny, q * 5.421010862427522e-20, q)  # 2^-64
+    return tl.where(s == 0.0, 0.0, s)
+
+
+@triton.jit
 def _relu_dot(q, keys):
     """relu(q . keys^T) in fp32: q [M, DP], keys [N, DP] -> [M, N]."""
     return tl.maximum(tl.dot(q, tl.trans(keys), input_precision="ieee"), 0.0)
@@ -98,12 +112,12 @@ def _q_head(q_row, h, stride_qh, mask, HI: tl.constexpr, DOT_DTYPE: tl.constexpr
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr"])
 def _scores_prefill_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
-    row0, n_rows, n_cols, span, norm,
+    row0, n_rows, n_cols, span, norm, rcp,
     stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
     HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
     BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M; else rows are the dot's M,
@@ -141,7 +155,8 @@ def _scores_prefill_kernel(
                     keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
                                       stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
                     acc = tl.sum(tl.reshape(_relu_dot(qa, keys), (HP, BLOCK_R, BLOCK_G)), 0)
-                    tl.store(s_rows + g[None, :], _finish(acc, norm),
+                    s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
+                    tl.store(s_rows + g[None, :], s,
                              mask=mine[:, None] & (g[None, :] < vis[:, None]))
             else:
                 q_mask = mine[:, None] & (d < DI)[None, :]
@@ -162,7 +177,8 @@ def _scores_prefill_kernel(
                         acc += _relu_dot(q3, keys)
                     for h in tl.static_range(4, HI):
                         acc += _relu_dot(_q_head(q_row, h, stride_qh, q_mask, HI, DOT_DTYPE), keys)
-                    tl.store(s_rows + g[None, :], _finish(acc, norm), mask=mine[:, None] & (g[None, :] < vis[:, None]))
+                    s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
+                    tl.store(s_rows + g[None, :], s, mask=mine[:, None] & (g[None, :] < vis[:, None]))
             cur += 1
 
 
@@ -171,7 +187,8 @@ class ScoreTiles:
     """Compile-time shape of a score launch. block_r: prefill rows per program (the dot's M;
     unused by decode); block_g: columns per tile (N); span: columns per program (a multiple
     of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
-    pack: prefill rows x heads on one dot's M (for at most 4 heads)."""
+    pack: prefill rows x heads on one dot's M (for at most 4 heads); fast_div: prefill's
+    division by sqrt(Di) as `_finish_fast` (Di a power of two)."""
 
     block_r: int
     block_g: int
@@ -179,6 +196,7 @@ class ScoreTiles:
     stages: int
     num_warps: int
     pack: bool = False
+    fast_div: bool = False
 
 
 def score_tiles(decode: bool, tiles: dict, interpret: bool) -> ScoreTiles:
@@ -237,6 +255,7 @@ class ScoreLaunch:
         args = (
             q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
             row0, *(() if decode else (rows,)), num_cols, span, math.sqrt(Di),
+            *(() if decode else (float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),)),
             *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0),
         )
         if decode:
@@ -244,7 +263,8 @@ class ScoreLaunch:
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)
         else:
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=t.block_r,
-                                         PACK=t.pack and Hi <= 4, HP=triton.next_power_of_2(Hi), **common,
+                                         PACK=t.pack and Hi <= 4, HP=triton.next_power_of_2(Hi),
+                                         FAST_DIV=t.fast_div and Di & (Di - 1) == 0, **common,
                                          num_warps=t.num_warps)
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:

@@ -184,10 +184,10 @@ from qsa_kernels import select_score as ss
 for decode, kdt in ((True, "bf16"), (True, "fp8e4nv"), (False, "bf16")):
     t = ss.score_tiles(decode, {}, False)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
-                 DOT_DTYPE=tl.bfloat16, **(dict(HM=16) if decode else dict(BLOCK_R=t.block_r, PACK=t.pack, HP=4)))
+                 DOT_DTYPE=tl.bfloat16, **(dict(HM=16) if decode else dict(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div)))
     fn = ss._scores_decode_kernel if decode else ss._scores_prefill_kernel
     types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, bt_ptr="*i32", req_ptr="*i32", vis_ptr="*i32", s_ptr="*fp32",
-                 norm="fp32")
+                 norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=t.num_warps, num_stages=t.stages))
