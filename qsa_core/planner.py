@@ -149,7 +149,8 @@ class QSAPlanner:
     num_slots / num_ring_rows: bounds of the value checks and device guards; backend: the
     ops backend (default: from the device and `QSA_BACKEND`, resolved here once);
     value_checks: read the step's values in `plan` and raise on malformed ones (default: on
-    for CPU tensors, where it costs no sync; `QSA_DEBUG=1` turns it on everywhere). Without
+    for CPU tensors, where it costs no sync; `QSA_DEBUG=1` when the planner is made turns it
+    on everywhere). Without
     them the metadata build's device guards make a malformed request's rows inert (output 0,
     no cache write) and flag the reason (`check_guard`).
     """
@@ -189,6 +190,7 @@ class QSAPlanner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
         self.value_checks = self.device.type == "cpu" if value_checks is None else value_checks
+        self._read_values = self.value_checks or debug_enabled()  # QSA_DEBUG is read here, once
         self.backend = ops.resolve_backend(self.device, backend)
         self.index_dtype = resolve_dtype(config.index_dtype, dtype)
         # Normal tensors even when built inside torch.inference_mode(): the workspace is
@@ -348,7 +350,7 @@ class QSAPlanner:
         """
         inputs.validate(self.device)
         self._check_capacity(inputs)
-        if self.value_checks or debug_enabled():
+        if self._read_values:
             inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         cfg = self.config
         T = inputs.num_tokens
