@@ -53,12 +53,12 @@ class StepSchedule:
     """Everything of a plan that depends on the step's shape only (cached per shape).
 
     Row views [T, ...] of the workspace: the derived metadata fields, q_idx, q (prepare
-    outputs; None on the reference), blocks int32 [T, Kb], selection int32 [T, W + 1],
-    attn_out [T, Hq*D]; the select
+    outputs; None on the reference), blocks int32 [T, Kb] (the reference's chosen groups),
+    selection int32 [T, W + 1], attn_out [T, Hq*D]; the select
     schedules of the decode rows [:num_decode_tokens] and the prefill rows after them (and
     their views of token_to_req, visible_blocks, blocks: `decode_rows`, `prefill_rows`), and
     the attention schedule (None on the reference backend); `launches`: the Triton launches
-    bound to this shape ("expand") and per layer cache (`layer_launches`).
+    bound to this shape per layer cache (`layer_launches`).
     """
 
     num_tokens: int
@@ -96,9 +96,8 @@ class StepSchedule:
                 by_views.clear()
             found = by_views[key] = {}
         if len(self.launches) >= _LAYER_CACHE:
-            expand = self.launches.get("expand")
             self.launches.clear()
-            self.launches.update(by_views=by_views, **({} if expand is None else {"expand": expand}))
+            self.launches["by_views"] = by_views
         self.launches[id(cache)] = (cache, found)
         return found
 
