@@ -184,8 +184,9 @@ def _scores_prefill_kernel(
 
 @dataclass(frozen=True)
 class ScoreTiles:
-    """Compile-time shape of a score launch. block_r: prefill rows per program (the dot's M;
-    unused by decode); block_g: columns per tile (N); span: columns per program (a multiple
+    """Compile-time shape of a score launch. block_r: rows per program (decode: 1 = one row
+    per program, its heads padded to 16 on the dot's M; more = the row-tile kernel, as
+    prefill); block_g: columns per tile (N); span: columns per program (a multiple
     of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
     pack: prefill rows x heads on one dot's M (for at most 4 heads); fast_div: prefill's
     division by sqrt(Di) as `_finish_fast` (Di a power of two)."""
@@ -201,12 +202,13 @@ class ScoreTiles:
 
 def score_tiles(decode: bool, tiles: dict, interpret: bool) -> ScoreTiles:
     """The score tiles: the schedule's small tiles under the interpreter (tests cross tile and
-    span borders), else the H200's (prefill: heads packed on M, no register spills on sm_90)."""
+    span borders), else the H200's (W1 sweep: decode at main's speed with 2 tiles per
+    program; prefill: heads packed on M, no register spills on sm_90)."""
     if interpret:
-        return ScoreTiles(block_r=tiles["block_r"], block_g=tiles["block_g"], span=2 * tiles["block_g"], stages=1,
-                          num_warps=4, pack=not decode)
+        return ScoreTiles(block_r=1 if decode else tiles["block_r"], block_g=tiles["block_g"],
+                          span=2 * tiles["block_g"], stages=1, num_warps=4, pack=not decode)
     if decode:
-        return ScoreTiles(block_r=1, block_g=128, span=0, stages=3, num_warps=4)
+        return ScoreTiles(block_r=1, block_g=128, span=256, stages=3, num_warps=4)
     return ScoreTiles(block_r=64, block_g=64, span=0, stages=3, num_warps=8, pack=True)
 
 
@@ -244,7 +246,8 @@ class ScoreLaunch:
                  tiles: dict, interpret: bool, score: ScoreTiles | None = None) -> None:
         _, Hi, Di = q_idx.shape
         t = score or score_tiles(decode, tiles, interpret)
-        row_tiles = rows if decode else triton.cdiv(rows, t.block_r)
+        per_row = decode and t.block_r == 1  # the decode kernel: one row per program
+        row_tiles = triton.cdiv(rows, t.block_r)
         span = _span(t, row_tiles, num_cols)
         if span % t.block_g:
             raise ValueError(f"score span {span} must be a multiple of block_g {t.block_g}")
@@ -254,14 +257,14 @@ class ScoreLaunch:
         spans = triton.cdiv(num_cols, span)
         args = (
             q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
-            row0, *(() if decode else (rows,)), num_cols, span, math.sqrt(Di),
-            *(() if decode else (float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),)),
+            row0, *(() if per_row else (rows,)), num_cols, span, math.sqrt(Di),
+            *(() if per_row else (float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),)),
             *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0),
         )
-        if decode:
+        if per_row:
             self._launch = _decode.bind((rows, spans), *args, free=_FREE,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)
-        else:
+        else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=t.block_r,
                                          PACK=t.pack and Hi <= 4, HP=triton.next_power_of_2(Hi),
                                          FAST_DIV=t.fast_div and Di & (Di - 1) == 0, **common,

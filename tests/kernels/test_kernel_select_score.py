@@ -113,6 +113,19 @@ def test_decode_scores_bitwise(kind):
     assert_scores(kernel_scores(problem, rows, cols, 8, decode=True), reference_scores(problem, rows, cols, 8), True)
 
 
+# Decode rows sharing a program (rows x heads on the dot's M): MTP rows of a request, single
+# rows of other requests in the same row tile.
+ROWS4 = ss.ScoreTiles(block_r=4, block_g=16, span=32, stages=1, num_warps=4, pack=True)
+
+
+@pytest.mark.parametrize("kind", ["int", "fp8"])
+def test_decode_rows_of_a_request_share_a_program(kind):
+    problem = make_problem([200, 120, 37, 90, 150], [4, 1, 3, 2, 4], kind=kind, pad_rows=2, seed=7)
+    rows, cols = range(1, 16), 200 // 4
+    assert_scores(kernel_scores(problem, rows, cols, 8, decode=True, tiles=ROWS4),
+                  reference_scores(problem, rows, cols, 8), True)
+
+
 @pytest.mark.parametrize("kind", ["int", "fp8"])
 def test_prefill_scores_bitwise_requests_across_row_tiles(kind):
     problem = make_problem(**PREFILL, kind=kind, pad_rows=3, seed=2)
