@@ -52,21 +52,23 @@ DECODE = {
 }
 PREFILL = {
     "main": (None, None),
-    "new r64 g128 s3 w4": (ScoreTiles(64, 128, 0, 3, 4), None),
     "new r64 g128 s3 w8": (ScoreTiles(64, 128, 0, 3, 8), None),
-    "new r64 g64 s3 w4": (ScoreTiles(64, 64, 0, 3, 4), None),
-    "new r128 g64 s3 w8": (ScoreTiles(128, 64, 0, 3, 8), None),
     "pk r64 g64 s3 w8": (ScoreTiles(64, 64, 0, 3, 8, True), None),
     "pk r64 g64 s3 w8 fdiv": (ScoreTiles(64, 64, 0, 3, 8, True, True), None),
-    "pk r32 g64 s4 w4 fdiv": (ScoreTiles(32, 64, 0, 4, 4, True, True), None),
     "pk r64 g64 s3 w8 sp512": (ScoreTiles(64, 64, 512, 3, 8, True), None),
     "pk r64 g64 s3 w8 sp2K": (ScoreTiles(64, 64, 2048, 3, 8, True), None),
-    "pk r64 g64 s2 w8": (ScoreTiles(64, 64, 0, 2, 8, True), None),
     "pk r32 g64 s4 w4": (ScoreTiles(32, 64, 0, 4, 4, True), None),
-    "pk r32 g128 s3 w4": (ScoreTiles(32, 128, 0, 3, 4, True), None),
+    "pk r32 g64 s4 w4 fdiv": (ScoreTiles(32, 64, 0, 4, 4, True, True), None),
     "pk r64 g128 s2 w8": (ScoreTiles(64, 128, 0, 2, 8, True), None),
+    "km r32 g64 s3 w4": (ScoreTiles(32, 64, 0, 3, 4, True, False, True), None),
+    "km r32 g64 s3 w4 fdiv": (ScoreTiles(32, 64, 0, 3, 4, True, True, True), None),
+    "km r32 g64 s3 w4 sp2K": (ScoreTiles(32, 64, 2048, 3, 4, True, False, True), None),
+    "km r32 g128 s3 w8": (ScoreTiles(32, 128, 0, 3, 8, True, False, True), None),
+    "km r32 g128 s3 w8 fdiv": (ScoreTiles(32, 128, 0, 3, 8, True, True, True), None),
+    "km r32 g128 s3 w8 sp2K": (ScoreTiles(32, 128, 2048, 3, 8, True, False, True), None),
+    "km r32 g128 s3 w4 fdiv": (ScoreTiles(32, 128, 0, 3, 4, True, True, True), None),
     "main cap256M": (None, CAP),
-    "pk r64 g64 s3 w8 cap256M": (ScoreTiles(64, 64, 0, 3, 8, True), CAP),
+    "km r32 g128 s3 w8 cap256M": (ScoreTiles(32, 128, 0, 3, 8, True, False, True), CAP),
 }
 
 
@@ -218,7 +220,7 @@ def main() -> None:
         for k, d in sorted(jobs):
             by_compile = {}  # one name per compiled kernel (tiles without the span)
             for n, (t, _) in (DECODE if k == "decode" else PREFILL).items():
-                by_compile.setdefault(None if t is None else (t.block_r, t.block_g, t.stages, t.num_warps, t.pack, t.fast_div), n)
+                by_compile.setdefault(None if t is None else (t.block_r, t.block_g, t.stages, t.num_warps, t.pack, t.fast_div, t.keys_m), n)
             work += [(a.baseline, k, d, n) for n in by_compile.values()]
         with ProcessPoolExecutor(a.workers, mp_context=mp.get_context("spawn")) as pool:
             errors = [e for e in pool.map(_warm, work) if e]
@@ -255,17 +257,15 @@ def main() -> None:
         if a.out:
             Path(a.out).write_text(json.dumps(results, indent=1))
     print(f"total {time.time() - t0:.0f} s; mismatches: {failed or 'none'}")
-    print("best per case (us, vs main):")
+    print("best per case (us; x = speed-up over main; TF/s, GB/s of the best):")
     for cname in dict.fromkeys(r["case"] for r in results):
         rows = [r for r in results if r["case"] == cname]
         main_us = rows[0]["us"]
-        rows = [r for r in rows if r["variant"].startswith("new")]
-        if not rows:
-            continue
-        best = min(rows, key=lambda r: r["us"] if r["us"] == r["us"] else 1e30)
-        print(f"  {cname:24s} main {main_us:9.1f}  best {best['variant']:22s} {best['us']:9.1f} "
-              f"({main_us / best['us']:.2f}x; {best['tflops']:.0f} TF/s, {best['gbs']:.0f} GB/s)")
-
+        top = sorted((r for r in rows if r["variant"] != "main" and r["us"] == r["us"]), key=lambda r: r["us"])[:3]
+        if top:
+            print(f"  {cname:26s} main {main_us:8.1f} | " + " | ".join(
+                f"{r['variant']} {r['us']:.1f} ({main_us / r['us']:.2f}x)" for r in top)
+                + f" | {top[0]['tflops']:.0f} TF/s {top[0]['gbs']:.0f} GB/s")
 
 if __name__ == "__main__":
     main()

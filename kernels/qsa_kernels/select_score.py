@@ -118,9 +118,11 @@ def _scores_prefill_kernel(
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
+    KEYS_M: tl.constexpr,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
-    BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M; else rows are the dot's M,
+    BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M (KEYS_M: its N, the keys
+    its M); else rows are the dot's M,
     one dot per head, heads 0..3 keeping their q for the whole span (further heads reload theirs
     per tile). A row tile may span requests: each request in it streams its own keys."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -154,10 +156,16 @@ def _scores_prefill_kernel(
                     g = c + cols
                     keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
                                       stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
-                    acc = tl.sum(tl.reshape(_relu_dot(qa, keys), (HP, BLOCK_R, BLOCK_G)), 0)
-                    s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-                    tl.store(s_rows + g[None, :], s,
-                             mask=mine[:, None] & (g[None, :] < vis[:, None]))
+                    if KEYS_M:  # keys on M, rows x heads on N: s^T tile [BLOCK_G, BLOCK_R]
+                        dots = tl.dot(keys, tl.trans(qa), input_precision="ieee")
+                        acc = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (BLOCK_G, HP, BLOCK_R)), 1)
+                        s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
+                        tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s,
+                                 mask=mine[None, :] & (g[:, None] < vis[None, :]))
+                    else:
+                        acc = tl.sum(tl.reshape(_relu_dot(qa, keys), (HP, BLOCK_R, BLOCK_G)), 0)
+                        s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
+                        tl.store(s_rows + g[None, :], s, mask=mine[:, None] & (g[None, :] < vis[:, None]))
             else:
                 q_mask = mine[:, None] & (d < DI)[None, :]
                 q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
@@ -189,7 +197,8 @@ class ScoreTiles:
     prefill); block_g: columns per tile (N); span: columns per program (a multiple
     of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
     pack: prefill rows x heads on one dot's M (for at most 4 heads); fast_div: prefill's
-    division by sqrt(Di) as `_finish_fast` (Di a power of two)."""
+    division by sqrt(Di) as `_finish_fast` (Di a power of two); keys_m (with pack): the key
+    tile is the dot's M and rows x heads its N."""
 
     block_r: int
     block_g: int
@@ -198,6 +207,7 @@ class ScoreTiles:
     num_warps: int
     pack: bool = False
     fast_div: bool = False
+    keys_m: bool = False
 
 
 def score_tiles(decode: bool, tiles: dict, interpret: bool) -> ScoreTiles:
@@ -267,7 +277,7 @@ class ScoreLaunch:
         else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=t.block_r,
                                          PACK=t.pack and Hi <= 4, HP=triton.next_power_of_2(Hi),
-                                         FAST_DIV=t.fast_div and Di & (Di - 1) == 0, **common,
+                                         FAST_DIV=t.fast_div and Di & (Di - 1) == 0, KEYS_M=t.keys_m, **common,
                                          num_warps=t.num_warps)
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:

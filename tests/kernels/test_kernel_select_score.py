@@ -169,7 +169,10 @@ def test_tiles_do_not_change_a_score():
     base = kernel_scores(problem, rows, cols, 8, decode=False)
     for t in (ss.ScoreTiles(block_r=32, block_g=16, span=16, stages=1, num_warps=4, pack=True),
               ss.ScoreTiles(block_r=16, block_g=32, span=96, stages=1, num_warps=4, pack=False),
-              ss.ScoreTiles(block_r=16, block_g=16, span=32, stages=1, num_warps=4, pack=False)):
+              ss.ScoreTiles(block_r=16, block_g=16, span=32, stages=1, num_warps=4, pack=False),
+              ss.ScoreTiles(block_r=16, block_g=16, span=32, stages=1, num_warps=4, pack=True, keys_m=True),
+              ss.ScoreTiles(block_r=32, block_g=32, span=32, stages=1, num_warps=4, pack=True, fast_div=True,
+                            keys_m=True)):
         assert torch.equal(kernel_scores(problem, rows, cols, 8, decode=False, tiles=t).nan_to_num(99.0),
                            base.nan_to_num(99.0))
 
@@ -197,7 +200,7 @@ from qsa_kernels import select_score as ss
 for decode, kdt in ((True, "bf16"), (True, "fp8e4nv"), (False, "bf16")):
     t = ss.score_tiles(decode, {}, False)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
-                 DOT_DTYPE=tl.bfloat16, **(dict(HM=16) if decode else dict(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div)))
+                 DOT_DTYPE=tl.bfloat16, **(dict(HM=16) if decode else dict(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m)))
     fn = ss._scores_decode_kernel if decode else ss._scores_prefill_kernel
     types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, bt_ptr="*i32", req_ptr="*i32", vis_ptr="*i32", s_ptr="*fp32",
                  norm="fp32", rcp="fp32")
