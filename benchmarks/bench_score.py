@@ -44,6 +44,7 @@ DECODE = {
     "new g128 s3 sp256": (ScoreTiles(1, 128, 256, 3, 4), None),
     "new g128 s3 auto": (ScoreTiles(1, 128, 0, 3, 4), None),
     "new g64 s4 sp256": (ScoreTiles(1, 64, 256, 4, 4), None),
+    "new g256 s3 sp512 w8": (ScoreTiles(1, 256, 512, 3, 8), None),
     "rows4 g128 s3 auto": (ScoreTiles(4, 128, 0, 3, 4, True), None),
     "rows4 g128 s3 sp256": (ScoreTiles(4, 128, 256, 3, 4, True), None),
     "rows4 g128 s3 sp1K": (ScoreTiles(4, 128, 1024, 3, 4, True), None),
