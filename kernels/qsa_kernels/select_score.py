@@ -57,10 +57,10 @@ def _finish_fast(relu_sum, norm, rcp):
     or that of sqrt(2) (Di a power of two; every fp32 checked on the CPU); sums below 2^-100
     are scaled by 2^64 first (the remainder would underflow)."""
     tiny = relu_sum < 7.888609052210118e-31  # 2^-100
-    x = tl.where(tiny, relu_sum * 18446744073709551616.0, relu_sum)
+    x = relu_sum * tl.where(tiny, 18446744073709551616.0, 1.0)  # 2^64
     q0 = x * rcp
     q = tl.fma(tl.fma(-q0, norm, x), rcp, q0)
-    s = tl.where(tiny, q * 5.421010862427522e-20, q)  # 2^-64
+    s = q * tl.where(tiny, 5.421010862427522e-20, 1.0)  # 2^-64
     return tl.where(s == 0.0, 0.0, s)
 
 

@@ -14,8 +14,12 @@ import os
 import subprocess
 import sys
 
+import math
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 from paged import shuffled_block_table
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -190,6 +194,34 @@ def test_auto_span_keeps_programs_and_whole_tiles():
     assert ss._span(t, 4, 1 << 15) == 128  # few rows, short context: one tile per program
     assert ss._span(t, 64, 1 << 15) == 2048
     assert ss._span(t, 10**6, 1 << 20) == 32 * 128  # at most 32 tiles per program
+
+
+@triton.jit
+def _finish_kernel(x_ptr, out_ptr, norm, rcp, FAST: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(out_ptr + i, ss._finish_fast(x, norm, rcp) if FAST else ss._finish(x, norm))
+
+
+@pytest.mark.parametrize("Di", [32, 64, 128, 256])
+def test_fast_division_is_the_ieee_quotient(Di):
+    """`_finish_fast` (Markstein) equals fp32 division by sqrt(Di) bit for bit on random fp32
+    sums >= 0 of every exponent whose quotient is normal (and at the 2^-100 scaling border),
+    as `_finish` does; zeros stay +0.0."""
+    g = torch.Generator().manual_seed(Di)
+    n = 1 << 16
+    bits = torch.randint(0, 1 << 23, (n,), generator=g, dtype=torch.int32)
+    bits |= torch.randint(4, 255, (n,), generator=g, dtype=torch.int32) << 23  # exponent >= 2^-123
+    x = bits.view(torch.float32)
+    x[:6] = torch.tensor([0.0, -0.0, 2.0**-100, 2.0**-100 * (1 - 2**-24), 2.0**-122, 3.0e38])
+    norm = torch.tensor(math.sqrt(Di), dtype=torch.float32)
+    x = x[(x / norm >= 2.0**-126) | (x == 0)]
+    x = torch.cat([x, torch.zeros(n - x.numel())]).to(DEV)
+    expect = (x.cpu() / norm) + 0.0
+    for fast in (False, True):
+        out = torch.empty_like(x)
+        _finish_kernel[(1,)](x, out, float(norm), float(1 / norm), FAST=fast, N=n)
+        assert torch.equal(out.cpu().view(torch.int32), expect.view(torch.int32)), fast
 
 
 SM90_COMPILE = """
