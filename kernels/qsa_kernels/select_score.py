@@ -193,8 +193,8 @@ def _scores_prefill_kernel(
 @dataclass(frozen=True)
 class ScoreTiles:
     """Compile-time shape of a score launch. block_r: rows per program (decode: 1 = one row
-    per program, its heads padded to 16 on the dot's M; more = the row-tile kernel, as
-    prefill); block_g: columns per tile (N); span: columns per program (a multiple
+    per program, its heads padded to 16 on the dot's M; more = the row-tile kernel packed, as
+    prefill, for at most 4 heads); block_g: columns per tile (N); span: columns per program (a multiple
     of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
     pack: prefill rows x heads on one dot's M (for at most 4 heads); fast_div: prefill's
     division by sqrt(Di) as `_finish_fast` (Di a power of two); keys_m (with pack): the key
@@ -256,8 +256,10 @@ class ScoreLaunch:
                  tiles: dict, interpret: bool, score: ScoreTiles | None = None) -> None:
         _, Hi, Di = q_idx.shape
         t = score or score_tiles(decode, tiles, interpret)
-        per_row = decode and t.block_r == 1  # the decode kernel: one row per program
-        row_tiles = triton.cdiv(rows, t.block_r)
+        per_row = decode and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
+        HP = triton.next_power_of_2(Hi)
+        block_r = max(t.block_r, 16 // HP)  # rows x heads >= 16 on the dot's M
+        row_tiles = rows if per_row else triton.cdiv(rows, block_r)
         span = _span(t, row_tiles, num_cols)
         if span % t.block_g:
             raise ValueError(f"score span {span} must be a multiple of block_g {t.block_g}")
@@ -275,8 +277,8 @@ class ScoreLaunch:
             self._launch = _decode.bind((rows, spans), *args, free=_FREE,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)
         else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
-            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=t.block_r,
-                                         PACK=t.pack and Hi <= 4, HP=triton.next_power_of_2(Hi),
+            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
+                                         PACK=t.pack and Hi <= 4, HP=HP,
                                          FAST_DIV=t.fast_div and Di & (Di - 1) == 0, KEYS_M=t.keys_m, **common,
                                          num_warps=t.num_warps)
 

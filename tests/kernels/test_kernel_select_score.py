@@ -161,9 +161,9 @@ def test_heads_and_dims(Hi, Di):
     more than 4 heads (one dot per head; the heads past the 4 kept ones reload q per tile)."""
     problem = make_problem([120, 64], [17, 2], kind="int", Hi=Hi, Di=Di, seed=5)
     rows, cols = range(0, 19), 120 // 4
-    for decode in (True, False):
-        assert_scores(kernel_scores(problem, rows, cols, 8, decode=decode), reference_scores(problem, rows, cols, 8),
-                      True)
+    expect = reference_scores(problem, rows, cols, 8)
+    for decode, tiles in ((True, None), (True, ROWS4), (False, None)):
+        assert_scores(kernel_scores(problem, rows, cols, 8, decode=decode, tiles=tiles), expect, True)
 
 
 def test_tiles_do_not_change_a_score():
