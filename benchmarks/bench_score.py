@@ -66,6 +66,7 @@ PREFILL = {
     "km r32 g64 s3 w4 sp2K": (ScoreTiles(32, 64, 2048, 3, 4, True, False, True), None),
     "km r32 g128 s3 w8": (ScoreTiles(32, 128, 0, 3, 8, True, False, True), None),
     "km r32 g128 s3 w8 fdiv": (ScoreTiles(32, 128, 0, 3, 8, True, True, True), None),
+    "km r32 g128 s3 w8 sp512": (ScoreTiles(32, 128, 512, 3, 8, True, False, True), None),
     "km r32 g128 s3 w8 sp2K": (ScoreTiles(32, 128, 2048, 3, 8, True, False, True), None),
     "km r32 g128 s3 w4 fdiv": (ScoreTiles(32, 128, 0, 3, 4, True, True, True), None),
     "main cap256M": (None, CAP),
