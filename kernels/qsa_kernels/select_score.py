@@ -2,18 +2,24 @@
 
 Contract: `qsa_core.reference.select.group_scores`. Scores go to a chunk's scratch
 [chunk rows, num_cols], only for rows with visible > Kb and columns g < visible; nothing
-else of the scratch is written. Both kernels give a program a span of `span` columns that it
-streams in BLOCK_G tiles (a software-pipelined loop: the next tiles' keys load while this
-one's dots run). Decode (`_scores_decode_kernel`, grid: rows x spans): a row's heads
-(padded to HM >= 16) are the dot's M. Prefill (`_scores_prefill_kernel`, grid: row tiles x
-spans, row tiles fastest so that programs sharing a span's keys run together): BLOCK_R rows
-of one request are the dot's M, one dot per head, the 4 heads' q loaded once per program
-and request, each key tile loaded once for all heads. `ScoreLaunch` binds one chunk's
-launch (`launch.py`): per call only q_idx, the block table and the chunk's first row.
+else of the scratch is written. A program owns a span of `span` columns that it streams in
+BLOCK_G tiles (a software-pipelined loop: the next tiles' keys load while this one's dots
+run). Two kernels (`score_tiles` says which for which shape, with the H200 figures):
+- `_scores_decode_kernel` (grid: rows x spans): one row, its heads padded to HM >= 16 on the
+  dot's M.
+- `_scores_prefill_kernel` (grid: row tiles x spans, row tiles fastest so that programs
+  sharing a span's keys run together): BLOCK_R rows; a row tile may hold several requests,
+  each streams its own keys. PACK (<= 4 heads, padded to HP): rows x heads on one dot, the
+  heads outermost (m = h * BLOCK_R + r), so the head sum after a reshape stays in each
+  thread's registers: on M (decode rows of a request, mma) or, KEYS_M (prefill), on N with
+  the key tile on M (wgmma). Otherwise one dot per head (more than 4 heads).
+`ScoreLaunch` binds one chunk's launch (`launch.py`): per call only q_idx, the block table
+and the chunk's first row.
 
-Bits: each score is one fp32 dot per head over all of Di (the tile shape never splits Di),
-the heads' ReLUs summed in head order, then an IEEE division, so a score depends on its
-row's q and its key only, never on the tile or span (batch-invariant).
+Bits: each score is one fp32 dot per head over all of Di (no tile splits Di), the heads'
+ReLUs summed in head order, then the IEEE division by sqrt(Di) (`_finish`, or `_finish_fast`:
+the same quotient wherever it is normal), so a score depends on its row's q and its key
+only, never on the tile or span. W2 on the H200: every route's scores bit-equal to main's.
 """
 
 from __future__ import annotations
@@ -210,16 +216,27 @@ class ScoreTiles:
     keys_m: bool = False
 
 
-def score_tiles(decode: bool, tiles: dict, interpret: bool) -> ScoreTiles:
+def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2) -> ScoreTiles:
     """The score tiles: the schedule's small tiles under the interpreter (tests cross tile and
-    span borders), else the H200's (W1 sweep: decode at main's speed with 2 tiles per
-    program; prefill: heads packed on M, no register spills on sm_90)."""
+    span borders), else the H200's, measured (W2, L2 flushed; main = the one-tile-per-program
+    kernels before this sweep):
+    - decode, one row per request: one row per program, 128-column tiles; a span of one tile
+      for bf16 keys (main's 79 us at 1M B4, 145 us at 128K B64), two for fp8 (1M B4 73 -> 68 us,
+      128K B64 137 -> 124 us);
+    - decode with tiles["rows_per_request"] > 1 (MTP): 4 rows x 4 heads on the mma's M, so a
+      request's rows read each key once (1M B4 x 4 rows 224 -> 111 us);
+    - prefill: keys on the wgmma's M, 32 rows x 4 heads on its N, the Markstein division
+      (16K rows at 128K 7.5 -> 2.96 ms, at 1M 66.8 -> 25.3 ms, at 16K 512 -> 227 us)."""
+    rows_tiles = decode and tiles.get("rows_per_request", 1) > 1
     if interpret:
-        return ScoreTiles(block_r=1 if decode else tiles["block_r"], block_g=tiles["block_g"],
-                          span=2 * tiles["block_g"], stages=1, num_warps=4, pack=not decode)
+        return ScoreTiles(block_r=4 if rows_tiles else 1 if decode else tiles["block_r"], block_g=tiles["block_g"],
+                          span=2 * tiles["block_g"], stages=1, num_warps=4, pack=rows_tiles or not decode,
+                          fast_div=not decode, keys_m=not decode)
+    if rows_tiles:
+        return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True)
     if decode:
-        return ScoreTiles(block_r=1, block_g=128, span=256, stages=3, num_warps=4)
-    return ScoreTiles(block_r=64, block_g=64, span=0, stages=3, num_warps=8, pack=True)
+        return ScoreTiles(block_r=1, block_g=128, span=256 if key_bytes == 1 else 128, stages=3, num_warps=4)
+    return ScoreTiles(block_r=32, block_g=64, span=0, stages=3, num_warps=4, pack=True, fast_div=True, keys_m=True)
 
 
 def _span(t: ScoreTiles, row_tiles: int, num_cols: int, min_programs: int = 1024) -> int:
@@ -255,7 +272,7 @@ class ScoreLaunch:
                  rows: int, num_cols: int, page_size: int, compress_ratio: int, block_topk: int, decode: bool,
                  tiles: dict, interpret: bool, score: ScoreTiles | None = None) -> None:
         _, Hi, Di = q_idx.shape
-        t = score or score_tiles(decode, tiles, interpret)
+        t = score or score_tiles(decode, tiles, interpret, compressed.element_size())
         per_row = decode and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
         HP = triton.next_power_of_2(Hi)
         block_r = max(t.block_r, 16 // HP)  # rows x heads >= 16 on the dot's M

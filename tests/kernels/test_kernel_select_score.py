@@ -77,14 +77,17 @@ def reference_scores(problem, rows, num_cols, Kb, *, r=4, page=16):
     return out
 
 
-def kernel_scores(problem, rows, num_cols, Kb, *, decode, r=4, page=16, tiles=None):
+def kernel_scores(problem, rows, num_cols, Kb, *, decode, r=4, page=16, tiles=None, rows_per_request=1):
     """The score launch of the chunk `rows` (a range) into a NaN scratch 3 rows taller and 5
-    columns wider than the chunk; returns the whole scratch (fp32, CPU)."""
+    columns wider than the chunk; returns the whole scratch (fp32, CPU). tiles: override the
+    schedule's choice (`score_tiles` of the plan's tiles with rows_per_request)."""
     q, comp, table, to_req, vis = problem
     scratch = torch.full((len(rows) + 3, num_cols + 5), float("nan"), device=DEV)
+    plan_tiles = sel.plan_select(len(rows), num_cols, Kb, decode=decode, device=DEV,
+                                 rows_per_request=rows_per_request).tiles
     launch = ss.ScoreLaunch(q, comp, table, to_req, vis, scratch, row0=rows.start, rows=len(rows), num_cols=num_cols,
-                            page_size=page, compress_ratio=r, block_topk=Kb, decode=decode,
-                            tiles=sel._tiles(decode), interpret=DEV == "cpu", score=tiles)
+                            page_size=page, compress_ratio=r, block_topk=Kb, decode=decode, tiles=plan_tiles,
+                            interpret=DEV == "cpu", score=tiles)
     launch(q, table, rows.start)
     return scratch.cpu()
 
@@ -126,7 +129,9 @@ ROWS4 = ss.ScoreTiles(block_r=4, block_g=16, span=32, stages=1, num_warps=4, pac
 def test_decode_rows_of_a_request_share_a_program(kind):
     problem = make_problem([200, 120, 37, 90, 150], [4, 1, 3, 2, 4], kind=kind, pad_rows=2, seed=7)
     rows, cols = range(1, 16), 200 // 4
-    assert_scores(kernel_scores(problem, rows, cols, 8, decode=True, tiles=ROWS4),
+    assert ss.score_tiles(True, sel.plan_select(15, cols, 8, decode=True, device=DEV, rows_per_request=4).tiles,
+                          DEV == "cpu").block_r == 4  # the plan's MTP route
+    assert_scores(kernel_scores(problem, rows, cols, 8, decode=True, rows_per_request=4),
                   reference_scores(problem, rows, cols, 8), True)
 
 
@@ -229,31 +234,42 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qsa_kernels import select_score as ss
-for decode, kdt in ((True, "bf16"), (True, "fp8e4nv"), (False, "bf16")):
-    t = ss.score_tiles(decode, {}, False)
+# Runtime ints as Triton's launcher specializes them: == 1 -> constant, % 16 == 0 -> divisibility.
+VALUES = dict(stride_qt=512, stride_qh=128, stride_qd=1, stride_kp=4096, stride_kr=128, stride_kd=1,
+              stride_btr=2048, stride_btp=1, span=256)
+for decode, kdt, rows_per_request in ((True, "bf16", 1), (True, "fp8e4nv", 1), (True, "bf16", 4),
+                                      (False, "bf16", 1)):
+    t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request), False, 1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
-                 DOT_DTYPE=tl.bfloat16, **(dict(HM=16) if decode else dict(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m)))
-    fn = ss._scores_decode_kernel if decode else ss._scores_prefill_kernel
+                 DOT_DTYPE=tl.bfloat16, **{n: 1 for n, v in VALUES.items() if v == 1})
+    if t.block_r == 1:
+        fn, const["HM"] = ss._scores_decode_kernel, 16
+    else:
+        fn = ss._scores_prefill_kernel
+        const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m)
     types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, bt_ptr="*i32", req_ptr="*i32", vis_ptr="*i32", s_ptr="*fp32",
                  norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=t.num_warps, num_stages=t.stages))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in const and (types.get(n, "").startswith("*") or VALUES.get(n, 1) % 16 == 0)}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps, num_stages=t.stages))
     ptx = k.asm["ptx"]
-    print(decode, kdt, ptx.count("wgmma.mma_async"), ptx.count("mma.sync.aligned"), ptx.count("cp.async"),
-          k.metadata.shared)
+    print(decode and t.block_r == 1 or t.block_r * 4 < 64, ptx.count("wgmma.mma_async"),
+          ptx.count("mma.sync.aligned"), ptx.count("cp.async"), k.metadata.shared)
 """
 
 
 def test_production_tiles_compile_for_sm90_on_tensor_cores():
     """The H200 tiles compile here without a GPU (what the interpreter accepts and the compiler
-    rejects shows in CI); prefill dots are wgmma, decode dots mma, key loads asynchronous
-    (the pipelined tile loop), shared memory within the H200's 227 KiB per program."""
+    rejects shows in CI), with the launcher's specialization; dots of 64+ rows x heads are
+    wgmma, smaller ones mma, key loads asynchronous (the pipelined tile loop), shared memory
+    within the H200's 227 KiB per program."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 3, run.stdout
-    for decode, _, wgmma, mma, cp_async, shared in lines:
-        assert int(wgmma if decode == "False" else mma) > 0 and int(cp_async) > 0, lines
+    assert len(lines) == 4, run.stdout
+    for small_m, wgmma, mma, cp_async, shared in lines:
+        assert int(mma if small_m == "True" else wgmma) > 0 and int(cp_async) > 0, lines
         assert int(shared) <= 227 * 1024, lines
