@@ -135,6 +135,20 @@ def test_decode_rows_of_a_request_share_a_program(kind):
                   reference_scores(problem, rows, cols, 8), True)
 
 
+def test_mtp_decode_select_through_the_plan():
+    """A decode select planned with rows_per_request = 4 (the MTP route) chooses what the
+    reference chooses (integer data: exact scores, ties by the total order)."""
+    problem = make_problem([200, 120, 160], [4, 4, 4], kind="int", pad_rows=4, seed=8)
+    q, comp, table, to_req, vis = problem
+    kw = dict(page_size=16, compress_ratio=4, block_topk=8)
+    sched = sel.plan_select(q.shape[0], 200 // 4, 8, decode=True, device=DEV, rows_per_request=4)
+    out = sel.qsa_select_decode(q, comp, table, to_req, vis, out=torch.full((q.shape[0], 8), 7, dtype=torch.int32,
+                                device=DEV), schedule=sched, **kw)
+    args = [t.cpu() for t in problem]
+    expect = ref.qsa_select_prefill(*args, out=torch.empty(q.shape[0], 8, dtype=torch.int32), **kw)
+    assert torch.equal(out.cpu(), expect)
+
+
 @pytest.mark.parametrize("kind", ["int", "fp8"])
 def test_prefill_scores_bitwise_requests_across_row_tiles(kind):
     problem = make_problem(**PREFILL, kind=kind, pad_rows=3, seed=2)
