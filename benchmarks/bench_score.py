@@ -15,6 +15,7 @@ scratch cap), without the top-k. Kernels are compiled first, in parallel process
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import multiprocessing as mp
@@ -222,7 +223,7 @@ def main() -> None:
         for k, d in sorted(jobs):
             by_compile = {}  # one name per compiled kernel (tiles without the span)
             for n, (t, _) in (DECODE if k == "decode" else PREFILL).items():
-                by_compile.setdefault(None if t is None else (t.block_r, t.block_g, t.stages, t.num_warps, t.pack, t.fast_div, t.keys_m), n)
+                by_compile.setdefault(None if t is None else dataclasses.replace(t, span=0), n)
             work += [(a.baseline, k, d, n) for n in by_compile.values()]
         with ProcessPoolExecutor(a.workers, mp_context=mp.get_context("spawn")) as pool:
             errors = [e for e in pool.map(_warm, work) if e]
