@@ -57,26 +57,37 @@ def _dot_dtype(q: torch.Tensor, kv: torch.Tensor, interpret: bool) -> tl.dtype:
 
 
 @triton.jit
-def _attend_block(
-    q, m, l, acc, c0, hi, count, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
-    D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-):
-    """Online-softmax update with selection columns [c0, min(c0 + BLOCK_N, hi)) below count.
-    K and V are both requested before the first dot (one memory round trip per block)."""
-    d = tl.arange(0, DP)
-    d_mask = d < D
+def _block_tokens(c0, hi, count, sel_row, seq_len, stride_sc, BLOCK_N: tl.constexpr):
+    """Tokens of selection columns [c0, c0 + BLOCK_N): -1 at columns >= hi or >= count and at
+    entries < 0 or >= seq_len."""
     cols = c0 + tl.arange(0, BLOCK_N)
     idx = tl.load(sel_row + cols * stride_sc, mask=cols < hi, other=-1)
-    valid = (idx >= 0) & (idx < seq_len) & (cols < count)
-    safe = tl.where(valid, idx, 0)
+    return tl.where((idx >= 0) & (idx < seq_len) & (cols < count), idx, -1)
+
+
+@triton.jit
+def _block_rows(tok, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE: tl.constexpr):
+    """K and V row offsets (int64) of tokens through the block table (0 where tok is -1)."""
+    valid = tok >= 0
+    safe = tl.where(valid, tok, 0)
     page = tl.maximum(tl.load(bt_row + (safe // PAGE) * stride_btp, mask=valid, other=0), 0).to(tl.int64)
     off = (safe % PAGE).to(tl.int64)
-    kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0)
+    return page * stride_kp + off * stride_ks, page * stride_vp + off * stride_vs
+
+
+@triton.jit
+def _attend_rows(
+    q, m, l, acc, tok, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale, stride_kh, stride_vh,
+    D: tl.constexpr, DP: tl.constexpr, DOT_DTYPE: tl.constexpr, EARLY_V: tl.constexpr,
+):
+    """Online-softmax update with one block's tokens (-1: none). EARLY_V: V is requested with
+    K, before the first dot (one memory round trip per block, more registers); else after it."""
+    d = tl.arange(0, DP)
+    valid = tok >= 0
+    kv_mask = valid[:, None] & (d < D)[None, :]
+    k = tl.load(k_ptr + (k_row + kvh * stride_kh)[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if EARLY_V:
+        v = tl.load(v_ptr + (v_row + kvh * stride_vh)[:, None] + d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * qk_scale  # [GP, BLOCK_N], log2 units
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -85,6 +96,8 @@ def _attend_block(
     alpha = tl.math.exp2(m - m_shift)
     p = tl.math.exp2(s - m_shift[:, None])
     l = l * alpha + tl.sum(p, 1)
+    if not EARLY_V:
+        v = tl.load(v_ptr + (v_row + kvh * stride_vh)[:, None] + d[None, :], mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision="ieee")
     return m_new, l, acc
 
@@ -100,20 +113,15 @@ def _attend(
 ):
     """Online softmax of one row and KV head over the split's share of the selection.
 
+    SPLIT (decode): the share is of W, not of the count, so the first selection load need
+    not wait for the count; the loop is software-pipelined: while a block's K/V are read, the
+    next block's page lookups and the one after's selection columns are in flight.
     Returns m [GP] (running max, log2 units), l [GP] (sum of exp2), acc [GP, DP] fp32
     (unnormalised P @ V, before v_scale)."""
     req = tl.load(req_ptr + row)
     seq_len = tl.load(seq_ptr + req)
     sel_row = sel_ptr + row.to(tl.int64) * stride_st
     count = tl.minimum(tl.maximum(tl.load(sel_row + W * stride_sc), 0), W)
-    if SPLIT:  # shares of W, not of count: the first selection load need not wait for the count
-        per_split = tl.cdiv(tl.cdiv(W, BLOCK_N), n_splits) * BLOCK_N
-        lo = split * per_split
-        hi = tl.minimum(W, lo + per_split)
-    else:
-        lo = 0
-        hi = count
-
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
     q_off = row.to(tl.int64) * stride_qt + (kvh * G + g)[:, None] * stride_qh + d[None, :]
@@ -122,32 +130,44 @@ def _attend(
     l = tl.zeros((GP,), tl.float32)
     acc = tl.zeros((GP, DP), tl.float32)
     bt_row = bt_ptr + req.to(tl.int64) * stride_btr
-    if INTERPRET:  # the interpreter cannot range over tensor bounds
-        c0 = lo
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(W, BLOCK_N), n_splits) * BLOCK_N
+        c0 = split * per_split
+        hi = tl.minimum(W, c0 + per_split)
+        tok = _block_tokens(c0, hi, count, sel_row, seq_len, stride_sc, BLOCK_N)
+        k_row, v_row = _block_rows(tok, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
+        tok_next = _block_tokens(c0 + BLOCK_N, hi, count, sel_row, seq_len, stride_sc, BLOCK_N)
         while c0 < hi:
-            m, l, acc = _attend_block(
-                q, m, l, acc, c0, hi, count, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
-                D, DP, PAGE, BLOCK_N, DOT_DTYPE,
-            )
+            k_next, v_next = _block_rows(tok_next, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs,
+                                         PAGE)
+            tok_after = _block_tokens(c0 + 2 * BLOCK_N, hi, count, sel_row, seq_len, stride_sc, BLOCK_N)
+            m, l, acc = _attend_rows(q, m, l, acc, tok, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
+                                     stride_kh, stride_vh, D, DP, DOT_DTYPE, True)
+            tok, k_row, v_row, tok_next = tok_next, k_next, v_next, tok_after
+            c0 += BLOCK_N
+    elif INTERPRET:  # the interpreter cannot range over tensor bounds
+        c0 = 0
+        while c0 < count:
+            tok = _block_tokens(c0, count, count, sel_row, seq_len, stride_sc, BLOCK_N)
+            k_row, v_row = _block_rows(tok, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
+            m, l, acc = _attend_rows(q, m, l, acc, tok, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
+                                     stride_kh, stride_vh, D, DP, DOT_DTYPE, False)
             c0 += BLOCK_N
     else:
-        for c0 in range(lo, hi, BLOCK_N):
-            m, l, acc = _attend_block(
-                q, m, l, acc, c0, hi, count, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
-                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
-                D, DP, PAGE, BLOCK_N, DOT_DTYPE,
-            )
+        for c0 in range(0, count, BLOCK_N):
+            tok = _block_tokens(c0, count, count, sel_row, seq_len, stride_sc, BLOCK_N)
+            k_row, v_row = _block_rows(tok, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
+            m, l, acc = _attend_rows(q, m, l, acc, tok, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
+                                     stride_kh, stride_vh, D, DP, DOT_DTYPE, False)
     return m, l, acc
 
 
 @triton.jit
-def _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask):
+def _gated_store(o, has_any, gate, out_ptr, o_off, mask):
     """out = dtype(o) * sigmoid(gate) multiplied in fp32; exact 0 where has_any is false
     (whatever the gate holds, NaN included)."""
     out_dtype = out_ptr.dtype.element_ty
-    gate = tl.load(gate_ptr + g_off, mask=mask, other=0.0).to(tl.float32)
-    gated = o.to(out_dtype).to(tl.float32) * tl.sigmoid(gate)
+    gated = o.to(out_dtype).to(tl.float32) * tl.sigmoid(gate.to(tl.float32))
     tl.store(out_ptr + o_off, tl.where(has_any, gated, 0.0).to(out_dtype), mask=mask)
 
 
@@ -212,6 +232,9 @@ def _attn_kernel(
         tl.store(part_ml_ptr + slot * 2, m, mask=g < G)
         tl.store(part_ml_ptr + slot * 2 + 1, l, mask=g < G)
         tl.store(part_acc_ptr + slot[:, None] * D + d[None, :], acc, mask=mask)
+        # Every program requests its heads' gate (one DRAM read per pair, L2 hits after): the
+        # merger then does not wait for it after the arrival count.
+        gate = tl.load(gate_ptr + g_off, mask=mask, other=0.0)
         tl.debug_barrier()  # every thread's partial stores precede the release below
         ticket = tl.atomic_add(cnt_ptr + pair, 1, sem="acq_rel", scope="gpu")
         if ticket == n_splits - 1:
@@ -231,7 +254,7 @@ def _attn_kernel(
                 s0 += 4
             has_any = (lu > 0.0)[:, None]
             o = au / tl.where(has_any, lu[:, None], 1.0) * v_scale
-            _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+            _gated_store(o, has_any, gate, out_ptr, o_off, mask)
             tl.atomic_xchg(cnt_ptr + pair, 0, sem="relaxed", scope="gpu")  # ready for the next launch
     elif SPLIT:
         slot = (row.to(tl.int64) * HQ + heads) * n_splits + split
@@ -241,7 +264,8 @@ def _attn_kernel(
     else:
         has_any = (l > 0.0)[:, None]
         o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
-        _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+        gate = tl.load(gate_ptr + g_off, mask=mask, other=0.0)
+        _gated_store(o, has_any, gate, out_ptr, o_off, mask)
 
 
 @triton.jit(do_not_specialize=["n_splits"])
@@ -267,7 +291,8 @@ def _combine_kernel(
     mask = d < D
     g_off = row.to(tl.int64) * stride_gt + head * stride_gh + d
     o_off = row.to(tl.int64) * stride_ot + head * D + d
-    _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+    gate = tl.load(gate_ptr + g_off, mask=mask, other=0.0)
+    _gated_store(o, has_any, gate, out_ptr, o_off, mask)
 
 
 def _num_splits(rows: int, kv_heads: int, width: int, block_n: int, device: torch.device,
