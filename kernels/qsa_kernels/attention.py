@@ -57,33 +57,35 @@ def _dot_dtype(q: torch.Tensor, kv: torch.Tensor, interpret: bool) -> tl.dtype:
 
 
 @triton.jit
-def _block_tokens(c0, hi, count, sel_row, seq_len, stride_sc, BLOCK_N: tl.constexpr):
-    """Tokens of selection columns [c0, c0 + BLOCK_N): -1 at columns >= hi or >= count and at
-    entries < 0 or >= seq_len."""
+def _block_tokens(c0, hi, count, sel_row, stride_sc, BLOCK_N: tl.constexpr):
+    """Entries of selection columns [c0, c0 + BLOCK_N): -1 at columns >= hi or >= count and
+    at entries < 0 (entries >= seq_len are dropped later: the page lookup need not wait for
+    seq_len)."""
     cols = c0 + tl.arange(0, BLOCK_N)
     idx = tl.load(sel_row + cols * stride_sc, mask=cols < hi, other=-1)
-    return tl.where((idx >= 0) & (idx < seq_len) & (cols < count), idx, -1)
+    return tl.where((idx >= 0) & (cols < count), idx, -1)
 
 
 @triton.jit
-def _block_rows(tok, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE: tl.constexpr):
-    """K and V row offsets (int64) of tokens through the block table (0 where tok is -1)."""
-    valid = tok >= 0
-    safe = tl.where(valid, tok, 0)
-    page = tl.maximum(tl.load(bt_row + (safe // PAGE) * stride_btp, mask=valid, other=0), 0).to(tl.int64)
-    off = (safe % PAGE).to(tl.int64)
+def _block_rows(tok, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE: tl.constexpr):
+    """K and V row offsets (int64) of entries through the block table (0 where tok is -1 or
+    past the table's bt_cols columns)."""
+    blk = tok // PAGE
+    live = (tok >= 0) & (blk < bt_cols)
+    page = tl.maximum(tl.load(bt_row + tl.where(live, blk, 0) * stride_btp, mask=live, other=0), 0).to(tl.int64)
+    off = (tl.maximum(tok, 0) % PAGE).to(tl.int64)
     return page * stride_kp + off * stride_ks, page * stride_vp + off * stride_vs
 
 
 @triton.jit
 def _attend_rows(
-    q, m, l, acc, tok, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale, stride_kh, stride_vh,
+    q, m, l, acc, tok, seq_len, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale, stride_kh, stride_vh,
     D: tl.constexpr, DP: tl.constexpr, DOT_DTYPE: tl.constexpr, EARLY_V: tl.constexpr,
 ):
-    """Online-softmax update with one block's tokens (-1: none). EARLY_V: V is requested with
+    """Online-softmax update with one block's entries (valid: 0 <= tok < seq_len). EARLY_V: V is requested with
     K, before the first dot (one memory round trip per block, more registers); else after it."""
     d = tl.arange(0, DP)
-    valid = tok >= 0
+    valid = (tok >= 0) & (tok < seq_len)
     kv_mask = valid[:, None] & (d < D)[None, :]
     k = tl.load(k_ptr + (k_row + kvh * stride_kh)[:, None] + d[None, :], mask=kv_mask, other=0.0)
     if EARLY_V:
@@ -105,7 +107,7 @@ def _attend_rows(
 @triton.jit
 def _attend(
     q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr,
-    row, kvh, split, n_splits, W, qk_scale,
+    row, kvh, split, n_splits, W, bt_cols, qk_scale,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btr, stride_btp, stride_st, stride_sc,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
@@ -134,30 +136,30 @@ def _attend(
         per_split = tl.cdiv(tl.cdiv(W, BLOCK_N), n_splits) * BLOCK_N
         c0 = split * per_split
         hi = tl.minimum(W, c0 + per_split)
-        tok = _block_tokens(c0, hi, count, sel_row, seq_len, stride_sc, BLOCK_N)
-        k_row, v_row = _block_rows(tok, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
-        tok_next = _block_tokens(c0 + BLOCK_N, hi, count, sel_row, seq_len, stride_sc, BLOCK_N)
+        tok = _block_tokens(c0, hi, count, sel_row, stride_sc, BLOCK_N)
+        k_row, v_row = _block_rows(tok, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
+        tok_next = _block_tokens(c0 + BLOCK_N, hi, count, sel_row, stride_sc, BLOCK_N)
         while c0 < hi:
-            k_next, v_next = _block_rows(tok_next, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs,
+            k_next, v_next = _block_rows(tok_next, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs,
                                          PAGE)
-            tok_after = _block_tokens(c0 + 2 * BLOCK_N, hi, count, sel_row, seq_len, stride_sc, BLOCK_N)
-            m, l, acc = _attend_rows(q, m, l, acc, tok, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
+            tok_after = _block_tokens(c0 + 2 * BLOCK_N, hi, count, sel_row, stride_sc, BLOCK_N)
+            m, l, acc = _attend_rows(q, m, l, acc, tok, seq_len, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
                                      stride_kh, stride_vh, D, DP, DOT_DTYPE, True)
             tok, k_row, v_row, tok_next = tok_next, k_next, v_next, tok_after
             c0 += BLOCK_N
     elif INTERPRET:  # the interpreter cannot range over tensor bounds
         c0 = 0
         while c0 < count:
-            tok = _block_tokens(c0, count, count, sel_row, seq_len, stride_sc, BLOCK_N)
-            k_row, v_row = _block_rows(tok, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
-            m, l, acc = _attend_rows(q, m, l, acc, tok, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
+            tok = _block_tokens(c0, count, count, sel_row, stride_sc, BLOCK_N)
+            k_row, v_row = _block_rows(tok, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
+            m, l, acc = _attend_rows(q, m, l, acc, tok, seq_len, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
                                      stride_kh, stride_vh, D, DP, DOT_DTYPE, False)
             c0 += BLOCK_N
     else:
         for c0 in range(0, count, BLOCK_N):
-            tok = _block_tokens(c0, count, count, sel_row, seq_len, stride_sc, BLOCK_N)
-            k_row, v_row = _block_rows(tok, bt_row, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
-            m, l, acc = _attend_rows(q, m, l, acc, tok, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
+            tok = _block_tokens(c0, count, count, sel_row, stride_sc, BLOCK_N)
+            k_row, v_row = _block_rows(tok, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
+            m, l, acc = _attend_rows(q, m, l, acc, tok, seq_len, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
                                      stride_kh, stride_vh, D, DP, DOT_DTYPE, False)
     return m, l, acc
 
@@ -194,10 +196,10 @@ def _merge(m, l, acc, m_s, l_s, x_s):
     return m_new, l * a + l_s * b, acc * a[:, None] + x_s * b[:, None]
 
 
-@triton.jit(do_not_specialize=["n_splits", "W"])
+@triton.jit(do_not_specialize=["n_splits", "W", "bt_cols"])
 def _attn_kernel(
     q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, out_ptr, part_ml_ptr, part_acc_ptr, cnt_ptr,
-    n_splits, W, qk_scale, v_scale,
+    n_splits, W, bt_cols, qk_scale, v_scale,
     stride_qt, stride_qh, stride_gt, stride_gh, stride_ot,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btr, stride_btp, stride_st, stride_sc,
@@ -221,7 +223,7 @@ def _attn_kernel(
     g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
     o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
     m, l, acc = _attend(
-        q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, row, kvh, split, n_splits, W, qk_scale,
+        q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, row, kvh, split, n_splits, W, bt_cols, qk_scale,
         stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_btr, stride_btp, stride_st, stride_sc,
         G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, SPLIT, INTERPRET,
@@ -413,7 +415,7 @@ def plan_attention(
                              part_ml, part_acc, counters)
 
 
-_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "stride_qt", "stride_qh",
+_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "bt_cols", "stride_qt", "stride_qh",
          "stride_gt", "stride_gh", "stride_ot", "stride_btr", "stride_btp", "stride_st", "stride_sc")
 _COMBINE_FREE = ("gate_ptr", "out_ptr", "stride_gt", "stride_gh", "stride_ot")
 
@@ -453,7 +455,7 @@ class AttentionLaunch:
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                    block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1))
         self._launches.append((_per_row.bind(
-            (T, Hkv, n_splits), *tensors, part_ml, part_acc, counters, n_splits, W, qk_scale, v_scale, *strides,
+            (T, Hkv, n_splits), *tensors, part_ml, part_acc, counters, n_splits, W, block_table.shape[1], qk_scale, v_scale, *strides,
             free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split, FUSED=schedule.fused,
             num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
         ), False))
@@ -471,7 +473,8 @@ class AttentionLaunch:
             if combine:
                 launch(gate, out, gate.stride(0), gate.stride(1), out.stride(0))
             else:
-                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, q.stride(0), q.stride(1),
+                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, block_table.shape[1],
+                       q.stride(0), q.stride(1),
                        gate.stride(0), gate.stride(1), out.stride(0), block_table.stride(0), block_table.stride(1),
                        selection.stride(0), selection.stride(1))
         return out

@@ -17,12 +17,14 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _signature(kv: str) -> dict[str, str]:
-    sig = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr=kv, v_ptr=kv, bt_ptr="*i32", req_ptr="*i32", seq_ptr="*i32",
-               sel_ptr="*i32", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32", cnt_ptr="*i32",
-               n_splits="i32", W="i32", qk_scale="fp32", v_scale="fp32")
-    for n in ("qt", "qh", "gt", "gh", "ot", "kp", "ks", "kh", "vp", "vs", "vh", "btr", "btp", "st", "sc"):
-        sig[f"stride_{n}"] = "i32"
+def _signature(fn, pointers: dict[str, str]) -> dict[str, str]:
+    """Triton signature of a kernel: the named pointer types, fp32 scales, i32 for the other
+    runtime parameters, constexpr for the constexprs."""
+    sig = {}
+    for p in fn.params:
+        name = p.name
+        sig[name] = ("constexpr" if p.is_constexpr else pointers[name] if name.endswith("_ptr")
+                     else "fp32" if name.endswith("_scale") else "i32")
     return sig
 
 
@@ -49,11 +51,14 @@ def compile_all() -> list[str]:
         bn, warps, stages = ker._decode_config(dp) if split else ker._launch_config(dp)
         consts = dict(HQ=24, G=12, GP=16, D=dp, DP=dp, PAGE=64, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, SPLIT=split,
                       FUSED=fused, INTERPRET=False)
-        variants.append((name, ker._attn_kernel, {**_signature(kv), **dict.fromkeys(consts, "constexpr")}, consts,
+        ptrs = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr=kv, v_ptr=kv, bt_ptr="*i32", req_ptr="*i32",
+                    seq_ptr="*i32", sel_ptr="*i32", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32",
+                    cnt_ptr="*i32")
+        variants.append((name, ker._attn_kernel, _signature(ker._attn_kernel, ptrs), consts,
                          dict(num_warps=warps, num_stages=stages)))
     consts = dict(HQ=24, D=256, DP=256, SP=64)
-    sig = dict(gate_ptr="*bf16", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32", n_splits="i32",
-               v_scale="fp32", stride_gt="i32", stride_gh="i32", stride_ot="i32", **dict.fromkeys(consts, "constexpr"))
+    sig = _signature(ker._combine_kernel, dict(gate_ptr="*bf16", out_ptr="*bf16", part_ml_ptr="*fp32",
+                                                   part_acc_ptr="*fp32"))
     variants.append(("combine", ker._combine_kernel, sig, consts, {}))
     lines = []
     for name, fn, sig, consts, options in variants:

@@ -33,6 +33,7 @@ def test_uneven_splits_match_reference(monkeypatch, path, splits):
     problem = make_problem([300, 40, 9], [1, 2, 1], Hq=24, Hkv=2, W=131, pad_rows=2, seed=splits)
     sel = problem[-1]
     sel[1, :-1] = -1  # a real row whose selection holds nothing valid (count stays)
+    sel[0, 5] = 2**31 - 1  # far past seq_len and past the block table's pages
     sched = schedule(problem)
     assert sched.n_splits == splits and sched.fused == (path == "fused")
     out = compare(problem)
