@@ -28,6 +28,8 @@ _MAX_SPLITS = 64
 _FUSED = True
 _FUSED_MAX_SPLITS = 16
 _SPLIT_WAVES = 2
+# Split loop software-pipelined (K and V requested together, the next blocks' lookups in flight).
+_PIPELINE = True
 # Rows above which the one-pass kernel already fills the GPU.
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
@@ -111,7 +113,8 @@ def _attend(
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btr, stride_btp, stride_st, stride_sc,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, PIPELINE: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Online softmax of one row and KV head over the split's share of the selection.
 
@@ -134,30 +137,35 @@ def _attend(
     bt_row = bt_ptr + req.to(tl.int64) * stride_btr
     if SPLIT:
         per_split = tl.cdiv(tl.cdiv(W, BLOCK_N), n_splits) * BLOCK_N
-        c0 = split * per_split
-        hi = tl.minimum(W, c0 + per_split)
+        lo = split * per_split
+        hi = tl.minimum(W, lo + per_split)
+    else:
+        lo = 0
+        hi = count
+    if SPLIT and PIPELINE:
+        c0 = lo
         tok = _block_tokens(c0, hi, count, sel_row, stride_sc, BLOCK_N)
         k_row, v_row = _block_rows(tok, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
         tok_next = _block_tokens(c0 + BLOCK_N, hi, count, sel_row, stride_sc, BLOCK_N)
         while c0 < hi:
-            k_next, v_next = _block_rows(tok_next, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs,
-                                         PAGE)
+            k_next, v_next = _block_rows(tok_next, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp,
+                                         stride_vs, PAGE)
             tok_after = _block_tokens(c0 + 2 * BLOCK_N, hi, count, sel_row, stride_sc, BLOCK_N)
             m, l, acc = _attend_rows(q, m, l, acc, tok, seq_len, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
                                      stride_kh, stride_vh, D, DP, DOT_DTYPE, True)
             tok, k_row, v_row, tok_next = tok_next, k_next, v_next, tok_after
             c0 += BLOCK_N
     elif INTERPRET:  # the interpreter cannot range over tensor bounds
-        c0 = 0
-        while c0 < count:
-            tok = _block_tokens(c0, count, count, sel_row, stride_sc, BLOCK_N)
+        c0 = lo
+        while c0 < hi:
+            tok = _block_tokens(c0, hi, count, sel_row, stride_sc, BLOCK_N)
             k_row, v_row = _block_rows(tok, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
             m, l, acc = _attend_rows(q, m, l, acc, tok, seq_len, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
                                      stride_kh, stride_vh, D, DP, DOT_DTYPE, False)
             c0 += BLOCK_N
     else:
-        for c0 in range(0, count, BLOCK_N):
-            tok = _block_tokens(c0, count, count, sel_row, stride_sc, BLOCK_N)
+        for c0 in range(lo, hi, BLOCK_N):
+            tok = _block_tokens(c0, hi, count, sel_row, stride_sc, BLOCK_N)
             k_row, v_row = _block_rows(tok, bt_row, bt_cols, stride_btp, stride_kp, stride_ks, stride_vp, stride_vs, PAGE)
             m, l, acc = _attend_rows(q, m, l, acc, tok, seq_len, k_row, v_row, kvh, k_ptr, v_ptr, qk_scale,
                                      stride_kh, stride_vh, D, DP, DOT_DTYPE, False)
@@ -205,7 +213,7 @@ def _attn_kernel(
     stride_btr, stride_btp, stride_st, stride_sc,
     HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
-    FUSED: tl.constexpr, INTERPRET: tl.constexpr,
+    FUSED: tl.constexpr, PIPELINE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Grid (rows, KV heads, splits). SPLIT off: out [T, HQ*D] directly. SPLIT on: partials
     ml fp32 (m, l) and acc fp32 (D); FUSED off: [T, HQ, n_splits, 2 | D], merged by
@@ -226,7 +234,7 @@ def _attn_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, row, kvh, split, n_splits, W, bt_cols, qk_scale,
         stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_btr, stride_btp, stride_st, stride_sc,
-        G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, SPLIT, INTERPRET,
+        G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, SPLIT, PIPELINE, INTERPRET,
     )
     if FUSED:
         pair = row * tl.num_programs(1) + kvh
@@ -357,6 +365,7 @@ class AttentionSchedule:
     block_n: int
     num_warps: int
     num_stages: int
+    pipeline: bool
     interpret: bool
     part_ml: torch.Tensor | None
     part_acc: torch.Tensor | None
@@ -411,7 +420,8 @@ def plan_attention(
                              f"or counters {cnt.numel()} < {num_rows * num_kv_heads}")
         part_ml, part_acc = ml[: n * 2], acc[: n * head_dim]
         counters = cnt[: num_rows * num_kv_heads] if fused else None
-    return AttentionSchedule(num_rows, n_splits, fused, block_n, num_warps, num_stages, _interpreting(),
+    return AttentionSchedule(num_rows, n_splits, fused, block_n, num_warps, num_stages, _PIPELINE and n_splits > 1,
+                             _interpreting(),
                              part_ml, part_acc, counters)
 
 
@@ -457,6 +467,7 @@ class AttentionLaunch:
         self._launches.append((_per_row.bind(
             (T, Hkv, n_splits), *tensors, part_ml, part_acc, counters, n_splits, W, block_table.shape[1], qk_scale, v_scale, *strides,
             free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split, FUSED=schedule.fused,
+            PIPELINE=schedule.pipeline,
             num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
         ), False))
         if split and not schedule.fused:

@@ -50,7 +50,7 @@ def compile_all() -> list[str]:
                                        ("one pass", 256, False, False, "*bf16")]:
         bn, warps, stages = ker._decode_config(dp) if split else ker._launch_config(dp)
         consts = dict(HQ=24, G=12, GP=16, D=dp, DP=dp, PAGE=64, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, SPLIT=split,
-                      FUSED=fused, INTERPRET=False)
+                      FUSED=fused, PIPELINE=split and ker._PIPELINE, INTERPRET=False)
         ptrs = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr=kv, v_ptr=kv, bt_ptr="*i32", req_ptr="*i32",
                     seq_ptr="*i32", sel_ptr="*i32", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32",
                     cnt_ptr="*i32")
@@ -62,6 +62,9 @@ def compile_all() -> list[str]:
     variants.append(("combine", ker._combine_kernel, sig, consts, {}))
     lines = []
     for name, fn, sig, consts, options in variants:
+        # ASTSource compiles a constexpr left out of consts as None, silently: name every one.
+        missing = {p.name for p in fn.params if p.is_constexpr} - set(consts)
+        assert not missing, f"{name}: constexprs without a value: {sorted(missing)}"
         kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
         usage = "resource usage unavailable"
         if os.path.exists(cuobjdump):
