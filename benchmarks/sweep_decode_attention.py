@@ -1,10 +1,10 @@
-"""GPU sweep of the decode sparse attention: this tree's kernel (several launch configurations)
-against another tree's (main's) and the PyTorch reference, at the issue's five decode shapes.
+"""GPU sweep of the decode sparse attention: this tree's kernel against another tree's (main's),
+both at several split counts, and the PyTorch reference, at the issue's five decode shapes.
 
 Every variant is checked before it is timed: against the reference on the first rows and
 against the other tree's kernel on all rows (bf16, 2e-2 of the largest output), two runs
-bitwise equal, and the output after the CUDA-graph replays bitwise equal to the first run
-(the fused kernel's arrival counters reset). Timing: median of CUDA-graph replays, L2 flushed
+bitwise equal, and the output after the CUDA-graph replays bitwise equal to the first run.
+Timing: median of CUDA-graph replays, L2 flushed
 before each replay (cold, twice: the run-to-run spread) and not (warm); a graph of one trivial
 kernel gives the timer's own floor.
 
@@ -30,16 +30,13 @@ from qsa_kernels import attention as new  # noqa: E402
 SHAPES = [("128K B4", Case("decode", 131072, 4, 1)), ("1M B4x4", Case("decode", 1048576, 4, 4)),
           ("128K B64", Case("decode", 131072, 64, 1)), ("8K B1", Case("decode", 8192, 1, 1)),
           ("1M B4", Case("decode", 1048576, 4, 1))]  # the first one pays the compiles
-# name: (tree, fused, (BLOCK_N, num_warps, num_stages), max splits, programs per SM, pipelined loop);
-# main's tree takes only the programs per SM (its split count), the rest is its own.
+# name: (tree, programs per SM the split count aims at); main's own default is 2.
 VARIANTS = {
-    "main x3": ("main", None, None, 64, 3, None),
-    "main x4": ("main", None, None, 64, 4, None),
-    "new bn64 w2 x2": ("new", False, (64, 2, 1), 64, 2, False),
-    "new bn64 w2 x3": ("new", False, (64, 2, 1), 64, 3, False),
-    "new bn64 w2 x4": ("new", False, (64, 2, 1), 64, 4, False),
-    "new pipe bn32 w4 x2": ("new", False, (32, 4, 1), 64, 2, True),
-    "new fused bn64 w8 x1": ("new", True, (64, 8, 1), 16, 1, True),
+    "main x3": ("main", 3),
+    "main x4": ("main", 4),
+    "new x2": ("new", 2),
+    "new x3": ("new", 3),
+    "new x4": ("new", 4),
 }
 
 
@@ -52,21 +49,20 @@ def load_module(path: str, name: str):
 
 
 def configure(old, variant) -> None:
-    """Set a variant's knobs (in `new`, or main's split count through its `_num_splits`)."""
-    tree, fused, cfg, cap, waves, pipeline = variant
-    if tree == "main":
-        def splits(rows, kv_heads, width, block_n, device):
-            if rows > old._SPLIT_MAX_ROWS:
-                return 1
-            want = -(-int(waves * old._num_sms(device)) // (max(rows, 1) * kv_heads))
-            blocks = -(-width // block_n)
-            n = max(1, min(cap, blocks, want))
-            return -(-blocks // -(-blocks // n))
-        old._num_splits = splits
+    """Set a variant's split count: `new._SPLIT_WAVES`, or main's through its `_num_splits`."""
+    tree, waves = variant
+    if tree == "new":
+        new._SPLIT_WAVES = waves
         return
-    new._FUSED, new._FUSED_MAX_SPLITS, new._MAX_SPLITS, new._SPLIT_WAVES = fused, cap, cap, waves
-    new._PIPELINE = pipeline
-    new._decode_config = lambda dp, cfg=cfg: cfg
+
+    def splits(rows, kv_heads, width, block_n, device):
+        if rows > old._SPLIT_MAX_ROWS:
+            return 1
+        want = -(-waves * old._num_sms(device) // (max(rows, 1) * kv_heads))
+        blocks = -(-width // block_n)
+        n = max(1, min(old._MAX_SPLITS, blocks, want))
+        return -(-blocks // -(-blocks // n))
+    old._num_splits = splits
 
 
 def calibration(timer) -> float:
@@ -107,8 +103,7 @@ def main() -> None:
     t0 = time.time()
     old = load_module(args.main_attention, "attention_main")
     cold, warm = GraphTimer(flush_l2=True), GraphTimer(flush_l2=False)
-    knobs = ("_FUSED", "_FUSED_MAX_SPLITS", "_SPLIT_WAVES", "_MAX_SPLITS", "_decode_config", "_PIPELINE")
-    defaults = {k: getattr(new, k) for k in knobs}
+    defaults = {"_SPLIT_WAVES": new._SPLIT_WAVES}
     main_splits = old._num_splits
     lines = [f"{'shape':9} {'variant':22} {'splits':>6} {'cold us':>8} {'cold 2nd':>8} {'warm us':>8}  check"]
 

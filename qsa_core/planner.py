@@ -220,15 +220,16 @@ class QSAPlanner:
         self._q_idx = self._q = None
         self._select_ws = self._partials = None
         if self.backend == "triton":
-            from qsa_kernels.attention import partials_workspace
+            from qsa_kernels.attention import partials_size
             from qsa_kernels.select import select_workspace
 
             self._q_idx = torch.empty(n, cfg.index_n_heads, cfg.index_head_dim, dtype=self.index_dtype, device=dev)
             self._q = torch.empty(n, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev)
             max_cols = column_bucket(self.max_model_len // cfg.compress_ratio)
             self._select_ws = select_workspace(n, max_cols, cfg.block_topk, dev)
-            self._partials = partials_workspace(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                cfg.selection_width, dev)
+            acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
+            self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
+                              torch.empty(acc, dtype=torch.float32, device=dev))
         self._build = None
         if self.backend == "triton":
             from qsa_kernels.metadata import MetadataBuild

@@ -43,17 +43,14 @@ def compile_all() -> list[str]:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     target = GPUTarget("cuda", 90, 32)
     variants = []
-    for name, dp, split, fused, kv in [("decode fused", 256, True, True, "*bf16"),
-                                       ("decode fused fp8", 256, True, True, "*fp8e4nv"),
-                                       ("decode fused D128", 128, True, True, "*bf16"),
-                                       ("decode 2-launch", 256, True, False, "*bf16"),
-                                       ("one pass", 256, False, False, "*bf16")]:
-        bn, warps, stages = ker._decode_config(dp) if split else ker._launch_config(dp)
+    for name, dp, split, kv in [("decode", 256, True, "*bf16"), ("decode fp8", 256, True, "*fp8e4nv"),
+                                ("decode D128", 128, True, "*bf16"), ("one pass", 256, False, "*bf16"),
+                                ("one pass fp8", 256, False, "*fp8e5")]:
+        bn, warps, stages = ker._launch_config(dp)
         consts = dict(HQ=24, G=12, GP=16, D=dp, DP=dp, PAGE=64, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, SPLIT=split,
-                      FUSED=fused, PIPELINE=split and ker._PIPELINE, INTERPRET=False)
+                      INTERPRET=False)
         ptrs = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr=kv, v_ptr=kv, bt_ptr="*i32", req_ptr="*i32",
-                    seq_ptr="*i32", sel_ptr="*i32", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32",
-                    cnt_ptr="*i32")
+                    seq_ptr="*i32", sel_ptr="*i32", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32")
         variants.append((name, ker._attn_kernel, _signature(ker._attn_kernel, ptrs), consts,
                          dict(num_warps=warps, num_stages=stages)))
     consts = dict(HQ=24, D=256, DP=256, SP=64)

@@ -1,17 +1,10 @@
-"""Decode (split) sparse attention against the reference: the one-launch path, whose last
-split to arrive merges a (row, KV head)'s partials in split order, and the two-launch path
-(partials + combine kernel). Interpreter on CPU, compiled on GPU."""
+"""Decode (split-K) sparse attention against the reference: each split's partials, then the
+combine kernel. Interpreter on CPU, compiled on GPU."""
 
 import pytest
 import torch
 
-from test_kernel_attention import DEV, attend, compare, ker, make_problem, reference
-
-
-@pytest.fixture(params=["fused", "two-launch"])
-def path(request, monkeypatch):
-    monkeypatch.setattr(ker, "_FUSED", request.param == "fused")
-    return request.param
+from test_kernel_attention import attend, compare, ker, make_problem, reference
 
 
 def force_splits(monkeypatch, n: int) -> None:
@@ -25,7 +18,7 @@ def schedule(problem):
 
 
 @pytest.mark.parametrize("splits", [2, 4, 7])
-def test_uneven_splits_match_reference(monkeypatch, path, splits):
+def test_uneven_splits_match_reference(monkeypatch, splits):
     """W 131 is 5 blocks of 32: 2 splits of 3 and 2 blocks, 4 of 2, 2, 1, 0, and 7 with two
     empty. Ragged rows, -1 holes, entries >= seq_len and junk past the count are ignored;
     padding rows and a row with no valid entry are exactly 0."""
@@ -35,7 +28,7 @@ def test_uneven_splits_match_reference(monkeypatch, path, splits):
     sel[1, :-1] = -1  # a real row whose selection holds nothing valid (count stays)
     sel[0, 5] = 2**31 - 1  # far past seq_len and past the block table's pages
     sched = schedule(problem)
-    assert sched.n_splits == splits and sched.fused == (path == "fused")
+    assert sched.n_splits == splits
     out = compare(problem)
     empty = torch.zeros(sel.shape[0], dtype=torch.bool, device=sel.device)
     empty[1] = True
@@ -44,23 +37,20 @@ def test_uneven_splits_match_reference(monkeypatch, path, splits):
     assert (out[~empty] != 0).any(1).all()
 
 
-def test_replayed_call_same_bits_and_counters_reset(monkeypatch):
-    """A bound launch called again (as a CUDA-graph replay is) gives the same bits: the merger
-    returns every arrival counter to 0; a fresh schedule gives them too (determinism)."""
-    monkeypatch.setattr(ker, "_FUSED", True)
+def test_replayed_call_same_bits(monkeypatch):
+    """A bound launch called again (as a CUDA-graph replay is) gives the same bits, and so
+    does a fresh schedule (determinism)."""
     force_splits(monkeypatch, 3)
     problem = make_problem([200, 70], [2, 1], Hq=24, Hkv=2, W=131, pad_rows=1, seed=21)
     q, gate, k, v, table, to_req, seq, sel = problem
     T, Hq, D = q.shape
     sched = schedule(problem)
-    assert sched.fused and torch.equal(sched.counters, torch.zeros_like(sched.counters))
     out = torch.empty(T, Hq * D, device=q.device)
     bound = ker.AttentionLaunch(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
     runs = []
     for _ in range(3):
         out.fill_(7.0)
         bound(q, gate, table, to_req, seq, sel, out)
-        assert torch.equal(sched.counters, torch.zeros_like(sched.counters))
         runs.append(out.clone())
     assert all(torch.equal(runs[0], r) for r in runs[1:])
     assert torch.equal(runs[0], attend(*problem, softmax_scale=D**-0.5))
@@ -68,26 +58,8 @@ def test_replayed_call_same_bits_and_counters_reset(monkeypatch):
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_kv_with_scales(monkeypatch, path, kv_dtype):
+def test_fp8_kv_with_scales(monkeypatch, kv_dtype):
     force_splits(monkeypatch, 3)
     problem = make_problem([150, 33], [1, 2], Hq=24, Hkv=2, W=131, dtype=torch.bfloat16, kv_dtype=kv_dtype,
                            pad_rows=1, seed=8)
     compare(problem, k_scale=0.37, v_scale=1.9, tol=2e-2)
-
-
-def test_shared_workspace_and_too_few_counters(monkeypatch):
-    """Schedules of fewer rows share one workspace (`partials_workspace`); one without room
-    for a counter per (row, KV head) is refused, naming the counters."""
-    monkeypatch.setattr(ker, "_FUSED", True)
-    force_splits(monkeypatch, 2)
-    ws = ker.partials_workspace(8, 24, 2, 32, 131, DEV)
-    for rows in ([1], [1, 1, 1]):
-        problem = make_problem([90] * len(rows), rows, Hq=24, Hkv=2, W=131, seed=len(rows))
-        q, D = problem[0], problem[0].shape[-1]
-        sched = ker.plan_attention(q.shape[0], 24, 2, D, 130 + 1, device=q.device, partials=ws)
-        out = torch.empty(q.shape[0], 24 * D, device=q.device)
-        ker.qsa_sparse_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
-        torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
-    assert torch.equal(ws[2], torch.zeros_like(ws[2]))
-    with pytest.raises(ValueError, match="counters"):
-        ker.plan_attention(3, 24, 2, 32, 131, device=DEV, partials=(ws[0], ws[1], ws[2][:5]))
