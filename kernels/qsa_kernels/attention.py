@@ -302,8 +302,8 @@ def plan_attention(
     return AttentionSchedule(num_rows, n_splits, block_n, num_warps, num_stages, _interpreting(), part_ml, part_acc)
 
 
-_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "bt_cols", "stride_qt", "stride_qh",
-         "stride_gt", "stride_gh", "stride_ot", "stride_btr", "stride_btp", "stride_st", "stride_sc")
+_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "bt_cols", "stride_qt",
+         "stride_qh", "stride_gt", "stride_gh", "stride_ot", "stride_btr", "stride_btp", "stride_st", "stride_sc")
 _COMBINE_FREE = ("gate_ptr", "out_ptr", "stride_gt", "stride_gh", "stride_ot")
 
 
@@ -339,7 +339,8 @@ class AttentionLaunch:
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                    block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1))
         self._launches.append((_per_row.bind(
-            (T, Hkv, n_splits), *tensors, part_ml, part_acc, n_splits, W, block_table.shape[1], qk_scale, v_scale, *strides,
+            (T, Hkv, n_splits), *tensors, part_ml, part_acc, n_splits, W, block_table.shape[1], qk_scale, v_scale,
+            *strides,
             free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split,
             num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
         ), False))
