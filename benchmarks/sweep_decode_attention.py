@@ -30,7 +30,7 @@ from qsa_kernels import attention as new  # noqa: E402
 SHAPES = [("128K B4", Case("decode", 131072, 4, 1)), ("1M B4x4", Case("decode", 1048576, 4, 4)),
           ("128K B64", Case("decode", 131072, 64, 1)), ("8K B1", Case("decode", 8192, 1, 1)),
           ("1M B4", Case("decode", 1048576, 4, 1))]  # the first one pays the compiles
-# name: (tree, programs per SM the split count aims at); main's own default is 2.
+# name: (tree, programs per SM the split count aims at); each tree's default runs first.
 VARIANTS = {
     "main x3": ("main", 3),
     "main x4": ("main", 4),
@@ -49,10 +49,10 @@ def load_module(path: str, name: str):
 
 
 def configure(old, variant) -> None:
-    """Set a variant's split count: `new._SPLIT_WAVES`, or main's through its `_num_splits`."""
+    """Set a variant's split count: `new._PROGRAMS_PER_SM`, or main's through its `_num_splits`."""
     tree, waves = variant
     if tree == "new":
-        new._SPLIT_WAVES = waves
+        new._PROGRAMS_PER_SM = waves
         return
 
     def splits(rows, kv_heads, width, block_n, device):
@@ -103,7 +103,7 @@ def main() -> None:
     t0 = time.time()
     old = load_module(args.main_attention, "attention_main")
     cold, warm = GraphTimer(flush_l2=True), GraphTimer(flush_l2=False)
-    defaults = {"_SPLIT_WAVES": new._SPLIT_WAVES}
+    defaults = {"_PROGRAMS_PER_SM": new._PROGRAMS_PER_SM}
     main_splits = old._num_splits
     lines = [f"{'shape':9} {'variant':22} {'splits':>6} {'cold us':>8} {'cold 2nd':>8} {'warm us':>8}  check"]
 

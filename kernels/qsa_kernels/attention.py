@@ -23,8 +23,10 @@ import triton.language as tl
 from .launch import BoundLaunch, Launcher
 
 _MAX_SPLITS = 64
-# Programs per SM the split count aims at (the 2-warp kernel keeps about four resident).
-_SPLIT_WAVES = 2
+# Programs per SM the decode split count aims at: on the H200 (benchmarks/sweep_decode_attention.py)
+# 3 against 2 cut 128K B64 from 91.1 to 86.3 us and 1M B4 with 4 rows per request from 40.6 to 37.6
+# (L2 flushed); 4 was slower at B64 (105 us); rows <= 4 stay at the 33-split cap either way.
+_PROGRAMS_PER_SM = 3
 # Rows above which the one-pass kernel already fills the GPU.
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
@@ -55,24 +57,19 @@ def _dot_dtype(q: torch.Tensor, kv: torch.Tensor, interpret: bool) -> tl.dtype:
 
 @triton.jit
 def _attend_block(
-    q, m, l, acc, c0, hi, count, sel_row, bt_row, bt_cols, seq_len, kvh, k_ptr, v_ptr, qk_scale,
+    q, m, l, acc, c0, hi, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
     D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """Online-softmax update with selection columns [c0, min(c0 + BLOCK_N, hi)) below count.
-
-    The page lookup waits only for the columns (entries past the block table's bt_cols
-    columns are not looked up); seq_len masks the K/V loads."""
+    """Online-softmax update with selection columns [c0, min(c0 + BLOCK_N, hi))."""
     d = tl.arange(0, DP)
     d_mask = d < D
     cols = c0 + tl.arange(0, BLOCK_N)
     idx = tl.load(sel_row + cols * stride_sc, mask=cols < hi, other=-1)
-    idx = tl.where(cols < count, idx, -1)
-    blk = idx // PAGE
-    live = (idx >= 0) & (blk < bt_cols)
-    page = tl.maximum(tl.load(bt_row + tl.where(live, blk, 0) * stride_btp, mask=live, other=0), 0).to(tl.int64)
-    off = (tl.maximum(idx, 0) % PAGE).to(tl.int64)
     valid = (idx >= 0) & (idx < seq_len)
+    safe = tl.where(valid, idx, 0)
+    page = tl.maximum(tl.load(bt_row + (safe // PAGE) * stride_btp, mask=valid, other=0), 0).to(tl.int64)
+    off = (safe % PAGE).to(tl.int64)
     kv_mask = valid[:, None] & d_mask[None, :]
     k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
                 mask=kv_mask, other=0.0).to(DOT_DTYPE)
@@ -93,11 +90,11 @@ def _attend_block(
 @triton.jit
 def _attend(
     q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr,
-    row, kvh, split, n_splits, W, bt_cols, qk_scale,
+    row, kvh, split, n_splits, W, qk_scale,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btr, stride_btp, stride_st, stride_sc,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Online softmax of one row and KV head over the split's share of the selection.
 
@@ -107,13 +104,9 @@ def _attend(
     seq_len = tl.load(seq_ptr + req)
     sel_row = sel_ptr + row.to(tl.int64) * stride_st
     count = tl.minimum(tl.maximum(tl.load(sel_row + W * stride_sc), 0), W)
-    if SPLIT:  # shares of W, not of the count: the first column loads need not wait for it
-        per_split = tl.cdiv(tl.cdiv(W, BLOCK_N), n_splits) * BLOCK_N
-        lo = split * per_split
-        hi = tl.minimum(W, lo + per_split)
-    else:
-        lo = 0
-        hi = count
+    per_split = tl.cdiv(tl.cdiv(count, BLOCK_N), n_splits) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(count, lo + per_split)
 
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
@@ -127,7 +120,7 @@ def _attend(
         c0 = lo
         while c0 < hi:
             m, l, acc = _attend_block(
-                q, m, l, acc, c0, hi, count, sel_row, bt_row, bt_cols, seq_len, kvh, k_ptr, v_ptr, qk_scale,
+                q, m, l, acc, c0, hi, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
                 D, DP, PAGE, BLOCK_N, DOT_DTYPE,
             )
@@ -135,7 +128,7 @@ def _attend(
     else:
         for c0 in range(lo, hi, BLOCK_N):
             m, l, acc = _attend_block(
-                q, m, l, acc, c0, hi, count, sel_row, bt_row, bt_cols, seq_len, kvh, k_ptr, v_ptr, qk_scale,
+                q, m, l, acc, c0, hi, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
                 D, DP, PAGE, BLOCK_N, DOT_DTYPE,
             )
@@ -152,10 +145,10 @@ def _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask):
     tl.store(out_ptr + o_off, tl.where(has_any, gated, 0.0).to(out_dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_splits", "W", "bt_cols"])
+@triton.jit(do_not_specialize=["n_splits", "W"])
 def _attn_kernel(
     q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
-    n_splits, W, bt_cols, qk_scale, v_scale,
+    n_splits, W, qk_scale, v_scale,
     stride_qt, stride_qh, stride_gt, stride_gh, stride_ot,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btr, stride_btp, stride_st, stride_sc,
@@ -169,10 +162,10 @@ def _attn_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     m, l, acc = _attend(
-        q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, row, kvh, split, n_splits, W, bt_cols, qk_scale,
+        q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, row, kvh, split, n_splits, W, qk_scale,
         stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
         stride_btr, stride_btp, stride_st, stride_sc,
-        G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, SPLIT, INTERPRET,
+        G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, INTERPRET,
     )
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
@@ -218,13 +211,13 @@ def _combine_kernel(
 
 
 def _num_splits(rows: int, kv_heads: int, width: int, block_n: int, device: torch.device) -> int:
-    """Splits of the selection per (row, KV head): enough programs for about _SPLIT_WAVES
-    per SM when rows are few; 1 (one pass) when rows alone fill it. The count is balanced so
+    """Splits of the selection per (row, KV head): enough programs for about _PROGRAMS_PER_SM
+    per SM when rows are few; 1 (one pass) when rows alone fill the GPU. The count is balanced so
     that a full row leaves no split empty (W 2051 in 64-column blocks: 33 splits of one
     block, or 17 of two, never 32 with 15 empty). Host ints only."""
     if rows > _SPLIT_MAX_ROWS:
         return 1
-    want = triton.cdiv(_SPLIT_WAVES * _num_sms(device), max(rows, 1) * kv_heads)
+    want = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), max(rows, 1) * kv_heads)
     blocks = triton.cdiv(width, block_n)
     n = max(1, min(_MAX_SPLITS, blocks, want))
     return triton.cdiv(blocks, triton.cdiv(blocks, n))
@@ -302,8 +295,8 @@ def plan_attention(
     return AttentionSchedule(num_rows, n_splits, block_n, num_warps, num_stages, _interpreting(), part_ml, part_acc)
 
 
-_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "bt_cols", "stride_qt",
-         "stride_qh", "stride_gt", "stride_gh", "stride_ot", "stride_btr", "stride_btp", "stride_st", "stride_sc")
+_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "stride_qt", "stride_qh",
+         "stride_gt", "stride_gh", "stride_ot", "stride_btr", "stride_btp", "stride_st", "stride_sc")
 _COMBINE_FREE = ("gate_ptr", "out_ptr", "stride_gt", "stride_gh", "stride_ot")
 
 
@@ -339,8 +332,7 @@ class AttentionLaunch:
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                    block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1))
         self._launches.append((_per_row.bind(
-            (T, Hkv, n_splits), *tensors, part_ml, part_acc, n_splits, W, block_table.shape[1], qk_scale, v_scale,
-            *strides,
+            (T, Hkv, n_splits), *tensors, part_ml, part_acc, n_splits, W, qk_scale, v_scale, *strides,
             free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split,
             num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
         ), False))
@@ -358,8 +350,7 @@ class AttentionLaunch:
             if combine:
                 launch(gate, out, gate.stride(0), gate.stride(1), out.stride(0))
             else:
-                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, block_table.shape[1],
-                       q.stride(0), q.stride(1),
+                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, q.stride(0), q.stride(1),
                        gate.stride(0), gate.stride(1), out.stride(0), block_table.stride(0), block_table.stride(1),
                        selection.stride(0), selection.stride(1))
         return out

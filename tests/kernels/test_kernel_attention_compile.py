@@ -1,7 +1,7 @@
 """Every attention kernel variant the schedules launch compiles for sm_90 on the CPU.
 
 The interpreter accepts code the compiler rejects (non-constexpr globals, branch-shaped
-variables, atomics' semantics), so the production variants are compiled here for the H200's
+variables), so the production variants are compiled here for the H200's
 target, in a fresh process without TRITON_INTERPRET. Prints each variant's registers and
 spill stack (cuobjdump) for the record; asserts only that it compiles.
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

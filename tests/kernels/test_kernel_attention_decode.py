@@ -19,14 +19,14 @@ def schedule(problem):
 
 @pytest.mark.parametrize("splits", [2, 4, 7])
 def test_uneven_splits_match_reference(monkeypatch, splits):
-    """W 131 is 5 blocks of 32: 2 splits of 3 and 2 blocks, 4 of 2, 2, 1, 0, and 7 with two
-    empty. Ragged rows, -1 holes, entries >= seq_len and junk past the count are ignored;
-    padding rows and a row with no valid entry are exactly 0."""
+    """A full row of W 131 is 5 blocks of 32: 2 splits of 3 and 2 blocks, 4 of 2, 2, 1, 0, and
+    7 with two empty (shorter rows leave more empty). Ragged rows, -1 holes, entries >= seq_len
+    and junk past the count are ignored; padding rows and a row with no valid entry are exactly 0."""
     force_splits(monkeypatch, splits)
     problem = make_problem([300, 40, 9], [1, 2, 1], Hq=24, Hkv=2, W=131, pad_rows=2, seed=splits)
     sel = problem[-1]
     sel[1, :-1] = -1  # a real row whose selection holds nothing valid (count stays)
-    sel[0, 5] = 2**31 - 1  # far past seq_len and past the block table's pages
+    sel[0, 5] = 2**31 - 1  # far past seq_len and the block table's pages
     sched = schedule(problem)
     assert sched.n_splits == splits
     out = compare(problem)
@@ -63,3 +63,11 @@ def test_fp8_kv_with_scales(monkeypatch, kv_dtype):
     problem = make_problem([150, 33], [1, 2], Hq=24, Hkv=2, W=131, dtype=torch.bfloat16, kv_dtype=kv_dtype,
                            pad_rows=1, seed=8)
     compare(problem, k_scale=0.37, v_scale=1.9, tol=2e-2)
+
+
+@pytest.mark.parametrize("rows,splits", [(1, 33), (4, 33), (16, 11), (64, 4), (128, 2), (129, 1)])
+def test_split_count_aims_at_three_programs_per_sm(monkeypatch, rows, splits):
+    """On an H200 (132 SMs), W 2051 in 64-column blocks: about 3 programs per SM over rows x 2
+    KV heads, balanced, at most one block per split; one pass above 128 rows."""
+    monkeypatch.setattr(ker, "_num_sms", lambda device: 132)
+    assert ker._num_splits(rows, 2, 2051, 64, torch.device("cpu")) == splits
