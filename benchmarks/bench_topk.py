@@ -35,7 +35,8 @@ SHAPES = {
     "1m-b4": Case("decode", 1 << 20, 4, 1),
     "1m-b4x4": Case("decode", 1 << 20, 4, 4),
 }
-VARIANTS = {"b4w8": dict(bits=4, warps=8), "b2w8": dict(bits=2, warps=8), "b4w16": dict(bits=4, warps=16)}
+VARIANTS = {"b4w16": {}, "b2w16": dict(bits=2), "b4w8": dict(warps=8),
+            "s8k": dict(seg=8192)}  # overrides of `topk_tiles` (seg 8192: samp / lcap as for 4x the segments)
 CURRENT = sel.TopkLaunch
 
 
@@ -49,6 +50,8 @@ def topk_factory(variant: dict | None, made: list):
             self.inner = None
             if variant is not None:
                 t = {**stk.topk_tiles(num_cols, small=False), **variant}
+                if "seg" in variant:  # samples and list widths as topk_tiles sizes them for that many segments
+                    t = {**stk.topk_tiles(num_cols * 32768 // variant["seg"], small=False), **variant}
                 self.scratch = stk.topk_scratch(rows, num_cols, t, scores.device)
                 self.tiles, self.num_cols = t, num_cols
                 self.inner = stk.TopkLaunch(scores, visible_blocks, out, self.scratch, row0=row0, rows=rows,

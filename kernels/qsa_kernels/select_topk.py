@@ -102,22 +102,24 @@ def _topk_short_kernel(
 
 
 @triton.jit
-def _subset_max(s_row, lo, hi, SAMP: tl.constexpr):
-    """Maxima [SAMP] of the keys of columns [lo, hi) by subset c ≡ j (mod SAMP), -1 if empty."""
-    ar = tl.arange(0, SAMP)
+def _subset_max(s_row, lo, hi, SAMP: tl.constexpr, SBLOCK: tl.constexpr):
+    """Maxima [SAMP] of the keys of columns [lo, hi) by subset (c - lo) mod SAMP, -1 where a
+    subset is empty; SBLOCK (a multiple of SAMP) columns per step."""
+    ar = tl.arange(0, SBLOCK)
     m = tl.full((SAMP,), -1, tl.int32)
     start = lo
     while start < hi:  # (while: the interpreter cannot range over loaded values)
         cols = start + ar
-        m = tl.maximum(m, _keys(s_row, cols, cols < hi))
-        start += SAMP
+        key = _keys(s_row, cols, cols < hi)
+        m = tl.maximum(m, tl.max(tl.reshape(key, (SBLOCK // SAMP, SAMP)), 0))
+        start += SBLOCK
     return m
 
 
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr"])
 def _sample_kernel(
     s_ptr, vis_ptr, samp_ptr, row0, n_cols, stride_sr, stride_pr,
-    KB: tl.constexpr, SEG: tl.constexpr, SAMP: tl.constexpr,
+    KB: tl.constexpr, SEG: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr,
 ):
     """Subset maxima of one segment -> samp int32 [chunk rows, segments * SAMP] (rows with
     visible > KB, segments holding visible columns)."""
@@ -126,7 +128,7 @@ def _sample_kernel(
     vis = tl.minimum(tl.load(vis_ptr + row0 + lr), n_cols)
     lo = seg * SEG
     if (vis > KB) & (lo < vis):
-        m = _subset_max(s_ptr + lr.to(tl.int64) * stride_sr, lo, tl.minimum(vis, lo + SEG), SAMP)
+        m = _subset_max(s_ptr + lr.to(tl.int64) * stride_sr, lo, tl.minimum(vis, lo + SEG), SAMP, SBLOCK)
         tl.store(samp_ptr + lr.to(tl.int64) * stride_pr + seg * SAMP + tl.arange(0, SAMP), m)
 
 
@@ -177,14 +179,16 @@ def _topk_seg_kernel(
     s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr,
     row0, n_cols, stride_sr, stride_pr, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr,
-    SAMP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, RBLOCK: tl.constexpr,
+    SAMP: tl.constexpr, SBLOCK: tl.constexpr, CAP: tl.constexpr, LCAP: tl.constexpr, BLOCK: tl.constexpr,
+    RBLOCK: tl.constexpr,
 ):
     """One segment of a row (grid: rows x segments). Candidate lists: cidx / ckey int32
     [chunk rows, SEGP * CAP] (list s at s * CAP), their lengths cnt int32 [chunk rows, SEGP];
     arrive int32 [chunk rows] zero between calls (the last arriver resets it). SEGP == 1:
     the program samples its row itself (SAMP subset maxima), else it reads samp int32
     [chunk rows, SEGP * SAMP] from `_sample_kernel`. The resolving program packs the lists
-    behind list 0 (at most CAP candidates in all, else the whole-row resolve)."""
+    behind list 0 in one step (at most CAP candidates in all and LCAP per list, else the
+    whole-row resolve)."""
     lr = tl.program_id(0)
     seg = tl.program_id(1)
     row = row0 + lr
@@ -199,7 +203,7 @@ def _topk_seg_kernel(
         lo = seg * SEG
         hi = tl.minimum(vis, lo + SEG)
         if SEGP == 1:
-            samples = _subset_max(s_row, lo, hi, SAMP)
+            samples = _subset_max(s_row, lo, hi, SAMP, SBLOCK)
         else:
             p = tl.arange(0, SEGP * SAMP)
             samples = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr + p, mask=p < n_seg * SAMP, other=-1)
@@ -225,27 +229,27 @@ def _topk_seg_kernel(
             tl.debug_barrier()  # this program's lists and count before its arrival
             last = tl.atomic_add(arrive_ptr + lr, 1, sem="acq_rel", scope="gpu") == n_seg - 1
         if last:
-            total = n
+            packed = n <= CAP
             j = tl.arange(0, CAP)
             if SEGP > 1:
                 tl.store(arrive_ptr + lr, 0)  # clean for the next call
                 segs = tl.arange(0, SEGP)
                 cnt = tl.load(cnt_ptr + lr.to(tl.int64) * SEGP + segs, mask=segs < n_seg, other=0,
                               cache_modifier=".cg")
-                total = tl.sum(cnt, 0)
-                if total <= CAP:  # pack lists 1.. behind list 0 (ascending columns throughout)
-                    base = tl.sum(tl.where(segs == 0, cnt, 0), 0)
-                    for s in range(1, n_seg):
-                        n_s = tl.sum(tl.where(segs == s, cnt, 0), 0)
-                        m = j < n_s
-                        idx_s = tl.load(c_idx + s * CAP + j, mask=m, cache_modifier=".cg")
-                        key_s = tl.load(c_key + s * CAP + j, mask=m, cache_modifier=".cg")
-                        tl.store(c_idx + base + j, idx_s, mask=m)
-                        tl.store(c_key + base + j, key_s, mask=m)
-                        base += n_s
+                packed = (tl.sum(cnt, 0) <= CAP) & (tl.max(cnt, 0) <= LCAP)
+                if packed:  # lists 1.. behind list 0, ascending columns throughout
+                    jj = tl.arange(0, LCAP)[None, :]
+                    m = (jj < cnt[:, None]) & (segs[:, None] > 0)
+                    src = segs[:, None] * CAP + jj
+                    dst = (tl.cumsum(cnt, 0) - cnt)[:, None] + jj
+                    idx_s = tl.load(c_idx + src, mask=m, cache_modifier=".cg")
+                    key_s = tl.load(c_key + src, mask=m, cache_modifier=".cg")
+                    tl.store(c_idx + dst, idx_s, mask=m)
+                    tl.store(c_key + dst, key_s, mask=m)
                     tl.debug_barrier()
-            if total <= CAP:
-                m = j < total
+                    n = tl.sum(cnt, 0)
+            if packed:
+                m = j < n
                 key = tl.load(c_key + j, mask=m, other=-1, cache_modifier=".cg")
                 idx = tl.load(c_idx + j, mask=m, other=0, cache_modifier=".cg")
                 _emit(key, idx, _kth_key(key, KB, BITS), out_row, stride_oc, KB)
@@ -262,15 +266,17 @@ def topk_tiles(num_cols: int, small: bool) -> dict[str, int]:
     """Launch shapes for rows of num_cols columns. short: columns of the short route (whole
     row in registers); seg: columns per segment program; samp: subset maxima per segment (the
     row's samples number samp x segments, >= 4 Kb keeps the bound tight); cap: candidates of
-    a row (and of a segment's list); block / rblock: columns per sweep step (compaction / the
+    a row (and of a segment's list); lcap: candidates per list the resolve packs in one
+    step; block / rblock: columns per sweep step (compaction / the
     whole-row resolve); bits: key bits per search step. small:
     the interpreter's tiles (tests cross every border and route with few columns)."""
     if small:
-        return dict(short=32, seg=64, samp=16, cap=32, block=16, rblock=16, bits=4, warps=4)
-    t = dict(short=4096, seg=32768, samp=2048, cap=2048, block=4096, rblock=1024, bits=4, warps=8)
+        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, warps=4)
+    t = dict(short=4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024, bits=4, warps=16)
     segs = triton.cdiv(max(num_cols, 1), t["seg"])
     if segs > 1:
-        t.update(samp=max(t["samp"] // triton.next_power_of_2(segs), 64))
+        segp = triton.next_power_of_2(segs)
+        t.update(samp=max(t["samp"] // segp, 64), lcap=min(t["cap"], max(8192 // segp, 64)))
     return t
 
 
@@ -334,13 +340,14 @@ class TopkLaunch:
         if segp > 1:
             self._launches.append(_sample.bind(
                 (rows, segs), scores, visible_blocks, samp, row0, num_cols, sr, samp.stride(0), free=free,
-                KB=Kb, SEG=t["seg"], SAMP=t["samp"], num_warps=t["warps"],
+                KB=Kb, SEG=t["seg"], SAMP=t["samp"], SBLOCK=max(t["samp"], t["block"]), num_warps=t["warps"],
             ))
         self._launches.append(_seg.bind(
             (rows, segs), scores, visible_blocks, samp, cidx, ckey, c.counts, c.arrive, out,
             row0, num_cols, sr, samp.stride(0) if segp > 1 else 0, cidx.stride(0), *outs, free=free,
-            KB=Kb, KBP=KBP, BITS=t["bits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"], CAP=t["cap"],
-            BLOCK=t["block"], RBLOCK=t["rblock"], num_warps=t["warps"],
+            KB=Kb, KBP=KBP, BITS=t["bits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
+            SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"], RBLOCK=t["rblock"],
+            num_warps=t["warps"],
         ))
 
     def __call__(self, row0: int) -> None:

@@ -123,3 +123,11 @@ def test_batch_invariance_rows_of_different_lengths():
     assert torch.equal(together, reference(rows, num_cols, 8))
     for i, r in enumerate(rows):
         assert torch.equal(together[i], run_topk([r], num_cols, 8)[0]), f"row {i} depends on the batch"
+
+
+def test_a_long_list_within_the_row_capacity():
+    # 20 top keys in one segment: its list outgrows the one-step pack (16), the row's 32 slots do not.
+    num_cols = 300
+    row = distinct(num_cols, 21)
+    row[130:150] = 20.0 + torch.arange(20.0)
+    assert torch.equal(run_topk([row], num_cols, 16), reference([row], num_cols, 16))
