@@ -4,7 +4,7 @@ Production geometry (bf16, Hq 24 / Hkv 2 / D 256, indexer 4 x 128, r 4, budget 2
 synthetic random data. Every configuration is checked against the PyTorch reference before it
 is timed. Each column is one CUDA graph (captured once) timed as the median of its replays, L2
 flushed before each replay (a layer's caches are cold in a served step); "whole step" is all of
-the layer's launches (prepare, select, expand, attention) in one graph. bench_report.py holds
+the layer's launches (prepare, select writing packed rows, attention) in one graph. bench_report.py holds
 the byte/FLOP model, the issue's targets and the table writers.
 
     python benchmarks/bench_qsa.py --out DIR [--sglang-dir SITE] [--markdown BENCHMARKS.md --readme README.md]
@@ -40,7 +40,7 @@ from bench_report import (  # noqa: E402
 )
 
 from qsa_core import (  # noqa: E402
-    QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlanner, QSAStepInputs, ops, qsa_attention,
+    QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlanner, QSAStepInputs, qsa_attention,
     qsa_indexer, qsa_prepare, qsa_select, ring_capacity,
 )
 from qsa_core.reference import qsa_select_decode as ref_select, qsa_sparse_attention as ref_attention  # noqa: E402
@@ -335,8 +335,6 @@ def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result:
     ours = {
         "prepare": step.prepare,
         "select+expand": step.select,
-        "expand": lambda: ops.expand(step.plan.schedule.blocks, step.meta.positions, step.meta.visible_blocks,
-                                     compress_ratio=4, out=step.selection, backend=step.plan.backend),
         "attention": step.attention,
         NO_PREP: step.no_prepare,
         WHOLE: step.full,

@@ -1,6 +1,6 @@
 """A QSA layer as two launch-only halves on a step's `QSAPlan`, and `QSAAttention` on them.
 
-`qsa_indexer` (prepare, select, expand) writes the step's K/V, ring rows and compressed keys
+`qsa_indexer` (prepare, then select writing packed selection rows) writes the step's K/V, ring rows and compressed keys
 and returns the selection with the attention's q and gate; `qsa_attention` (sparse attention
 and gate) writes the gated output. Engines with their own projection layers call the two
 halves directly; `QSAAttention` is the whole layer with HF weight names.
@@ -246,16 +246,16 @@ def qsa_select(
             ops.select_prefill(q_idx[nd:], comp, table, to_req, vis, out=blocks, schedule=s.select_prefill, **kw)
         return ops.expand(s.blocks, meta.positions, meta.visible_blocks, compress_ratio=cfg.compress_ratio, out=out,
                           backend=plan.backend)
-    for launch in _bound(s.layer_launches(cache), "select", lambda: _select_launches(plan, q_idx, cache)):
-        launch(q_idx, meta.block_table)
-    expand = _bound(s.launches, "expand", lambda: _expand_launch(plan, out))
-    return expand(out)
+    for launch in _bound(s.layer_launches(cache), "select", lambda: _select_launches(plan, q_idx, cache, out)):
+        launch(q_idx, meta.block_table, out)
+    return out
 
 
-def _select_launches(plan: QSAPlan, q_idx: torch.Tensor, cache: QSALayerCache) -> tuple:
+def _select_launches(plan: QSAPlan, q_idx: torch.Tensor, cache: QSALayerCache, out: torch.Tensor) -> tuple:
     """The decode select launch (rows [0, num_decode_tokens)) and the prefill one (the rest)
-    of a step shape and layer cache, over the step's whole row tensors; each takes
-    (q_idx [T, Hi, Di], block_table)."""
+    of a step shape and layer cache, over the step's whole row tensors, writing packed
+    selection rows (no expand launch); each takes (q_idx [T, Hi, Di], block_table, out
+    int32 [T, W + 1])."""
     from qsa_kernels.select import SelectLaunch
 
     meta, s, cfg = plan.meta, plan.schedule, plan.config
@@ -263,17 +263,9 @@ def _select_launches(plan: QSAPlan, q_idx: torch.Tensor, cache: QSALayerCache) -
     kw = dict(page_size=meta.page_size, compress_ratio=cfg.compress_ratio, block_topk=cfg.block_topk)
     return tuple(
         SelectLaunch(sched, q_idx, cache.compressed, meta.block_table, meta.token_to_req, meta.visible_blocks,
-                     s.blocks, first_row=lo, **kw)
+                     out, first_row=lo, positions=meta.positions, **kw)
         for sched, lo, hi in ((s.select_decode, 0, nd), (s.select_prefill, nd, T)) if lo < hi
     )
-
-
-def _expand_launch(plan: QSAPlan, out: torch.Tensor) -> Any:
-    from qsa_kernels.expand import ExpandLaunch
-
-    s = plan.schedule
-    return ExpandLaunch(s.blocks, plan.meta.positions, plan.meta.visible_blocks,
-                        compress_ratio=plan.config.compress_ratio, out=out)
 
 
 def qsa_attention(

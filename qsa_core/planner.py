@@ -53,12 +53,12 @@ class StepSchedule:
     """Everything of a plan that depends on the step's shape only (cached per shape).
 
     Row views [T, ...] of the workspace: the derived metadata fields, q_idx, q (prepare
-    outputs; None on the reference), blocks int32 [T, Kb], selection int32 [T, W + 1],
-    attn_out [T, Hq*D]; the select
+    outputs; None on the reference), blocks int32 [T, Kb] (the reference's chosen groups),
+    selection int32 [T, W + 1], attn_out [T, Hq*D]; the select
     schedules of the decode rows [:num_decode_tokens] and the prefill rows after them (and
     their views of token_to_req, visible_blocks, blocks: `decode_rows`, `prefill_rows`), and
     the attention schedule (None on the reference backend); `launches`: the Triton launches
-    bound to this shape ("expand") and per layer cache (`layer_launches`).
+    bound to this shape per layer cache (`layer_launches`).
     """
 
     num_tokens: int
@@ -96,9 +96,8 @@ class StepSchedule:
                 by_views.clear()
             found = by_views[key] = {}
         if len(self.launches) >= _LAYER_CACHE:
-            expand = self.launches.get("expand")
             self.launches.clear()
-            self.launches.update(by_views=by_views, **({} if expand is None else {"expand": expand}))
+            self.launches["by_views"] = by_views
         self.launches[id(cache)] = (cache, found)
         return found
 
@@ -149,7 +148,8 @@ class QSAPlanner:
     num_slots / num_ring_rows: bounds of the value checks and device guards; backend: the
     ops backend (default: from the device and `QSA_BACKEND`, resolved here once);
     value_checks: read the step's values in `plan` and raise on malformed ones (default: on
-    for CPU tensors, where it costs no sync; `QSA_DEBUG=1` turns it on everywhere). Without
+    for CPU tensors, where it costs no sync; `QSA_DEBUG=1` when the planner is made turns it
+    on everywhere). Without
     them the metadata build's device guards make a malformed request's rows inert (output 0,
     no cache write) and flag the reason (`check_guard`).
     """
@@ -189,6 +189,7 @@ class QSAPlanner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
         self.value_checks = self.device.type == "cpu" if value_checks is None else value_checks
+        self._read_values = self.value_checks or debug_enabled()  # QSA_DEBUG is read here, once
         self.backend = ops.resolve_backend(self.device, backend)
         self.index_dtype = resolve_dtype(config.index_dtype, dtype)
         # Normal tensors even when built inside torch.inference_mode(): the workspace is
@@ -348,7 +349,7 @@ class QSAPlanner:
         """
         inputs.validate(self.device)
         self._check_capacity(inputs)
-        if self.value_checks or debug_enabled():
+        if self._read_values:
             inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         cfg = self.config
         T = inputs.num_tokens

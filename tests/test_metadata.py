@@ -157,9 +157,9 @@ def test_value_checks_on_cpu_tensors_and_under_qsa_debug(monkeypatch, change, me
         planner(num_slots=64, num_ring_rows=4).plan(mixed_step(**change))
     p = planner(num_slots=64, num_ring_rows=4, value_checks=False)
     p.plan(mixed_step(**change))  # a GPU's default path reads no tensor values
-    monkeypatch.setenv("QSA_DEBUG", "1")
+    monkeypatch.setenv("QSA_DEBUG", "1")  # read when a planner is made
     with pytest.raises(ValueError, match=message):
-        p.plan(mixed_step(**change))
+        planner(num_slots=64, num_ring_rows=4, value_checks=False).plan(mixed_step(**change))
 
 
 def test_layer_launches_are_shared_by_equal_cache_views_only():

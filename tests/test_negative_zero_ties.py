@@ -51,14 +51,14 @@ def signed_order(v: float, g: int):
 
 
 class InjectedScores:
-    """Stands in for a score launch: writes the given scores into the scratch rows."""
+    """Stands in for `ScoreLaunch` (same constructor): its launches write the given scores
+    into the scratch rows."""
 
     def __init__(self, scores: torch.Tensor) -> None:
         self.scores = scores
 
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            scratch, row0 = args[5], args[6]
+    def __call__(self, q_idx, compressed, block_table, token_to_req, visible_blocks, scratch, **kwargs):
+        def launch(q_idx, block_table, row0):
             n = min(scratch.shape[0], self.scores.shape[0] - row0)
             scratch[:n, : self.scores.shape[1]] = self.scores[row0 : row0 + n].to(scratch.device)
 
@@ -80,7 +80,7 @@ def test_kernel_topk_ties_signed_zeros(monkeypatch, route):
     fused = route == "fused"
     monkeypatch.setattr(ker, "_FUSED_MAX_COLS", 1 << 30 if fused else 0)
     monkeypatch.setattr(ker, "_FUSED_MAX_ROWS", 1 << 30 if fused else 0)
-    monkeypatch.setattr(ker, "_scores_prefill_kernel", InjectedScores(s))
+    monkeypatch.setattr(ker, "ScoreLaunch", InjectedScores(s))
     sched = ker.plan_select(T, G, KB, decode=False, device=DEV)
     assert sched.scored and sched.fused == fused
     page, r = 16, 4

@@ -3,7 +3,8 @@
 Mirrors `qsa_core.reference.expand.qsa_expand`. One program per row: the valid groups
 (0 <= g < visible) are compacted in their given order by a prefix sum, each is expanded to
 its r tokens, then the tail visible*r .. p and the -1 padding follow, and the count column.
-`ExpandLaunch` binds it (`qsa_kernels.launch`) to a plan's workspace.
+The layer's top-k kernels write packed rows with the same helpers (`_packed_groups`,
+`_packed_tail`), so a planned step never launches it.
 """
 
 from __future__ import annotations
@@ -12,16 +13,36 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher
-
 BLOCK_COLS = 1024
+
+
+@triton.jit
+def _packed_groups(row_out, groups, cols, chosen, r: tl.constexpr):
+    """Packed rows (unit column stride): the r tokens g*r .. g*r + r - 1 of each chosen group
+    g at columns cols*r .. cols*r + r - 1 (any matching shapes)."""
+    for j in tl.static_range(r):
+        tl.store(row_out + cols * r + j, groups * r + j, mask=chosen)
+
+
+@triton.jit
+def _packed_tail(row_out, n_groups, vis, p, live, r: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Packed rows after their n_groups groups: the open tail visible*r .. p, then -1 up to
+    column W, and the count in column W, for rows where `live`. Row values are scalars (one
+    row) or [ROWS, 1] columns; p is the row's position (-1: padding)."""
+    group_cols = n_groups * r
+    tail_len = tl.maximum(tl.where(p >= 0, p + 1 - vis.to(tl.int64) * r, 0), 0).to(tl.int32)
+    for c0 in range(0, W, BLOCK_W):
+        c = c0 + tl.arange(0, BLOCK_W)[None, :]
+        tail = tl.where(c < group_cols + tail_len, vis * r + (c - group_cols), -1)
+        tl.store(row_out + c, tail, mask=live & (c >= group_cols) & (c < W))
+    tl.store(row_out + W, group_cols + tail_len, mask=live)
 
 
 @triton.jit
 def _expand_kernel(
     blocks_ptr, stride_b, pos_ptr, vis_ptr, out_ptr, stride_o,
     Kb: tl.constexpr, W: tl.constexpr,
-    r: tl.constexpr, BLOCK_KB: tl.constexpr, R_POW2: tl.constexpr, BLOCK_W: tl.constexpr,
+    r: tl.constexpr, BLOCK_KB: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     row_out = out_ptr + t * stride_o
@@ -30,49 +51,10 @@ def _expand_kernel(
     k = tl.arange(0, BLOCK_KB)
     g = tl.load(blocks_ptr + t * stride_b + k, mask=k < Kb, other=-1)
     valid = (g >= 0) & (g < vis)
+    # The rank-th valid group fills columns rank*r .. rank*r + r - 1.
     rank = tl.cumsum(valid.to(tl.int32), 0) - 1
-    n_groups = tl.sum(valid.to(tl.int32), 0)
-    # Group tokens: the rank-th valid group fills columns rank*r .. rank*r + r - 1.
-    j = tl.arange(0, R_POW2)
-    cols = rank[:, None] * r + j[None, :]
-    tokens = g[:, None] * r + j[None, :]
-    tl.store(row_out + cols, tokens, mask=valid[:, None] & (j < r)[None, :] & (cols < W))
-    # Tail and padding: every column from n_groups*r on.
-    group_cols = n_groups * r
-    tail_len = tl.maximum(tl.where(p >= 0, p + 1 - vis.to(tl.int64) * r, 0), 0).to(tl.int32)
-    for c0 in range(0, W, BLOCK_W):
-        c = c0 + tl.arange(0, BLOCK_W)
-        tail = tl.where(c < group_cols + tail_len, vis * r + (c - group_cols), -1)
-        tl.store(row_out + c, tail, mask=(c >= group_cols) & (c < W))
-    tl.store(row_out + W, group_cols + tail_len)
-
-
-_expand = Launcher(_expand_kernel)
-
-
-class ExpandLaunch:
-    """`qsa_expand` bound to fixed block_indices [T, Kb], positions and visible_blocks (a
-    plan's workspace); `__call__(out)` writes out int32 [T, W + 1] (any row stride)."""
-
-    def __init__(self, block_indices: torch.Tensor, positions: torch.Tensor, visible_blocks: torch.Tensor, *,
-                 compress_ratio: int, out: torch.Tensor) -> None:
-        T, Kb = block_indices.shape
-        W = out.shape[1] - 1
-        self.shape = (T, W + 1)
-        self._launch = _expand.bind(
-            (T,), block_indices, block_indices.stride(0), positions, visible_blocks, out, out.stride(0),
-            free=("out_ptr", "stride_o"),
-            Kb=Kb, W=W, r=compress_ratio,
-            BLOCK_KB=triton.next_power_of_2(max(Kb, 1)),
-            R_POW2=triton.next_power_of_2(compress_ratio),
-            BLOCK_W=min(BLOCK_COLS, triton.next_power_of_2(W + 1)),
-        )
-
-    def __call__(self, out: torch.Tensor) -> torch.Tensor:
-        if out.shape != self.shape:
-            raise ValueError(f"expand out must be [{self.shape[0]}, {self.shape[1]}], got {tuple(out.shape)}")
-        self._launch(out, out.stride(0))
-        return out
+    _packed_groups(row_out, g, rank, valid, r)
+    _packed_tail(row_out, tl.sum(valid.to(tl.int32), 0), vis, p, True, r, W, BLOCK_W)
 
 
 def qsa_expand(
@@ -86,9 +68,16 @@ def qsa_expand(
     """block_indices int32 [T, Kb] -> out int32 [T, W + 1] (W >= Kb*r); same as the reference.
 
     positions int64 [T] and visible_blocks int32 [T] contiguous; block_indices and out may
-    have any row stride (contiguous last dim). Binds on every call: a plan keeps an
-    `ExpandLaunch` instead.
+    have any row stride (contiguous last dim). The layer never launches it: its top-k
+    writes packed rows itself (`select_radix`, the same `_packed_groups` / `_packed_tail`).
     """
-    if block_indices.shape[0] == 0:
+    T, Kb = block_indices.shape
+    if T == 0:
         return out
-    return ExpandLaunch(block_indices, positions, visible_blocks, compress_ratio=compress_ratio, out=out)(out)
+    W = out.shape[1] - 1
+    _expand_kernel[(T,)](
+        block_indices, block_indices.stride(0), positions, visible_blocks, out, out.stride(0),
+        Kb=Kb, W=W, r=compress_ratio, BLOCK_KB=triton.next_power_of_2(max(Kb, 1)),
+        BLOCK_W=min(BLOCK_COLS, triton.next_power_of_2(W + 1)),
+    )
+    return out

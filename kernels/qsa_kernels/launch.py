@@ -78,6 +78,26 @@ def spec_key(x: Any, specialize: bool = True, align: bool = True) -> Any:
     return type(x)
 
 
+def direct_launch(run: Any) -> Callable[..., None] | None:
+    """The C launch function behind a compiled kernel's `run`, where calling it directly is
+    what `run` would do: triton 3.6's `CudaLauncher`, whose `__call__(grid, stream,
+    function, *args)` only adds two scratch buffers (None when the kernel needs none) and
+    its launch flags. None otherwise (other versions or backends, scratch, tensor descriptors)."""
+    if type(run).__name__ != "CudaLauncher":
+        return None
+    params = list(inspect.signature(type(run).__call__).parameters)
+    if params != ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]:
+        return None
+    launch = getattr(run, "launch", None)
+    if type(launch).__name__ != "builtin_function_or_method" or getattr(launch, "__name__", "") != "launch":
+        return None  # wrapped (tensor descriptors)
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    if not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
+        return None
+    return launch
+
+
 class Launcher:
     """Binds one `@triton.jit` kernel (a `JITFunction`, or the interpreter's function)."""
 
@@ -135,6 +155,7 @@ class BoundLaunch:
         self.native = isinstance(launcher.fn, JITFunction)  # False under TRITON_INTERPRET=1
         self._variants: dict[tuple, tuple] = {}
         self.source = ""
+        self.direct = False  # whether the fast path calls the C launch itself (`direct_launch`)
         self._call: Callable[..., None] = self._slow
         if self.native:
             self.device = driver.active.get_current_device()
@@ -151,11 +172,12 @@ class BoundLaunch:
         return tuple(spec_key(x, s, a) for x, (s, a) in zip(free, self.free_flags))
 
     def _variant(self, key: tuple, values: list) -> tuple:
-        """(run, function, packed metadata) of the compiled kernel for `key`, fetched once."""
+        """(run, function, packed metadata, direct) of the compiled kernel for `key`, fetched
+        once; direct: its C launch function where `direct_launch` allows it, else None."""
         entry = self._variants.get(key)
         if entry is None:
             kernel = self.launcher.compiled(self.grid, values, self.options)
-            entry = (kernel.run, kernel.function, kernel.packed_metadata)
+            entry = (kernel.run, kernel.function, kernel.packed_metadata, direct_launch(kernel.run))
             self._variants[key] = entry
         return entry
 
@@ -167,7 +189,7 @@ class BoundLaunch:
         if not (self.native and _fast()):
             self.launcher.ordinary(self.grid, values, self.options)
             return
-        run, function, packed = self._variant(self.key(free), values)
+        run, function, packed, _ = self._variant(self.key(free), values)
         g = tuple(self.grid) + (1,) * (3 - len(self.grid))
         run(*g, self._stream(self.device), function, packed, None, None, None, *values)
 
@@ -207,12 +229,20 @@ class BoundLaunch:
                 args.append(f"V{i}")
         g = tuple(self.grid) + (1,) * (3 - len(self.grid))
         sig = ", ".join(params)
+        run, direct = entry[0], entry[3]
+        self.direct = direct is not None
+        if direct is None:
+            launch = f"RUN({g[0]}, {g[1]}, {g[2]}, STREAM(DEV), FN, PACKED, None, None, None, {', '.join(args)})"
+        else:  # the C launch itself: (grid, stream, function, cooperative, pdl, scratch x2, metadata, hooks)
+            names["RUN"] = direct
+            launch = (f"RUN({g[0]}, {g[1]}, {g[2]}, STREAM(DEV), FN, {int(run.launch_cooperative_grid)}, "
+                      f"{int(run.launch_pdl)}, None, None, PACKED, None, None, None, {', '.join(args)})")
         self.source = "\n".join([
             f"def fast({sig}):",
             *(f"    {line}" for line in prep),
             f"    if not ({' and '.join(checks) or 'True'}) or not FAST():",
             f"        return SLOW({sig})",
-            f"    RUN({g[0]}, {g[1]}, {g[2]}, STREAM(DEV), FN, PACKED, None, None, None, {', '.join(args)})",
+            f"    {launch}",
         ])
         exec(compile(self.source, f"<bound {self.launcher.fn.__name__}>", "exec"), names)
         return names["fast"]

@@ -161,16 +161,19 @@ def plan_select(
 
 class SelectLaunch:
     """A select call's launches bound to its schedule, the compressed keys [pages,
-    page_size / r, Di], token_to_req / visible_blocks int32 [N] and out int32 [N, Kb], for
-    the schedule's rows [first_row, first_row + num_rows) of these N-row tensors;
-    `__call__(q_idx [N, Hi, Di], block_table)` launches them (q_idx's dtype fixed)."""
+    page_size / r, Di] and token_to_req / visible_blocks int32 [N], for the schedule's rows
+    [first_row, first_row + num_rows) of these N-row tensors; `__call__(q_idx [N, Hi, Di],
+    block_table, out)` launches them (q_idx's dtype fixed) into out: int32 [N, Kb] (the
+    chosen groups) or, with `positions` int64 [N] given, the packed selection int32
+    [N, W + 1] (groups expanded to tokens, the open tail, the count: no expand launch).
+    `out` at binding gives the shape and dtype every call's out must have."""
 
     def __init__(self, schedule: "SelectSchedule", q_idx: torch.Tensor, compressed: torch.Tensor,
                  block_table: torch.Tensor, token_to_req: torch.Tensor, visible_blocks: torch.Tensor,
                  out: torch.Tensor, *, page_size: int, compress_ratio: int, block_topk: int,
-                 first_row: int = 0) -> None:
+                 first_row: int = 0, positions: torch.Tensor | None = None) -> None:
         s = schedule
-        self.rows, self.q_dtype, self.out = first_row + s.num_rows, q_idx.dtype, out
+        self.rows, self.q_dtype, self.out_shape = first_row + s.num_rows, q_idx.dtype, out.shape
         for name, t in (("q_idx", q_idx), ("token_to_req", token_to_req), ("visible_blocks", visible_blocks),
                         ("out", out)):
             if t.shape[0] < self.rows:
@@ -188,19 +191,23 @@ class SelectLaunch:
                 topk = TopkLaunch(
                     s.scores, visible_blocks, out, s.state, s.hist, s.counts, row0=row0, rows=n, num_cols=s.num_cols,
                     n_tiles=s.n_tiles, block_topk=block_topk, scored=s.scored, fused=s.fused, tiles=s.tiles,
+                    positions=positions, compress_ratio=compress_ratio,
                 )
                 bound[n] = (score, topk)
             self._chunks.append((row0, *bound[n]))
 
-    def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if q_idx.dtype is not self.q_dtype or q_idx.shape[0] < self.rows:
             raise ValueError(f"select was bound for q_idx {self.q_dtype} [>= {self.rows}, ...], "
                              f"got {q_idx.dtype} {tuple(q_idx.shape)}")
+        if out.shape != self.out_shape or out.dtype is not torch.int32:
+            raise ValueError(f"select out must be int32 {tuple(self.out_shape)}, got {out.dtype} {tuple(out.shape)}")
+        out_stride = out.stride(0)
         for row0, score, topk in self._chunks:
             if score is not None:
                 score(q_idx, block_table, row0)
-            topk(row0)
-        return self.out
+            topk(row0, out, out_stride)
+        return out
 
 
 def _select(
@@ -221,7 +228,7 @@ def _select(
     if q_idx.shape[0] != s.num_rows:
         raise ValueError(f"the select schedule was planned for {s.num_rows} rows, got {q_idx.shape[0]}")
     return SelectLaunch(s, q_idx, compressed, block_table, token_to_req, visible_blocks, out, page_size=page_size,
-                        compress_ratio=compress_ratio, block_topk=block_topk)(q_idx, block_table)
+                        compress_ratio=compress_ratio, block_topk=block_topk)(q_idx, block_table, out)
 
 
 def qsa_select_decode(

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .expand import _packed_groups, _packed_tail
 from .launch import BoundLaunch, Launcher
 
 BINS = 256
@@ -142,19 +143,28 @@ def _count_kernel(
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "n_tiles", "stride_sr"])
 def _emit_kernel(
-    s_ptr, vis_ptr, state_ptr, cnt_ptr, out_ptr, row0, n_rows, n_cols, n_tiles, stride_sr,
+    s_ptr, vis_ptr, state_ptr, cnt_ptr, out_ptr, pos_ptr, row0, n_rows, n_cols, n_tiles, stride_sr,
     stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BLOCK: tl.constexpr, PREV: tl.constexpr, ROWS: tl.constexpr,
+    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Write the chosen groups of one tile at their ascending-order positions in out
-    int32 [T, KB]; tile 0 of a row with visible <= KB writes 0..visible-1 then -1."""
+    int32 [T, KB]; tile 0 of a row with visible <= KB writes 0..visible-1 then -1.
+    PACKED: out is the packed selection [T, W + 1] instead (each group's R tokens; tile 0
+    writes every row's open tail, padding and count from positions int64 [T])."""
     lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
     tile = tl.program_id(1)
     out_row = out_ptr + (row0 + lr).to(tl.int64)[:, None] * stride_or
     short = in_chunk & (vis <= KB)
     if tile == 0:
         j = tl.arange(0, KBP)[None, :]
-        tl.store(out_row + j * stride_oc, tl.where(j < vis[:, None], j, -1), mask=short[:, None] & (j < KB))
+        if PACKED:
+            _packed_groups(out_row, j, j, short[:, None] & (j < vis[:, None]), R)
+            p = tl.load(pos_ptr + row0 + lr, mask=in_chunk, other=-1)
+            _packed_tail(out_row, tl.minimum(vis, KB)[:, None], vis[:, None], p[:, None], in_chunk[:, None],
+                         R, W, BLOCK_W)
+        else:
+            tl.store(out_row + j * stride_oc, tl.where(j < vis[:, None], j, -1), mask=short[:, None] & (j < KB))
     start = tile * BLOCK
     live = in_chunk & (vis > KB) & (start < vis)
     if tl.max(live.to(tl.int32), 0) > 0:
@@ -177,25 +187,35 @@ def _emit_kernel(
         chosen = above + equal * (tie_rank < need[:, None]).to(tl.int32)
         taken += tl.minimum(equal_before, need)
         pos = taken[:, None] + tl.cumsum(chosen, 1) - chosen
-        tl.store(out_row + pos * stride_oc, cols + lr[:, None] * 0, mask=chosen > 0)
+        if PACKED:
+            _packed_groups(out_row, cols + lr[:, None] * 0, pos, chosen > 0, R)
+        else:
+            tl.store(out_row + pos * stride_oc, cols + lr[:, None] * 0, mask=chosen > 0)
 
 
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
 def _topk_row_kernel(
-    s_ptr, vis_ptr, out_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
+    s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr,
+    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     """Whole top-k of one row in one program: four radix passes over the bytes of the fp32
     score bits (high byte first) with in-register histograms narrow the threshold to the
-    exact k-th key; one more sweep writes keys above it and the lowest-index ties, ascending."""
+    exact k-th key; one more sweep writes keys above it and the lowest-index ties, ascending
+    (PACKED: as the packed selection row, as `_emit_kernel`)."""
     lr = tl.program_id(0)
     row = row0 + lr
     vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
     out_row = out_ptr + row.to(tl.int64) * stride_or
     s_row = s_ptr + lr.to(tl.int64) * stride_sr
     j = tl.arange(0, KBP)
+    if PACKED:
+        _packed_tail(out_row, tl.minimum(vis, KB), vis, tl.load(pos_ptr + row), True, R, W, BLOCK_W)
     if vis <= KB:
-        tl.store(out_row + j * stride_oc, tl.where(j < vis, j, -1), mask=j < KB)
+        if PACKED:
+            _packed_groups(out_row, j, j, j < vis, R)
+        else:
+            tl.store(out_row + j * stride_oc, tl.where(j < vis, j, -1), mask=j < KB)
     else:
         bins = tl.arange(0, BINS)
         prefix = vis * 0  # the threshold's bytes resolved so far
@@ -229,7 +249,10 @@ def _topk_row_kernel(
             rank = ties + tl.cumsum(equal, 0) - equal  # ties go to the lowest group indices
             chosen = above + equal * (rank < need).to(tl.int32)
             pos = taken + tl.cumsum(chosen, 0) - chosen
-            tl.store(out_row + pos * stride_oc, cols, mask=chosen > 0)
+            if PACKED:
+                _packed_groups(out_row, cols, pos, chosen > 0, R)
+            else:
+                tl.store(out_row + pos * stride_oc, cols, mask=chosen > 0)
             taken += tl.sum(chosen, 0)
             ties += tl.sum(equal, 0)
             start += BLOCK
@@ -244,23 +267,34 @@ _topk_row = Launcher(_topk_row_kernel)
 
 class TopkLaunch:
     """The top-k launches of one chunk of `rows` rows (from a free first row `row0`) bound
-    to the score scratch fp32 [>= rows, num_cols], visible_blocks int32 [T], out int32
-    [T, Kb] (any row stride) and the radix scratch (hist int32 [>= rows, BINS], zero; state
-    int32 [>= rows, 4]; counts int32 [>= rows, n_tiles, 2]); `__call__(row0)` launches them.
+    to the score scratch fp32 [>= rows, num_cols], visible_blocks int32 [T] and the radix
+    scratch (hist int32 [>= rows, BINS], zero; state int32 [>= rows, 4]; counts int32
+    [>= rows, n_tiles, 2]); `__call__(row0, out, out_row_stride)` launches them into out:
+    int32 [T, Kb] (any strides) or, with `positions` int64 [T] given, the packed selection
+    int32 [T, W + 1] (contiguous rows; W = width - 1, r = compress_ratio).
 
     fused: the one-program-per-row kernel; else the radix passes (scored) and the emit
     (which alone writes rows with visible <= Kb when nothing is scored)."""
 
     def __init__(self, scores: torch.Tensor, visible_blocks: torch.Tensor, out: torch.Tensor, state: torch.Tensor,
                  hist: torch.Tensor, counts: torch.Tensor, *, row0: int, rows: int, num_cols: int, n_tiles: int,
-                 block_topk: int, scored: bool, fused: bool, tiles: dict) -> None:
+                 block_topk: int, scored: bool, fused: bool, tiles: dict, positions: torch.Tensor | None = None,
+                 compress_ratio: int = 1) -> None:
         Kb, KBP, sr = block_topk, triton.next_power_of_2(block_topk), scores.stride(0)
+        packed = positions is not None
+        if packed and out.stride(1) != 1:
+            raise ValueError(f"the packed selection must have contiguous rows, got strides {out.stride()}")
+        W = out.shape[1] - 1 if packed else 1
+        write = dict(PACKED=packed, R=compress_ratio if packed else 1, W=W,
+                     BLOCK_W=min(1024, triton.next_power_of_2(W + 1)))
+        pos = positions if packed else visible_blocks  # (unread unless packed)
         free = ("row0",)
+        out_free = ("row0", "out_ptr", "stride_or")
         if fused:
-            self._launches: list[BoundLaunch] = [_topk_row.bind(
-                (rows,), scores, visible_blocks, out, row0, num_cols, sr, out.stride(0), out.stride(1), free=free,
-                KB=Kb, KBP=KBP, BINS=BINS, BLOCK=tiles["scan"], num_warps=8,
-            )]
+            self._launches: list[tuple[BoundLaunch, bool]] = [(_topk_row.bind(
+                (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, out.stride(0), out.stride(1),
+                free=out_free, KB=Kb, KBP=KBP, BINS=BINS, BLOCK=tiles["scan"], **write, num_warps=8,
+            ), True)]
             return
         per = tiles["rows"]
         scan_grid = (triton.cdiv(rows, per), n_tiles)
@@ -270,23 +304,26 @@ class TopkLaunch:
             resolve_grid = (triton.cdiv(rows, tiles["resolve_rows"]),)
             for i, (shift, width) in enumerate(PASSES):
                 radix = dict(KB=Kb, FIRST=i == 0, SHIFT=shift, WIDTH=width, BINS=BINS)
-                self._launches.append(_hist.bind(
+                self._launches.append((_hist.bind(
                     scan_grid, scores, visible_blocks, state, hist, row0, rows, num_cols, sr, free=free,
                     **radix, **scan,
-                ))
-                self._launches.append(_resolve.bind(
+                ), False))
+                self._launches.append((_resolve.bind(
                     resolve_grid, visible_blocks, state, hist, row0, rows, num_cols, free=free,
                     **radix, ROWS=tiles["resolve_rows"],
-                ))
-            self._launches.append(_count.bind(
+                ), False))
+            self._launches.append((_count.bind(
                 scan_grid, scores, visible_blocks, state, counts, row0, rows, num_cols, n_tiles, sr, free=free,
                 KB=Kb, **scan,
-            ))
-        self._launches.append(_emit.bind(
-            scan_grid, scores, visible_blocks, state, counts, out, row0, rows, num_cols, n_tiles, sr,
-            out.stride(0), out.stride(1), free=free, KB=Kb, KBP=KBP, PREV=64, **scan,
-        ))
+            ), False))
+        self._launches.append((_emit.bind(
+            scan_grid, scores, visible_blocks, state, counts, out, pos, row0, rows, num_cols, n_tiles, sr,
+            out.stride(0), out.stride(1), free=out_free, KB=Kb, KBP=KBP, PREV=64, **scan, **write,
+        ), True))
 
-    def __call__(self, row0: int) -> None:
-        for launch in self._launches:
-            launch(row0)
+    def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int) -> None:
+        for launch, writes in self._launches:
+            if writes:
+                launch(row0, out, out_row_stride)
+            else:
+                launch(row0)
