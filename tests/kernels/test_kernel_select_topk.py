@@ -15,34 +15,53 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_core.reference.select import topk_groups  # noqa: E402
 from qsa_kernels.select_topk import TopkLaunch, short_route, topk_scratch, topk_tiles  # noqa: E402
 
-def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0, calls: int = 1) -> torch.Tensor:
+R = 4  # compress ratio of the packed rows
+
+
+def positions_of(rows: list[torch.Tensor]) -> torch.Tensor:
+    """A position per row with visible = (p + 1) // R (open tails of 0..R-1 tokens); -1 for
+    rows that see nothing (padding)."""
+    return torch.tensor([r.numel() * R - 1 + i % R if r.numel() else -1 for i, r in enumerate(rows)],
+                        dtype=torch.int64)
+
+
+def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0, calls: int = 1,
+             packed: bool = False, **tile_changes) -> torch.Tensor:
     """Kernel top-k of score rows (row i: its visible scores) in one chunk. The scratch beyond
-    each row's visible columns is NaN; out has row0 rows before the chunk (must stay -7)."""
+    each row's visible columns is NaN; out has row0 rows before the chunk (must stay -7).
+    packed: the packed selection rows [W + 1] instead of the groups; tile_changes: of the small tiles."""
     T = len(rows)
     scores = torch.full((T, num_cols), float("nan"), device=DEV)
     for i, r in enumerate(rows):
         scores[i, : r.numel()] = r.to(DEV)
     vis = torch.tensor([0] * row0 + [r.numel() for r in rows], dtype=torch.int32, device=DEV)
-    out = torch.full((row0 + T, kb), -7, dtype=torch.int32, device=DEV)
-    tiles = topk_tiles(num_cols, small=True)
+    pos = torch.cat([torch.full((row0,), -1, dtype=torch.int64), positions_of(rows)]).to(DEV) if packed else None
+    width = kb * R + R if packed else kb
+    out = torch.full((row0 + T, width), -7, dtype=torch.int32, device=DEV)
+    tiles = {**topk_tiles(num_cols, small=True), **tile_changes}
     launch = TopkLaunch(scores, vis, out, topk_scratch(T, num_cols, tiles, DEV), row0=row0, rows=T,
-                        num_cols=num_cols, block_topk=kb, tiles=tiles)
+                        num_cols=num_cols, block_topk=kb, tiles=tiles, positions=pos, compress_ratio=R)
     for _ in range(calls):
         out[row0:] = -7
-        launch(row0)
+        launch(row0, out, out.stride(0))
     assert (out[:row0] == -7).all(), "rows before the chunk were written"
     return out[row0:].cpu()
 
 
-def reference(rows: list[torch.Tensor], num_cols: int, kb: int) -> torch.Tensor:
+def reference(rows: list[torch.Tensor], num_cols: int, kb: int, packed: bool = False) -> torch.Tensor:
     scores = torch.zeros(len(rows), num_cols)
     for i, r in enumerate(rows):
         scores[i, : r.numel()] = r
     vis = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
-    return topk_groups(scores, vis, kb)
+    blocks = topk_groups(scores, vis, kb)
+    if not packed:
+        return blocks
+    out = torch.empty(len(rows), kb * R + R, dtype=torch.int32)
+    return qsa_expand(blocks, positions_of(rows), vis, compress_ratio=R, out=out)
 
 
 def distinct(n: int, seed: int) -> torch.Tensor:
@@ -60,10 +79,12 @@ def test_small_tiles_cross_every_route():
 
 
 @pytest.mark.parametrize("num_cols", COLS)
-@pytest.mark.parametrize("kb", [8, 16])
-def test_random_scores(num_cols, kb):
+@pytest.mark.parametrize("kb, packed, lbits", [(8, False, 31), (16, False, 31), (8, True, 31), (8, False, 12)])
+def test_random_scores(num_cols, kb, packed, lbits):
+    # lbits 12: a coarser bound (its 12 high key bits), more candidates, the same result.
     rows = [distinct(num_cols, s) for s in range(3)] + [distinct(num_cols - 5, 9)]
-    assert torch.equal(run_topk(rows, num_cols, kb, calls=2), reference(rows, num_cols, kb))
+    got = run_topk(rows, num_cols, kb, calls=2, packed=packed, lbits=lbits)
+    assert torch.equal(got, reference(rows, num_cols, kb, packed))
 
 
 @pytest.mark.parametrize("num_cols", COLS)
@@ -88,18 +109,19 @@ def test_many_ties_at_the_threshold(num_cols):
     assert set(got[0].tolist()) == set(tie_at[12:].tolist()) | set(tied.tolist())
 
 
-@pytest.mark.parametrize("num_cols", [60, 300])
-def test_crowded_candidates_overflow_to_the_exact_resolve(num_cols):
+@pytest.mark.parametrize("num_cols, packed", [(60, False), (300, False), (300, True)])
+def test_crowded_candidates_overflow_to_the_exact_resolve(num_cols, packed):
     # Integer scores 0..3: the bound admits every key of the top value and beyond a list's capacity.
     g = torch.Generator().manual_seed(5)
     rows = [torch.randint(0, 4, (num_cols,), generator=g).float() for _ in range(2)]
     rows[1][-40:] = 7.0  # the top keys crowd the last segment
-    assert torch.equal(run_topk(rows, num_cols, 16, calls=2), reference(rows, num_cols, 16))
+    assert torch.equal(run_topk(rows, num_cols, 16, calls=2, packed=packed), reference(rows, num_cols, 16, packed))
 
 
 @pytest.mark.parametrize("num_cols", COLS)
 def test_rows_at_or_below_kb_and_padding_rows(num_cols):
     rows = [distinct(n, n) for n in (0, 1, 7, 8, 9)]  # 0: a padding row (visible 0)
+    assert torch.equal(run_topk(rows, num_cols, 8, row0=2, packed=True), reference(rows, num_cols, 8, True))
     got = run_topk(rows, num_cols, 8, row0=2)
     assert torch.equal(got, reference(rows, num_cols, 8))
     assert (got[0] == -1).all() and torch.equal(got[2][:7], torch.arange(7, dtype=torch.int32))
