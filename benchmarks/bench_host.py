@@ -9,8 +9,10 @@ sync, in batches short enough that the launch queue never fills), so it is the t
 CPU spends issuing work. GPU time: CUDA events around the same loop (the GPU's span; when
 it is above the host time, the GPU waits on nothing). Kernel launches per call come from the
 profiler.
-Every case runs twice in one run: with the ordinary Triton launch (`JITFunction.run`, the
-old path) and with the thin launcher (`qsa_kernels.launch`, bound launches).
+Every case runs with the ordinary Triton launch (`JITFunction.run`, the old path) and with
+the thin launcher (`qsa_kernels.launch`, bound launches). The host is shared and noisy: each
+figure is the median of `--passes` interleaved passes over all cases (after one warm-up
+pass), each pass the median of its rounds.
 
     python benchmarks/bench_host.py [--out DIR] [--launch both|ordinary|launcher] [--shapes 4x8192,...]
 """
@@ -24,12 +26,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import triton
 
 from qsa_core import (
     QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs, qsa_attention,
     qsa_indexer, qsa_prepare, qsa_select,
 )
-from qsa_kernels.launch import set_enabled
+from qsa_kernels.launch import Launcher, set_enabled
 
 CONFIG = QSAConfig(
     hidden_size=2048, num_heads=24, num_kv_heads=2, head_dim=256, index_n_heads=4, index_head_dim=128,
@@ -60,6 +63,20 @@ def host_and_gpu_us(fn: Callable[[], object], calls: int = 25, rounds: int = 6) 
         host.append((t1 - t0) * 1e6 / calls)
         gpu.append(start.elapsed_time(end) * 1e3 / calls)
     return sorted(host)[rounds // 2], sorted(gpu)[rounds // 2]
+
+
+@triton.jit
+def _noop_kernel(x_ptr, n):
+    pass
+
+
+def launch_floor() -> dict[str, float]:
+    """Host us of one launch of an empty kernel: bound (launcher), ordinary, and a torch op."""
+    x = torch.zeros(16, device=DEV)
+    bound = Launcher(_noop_kernel).bind((1,), x, 5, free=("x_ptr",))
+    cases = {"bound launch": lambda: bound(x), "ordinary launch": lambda: _noop_kernel[(1,)](x, 5),
+             "torch x.add_(1)": lambda: x.add_(1)}
+    return {name: round(host_and_gpu_us(fn, 200, 9)[0], 2) for name, fn in cases.items()}
 
 
 def launches(fn: Callable[[], object]) -> int | str:
@@ -158,12 +175,14 @@ def main() -> None:
     parser.add_argument("--launch", choices=("both", "ordinary", "launcher"), default="both",
                         help="Triton launch path(s) to measure (default: both, old then new)")
     parser.add_argument("--calls", type=int, default=25, help="calls per timed round")
-    parser.add_argument("--rounds", type=int, default=6, help="timed rounds (the median is reported)")
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per pass (their median)")
+    parser.add_argument("--passes", type=int, default=3, help="interleaved passes over all cases (their median)")
     parser.add_argument("--shapes", default="4x8192,64x8192,64x131072", help="BATCHxCONTEXT decode steps, comma separated")
     args = parser.parse_args()
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     modes = ("ordinary", "launcher") if args.launch == "both" else (args.launch,)
     rows, same = [], []
+    timed: list[tuple[dict, Callable[[], object], str]] = []
     for batch, context in shapes:
         step = DecodeStep(batch, context)
         if len(modes) == 2:  # the two paths write the same bits
@@ -176,30 +195,48 @@ def main() -> None:
                 equal = f"{type(exc).__name__}: {exc}"[:120]
             same.append(f"B{batch} {context}: {equal}")
         cases = [("layer halves", step.halves), *step.ops_alone().items(), ("QSAAttention.forward", step.forward),
-                 ("plan", step.make_plan), ("plan static", lambda: step.make_plan(static=True))]
+                 ("plan", step.make_plan), ("plan static", lambda step=step: step.make_plan(static=True))]
         for name, fn in cases:
             for mode in modes:
-                set_enabled(mode == "launcher")
-                row = dict(case=name, launch=mode, batch=batch, context=context)
-                try:
-                    host, gpu = host_and_gpu_us(fn, args.calls, args.rounds)
-                    # Both paths launch the same kernels: count them once, for the whole cases.
-                    count = launches(fn) if mode == modes[-1] and name in COUNTED else "-"
-                    row.update(host_us=round(host, 1), gpu_us=round(gpu, 1), launches=count)
-                except Exception as exc:  # report the failure of one case and go on
-                    row.update(host_us="error", gpu_us="-", launches=f"{type(exc).__name__}: {exc}"[:80])
+                row = dict(case=name, launch=mode, batch=batch, context=context, host_passes=[], gpu_passes=[])
                 rows.append(row)
-                print(row, flush=True)
+                timed.append((row, fn, mode))
+    for p in range(args.passes + 1):  # pass 0 warms up
+        for row, fn, mode in timed:
+            if "error" in row:
+                continue
+            set_enabled(mode == "launcher")
+            try:
+                host, gpu = host_and_gpu_us(fn, args.calls, args.rounds)
+            except Exception as exc:  # report the failure of one case and go on
+                row["error"] = f"{type(exc).__name__}: {exc}"[:80]
+                continue
+            if p:
+                row["host_passes"].append(round(host, 1))
+                row["gpu_passes"].append(round(gpu, 1))
+    for row, fn, mode in timed:
+        set_enabled(mode == "launcher")
+        if "error" in row:
+            row.update(host_us="error", gpu_us="-", launches=row["error"])
+        else:
+            # Both paths launch the same kernels: count them once, for the whole cases.
+            count = launches(fn) if mode == modes[-1] and row["case"] in COUNTED else "-"
+            row.update(host_us=sorted(row["host_passes"])[len(row["host_passes"]) // 2],
+                       gpu_us=sorted(row["gpu_passes"])[len(row["gpu_passes"]) // 2], launches=count)
+        print(row, flush=True)
     set_enabled(True)
+    floor = launch_floor()
     head = f"{'case':<22}{'launch':>10}{'batch':>6}{'context':>9}{'host us':>10}{'gpu us':>10}{'launches':>10}"
     lines = [head] + [f"{r['case']:<22}{r['launch']:>10}{r['batch']:>6}{r['context']:>9}{r['host_us']:>10}"
                       f"{r['gpu_us']:>10}{str(r['launches']):>10}" for r in rows]
     if same:
         lines.append("launcher outputs == ordinary outputs (bitwise): " + "; ".join(same))
+    lines.append("host us of one empty-kernel launch: " + ", ".join(f"{k} {v}" for k, v in floor.items()))
     print("\n".join(lines))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "host.json").write_text(json.dumps(dict(rows=rows, launcher_equals_ordinary=same), indent=1))
+        (args.out / "host.json").write_text(json.dumps(dict(rows=rows, launcher_equals_ordinary=same,
+                                                            launch_floor_us=floor), indent=1))
 
 
 if __name__ == "__main__":

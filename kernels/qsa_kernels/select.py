@@ -61,21 +61,22 @@ def _score_scratch(rows: int, cols: int, device: torch.device) -> torch.Tensor:
 def _tiles(decode: bool) -> dict[str, int]:
     """Tile sizes. block_r x block_g: prefill score tile (block_r rows feed tl.dot); block_g
     alone for decode (one row per program, heads feed tl.dot); scan: columns per radix tile;
-    rows / resolve_rows: rows per radix / resolve program. The interpreter uses small column
-    tiles (tests cross tile borders) and many rows per program (its cost is per program)."""
+    rows: rows per radix program. The interpreter uses small column tiles (tests cross tile
+    borders) and many rows per program (its cost is per program)."""
     if _interpreting():
-        return dict(block_r=16, block_g=16, scan=32, rows=8, resolve_rows=16)
-    return dict(block_r=64, block_g=128 if decode else 64, scan=4096, rows=1, resolve_rows=4)
+        return dict(block_r=16, block_g=16, scan=32, rows=8)
+    return dict(block_r=64, block_g=128 if decode else 64, scan=4096, rows=1)
 
 
 @dataclass(frozen=True)
 class SelectWorkspace:
-    """Persistent scratch of selection (flat; a schedule takes views): fp32 scores and the
-    int32 radix histograms (zero between uses: each resolve pass clears what it read),
-    states and per-tile counts; the scratch of `select_topk` (decode)."""
+    """Persistent scratch of selection (flat; a schedule takes views): fp32 scores, the
+    int32 radix histograms and arrival counters (zero between uses: the resolving program
+    clears what it read), states and per-tile counts; the scratch of `select_topk` (decode)."""
 
     scores: torch.Tensor
     hist: torch.Tensor
+    arrive: torch.Tensor
     state: torch.Tensor
     counts: torch.Tensor
     topk: select_topk.TopkScratch | None = None
@@ -86,7 +87,7 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
     dev = torch.device(device)
     cols = max(max_cols, 1)
     if cols <= block_topk:  # nothing is ever scored
-        return SelectWorkspace(*(torch.empty(0, dtype=dt, device=dev) for dt in (torch.float32,) + (torch.int32,) * 3))
+        return SelectWorkspace(*(torch.empty(0, dtype=dt, device=dev) for dt in (torch.float32,) + (torch.int32,) * 4))
     tiles = _tiles(decode=True)  # both kinds share the radix tiles
     max_chunk = min(max_rows, max(1, SCORE_SCRATCH_BYTES // (4 * (block_topk + 1))))
     score_elems = max(min(max_chunk * cols, SCORE_SCRATCH_BYTES // 4), cols)
@@ -96,6 +97,7 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
     return SelectWorkspace(
         scores=_score_scratch(1, score_elems, dev).view(-1),
         hist=torch.zeros(hist_rows * _BINS, dtype=torch.int32, device=dev),
+        arrive=torch.zeros(hist_rows, dtype=torch.int32, device=dev),
         state=torch.empty(max_chunk * 4, dtype=torch.int32, device=dev),
         counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
         topk=_topk_scratch(max_rows, cols, block_topk, dev),
@@ -129,8 +131,8 @@ class SelectSchedule:
     num_cols: the column bound (groups of the longest request); chunk: rows per scratch
     pass; scored: any row may have more than Kb visible groups; fused: the one-launch
     per-row top-k, else the radix passes; the views scores fp32 [chunk, num_cols], hist,
-    state, counts (unused ones alias `scores`); topk / topk_tiles: the scratch and tiles of
-    `select_topk` where a decode chunk takes it instead (`_topk_route`), else None.
+    arrive, state, counts (unused ones alias `scores`); topk / topk_tiles: the scratch and
+    tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None.
     """
 
     num_rows: int
@@ -144,6 +146,7 @@ class SelectSchedule:
     interpret: bool
     scores: torch.Tensor
     hist: torch.Tensor
+    arrive: torch.Tensor
     state: torch.Tensor
     counts: torch.Tensor
     topk: select_topk.TopkScratch | None = None
@@ -178,21 +181,23 @@ def plan_select(
         workspace = SelectWorkspace(
             scores=_score_scratch(chunk, n_cols, torch.device(device)).view(-1),
             hist=torch.zeros(triton.cdiv(chunk, rows) * rows * _BINS, dtype=torch.int32, device=device),
+            arrive=torch.zeros(triton.cdiv(chunk, rows), dtype=torch.int32, device=device),
             state=torch.empty(chunk * 4, dtype=torch.int32, device=device),
             counts=torch.empty(chunk * n_tiles * 2, dtype=torch.int32, device=device),
         )
     if scored:
-        need = dict(scores=chunk * n_cols, hist=triton.cdiv(chunk, rows) * rows * _BINS, state=chunk * 4,
-                    counts=chunk * n_tiles * 2)
+        need = dict(scores=chunk * n_cols, hist=triton.cdiv(chunk, rows) * rows * _BINS,
+                    arrive=triton.cdiv(chunk, rows), state=chunk * 4, counts=chunk * n_tiles * 2)
         for name, n in need.items():
             if getattr(workspace, name).numel() < n:
                 raise ValueError(f"select workspace.{name} holds {getattr(workspace, name).numel()} < {n} elements")
         scores = workspace.scores[: chunk * n_cols].view(chunk, n_cols)
         hist = workspace.hist[: need["hist"]].view(-1, _BINS)
+        arrive = workspace.arrive[: need["arrive"]]
         state = workspace.state[: chunk * 4].view(chunk, 4)
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
-        scores = hist = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
+        scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
     topk = topk_tiles = None
     if _topk_route(n_cols, chunk, decode, fused):
         topk_tiles = select_topk.topk_tiles(n_cols, small=_interpreting())
@@ -207,7 +212,7 @@ def plan_select(
     return SelectSchedule(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
-        scores=scores, hist=hist, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
+        scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
     )
 
 
@@ -247,7 +252,7 @@ class SelectLaunch:
                     )
                 else:
                     topk = TopkLaunch(
-                        s.scores, visible_blocks, out, s.state, s.hist, s.counts, row0=row0, rows=n,
+                        s.scores, visible_blocks, out, s.state, s.hist, s.arrive, s.counts, row0=row0, rows=n,
                         num_cols=s.num_cols, n_tiles=s.n_tiles, block_topk=block_topk, scored=s.scored,
                         fused=s.fused, tiles=s.tiles, positions=positions, compress_ratio=compress_ratio,
                     )

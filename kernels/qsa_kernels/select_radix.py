@@ -9,8 +9,8 @@ order like the values); output: the chosen groups of each row in ascending order
   the chosen groups - one launch.
 - Radix (few rows over very many columns, where one program per row would idle the GPU):
   four passes of `_hist_kernel` (grid: rows x column tiles, atomic 256-bin histograms of
-  the next digit among keys that match the prefix so far) and `_resolve_kernel` (grid:
-  rows) that picks the digit holding the k-th largest key; a row stops refining once every
+  the next digit among keys that match the prefix so far; the last program of a row block
+  to arrive picks the digit holding the k-th largest key); a row stops refining once every
   key of its bin is taken. Then `_count_kernel` + `_emit_kernel` (grid: rows x column
   tiles) take every key above the threshold prefix and the lowest-index keys equal to it
   (per-tile counts give each tile's output offset). Rows with visible <= Kb take groups
@@ -49,15 +49,47 @@ def _keys(s_ptr, lr, cols, mask, stride_sr):
     return s.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
-@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr"])
+@triton.jit
+def _resolve_rows(lr, in_chunk, vis, state_ptr, hist_ptr, KB: tl.constexpr, FIRST: tl.constexpr,
+                  SHIFT: tl.constexpr, WIDTH: tl.constexpr, BINS: tl.constexpr):
+    """Pick the digit holding each row's need-th largest key from its finished histogram
+    (zeroed here for the next pass); state int32 [rows, 4] = (prefix, need: keys still to
+    take from the prefix's bin, shift of the prefix, refine)."""
+    if FIRST:
+        prefix = lr * 0
+        need = lr * 0 + KB
+        shift = lr * 0 + 31
+        refine = vis > KB
+    else:
+        prefix = tl.load(state_ptr + lr * 4, mask=in_chunk, other=0)
+        need = tl.load(state_ptr + lr * 4 + 1, mask=in_chunk, other=0)
+        shift = tl.load(state_ptr + lr * 4 + 2, mask=in_chunk, other=0)
+        refine = tl.load(state_ptr + lr * 4 + 3, mask=in_chunk, other=0) != 0
+    bins = tl.arange(0, BINS)[None, :]
+    h_off = lr.to(tl.int64)[:, None] * BINS + bins
+    counts = tl.load(hist_ptr + h_off, mask=in_chunk[:, None], other=0, cache_modifier=".cg")
+    tl.store(hist_ptr + h_off, counts * 0, mask=in_chunk[:, None])
+    at_or_above = tl.sum(counts, 1)[:, None] - tl.cumsum(counts, 1) + counts
+    b = tl.max(tl.where(at_or_above >= need[:, None], bins, -1), 1)
+    in_b = tl.sum(tl.where(bins == b[:, None], counts, 0), 1)
+    new_need = need - (tl.sum(tl.where(bins == b[:, None], at_or_above, 0), 1) - in_b)
+    tl.store(state_ptr + lr * 4, tl.where(refine, (prefix << WIDTH) | b, prefix), mask=in_chunk)
+    tl.store(state_ptr + lr * 4 + 1, tl.where(refine, new_need, need), mask=in_chunk)
+    tl.store(state_ptr + lr * 4 + 2, tl.where(refine, SHIFT, shift), mask=in_chunk)
+    tl.store(state_ptr + lr * 4 + 3, (refine & (in_b > new_need)).to(tl.int32), mask=in_chunk)
+
+
+@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "n_tiles", "stride_sr"])
 def _hist_kernel(
-    s_ptr, vis_ptr, state_ptr, hist_ptr, row0, n_rows, n_cols, stride_sr,
+    s_ptr, vis_ptr, state_ptr, hist_ptr, arrive_ptr, row0, n_rows, n_cols, n_tiles, stride_sr,
     KB: tl.constexpr, FIRST: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
     BINS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):
     """One radix pass over one column tile of ROWS rows: histogram of the digit
     (key >> SHIFT) & (2^WIDTH - 1) of keys whose bits above SHIFT + WIDTH equal the row's
-    prefix; hist int32 [rows, BINS] += (row r's digits are binned at r * BINS + digit)."""
+    prefix; hist int32 [rows, BINS] += (row r's digits are binned at r * BINS + digit). The
+    last of the row block's n_tiles programs to arrive (arrive int32 [row blocks], zero
+    between passes) resolves the pass for its rows (`_resolve_rows`)."""
     lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
     start = tl.program_id(1) * BLOCK
     if FIRST:
@@ -77,39 +109,11 @@ def _hist_kernel(
                               mask=tl.reshape(match, (ROWS * BLOCK,)))
         slot = (tl.program_id(0) * ROWS).to(tl.int64) * BINS + tl.arange(0, ROWS * BINS)
         tl.atomic_add(hist_ptr + slot, counts, mask=counts > 0, sem="relaxed")
-
-
-@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols"])
-def _resolve_kernel(
-    vis_ptr, state_ptr, hist_ptr, row0, n_rows, n_cols,
-    KB: tl.constexpr, FIRST: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
-    BINS: tl.constexpr, ROWS: tl.constexpr,
-):
-    """Pick the digit holding each row's need-th largest key; state int32 [rows, 4] =
-    (prefix, need: keys still to take from the prefix's bin, shift of the prefix, refine)."""
-    lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
-    if FIRST:
-        prefix = lr * 0
-        need = lr * 0 + KB
-        shift = lr * 0 + 31
-        refine = vis > KB
-    else:
-        prefix = tl.load(state_ptr + lr * 4, mask=in_chunk, other=0)
-        need = tl.load(state_ptr + lr * 4 + 1, mask=in_chunk, other=0)
-        shift = tl.load(state_ptr + lr * 4 + 2, mask=in_chunk, other=0)
-        refine = tl.load(state_ptr + lr * 4 + 3, mask=in_chunk, other=0) != 0
-    bins = tl.arange(0, BINS)[None, :]
-    h_off = lr.to(tl.int64)[:, None] * BINS + bins
-    counts = tl.load(hist_ptr + h_off, mask=in_chunk[:, None], other=0)
-    tl.store(hist_ptr + h_off, counts * 0, mask=in_chunk[:, None])  # zero for the next pass
-    at_or_above = tl.sum(counts, 1)[:, None] - tl.cumsum(counts, 1) + counts
-    b = tl.max(tl.where(at_or_above >= need[:, None], bins, -1), 1)
-    in_b = tl.sum(tl.where(bins == b[:, None], counts, 0), 1)
-    new_need = need - (tl.sum(tl.where(bins == b[:, None], at_or_above, 0), 1) - in_b)
-    tl.store(state_ptr + lr * 4, tl.where(refine, (prefix << WIDTH) | b, prefix), mask=in_chunk)
-    tl.store(state_ptr + lr * 4 + 1, tl.where(refine, new_need, need), mask=in_chunk)
-    tl.store(state_ptr + lr * 4 + 2, tl.where(refine, SHIFT, shift), mask=in_chunk)
-    tl.store(state_ptr + lr * 4 + 3, (refine & (in_b > new_need)).to(tl.int32), mask=in_chunk)
+    tl.debug_barrier()  # this program's histogram adds before its arrival
+    block = tl.program_id(0)
+    if tl.atomic_add(arrive_ptr + block, 1, sem="acq_rel", scope="gpu") == n_tiles - 1:
+        tl.store(arrive_ptr + block, 0)  # zero for the next pass
+        _resolve_rows(lr, in_chunk, vis, state_ptr, hist_ptr, KB, FIRST, SHIFT, WIDTH, BINS)
 
 
 @triton.jit
@@ -259,7 +263,6 @@ def _topk_row_kernel(
 
 
 _hist = Launcher(_hist_kernel)
-_resolve = Launcher(_resolve_kernel)
 _count = Launcher(_count_kernel)
 _emit = Launcher(_emit_kernel)
 _topk_row = Launcher(_topk_row_kernel)
@@ -268,8 +271,8 @@ _topk_row = Launcher(_topk_row_kernel)
 class TopkLaunch:
     """The top-k launches of one chunk of `rows` rows (from a free first row `row0`) bound
     to the score scratch fp32 [>= rows, num_cols], visible_blocks int32 [T] and the radix
-    scratch (hist int32 [>= rows, BINS], zero; state int32 [>= rows, 4]; counts int32
-    [>= rows, n_tiles, 2]); `__call__(row0, out, out_row_stride)` launches them into out:
+    scratch (hist int32 [>= rows, BINS] and arrive int32 [>= row blocks], zero; state int32
+    [>= rows, 4]; counts int32 [>= rows, n_tiles, 2]); `__call__(row0, out, out_row_stride)` launches them into out:
     int32 [T, Kb] (any strides) or, with `positions` int64 [T] given, the packed selection
     int32 [T, W + 1] (contiguous rows; W = width - 1, r = compress_ratio).
 
@@ -277,7 +280,7 @@ class TopkLaunch:
     (which alone writes rows with visible <= Kb when nothing is scored)."""
 
     def __init__(self, scores: torch.Tensor, visible_blocks: torch.Tensor, out: torch.Tensor, state: torch.Tensor,
-                 hist: torch.Tensor, counts: torch.Tensor, *, row0: int, rows: int, num_cols: int, n_tiles: int,
+                 hist: torch.Tensor, arrive: torch.Tensor, counts: torch.Tensor, *, row0: int, rows: int, num_cols: int, n_tiles: int,
                  block_topk: int, scored: bool, fused: bool, tiles: dict, positions: torch.Tensor | None = None,
                  compress_ratio: int = 1) -> None:
         Kb, KBP, sr = block_topk, triton.next_power_of_2(block_topk), scores.stride(0)
@@ -301,16 +304,11 @@ class TopkLaunch:
         scan = dict(BLOCK=tiles["scan"], ROWS=per, num_warps=8 if tiles["scan"] >= 2048 else 4)
         self._launches = []
         if scored:
-            resolve_grid = (triton.cdiv(rows, tiles["resolve_rows"]),)
             for i, (shift, width) in enumerate(PASSES):
                 radix = dict(KB=Kb, FIRST=i == 0, SHIFT=shift, WIDTH=width, BINS=BINS)
                 self._launches.append((_hist.bind(
-                    scan_grid, scores, visible_blocks, state, hist, row0, rows, num_cols, sr, free=free,
-                    **radix, **scan,
-                ), False))
-                self._launches.append((_resolve.bind(
-                    resolve_grid, visible_blocks, state, hist, row0, rows, num_cols, free=free,
-                    **radix, ROWS=tiles["resolve_rows"],
+                    scan_grid, scores, visible_blocks, state, hist, arrive, row0, rows, num_cols, n_tiles, sr,
+                    free=free, **radix, **scan,
                 ), False))
             self._launches.append((_count.bind(
                 scan_grid, scores, visible_blocks, state, counts, row0, rows, num_cols, n_tiles, sr, free=free,

@@ -187,7 +187,7 @@ def test_float_kinds_by_score_values(nan_scratch, kind):
 
 
 def test_one_workspace_serves_consecutive_calls(nan_scratch):
-    """A plan's persistent scratch: histograms are clean again after every call."""
+    """A plan's persistent scratch: histograms and arrival counters are clean again after every call."""
     ws = ker.select_workspace(max_rows=128, max_cols=64, block_topk=8, device=DEV)
     for seed, decode in ((0, False), (1, True), (2, False)):
         problem = make_problem(**RAGGED, kind="int", pad_rows=2, seed=seed)
@@ -198,7 +198,7 @@ def test_one_workspace_serves_consecutive_calls(nan_scratch):
         fn(q, comp, table, to_req, vis, page_size=16, compress_ratio=4, block_topk=8, out=out, schedule=sched)
         _, expect = run_both(problem, decode=decode)
         assert torch.equal(out, expect)
-        assert not ws.hist.any()
+        assert not ws.hist.any() and not ws.arrive.any()
 
 
 def test_bigger_kb_and_page(nan_scratch):
