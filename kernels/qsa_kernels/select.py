@@ -104,7 +104,8 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
     )
 
 
-def _topk_chunk(num_rows: int, n_cols: int) -> int:
+def _scored_chunk(num_rows: int, n_cols: int) -> int:
+    """Rows per scratch pass of scored rows of n_cols columns (the score scratch cap)."""
     return max(1, min(num_rows, max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))))
 
 
@@ -114,7 +115,7 @@ def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.devi
     need = dict.fromkeys(select_topk.TopkScratch.__dataclass_fields__, 1)
     c = triton.next_power_of_2(block_topk + 1)
     while c <= triton.next_power_of_2(max_cols):
-        chunk = _topk_chunk(max_rows, c)
+        chunk = _scored_chunk(max_rows, c)
         tiles = select_topk.topk_tiles(c, small=_interpreting())
         if _topk_route(c, chunk, True, c <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS):
             for k, v in select_topk.topk_scratch_elems(chunk, c, tiles).items():
@@ -173,8 +174,7 @@ def plan_select(
     scan = tiles["scan"]
     n_tiles = triton.cdiv(n_cols, scan)
     scored = n_cols > Kb
-    chunk = min(num_rows, max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))) if scored else max(num_rows, 1)
-    chunk = max(chunk, 1)
+    chunk = _scored_chunk(num_rows, n_cols) if scored else max(num_rows, 1)
     fused = n_cols <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS
     rows = tiles["rows"]
     if workspace is None and scored:
