@@ -3,8 +3,9 @@
 Contract: `qsa_core/reference/select.py`. A select call runs per chunk of rows (host ints
 only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
-(`select_radix.py`: one fused program per row, or the radix passes) write each row's chosen
-groups in ascending order; rows with visible <= Kb take groups 0..visible-1 unscored.
+(`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
+`select_topk.py`, see `_topk_route`) write each row's chosen groups in ascending order (or
+the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored.
 
 `plan_select` fixes the schedule of a call (chunk, route, scratch views) when a step is
 planned; `SelectLaunch` binds all of a call's launches to that schedule, the compressed keys
@@ -32,12 +33,14 @@ SCORE_SCRATCH_BYTES = 64 << 20
 # 45 us) or for many rows (16K rows at 16K context: 1.9 vs 1.7 ms).
 _FUSED_MAX_COLS = 4096
 _FUSED_MAX_ROWS = 256
-# Decode rows take the histogram-free top-k (`select_topk`) where it measured faster on the
-# H200 (2026-12-01, select + expand, us): rows of <= 4096 columns where the fused kernel
-# would run (8K B1: 19.1 vs 33.6), and chunks of >= 16 long rows (128K B64: 193 vs 213;
-# 1M B4 x 4 rows: 282 vs 321); not few long rows (128K B4: 62 vs 51; 1M B4: 120 vs 123).
+# Decode chunks take the histogram-free top-k (`select_topk`) where it measured faster on the
+# H200 (2026-12-01 W2, select with packed rows, us, radix -> topk): rows of <= 4096 columns
+# where the fused kernel would run (8K B1: 29.3 -> 18.4), and chunks of 16..64 long rows
+# (128K B64: 210 -> 192; 1M B4 x 4 rows: 330 -> 284); not few long rows (128K B4: 48.7 vs
+# 62.3; 1M B4: 124.7 vs 144.4). Chunk bounds are the measured range (1, 16 and 64 rows).
+_TOPK_SHORT_MAX_ROWS = 64
 _TOPK_MIN_ROWS = 16
-_TOPK_MAX_ROWS = 512
+_TOPK_MAX_ROWS = 64
 
 
 def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:
@@ -45,7 +48,7 @@ def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:
     if not decode:
         return False
     if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, small=_interpreting())):
-        return fused
+        return fused and chunk <= _TOPK_SHORT_MAX_ROWS
     return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
 
 

@@ -153,3 +153,20 @@ def test_a_long_list_within_the_row_capacity():
     row = distinct(num_cols, 21)
     row[130:150] = 20.0 + torch.arange(20.0)
     assert torch.equal(run_topk([row], num_cols, 16), reference([row], num_cols, 16))
+
+
+@pytest.mark.parametrize("seq_lens, query_lens", [
+    ([100, 60], [2, 3]),  # <= 32 columns: the short route
+    ([120, 300, 1200, 90], [4, 4, 8, 4]),  # 20 rows of up to 300 columns: several segments
+])
+def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, monkeypatch):
+    from test_kernel_select import make_problem, run_both
+    from qsa_kernels import select as ker
+
+    monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
+        (rows, cols), float("nan"), device=device))
+    problem = make_problem(seq_lens, query_lens, kind="int", pad_rows=2)
+    T, max_seq = problem[0].shape[0], problem[-1]
+    assert ker.plan_select(T, max_seq // 4, 8, decode=True, device=DEV).topk is not None
+    out, expect = run_both(problem, decode=True)
+    assert torch.equal(out, expect)
