@@ -118,7 +118,7 @@ def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.devi
     need = dict.fromkeys(select_topk.TopkScratch.__dataclass_fields__, 1)
     c = triton.next_power_of_2(block_topk + 1)
     while c <= triton.next_power_of_2(max_cols):
-        chunk = _scored_chunk(max_rows, c)
+        chunk = min(_scored_chunk(max_rows, c), _TOPK_MAX_ROWS)  # the largest chunk the route takes
         tiles = select_topk.topk_tiles(c, small=_interpreting())
         if _topk_route(c, chunk, True, c <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS):
             for k, v in select_topk.topk_scratch_elems(chunk, c, tiles).items():

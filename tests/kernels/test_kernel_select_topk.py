@@ -170,3 +170,13 @@ def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, m
     assert ker.plan_select(T, max_seq // 4, 8, decode=True, device=DEV).topk is not None
     out, expect = run_both(problem, decode=True)
     assert torch.equal(out, expect)
+
+
+def test_the_select_workspace_holds_every_decode_plan_of_this_route():
+    from qsa_kernels import select as ker
+
+    ws = ker.select_workspace(1000, 1200 // 4, 8, DEV)
+    for rows in (1, 16, 20, 64, 65, 1000):
+        for cols in (32, 64, 128, 300):
+            s = ker.plan_select(rows, cols, 8, decode=True, device=DEV, workspace=ws)
+            assert s.topk is None or s.topk is ws.topk
