@@ -36,6 +36,7 @@ import triton.language as tl
 
 from .expand import _packed_groups, _packed_tail
 from .launch import BoundLaunch, Launcher
+from .select_radix import ChunkLaunches, packed_write
 
 
 @triton.jit
@@ -343,7 +344,7 @@ def topk_scratch(rows: int, num_cols: int, tiles: dict, device: torch.device | s
                           for k, v in n.items()})
 
 
-class TopkLaunch:
+class TopkLaunch(ChunkLaunches):
     """The top-k launches of one chunk of `rows` rows (from a free first row `row0`) bound to
     the score scratch fp32 [>= rows, num_cols], visible_blocks int32 [T] and `scratch`
     (`topk_scratch(rows, num_cols, tiles)`); `__call__(row0, out, out_row_stride)` launches
@@ -356,13 +357,7 @@ class TopkLaunch:
                  *, row0: int, rows: int, num_cols: int, block_topk: int, tiles: dict,
                  positions: torch.Tensor | None = None, compress_ratio: int = 1) -> None:
         Kb, KBP, sr, t = block_topk, triton.next_power_of_2(block_topk), scores.stride(0), tiles
-        packed = positions is not None
-        if packed and out.stride(1) != 1:
-            raise ValueError(f"the packed selection must have contiguous rows, got strides {out.stride()}")
-        W = out.shape[1] - 1 if packed else 1
-        write = dict(PACKED=packed, R=compress_ratio if packed else 1, W=W,
-                     BLOCK_W=min(1024, triton.next_power_of_2(W + 1)))
-        pos = positions if packed else visible_blocks  # (unread unless packed)
+        write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
         free, out_free = ("row0",), ("row0", "out_ptr", "stride_or")
         outs = (out.stride(0), out.stride(1))
         self._launches: list[tuple[BoundLaunch, bool]] = []
@@ -391,10 +386,3 @@ class TopkLaunch:
             SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"], RBLOCK=t["rblock"],
             **write, num_warps=t["warps"],
         ), True))
-
-    def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int) -> None:
-        for launch, writes in self._launches:
-            if writes:
-                launch(row0, out, out_row_stride)
-            else:
-                launch(row0)
