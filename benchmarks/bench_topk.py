@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qsa import GraphTimer, Step  # noqa: E402
@@ -40,10 +41,12 @@ SHAPES = {
 # Overrides of `topk_tiles` (a "seg" override sizes samples and lists as for that many segments).
 VARIANTS = {"b2": {}, "b4": dict(bits=4), "l16": dict(lbits=16), "s4k": dict(seg=4096), "w4": dict(warps=4)}
 SHORT_ONLY = {"w4"}  # variants timed only where rows take the short route
-ROUTE, TILES, TOPK = sel._topk_route, stk.topk_tiles, stk.TopkLaunch
+ROUTE, TILES, RADIX = sel._topk_route, stk.topk_tiles, sel.TopkLaunch
 
 
 class NoTopk:
+    """A top-k that launches nothing (the score launch alone)."""
+
     def __init__(self, *args, **kwargs) -> None:
         pass
 
@@ -64,21 +67,15 @@ def configure(route: str, variant: dict | None = None) -> None:
     stk.topk_tiles = tiles
 
 
-RADIX = sel.TopkLaunch
-
-
 def candidates(step: Step, tiles: dict) -> tuple[int, int]:
+    """(largest candidate count of a row, rows over capacity) of the last select."""
     s = step.plan.schedule.select_decode
     if s.topk is None or stk.short_route(s.num_cols, tiles):
         return 0, 0
     segs = -(-s.num_cols // tiles["seg"])
-    segp = triton_next_pow2(segs)
+    segp = triton.next_power_of_2(segs)
     tot = s.topk.counts[: s.chunk * segp].view(s.chunk, segp)[: s.num_rows, :segs].sum(1)
     return int(tot.max()), int((tot > tiles["cap"]).sum())
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
 
 
 def run_shape(key: str, timer: GraphTimer | None, variants: list[str]) -> str:

@@ -4,7 +4,8 @@ Contract: `qsa_core.reference.select.topk_groups` (and `select_radix.TopkLaunch`
 chunk's fp32 score scratch [chunk rows, num_cols] (scores >= 0, -0.0 folded into +0.0, so the
 int32 bits order like the values; columns >= visible are garbage); output per row the Kb
 largest groups, ties to the lowest group index, in ascending group order; rows with
-visible <= Kb take groups 0..visible-1 unscored, -1 padded.
+visible <= Kb take groups 0..visible-1 unscored, -1 padded; or (PACKED) the packed selection
+rows, as `select_radix` writes them (`expand._packed_groups` / `_packed_tail`).
 
 The threshold (the Kb-th largest key) is found by a radix search on counts: per step the
 keys >= each of 2^BITS candidate prefixes are counted at once (`_kth_key`), 31 key bits in
@@ -19,8 +20,10 @@ keys equal to it are written at their ascending positions (one scan).
   program, or the last to arrive at the row's counter) resolves the row over the lists in
   registers. One segment: the program samples its row itself (one launch). Several:
   `_sample_kernel` (grid: rows x segments) writes each segment's subset maxima first (two
-  launches). A list longer than its capacity (keys crowded near the threshold) sends the row
-  to an exact resolve that loops over the whole row (`_resolve_row`): slower, same result.
+  launches). More than CAP candidates in a row or LCAP in one list (keys crowded near the
+  threshold) send the row to an exact resolve that loops over the whole row
+  (`_resolve_row`): slower, same result. `select._topk_route` picks which decode chunks
+  come here.
 
 Deterministic and batch-invariant: every count and position is order-independent, lists
 sit at fixed offsets, and no row reads another's state. `TopkLaunch` binds one chunk.
@@ -297,8 +300,8 @@ def topk_tiles(num_cols: int, small: bool) -> dict[str, int]:
     row in registers); seg: columns per segment program; samp: subset maxima per segment (the
     row's samples number samp x segments, >= 4 Kb keeps the bound tight); cap: candidates of
     a row (and of a segment's list); lcap: candidates per list the resolve packs in one
-    step; block / rblock: columns per sweep step (compaction / the
-    whole-row resolve); bits: key bits per search step; lbits: high key bits of the bound. small:
+    step; block / rblock: columns per sweep step (compaction / the whole-row resolve); bits:
+    key bits per search step; lbits: high key bits of the bound; warps per program. small:
     the interpreter's tiles (tests cross every border and route with few columns)."""
     if small:
         return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, lbits=31, warps=4)

@@ -109,7 +109,7 @@ def test_many_ties_at_the_threshold(num_cols):
     assert set(got[0].tolist()) == set(tie_at[12:].tolist()) | set(tied.tolist())
 
 
-@pytest.mark.parametrize("num_cols, packed", [(60, False), (300, False), (300, True)])
+@pytest.mark.parametrize("num_cols, packed", [(60, False), (300, False), (200, True)])
 def test_crowded_candidates_overflow_to_the_exact_resolve(num_cols, packed):
     # Integer scores 0..3: the bound admits every key of the top value and beyond a list's capacity.
     g = torch.Generator().manual_seed(5)
@@ -157,7 +157,7 @@ def test_a_long_list_within_the_row_capacity():
 
 @pytest.mark.parametrize("seq_lens, query_lens", [
     ([100, 60], [2, 3]),  # <= 32 columns: the short route
-    ([120, 300, 1200, 90], [4, 4, 8, 4]),  # 20 rows of up to 300 columns: several segments
+    ([120, 300, 600, 90], [4, 4, 8, 4]),  # 20 rows of up to 150 columns: several segments
 ])
 def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, monkeypatch):
     from test_kernel_select import make_problem, run_both
