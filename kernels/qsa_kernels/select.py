@@ -3,8 +3,9 @@
 Contract: `qsa_core/reference/select.py`. A select call runs per chunk of rows (host ints
 only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
-(`select_radix.py`: one fused program per row, or the radix passes) write each row's chosen
-groups in ascending order; rows with visible <= Kb take groups 0..visible-1 unscored.
+(`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
+`select_topk.py`, see `_topk_route`) write each row's chosen groups in ascending order (or
+the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored.
 
 `plan_select` fixes the schedule of a call (chunk, route, scratch views) when a step is
 planned; `SelectLaunch` binds all of a call's launches to that schedule, the compressed keys
@@ -22,6 +23,7 @@ import triton
 from .select_radix import BINS as _BINS
 from .select_radix import TopkLaunch
 from .select_score import ScoreLaunch
+from . import select_topk
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
@@ -31,6 +33,23 @@ SCORE_SCRATCH_BYTES = 64 << 20
 # 45 us) or for many rows (16K rows at 16K context: 1.9 vs 1.7 ms).
 _FUSED_MAX_COLS = 4096
 _FUSED_MAX_ROWS = 256
+# Decode chunks take the histogram-free top-k (`select_topk`) where it measured faster on the
+# H200 (2026-12-01 W2, select with packed rows, us, radix -> topk): rows of <= 4096 columns
+# where the fused kernel would run (8K B1: 29.3 -> 18.4), and chunks of 16..64 long rows
+# (128K B64: 210 -> 192; 1M B4 x 4 rows: 330 -> 284); not few long rows (128K B4: 48.7 vs
+# 62.3; 1M B4: 124.7 vs 144.4). Chunk bounds are the measured range (1, 16 and 64 rows).
+_TOPK_SHORT_MAX_ROWS = 64
+_TOPK_MIN_ROWS = 16
+_TOPK_MAX_ROWS = 64
+
+
+def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:
+    """Whether a chunk of rows takes `select_topk` (else `select_radix`)."""
+    if not decode:
+        return False
+    if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, small=_interpreting())):
+        return fused and chunk <= _TOPK_SHORT_MAX_ROWS
+    return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
 
 
 def _interpreting() -> bool:
@@ -56,13 +75,14 @@ def _tiles(decode: bool) -> dict[str, int]:
 class SelectWorkspace:
     """Persistent scratch of selection (flat; a schedule takes views): fp32 scores, the
     int32 radix histograms and arrival counters (zero between uses: the resolving program
-    clears what it read), states and per-tile counts."""
+    clears what it read), states and per-tile counts; the scratch of `select_topk` (decode)."""
 
     scores: torch.Tensor
     hist: torch.Tensor
     arrive: torch.Tensor
     state: torch.Tensor
     counts: torch.Tensor
+    topk: select_topk.TopkScratch | None = None
 
 
 def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str) -> SelectWorkspace:
@@ -83,7 +103,29 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         arrive=torch.zeros(hist_rows, dtype=torch.int32, device=dev),
         state=torch.empty(max_chunk * 4, dtype=torch.int32, device=dev),
         counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
+        topk=_topk_scratch(max_rows, cols, block_topk, dev),
     )
+
+
+def _scored_chunk(num_rows: int, n_cols: int) -> int:
+    """Rows per scratch pass of scored rows of n_cols columns (the score scratch cap)."""
+    return max(1, min(num_rows, max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))))
+
+
+def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device) -> select_topk.TopkScratch:
+    """`select_topk` scratch for every decode plan up to max_rows x max_cols (num_cols are
+    powers of two): the largest need of any column bound that takes the route."""
+    need = dict.fromkeys(select_topk.TopkScratch.__dataclass_fields__, 1)
+    c = triton.next_power_of_2(block_topk + 1)
+    while c <= triton.next_power_of_2(max_cols):
+        chunk = min(_scored_chunk(max_rows, c), _TOPK_MAX_ROWS)  # the largest chunk the route takes
+        tiles = select_topk.topk_tiles(c, small=_interpreting())
+        if _topk_route(c, chunk, True, c <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS):
+            for k, v in select_topk.topk_scratch_elems(chunk, c, tiles).items():
+                need[k] = max(need[k], v)
+        c *= 2
+    return select_topk.TopkScratch(**{k: (torch.zeros if k == "arrive" else torch.empty)(
+        v, dtype=torch.int32, device=dev) for k, v in need.items()})
 
 
 @dataclass(frozen=True)
@@ -93,7 +135,8 @@ class SelectSchedule:
     num_cols: the column bound (groups of the longest request); chunk: rows per scratch
     pass; scored: any row may have more than Kb visible groups; fused: the one-launch
     per-row top-k, else the radix passes; the views scores fp32 [chunk, num_cols], hist,
-    arrive, state, counts (unused ones alias `scores`).
+    arrive, state, counts (unused ones alias `scores`); topk / topk_tiles: the scratch and
+    tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None.
     """
 
     num_rows: int
@@ -110,6 +153,8 @@ class SelectSchedule:
     arrive: torch.Tensor
     state: torch.Tensor
     counts: torch.Tensor
+    topk: select_topk.TopkScratch | None = None
+    topk_tiles: dict | None = None
 
 
 def plan_select(
@@ -134,8 +179,7 @@ def plan_select(
     scan = tiles["scan"]
     n_tiles = triton.cdiv(n_cols, scan)
     scored = n_cols > Kb
-    chunk = min(num_rows, max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))) if scored else max(num_rows, 1)
-    chunk = max(chunk, 1)
+    chunk = _scored_chunk(num_rows, n_cols) if scored else max(num_rows, 1)
     fused = n_cols <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS
     rows = tiles["rows"]
     if workspace is None and scored:
@@ -159,10 +203,21 @@ def plan_select(
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
+    topk = topk_tiles = None
+    if _topk_route(n_cols, chunk, decode, fused):
+        topk_tiles = select_topk.topk_tiles(n_cols, small=_interpreting())
+        need = select_topk.topk_scratch_elems(chunk, n_cols, topk_tiles)
+        have = workspace.topk if workspace is not None and workspace.topk is not None else None
+        if have is None:
+            have = select_topk.topk_scratch(chunk, n_cols, topk_tiles, device)
+        for name, n in need.items():
+            if getattr(have, name).numel() < n:
+                raise ValueError(f"select workspace.topk.{name} holds {getattr(have, name).numel()} < {n} elements")
+        topk = have
     return SelectSchedule(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
-        scores=scores, hist=hist, arrive=arrive, state=state, counts=counts,
+        scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
     )
 
 
@@ -195,11 +250,17 @@ class SelectLaunch:
                     num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio, block_topk=block_topk,
                     decode=s.decode, tiles=s.tiles, interpret=s.interpret,
                 ) if s.scored else None
-                topk = TopkLaunch(
-                    s.scores, visible_blocks, out, s.state, s.hist, s.arrive, s.counts, row0=row0, rows=n, num_cols=s.num_cols,
-                    n_tiles=s.n_tiles, block_topk=block_topk, scored=s.scored, fused=s.fused, tiles=s.tiles,
-                    positions=positions, compress_ratio=compress_ratio,
-                )
+                if s.topk is not None:
+                    topk = select_topk.TopkLaunch(
+                        s.scores, visible_blocks, out, s.topk, row0=row0, rows=n, num_cols=s.num_cols,
+                        block_topk=block_topk, tiles=s.topk_tiles, positions=positions, compress_ratio=compress_ratio,
+                    )
+                else:
+                    topk = TopkLaunch(
+                        s.scores, visible_blocks, out, s.state, s.hist, s.arrive, s.counts, row0=row0, rows=n,
+                        num_cols=s.num_cols, n_tiles=s.n_tiles, block_topk=block_topk, scored=s.scored,
+                        fused=s.fused, tiles=s.tiles, positions=positions, compress_ratio=compress_ratio,
+                    )
                 bound[n] = (score, topk)
             self._chunks.append((row0, *bound[n]))
 

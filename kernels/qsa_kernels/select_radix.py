@@ -268,7 +268,34 @@ _emit = Launcher(_emit_kernel)
 _topk_row = Launcher(_topk_row_kernel)
 
 
-class TopkLaunch:
+def packed_write(out: torch.Tensor, positions: torch.Tensor | None, visible_blocks: torch.Tensor,
+                 compress_ratio: int) -> tuple[dict, torch.Tensor]:
+    """The top-k writers' constexprs and position tensor: with positions int64 [T], out is the
+    packed selection [T, W + 1] (contiguous rows); without, out holds the chosen groups and
+    the (unread) position argument is visible_blocks."""
+    packed = positions is not None
+    if packed and out.stride(1) != 1:
+        raise ValueError(f"the packed selection must have contiguous rows, got strides {out.stride()}")
+    W = out.shape[1] - 1 if packed else 1
+    write = dict(PACKED=packed, R=compress_ratio if packed else 1, W=W, BLOCK_W=min(1024, triton.next_power_of_2(W + 1)))
+    return write, positions if packed else visible_blocks
+
+
+class ChunkLaunches:
+    """The bound top-k launches of one chunk of rows, each with whether it writes `out`;
+    `__call__(row0, out, out_row_stride)` runs them in order."""
+
+    _launches: list[tuple[BoundLaunch, bool]]
+
+    def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int) -> None:
+        for launch, writes in self._launches:
+            if writes:
+                launch(row0, out, out_row_stride)
+            else:
+                launch(row0)
+
+
+class TopkLaunch(ChunkLaunches):
     """The top-k launches of one chunk of `rows` rows (from a free first row `row0`) bound
     to the score scratch fp32 [>= rows, num_cols], visible_blocks int32 [T] and the radix
     scratch (hist int32 [>= rows, BINS] and arrive int32 [>= row blocks], zero; state int32
@@ -284,13 +311,7 @@ class TopkLaunch:
                  block_topk: int, scored: bool, fused: bool, tiles: dict, positions: torch.Tensor | None = None,
                  compress_ratio: int = 1) -> None:
         Kb, KBP, sr = block_topk, triton.next_power_of_2(block_topk), scores.stride(0)
-        packed = positions is not None
-        if packed and out.stride(1) != 1:
-            raise ValueError(f"the packed selection must have contiguous rows, got strides {out.stride()}")
-        W = out.shape[1] - 1 if packed else 1
-        write = dict(PACKED=packed, R=compress_ratio if packed else 1, W=W,
-                     BLOCK_W=min(1024, triton.next_power_of_2(W + 1)))
-        pos = positions if packed else visible_blocks  # (unread unless packed)
+        write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
         free = ("row0",)
         out_free = ("row0", "out_ptr", "stride_or")
         if fused:
@@ -318,10 +339,3 @@ class TopkLaunch:
             scan_grid, scores, visible_blocks, state, counts, out, pos, row0, rows, num_cols, n_tiles, sr,
             out.stride(0), out.stride(1), free=out_free, KB=Kb, KBP=KBP, PREV=64, **scan, **write,
         ), True))
-
-    def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int) -> None:
-        for launch, writes in self._launches:
-            if writes:
-                launch(row0, out, out_row_stride)
-            else:
-                launch(row0)

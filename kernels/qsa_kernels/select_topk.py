@@ -1,0 +1,391 @@
+"""Triton exact top-k of scored rows without histograms, in one or two launches (SPEC 2.7).
+
+Contract: `qsa_core.reference.select.topk_groups` (and `select_radix.TopkLaunch`'s): input a
+chunk's fp32 score scratch [chunk rows, num_cols] (scores >= 0, -0.0 folded into +0.0, so the
+int32 bits order like the values; columns >= visible are garbage); output per row the Kb
+largest groups, ties to the lowest group index, in ascending group order; rows with
+visible <= Kb take groups 0..visible-1 unscored, -1 padded; or (PACKED) the packed selection
+rows, as `select_radix` writes them (`expand._packed_groups` / `_packed_tail`).
+
+The threshold (the Kb-th largest key) is found by a radix search on counts: per step the
+keys >= each of 2^BITS candidate prefixes are counted at once (`_kth_key`), 31 key bits in
+ceil(31 / BITS) block reductions; no histogram. Then keys above it and the lowest-index
+keys equal to it are written at their ascending positions (one scan).
+
+- Short (`_topk_short_kernel`, grid: rows): num_cols <= CAP; the whole row in registers.
+- Long (`_topk_seg_kernel`, grid: rows x segments of SEG columns): a lower bound L of the
+  row's threshold from samples (the maxima of disjoint column subsets are real keys, so the
+  row has at least Kb keys >= their Kb-th largest); each segment compacts its keys >= L
+  (ascending column) into its candidate list; the program that completes the row (its only
+  program, or the last to arrive at the row's counter) resolves the row over the lists in
+  registers. One segment: the program samples its row itself (one launch). Several:
+  `_sample_kernel` (grid: rows x segments) writes each segment's subset maxima first (two
+  launches). More than CAP candidates in a row or LCAP in one list (keys crowded near the
+  threshold) send the row to an exact resolve that loops over the whole row
+  (`_resolve_row`): slower, same result. `select._topk_route` picks which decode chunks
+  come here.
+
+Deterministic and batch-invariant: every count and position is order-independent, lists
+sit at fixed offsets, and no row reads another's state. `TopkLaunch` binds one chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .expand import _packed_groups, _packed_tail
+from .launch import BoundLaunch, Launcher
+from .select_radix import ChunkLaunches, packed_write
+
+
+@triton.jit
+def _keys(s_row, cols, mask):
+    """int32 keys of scores at cols (masked: -1, below every key)."""
+    s = tl.load(s_row + cols, mask=mask, other=0.0)
+    return tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
+
+
+@triton.jit
+def _kth_key(key, KB: tl.constexpr, BITS: tl.constexpr, TOP: tl.constexpr):
+    """The KB-th largest of keys [N] (int32 in [0, 2^31) or -1 for none) resolved to its TOP
+    high bits (31: exact), lower bits 0: the largest such t with at least KB keys >= t; 0
+    when fewer than KB keys are >= 0. BITS key bits per step (one block reduction)."""
+    j = tl.arange(0, 1 << BITS)
+    prefix = tl.sum(key * 0, 0)
+    for s in tl.static_range((TOP + BITS - 1) // BITS):
+        hi = 31 - BITS * s
+        shift = hi - BITS if hi > BITS else 0
+        jmax = 1 << (hi - shift)
+        t = prefix + (tl.minimum(j, jmax - 1) << shift)
+        cnt = tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
+        ok = (cnt >= KB) & (j < jmax)
+        prefix += tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0) << shift
+    return prefix
+
+
+@triton.jit
+def _emit(key, idx, thr, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
+    """Write the chosen of keys/idx [N] (ascending idx; masked keys -1): keys above thr and
+    the lowest-index keys equal to it, KB in all, at their ascending positions of out_row
+    (PACKED: each group's R tokens at R x its position)."""
+    above = (key > thr).to(tl.int32)
+    equal = (key == thr).to(tl.int32)
+    packed = (above << 16) | equal  # one scan for both ranks (N < 2^15)
+    excl = tl.cumsum(packed, 0) - packed
+    need = KB - (tl.sum(packed, 0) >> 16)
+    ties_before = excl & 0xFFFF
+    chosen = (above > 0) | ((equal > 0) & (ties_before < need))
+    pos = (excl >> 16) + tl.minimum(ties_before, need)
+    _store_groups(out_row, stride_oc, idx, pos, chosen, PACKED, R)
+
+
+@triton.jit
+def _store_groups(out_row, stride_oc, groups, pos, chosen, PACKED: tl.constexpr, R: tl.constexpr):
+    """Chosen groups at their positions: out_row[pos] = group, or (PACKED) its R tokens."""
+    if PACKED:
+        _packed_groups(out_row, groups, pos, chosen, R)
+    else:
+        tl.store(out_row + pos * stride_oc, groups, mask=chosen)
+
+
+@triton.jit
+def _write_short(out_row, stride_oc, vis, KB: tl.constexpr, KBP: tl.constexpr, PACKED: tl.constexpr,
+                 R: tl.constexpr):
+    """A row with visible <= KB: groups 0..vis-1, then -1 (PACKED: their tokens)."""
+    j = tl.arange(0, KBP)
+    if PACKED:
+        _packed_groups(out_row, j, j, j < vis, R)
+    else:
+        tl.store(out_row + j * stride_oc, tl.where(j < vis, j, -1), mask=j < KB)
+
+
+@triton.jit
+def _write_tail(out_row, pos_ptr, row, vis, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr,
+                W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """PACKED: the row's open tail, -1 padding and count after its min(vis, KB) groups."""
+    if PACKED:
+        _packed_tail(out_row, tl.minimum(vis, KB), vis, tl.load(pos_ptr + row), True, R, W, BLOCK_W)
+
+
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
+def _topk_short_kernel(
+    s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
+    KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, BITS: tl.constexpr,
+    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Top-k of one row of at most CAP columns, all in registers (PACKED: the packed row)."""
+    lr = tl.program_id(0)
+    row = row0 + lr
+    vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
+    out_row = out_ptr + row.to(tl.int64) * stride_or
+    _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+    if vis <= KB:
+        _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
+    else:
+        cols = tl.arange(0, CAP)
+        key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
+        _emit(key, cols, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+
+
+@triton.jit
+def _subset_max(s_row, lo, hi, SAMP: tl.constexpr, SBLOCK: tl.constexpr):
+    """Maxima [SAMP] of the keys of columns [lo, hi) by subset (c - lo) mod SAMP, -1 where a
+    subset is empty; SBLOCK (a multiple of SAMP) columns per step."""
+    ar = tl.arange(0, SBLOCK)
+    m = tl.full((SAMP,), -1, tl.int32)
+    start = lo
+    while start < hi:  # (while: the interpreter cannot range over loaded values)
+        cols = start + ar
+        key = _keys(s_row, cols, cols < hi)
+        m = tl.maximum(m, tl.max(tl.reshape(key, (SBLOCK // SAMP, SAMP)), 0))
+        start += SBLOCK
+    return m
+
+
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr"])
+def _sample_kernel(
+    s_ptr, vis_ptr, samp_ptr, row0, n_cols, stride_sr, stride_pr,
+    KB: tl.constexpr, SEG: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr,
+):
+    """Subset maxima of one segment -> samp int32 [chunk rows, segments * SAMP] (rows with
+    visible > KB, segments holding visible columns)."""
+    lr = tl.program_id(0)
+    seg = tl.program_id(1)
+    vis = tl.minimum(tl.load(vis_ptr + row0 + lr), n_cols)
+    lo = seg * SEG
+    if (vis > KB) & (lo < vis):
+        m = _subset_max(s_ptr + lr.to(tl.int64) * stride_sr, lo, tl.minimum(vis, lo + SEG), SAMP, SBLOCK)
+        tl.store(samp_ptr + lr.to(tl.int64) * stride_pr + seg * SAMP + tl.arange(0, SAMP), m)
+
+
+@triton.jit
+def _resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                 PACKED: tl.constexpr, R: tl.constexpr):
+    """Exact top-k of a whole row by sweeps over its scores (the overflow route): the
+    threshold's bits by counts (`_kth_key` with the keys streamed), then the emit."""
+    ar = tl.arange(0, BLOCK)
+    j = tl.arange(0, 1 << BITS)
+    prefix = vis * 0
+    for s in tl.static_range((31 + BITS - 1) // BITS):
+        hi = 31 - BITS * s
+        shift = hi - BITS if hi > BITS else 0
+        jmax = 1 << (hi - shift)
+        t = prefix + (tl.minimum(j, jmax - 1) << shift)
+        cnt = tl.zeros((1 << BITS,), tl.int32)
+        start = vis * 0
+        while start < vis:
+            key = _keys(s_row, start + ar, start + ar < vis)
+            cnt += tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
+            start += BLOCK
+        ok = (cnt >= KB) & (j < jmax)
+        prefix += tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0) << shift
+    above_all = vis * 0
+    start = vis * 0
+    while start < vis:
+        above_all += tl.sum((_keys(s_row, start + ar, start + ar < vis) > prefix).to(tl.int32), 0)
+        start += BLOCK
+    need = KB - above_all
+    taken = vis * 0
+    ties = vis * 0
+    start = vis * 0
+    while start < vis:
+        cols = start + ar
+        key = _keys(s_row, cols, cols < vis)
+        above = (key > prefix).to(tl.int32)
+        equal = (key == prefix).to(tl.int32)
+        rank = ties + tl.cumsum(equal, 0) - equal
+        chosen = above + equal * (rank < need).to(tl.int32)
+        _store_groups(out_row, stride_oc, cols, taken + tl.cumsum(chosen, 0) - chosen, chosen > 0, PACKED, R)
+        taken += tl.sum(chosen, 0)
+        ties += tl.sum(equal, 0)
+        start += BLOCK
+
+
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr", "stride_cr"])
+def _topk_seg_kernel(
+    s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr,
+    row0, n_cols, stride_sr, stride_pr, stride_cr, stride_or, stride_oc,
+    KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, SEG: tl.constexpr,
+    SEGP: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr, CAP: tl.constexpr, LCAP: tl.constexpr, BLOCK: tl.constexpr,
+    RBLOCK: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """One segment of a row (grid: rows x segments). Candidate lists: cidx / ckey int32
+    [chunk rows, SEGP * CAP] (list s at s * CAP), their lengths cnt int32 [chunk rows, SEGP];
+    arrive int32 [chunk rows] zero between calls (the last arriver resets it). SEGP == 1:
+    the program samples its row itself (SAMP subset maxima), else it reads samp int32
+    [chunk rows, SEGP * SAMP] from `_sample_kernel`. The resolving program packs the lists
+    behind list 0 in one step (at most CAP candidates in all and LCAP per list, else the
+    whole-row resolve)."""
+    lr = tl.program_id(0)
+    seg = tl.program_id(1)
+    row = row0 + lr
+    vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
+    out_row = out_ptr + row.to(tl.int64) * stride_or
+    s_row = s_ptr + lr.to(tl.int64) * stride_sr
+    n_seg = tl.cdiv(vis, SEG)
+    if vis <= KB:
+        if seg == 0:
+            _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+            _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
+    elif seg < n_seg:
+        lo = seg * SEG
+        hi = tl.minimum(vis, lo + SEG)
+        if SEGP == 1:
+            samples = _subset_max(s_row, lo, hi, SAMP, SBLOCK)
+        else:
+            p = tl.arange(0, SEGP * SAMP)
+            samples = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr + p, mask=p < n_seg * SAMP, other=-1)
+        bound = _kth_key(samples, KB, BITS, LBITS)  # <= the row's KB-th largest key
+        c_idx = cidx_ptr + lr.to(tl.int64) * stride_cr
+        c_key = ckey_ptr + lr.to(tl.int64) * stride_cr
+        ar = tl.arange(0, BLOCK)
+        n = lo * 0
+        start = lo
+        while start < hi:
+            cols = start + ar
+            key = _keys(s_row, cols, cols < hi)
+            keep = (key >= bound).to(tl.int32)
+            pos = n + tl.cumsum(keep, 0) - keep
+            ok = (keep > 0) & (pos < CAP)
+            tl.store(c_idx + seg * CAP + pos, cols, mask=ok)
+            tl.store(c_key + seg * CAP + pos, key, mask=ok)
+            n += tl.sum(keep, 0)
+            start += BLOCK
+        tl.store(cnt_ptr + lr.to(tl.int64) * SEGP + seg, n)
+        last = n_seg == 1
+        if SEGP > 1:
+            tl.debug_barrier()  # this program's lists and count before its arrival
+            last = tl.atomic_add(arrive_ptr + lr, 1, sem="acq_rel", scope="gpu") == n_seg - 1
+        if last:
+            _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+            packed = n <= CAP
+            j = tl.arange(0, CAP)
+            if SEGP > 1:
+                tl.store(arrive_ptr + lr, 0)  # clean for the next call
+                segs = tl.arange(0, SEGP)
+                cnt = tl.load(cnt_ptr + lr.to(tl.int64) * SEGP + segs, mask=segs < n_seg, other=0,
+                              cache_modifier=".cg")
+                packed = (tl.sum(cnt, 0) <= CAP) & (tl.max(cnt, 0) <= LCAP)
+                if packed:  # lists 1.. behind list 0, ascending columns throughout
+                    jj = tl.arange(0, LCAP)[None, :]
+                    m = (jj < cnt[:, None]) & (segs[:, None] > 0)
+                    src = segs[:, None] * CAP + jj
+                    dst = (tl.cumsum(cnt, 0) - cnt)[:, None] + jj
+                    idx_s = tl.load(c_idx + src, mask=m, cache_modifier=".cg")
+                    key_s = tl.load(c_key + src, mask=m, cache_modifier=".cg")
+                    tl.store(c_idx + dst, idx_s, mask=m)
+                    tl.store(c_key + dst, key_s, mask=m)
+                    tl.debug_barrier()
+                    n = tl.sum(cnt, 0)
+            if packed:
+                m = j < n
+                key = tl.load(c_key + j, mask=m, other=-1, cache_modifier=".cg")
+                idx = tl.load(c_idx + j, mask=m, other=0, cache_modifier=".cg")
+                _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+            else:
+                _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+
+
+_short = Launcher(_topk_short_kernel)
+_sample = Launcher(_sample_kernel)
+_seg = Launcher(_topk_seg_kernel)
+
+
+def topk_tiles(num_cols: int, small: bool) -> dict[str, int]:
+    """Launch shapes for rows of num_cols columns. short: columns of the short route (whole
+    row in registers); seg: columns per segment program; samp: subset maxima per segment (the
+    row's samples number samp x segments, >= 4 Kb keeps the bound tight); cap: candidates of
+    a row (and of a segment's list); lcap: candidates per list the resolve packs in one
+    step; block / rblock: columns per sweep step (compaction / the whole-row resolve); bits:
+    key bits per search step; lbits: high key bits of the bound; warps per program. small:
+    the interpreter's tiles (tests cross every border and route with few columns)."""
+    if small:
+        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, lbits=31, warps=4)
+    t = dict(short=4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024, bits=2, lbits=31,
+             warps=16)
+    segs = triton.cdiv(max(num_cols, 1), t["seg"])
+    if segs > 1:
+        segp = triton.next_power_of_2(segs)
+        t.update(samp=max(t["samp"] // segp, 64), lcap=min(t["cap"], max(8192 // segp, 64)))
+    return t
+
+
+def short_route(num_cols: int, tiles: dict) -> bool:
+    """Whether rows of num_cols columns take the one-program, all-in-registers route."""
+    return num_cols <= tiles["short"]
+
+
+@dataclass(frozen=True)
+class TopkScratch:
+    """Scratch of the long route for a chunk of rows (views): samples, candidate indices and
+    keys, list lengths, arrival counters (zero between calls)."""
+
+    samples: torch.Tensor
+    cand_idx: torch.Tensor
+    cand_key: torch.Tensor
+    counts: torch.Tensor
+    arrive: torch.Tensor
+
+
+def topk_scratch_elems(rows: int, num_cols: int, tiles: dict) -> dict[str, int]:
+    """int32 elements of each `TopkScratch` field for `rows` rows of num_cols columns."""
+    if short_route(num_cols, tiles):
+        return dict(samples=1, cand_idx=1, cand_key=1, counts=1, arrive=1)
+    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles["seg"]))
+    return dict(samples=rows * segp * tiles["samp"] if segp > 1 else 1, cand_idx=rows * segp * tiles["cap"],
+                cand_key=rows * segp * tiles["cap"], counts=rows * segp, arrive=rows)
+
+
+def topk_scratch(rows: int, num_cols: int, tiles: dict, device: torch.device | str) -> TopkScratch:
+    """Allocate the scratch of `topk_scratch_elems` (arrival counters zeroed)."""
+    n = topk_scratch_elems(rows, num_cols, tiles)
+    return TopkScratch(**{k: (torch.zeros if k == "arrive" else torch.empty)(v, dtype=torch.int32, device=device)
+                          for k, v in n.items()})
+
+
+class TopkLaunch(ChunkLaunches):
+    """The top-k launches of one chunk of `rows` rows (from a free first row `row0`) bound to
+    the score scratch fp32 [>= rows, num_cols], visible_blocks int32 [T] and `scratch`
+    (`topk_scratch(rows, num_cols, tiles)`); `__call__(row0, out, out_row_stride)` launches
+    them into out: int32 [T, Kb] (any strides; `out` at binding fixes its column stride) or,
+    with `positions` int64 [T] given, the packed selection int32 [T, W + 1] (contiguous rows;
+    W = width - 1, r = compress_ratio). One launch for short rows or one segment, two for
+    several segments."""
+
+    def __init__(self, scores: torch.Tensor, visible_blocks: torch.Tensor, out: torch.Tensor, scratch: TopkScratch,
+                 *, row0: int, rows: int, num_cols: int, block_topk: int, tiles: dict,
+                 positions: torch.Tensor | None = None, compress_ratio: int = 1) -> None:
+        Kb, KBP, sr, t = block_topk, triton.next_power_of_2(block_topk), scores.stride(0), tiles
+        write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
+        free, out_free = ("row0",), ("row0", "out_ptr", "stride_or")
+        outs = (out.stride(0), out.stride(1))
+        self._launches: list[tuple[BoundLaunch, bool]] = []
+        if short_route(num_cols, t):
+            self._launches.append((_short.bind(
+                (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, *outs, free=out_free,
+                KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), BITS=t["bits"], **write,
+                num_warps=t["warps"],
+            ), True))
+            return
+        segs = triton.cdiv(num_cols, t["seg"])
+        segp = triton.next_power_of_2(segs)
+        c = scratch
+        n = topk_scratch_elems(rows, num_cols, t)
+        samp = c.samples[: n["samples"]].view(rows, -1) if segp > 1 else c.samples
+        cidx, ckey = (x[: n["cand_idx"]].view(rows, -1) for x in (c.cand_idx, c.cand_key))
+        if segp > 1:
+            self._launches.append((_sample.bind(
+                (rows, segs), scores, visible_blocks, samp, row0, num_cols, sr, samp.stride(0), free=free,
+                KB=Kb, SEG=t["seg"], SAMP=t["samp"], SBLOCK=max(t["samp"], t["block"]), num_warps=t["warps"],
+            ), False))
+        self._launches.append((_seg.bind(
+            (rows, segs), scores, visible_blocks, samp, cidx, ckey, c.counts, c.arrive, out, pos,
+            row0, num_cols, sr, samp.stride(0) if segp > 1 else 0, cidx.stride(0), *outs, free=out_free,
+            KB=Kb, KBP=KBP, BITS=t["bits"], LBITS=t["lbits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
+            SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"], RBLOCK=t["rblock"],
+            **write, num_warps=t["warps"],
+        ), True))

@@ -1,0 +1,182 @@
+"""The histogram-free top-k (`select_topk`) against the reference top-k, indices exact.
+
+Runs on the GPU when there is one, else in the Triton interpreter, with the small tiles
+(short rows <= 32 columns, segments of 64 columns, 16 samples per segment, 32 candidates
+per row), so the shapes below cross every route: short, one segment, several segments,
+and the whole-row resolve when a candidate list overflows.
+"""
+
+import os
+
+import pytest
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from qsa_core.reference.expand import qsa_expand  # noqa: E402
+from qsa_core.reference.select import topk_groups  # noqa: E402
+from qsa_kernels.select_topk import TopkLaunch, short_route, topk_scratch, topk_tiles  # noqa: E402
+
+R = 4  # compress ratio of the packed rows
+
+
+def positions_of(rows: list[torch.Tensor]) -> torch.Tensor:
+    """A position per row with visible = (p + 1) // R (open tails of 0..R-1 tokens); -1 for
+    rows that see nothing (padding)."""
+    return torch.tensor([r.numel() * R - 1 + i % R if r.numel() else -1 for i, r in enumerate(rows)],
+                        dtype=torch.int64)
+
+
+def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0, calls: int = 1,
+             packed: bool = False, **tile_changes) -> torch.Tensor:
+    """Kernel top-k of score rows (row i: its visible scores) in one chunk. The scratch beyond
+    each row's visible columns is NaN; out has row0 rows before the chunk (must stay -7).
+    packed: the packed selection rows [W + 1] instead of the groups; tile_changes: of the small tiles."""
+    T = len(rows)
+    scores = torch.full((T, num_cols), float("nan"), device=DEV)
+    for i, r in enumerate(rows):
+        scores[i, : r.numel()] = r.to(DEV)
+    vis = torch.tensor([0] * row0 + [r.numel() for r in rows], dtype=torch.int32, device=DEV)
+    pos = torch.cat([torch.full((row0,), -1, dtype=torch.int64), positions_of(rows)]).to(DEV) if packed else None
+    width = kb * R + R if packed else kb
+    out = torch.full((row0 + T, width), -7, dtype=torch.int32, device=DEV)
+    tiles = {**topk_tiles(num_cols, small=True), **tile_changes}
+    launch = TopkLaunch(scores, vis, out, topk_scratch(T, num_cols, tiles, DEV), row0=row0, rows=T,
+                        num_cols=num_cols, block_topk=kb, tiles=tiles, positions=pos, compress_ratio=R)
+    for _ in range(calls):
+        out[row0:] = -7
+        launch(row0, out, out.stride(0))
+    assert (out[:row0] == -7).all(), "rows before the chunk were written"
+    return out[row0:].cpu()
+
+
+def reference(rows: list[torch.Tensor], num_cols: int, kb: int, packed: bool = False) -> torch.Tensor:
+    scores = torch.zeros(len(rows), num_cols)
+    for i, r in enumerate(rows):
+        scores[i, : r.numel()] = r
+    vis = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
+    blocks = topk_groups(scores, vis, kb)
+    if not packed:
+        return blocks
+    out = torch.empty(len(rows), kb * R + R, dtype=torch.int32)
+    return qsa_expand(blocks, positions_of(rows), vis, compress_ratio=R, out=out)
+
+
+def distinct(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, generator=g) * 10
+
+
+# num_cols per route with the small tiles: 24 short, 60 one segment, 300 five segments.
+COLS = [24, 60, 300]
+
+
+def test_small_tiles_cross_every_route():
+    t = topk_tiles(0, small=True)
+    assert short_route(24, t) and not short_route(60, t) and 60 <= t["seg"] < 300
+
+
+@pytest.mark.parametrize("num_cols", COLS)
+@pytest.mark.parametrize("kb, packed, lbits", [(8, False, 31), (16, False, 31), (8, True, 31), (8, False, 12)])
+def test_random_scores(num_cols, kb, packed, lbits):
+    # lbits 12: a coarser bound (its 12 high key bits), more candidates, the same result.
+    rows = [distinct(num_cols, s) for s in range(3)] + [distinct(num_cols - 5, 9)]
+    got = run_topk(rows, num_cols, kb, calls=2, packed=packed, lbits=lbits)
+    assert torch.equal(got, reference(rows, num_cols, kb, packed))
+
+
+@pytest.mark.parametrize("num_cols", COLS)
+def test_all_equal_scores_take_the_lowest_groups(num_cols):
+    # Every key equals the bound: each segment's 64 candidates overflow its 32 slots.
+    rows = [torch.full((num_cols,), 1.5), torch.zeros(num_cols)]
+    got = run_topk(rows, num_cols, 8)
+    assert torch.equal(got, torch.arange(8, dtype=torch.int32).expand(2, 8))
+
+
+@pytest.mark.parametrize("num_cols", COLS)
+def test_many_ties_at_the_threshold(num_cols):
+    # 5 distinct top scores, then 12 keys tied at the threshold spread over the row, the rest below.
+    g = torch.Generator().manual_seed(3)
+    row = torch.rand(num_cols, generator=g)
+    tie_at = torch.randperm(num_cols, generator=g)[:17]
+    row[tie_at[:12]] = 2.0
+    row[tie_at[12:]] = 3.0 + torch.arange(5.0)
+    got = run_topk([row], num_cols, 8)
+    assert torch.equal(got, reference([row], num_cols, 8))
+    tied = tie_at[:12].sort().values[:3]
+    assert set(got[0].tolist()) == set(tie_at[12:].tolist()) | set(tied.tolist())
+
+
+@pytest.mark.parametrize("num_cols, packed", [(60, False), (300, False), (200, True)])
+def test_crowded_candidates_overflow_to_the_exact_resolve(num_cols, packed):
+    # Integer scores 0..3: the bound admits every key of the top value and beyond a list's capacity.
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, 4, (num_cols,), generator=g).float() for _ in range(2)]
+    rows[1][-40:] = 7.0  # the top keys crowd the last segment
+    assert torch.equal(run_topk(rows, num_cols, 16, calls=2, packed=packed), reference(rows, num_cols, 16, packed))
+
+
+@pytest.mark.parametrize("num_cols", COLS)
+def test_rows_at_or_below_kb_and_padding_rows(num_cols):
+    rows = [distinct(n, n) for n in (0, 1, 7, 8, 9)]  # 0: a padding row (visible 0)
+    assert torch.equal(run_topk(rows, num_cols, 8, row0=2, packed=True), reference(rows, num_cols, 8, True))
+    got = run_topk(rows, num_cols, 8, row0=2)
+    assert torch.equal(got, reference(rows, num_cols, 8))
+    assert (got[0] == -1).all() and torch.equal(got[2][:7], torch.arange(7, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("num_cols", COLS)
+def test_negative_zero_equals_zero(num_cols):
+    row = torch.zeros(num_cols)
+    row[1::2] = -0.0
+    row[num_cols // 2] = 1.0
+    got = run_topk([row], num_cols, 8)
+    assert torch.equal(got[0], torch.tensor(sorted([0, 1, 2, 3, 4, 5, 6, num_cols // 2]), dtype=torch.int32))
+
+
+def test_batch_invariance_rows_of_different_lengths():
+    num_cols = 300
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.rand(n, generator=g) for n in (300, 9, 61, 0, 130, 200)]
+    rows[4][::3] = 0.5  # ties in one row only
+    together = run_topk(rows, num_cols, 8)
+    assert torch.equal(together, reference(rows, num_cols, 8))
+    for i, r in enumerate(rows):
+        assert torch.equal(together[i], run_topk([r], num_cols, 8)[0]), f"row {i} depends on the batch"
+
+
+def test_a_long_list_within_the_row_capacity():
+    # 20 top keys in one segment: its list outgrows the one-step pack (16), the row's 32 slots do not.
+    num_cols = 300
+    row = distinct(num_cols, 21)
+    row[130:150] = 20.0 + torch.arange(20.0)
+    assert torch.equal(run_topk([row], num_cols, 16), reference([row], num_cols, 16))
+
+
+@pytest.mark.parametrize("seq_lens, query_lens", [
+    ([100, 60], [2, 3]),  # <= 32 columns: the short route
+    ([120, 300, 600, 90], [4, 4, 8, 4]),  # 20 rows of up to 150 columns: several segments
+])
+def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, monkeypatch):
+    from test_kernel_select import make_problem, run_both
+    from qsa_kernels import select as ker
+
+    monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
+        (rows, cols), float("nan"), device=device))
+    problem = make_problem(seq_lens, query_lens, kind="int", pad_rows=2)
+    T, max_seq = problem[0].shape[0], problem[-1]
+    assert ker.plan_select(T, max_seq // 4, 8, decode=True, device=DEV).topk is not None
+    out, expect = run_both(problem, decode=True)
+    assert torch.equal(out, expect)
+
+
+def test_the_select_workspace_holds_every_decode_plan_of_this_route():
+    from qsa_kernels import select as ker
+
+    ws = ker.select_workspace(1000, 1200 // 4, 8, DEV)
+    for rows in (1, 16, 20, 64, 65, 1000):
+        for cols in (32, 64, 128, 300):
+            s = ker.plan_select(rows, cols, 8, decode=True, device=DEV, workspace=ws)
+            assert s.topk is None or s.topk is ws.topk
