@@ -165,15 +165,17 @@ def plan_select(
     decode: bool,
     device: torch.device | str,
     workspace: SelectWorkspace | None = None,
+    rows_per_request: int = 1,
 ) -> SelectSchedule:
     """Schedule of a decode or prefill select over num_rows rows and num_cols columns.
 
     num_cols = max_seq_len // r, the bound on any row's visible groups. Scratch views come
-    from `workspace` (CUDA-graph safe) or are allocated here.
+    from `workspace` (CUDA-graph safe) or are allocated here. rows_per_request: decode rows
+    per request (decode_query_len; > 1 lets a request's rows share each key load).
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
-    tiles = _tiles(decode)
+    tiles = dict(_tiles(decode), rows_per_request=rows_per_request)  # (decode scores: MTP rows share keys)
     scan = tiles["scan"]
     n_tiles = triton.cdiv(n_cols, scan)
     scored = n_cols > Kb

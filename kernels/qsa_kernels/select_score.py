@@ -2,15 +2,30 @@
 
 Contract: `qsa_core.reference.select.group_scores`. Scores go to a chunk's scratch
 [chunk rows, num_cols], only for rows with visible > Kb and columns g < visible; nothing
-else of the scratch is written. Decode (`_scores_decode_kernel`, grid: rows x column tiles):
-a row's heads are the dot's M. Prefill (`_scores_prefill_kernel`, grid: row tiles x column
-tiles): rows of one request are the dot's M, one dot per head. `ScoreLaunch` binds one
-chunk's launch (`launch.py`): per call only q_idx, the block table and the chunk's first row.
+else of the scratch is written. A program owns a span of `span` columns that it streams in
+BLOCK_G tiles (a software-pipelined loop: the next tiles' keys load while this one's dots
+run). Two kernels (`score_tiles` says which for which shape, with the H200 figures):
+- `_scores_decode_kernel` (grid: rows x spans): one row, its heads padded to HM >= 16 on the
+  dot's M.
+- `_scores_prefill_kernel` (grid: row tiles x spans, row tiles fastest so that programs
+  sharing a span's keys run together): BLOCK_R rows; a row tile may hold several requests,
+  each streams its own keys. PACK (<= 4 heads, padded to HP): rows x heads on one dot, the
+  heads outermost (m = h * BLOCK_R + r), so the head sum after a reshape stays in each
+  thread's registers: on M (decode rows of a request, mma) or, KEYS_M (prefill), on N with
+  the key tile on M (wgmma). Otherwise one dot per head (more than 4 heads).
+`ScoreLaunch` binds one chunk's launch (`launch.py`): per call only q_idx, the block table
+and the chunk's first row.
+
+Bits: each score is one fp32 dot per head over all of Di (no tile splits Di), the heads'
+ReLUs summed in head order, then the IEEE division by sqrt(Di) (`_finish`, or `_finish_fast`:
+the same quotient wherever it is normal), so a score depends on its row's q and its key
+only, never on the tile or span. W2 on the H200: every route's scores bit-equal to main's.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -41,19 +56,40 @@ def _finish(relu_sum, norm):
     return tl.where(s == 0.0, 0.0, s)
 
 
+@triton.jit
+def _finish_fast(relu_sum, norm, rcp):
+    """`_finish` by a Markstein correction of relu_sum * rcp (rcp = fp32(1 / norm)): the IEEE
+    quotient for every relu_sum >= 0 whose quotient is normal, where norm's significand is 1
+    or that of sqrt(2) (Di a power of two; every fp32 checked on the CPU); sums below 2^-100
+    are scaled by 2^64 first (the remainder would underflow)."""
+    tiny = relu_sum < 7.888609052210118e-31  # 2^-100
+    x = relu_sum * tl.where(tiny, 18446744073709551616.0, 1.0)  # 2^64
+    q0 = x * rcp
+    q = tl.fma(tl.fma(-q0, norm, x), rcp, q0)
+    s = q * tl.where(tiny, 5.421010862427522e-20, 1.0)  # 2^-64
+    return tl.where(s == 0.0, 0.0, s)
+
+
+@triton.jit
+def _relu_dot(q, keys):
+    """relu(q . keys^T) in fp32: q [M, DP], keys [N, DP] -> [M, N]."""
+    return tl.maximum(tl.dot(q, tl.trans(keys), input_precision="ieee"), 0.0)
+
+
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
 def _scores_decode_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
-    row0, n_cols, norm,
+    row0, n_cols, span, norm,
     stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
-    PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
+    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
-    """Scores of one row x groups [pid1*BLOCK_G, +BLOCK_G): its heads (padded to HM >= 16)
-    are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols]."""
+    """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
+    to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols]."""
     lr = tl.program_id(0)
     row = row0 + lr
-    col0 = tl.program_id(1) * BLOCK_G
+    col0 = tl.program_id(1) * span
     vis = tl.load(vis_ptr + row)
     vis = tl.where(vis > KB, tl.minimum(vis, n_cols), 0)  # <= Kb: chosen without scores
     if col0 < vis:
@@ -62,29 +98,41 @@ def _scores_decode_kernel(
         d = tl.arange(0, DP)
         q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
                     mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
-        g = col0 + tl.arange(0, BLOCK_G)
-        g_mask = g < vis
-        keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
-                          stride_btp, DI, PAGE, R, DOT_DTYPE)
-        dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # fp32 [HM, BLOCK_G]
-        s = _finish(tl.sum(tl.maximum(dots, 0.0), 0), norm)
-        tl.store(s_ptr + lr.to(tl.int64) * stride_sr + g, s, mask=g_mask)
+        g_end = tl.minimum(vis, col0 + span)
+        s_row = s_ptr + lr.to(tl.int64) * stride_sr
+        for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
+            g = c + tl.arange(0, BLOCK_G)
+            g_mask = g < g_end
+            keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
+                              stride_btp, DI, PAGE, R, DOT_DTYPE)
+            s = _finish(tl.sum(_relu_dot(q, keys), 0), norm)  # fp32 [BLOCK_G]
+            tl.store(s_row + g, s, mask=g_mask)
+
+
+@triton.jit
+def _q_head(q_row, h, stride_qh, mask, HI: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """q [BLOCK_R, DP] of head h of a row tile (zeros where masked or h >= HI)."""
+    return tl.load(q_row + h * stride_qh, mask=mask & (h < HI), other=0.0).to(DOT_DTYPE)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr"])
 def _scores_prefill_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
-    row0, n_rows, n_cols, norm,
+    row0, n_rows, n_cols, span, norm, rcp,
     stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
     HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
+    KEYS_M: tl.constexpr,
 ):
-    """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*BLOCK_G, +BLOCK_G):
-    rows are the dot's M, one dot per head. A row tile may span requests: each request in it
-    loads its own keys once."""
+    """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
+    BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M (KEYS_M: its N, the keys
+    its M); else rows are the dot's M,
+    one dot per head, heads 0..3 keeping their q for the whole span (further heads reload theirs
+    per tile). A row tile may span requests: each request in it streams its own keys."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col0 = tl.program_id(1) * BLOCK_G
+    col0 = tl.program_id(1) * span
     in_chunk = lr < n_rows
     rows = row0 + lr
     vis = tl.load(vis_ptr + rows, mask=in_chunk, other=0)
@@ -95,23 +143,111 @@ def _scores_prefill_kernel(
         req_lo = tl.min(tl.where(active, req, 2147483647), 0)
         req_hi = tl.max(tl.where(active, req, -1), 0)
         d = tl.arange(0, DP)
-        g = col0 + tl.arange(0, BLOCK_G)
+        cols = tl.arange(0, BLOCK_G)
         q_row = q_ptr + rows.to(tl.int64)[:, None] * stride_qt + d[None, :] * stride_qd
+        s_rows = s_ptr + lr.to(tl.int64)[:, None] * stride_sr
         cur = req_lo
         while cur <= req_hi:  # (a while loop: the interpreter cannot range over reductions)
             mine = active & (req == cur)
-            g_end = tl.max(tl.where(mine, vis, 0), 0)
-            if g_end > col0:
-                keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
-                                  stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
-                acc = tl.zeros((BLOCK_R, BLOCK_G), tl.float32)
-                for h in range(HI):
-                    q = tl.load(q_row + h * stride_qh, mask=mine[:, None] & (d < DI)[None, :], other=0.0)
-                    dots = tl.dot(q.to(DOT_DTYPE), tl.trans(keys), input_precision="ieee")
-                    acc += tl.maximum(dots, 0.0)
-                s_off = lr.to(tl.int64)[:, None] * stride_sr + g[None, :]
-                tl.store(s_ptr + s_off, _finish(acc, norm), mask=mine[:, None] & (g[None, :] < vis[:, None]))
+            g_end = tl.minimum(tl.max(tl.where(mine, vis, 0), 0), col0 + span)
+            if PACK:  # heads outermost on the dot's M (m = h * BLOCK_R + r): one dot, a thread-local head sum
+                m = tl.arange(0, HP * BLOCK_R)
+                m_lr = tl.program_id(0) * BLOCK_R + m % BLOCK_R
+                m_mine = tl.reshape(tl.broadcast_to(mine[None, :], (HP, BLOCK_R)), (HP * BLOCK_R,))
+                qa = tl.load(q_ptr + (row0 + m_lr).to(tl.int64)[:, None] * stride_qt
+                             + (m // BLOCK_R)[:, None] * stride_qh + d[None, :] * stride_qd,
+                             mask=(m_mine & (m // BLOCK_R < HI))[:, None] & (d < DI)[None, :], other=0.0)
+                qa = qa.to(DOT_DTYPE)
+                for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
+                    g = c + cols
+                    keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
+                                      stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
+                    if KEYS_M:  # keys on M, rows x heads on N: s^T tile [BLOCK_G, BLOCK_R]
+                        dots = tl.dot(keys, tl.trans(qa), input_precision="ieee")
+                        acc = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (BLOCK_G, HP, BLOCK_R)), 1)
+                        s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
+                        tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s,
+                                 mask=mine[None, :] & (g[:, None] < vis[None, :]))
+                    else:
+                        acc = tl.sum(tl.reshape(_relu_dot(qa, keys), (HP, BLOCK_R, BLOCK_G)), 0)
+                        s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
+                        tl.store(s_rows + g[None, :], s, mask=mine[:, None] & (g[None, :] < vis[:, None]))
+            else:
+                q_mask = mine[:, None] & (d < DI)[None, :]
+                q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
+                q1 = _q_head(q_row, 1, stride_qh, q_mask, HI, DOT_DTYPE)
+                q2 = _q_head(q_row, 2, stride_qh, q_mask, HI, DOT_DTYPE)
+                q3 = _q_head(q_row, 3, stride_qh, q_mask, HI, DOT_DTYPE)
+                for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
+                    g = c + cols
+                    keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
+                                      stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
+                    acc = _relu_dot(q0, keys)  # fp32 [BLOCK_R, BLOCK_G], heads summed in order
+                    if HI > 1:
+                        acc += _relu_dot(q1, keys)
+                    if HI > 2:
+                        acc += _relu_dot(q2, keys)
+                    if HI > 3:
+                        acc += _relu_dot(q3, keys)
+                    for h in tl.static_range(4, HI):
+                        acc += _relu_dot(_q_head(q_row, h, stride_qh, q_mask, HI, DOT_DTYPE), keys)
+                    s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
+                    tl.store(s_rows + g[None, :], s, mask=mine[:, None] & (g[None, :] < vis[:, None]))
             cur += 1
+
+
+@dataclass(frozen=True)
+class ScoreTiles:
+    """Compile-time shape of a score launch. block_r: rows per program (decode: 1 = one row
+    per program, its heads padded to 16 on the dot's M; more = the row-tile kernel packed, as
+    prefill, for at most 4 heads); block_g: columns per tile (N); span: columns per program (a multiple
+    of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
+    pack: prefill rows x heads on one dot's M (for at most 4 heads); fast_div: prefill's
+    division by sqrt(Di) as `_finish_fast` (Di a power of two); keys_m (with pack): the key
+    tile is the dot's M and rows x heads its N."""
+
+    block_r: int
+    block_g: int
+    span: int
+    stages: int
+    num_warps: int
+    pack: bool = False
+    fast_div: bool = False
+    keys_m: bool = False
+
+
+def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2) -> ScoreTiles:
+    """The score tiles: the schedule's small tiles under the interpreter (tests cross tile and
+    span borders), else the H200's, measured (W2, L2 flushed; main = the one-tile-per-program
+    kernels before this sweep):
+    - decode, one row per request: one row per program, 128-column tiles; a span of one tile
+      for bf16 keys (main's 79 us at 1M B4, 145 us at 128K B64), two for fp8 (1M B4 73 -> 68 us,
+      128K B64 137 -> 124 us);
+    - decode with tiles["rows_per_request"] > 1 (MTP): 4 rows x 4 heads on the mma's M, so a
+      request's rows read each key once (1M B4 x 4 rows 224 -> 111 us);
+    - prefill: keys on the wgmma's M, 32 rows x 4 heads on its N, the Markstein division
+      (16K rows at 128K 7.5 -> 2.96 ms, at 1M 66.8 -> 25.3 ms, at 16K 512 -> 227 us)."""
+    rows_tiles = decode and tiles.get("rows_per_request", 1) > 1
+    if interpret:
+        return ScoreTiles(block_r=4 if rows_tiles else 1 if decode else tiles["block_r"], block_g=tiles["block_g"],
+                          span=2 * tiles["block_g"], stages=1, num_warps=4, pack=rows_tiles or not decode,
+                          fast_div=not decode, keys_m=not decode)
+    if rows_tiles:
+        return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True)
+    if decode:
+        return ScoreTiles(block_r=1, block_g=128, span=256 if key_bytes == 1 else 128, stages=3, num_warps=4)
+    return ScoreTiles(block_r=32, block_g=64, span=0, stages=3, num_warps=4, pack=True, fast_div=True, keys_m=True)
+
+
+def _span(t: ScoreTiles, row_tiles: int, num_cols: int, min_programs: int = 1024) -> int:
+    """Columns per program: the fixed span, or (span 0) the longest power-of-two multiple of
+    block_g up to 32 tiles that still leaves >= min_programs programs (row tiles x spans)."""
+    if t.span:
+        return t.span
+    span = t.block_g
+    while span < 32 * t.block_g and row_tiles * triton.cdiv(num_cols, 2 * span) >= min_programs:
+        span *= 2
+    return span
 
 
 _decode = Launcher(_scores_decode_kernel)
@@ -128,28 +264,40 @@ class ScoreLaunch:
     """The score launch of one chunk of `rows` rows (from a free first row `row0`) bound to
     the compressed keys [pages, page_size / r, Di], token_to_req / visible_blocks int32 [T]
     and the score scratch fp32 [>= rows, num_cols]; `__call__(q_idx [T, Hi, Di], block_table
-    int32 [R, P], row0)` launches it. q_idx's dtype is fixed at binding."""
+    int32 [R, P], row0)` launches it. q_idx's dtype is fixed at binding. `score` overrides
+    the tiles (`score_tiles`; benchmarks)."""
 
     def __init__(self, q_idx: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor, visible_blocks: torch.Tensor, scores: torch.Tensor, *, row0: int,
                  rows: int, num_cols: int, page_size: int, compress_ratio: int, block_topk: int, decode: bool,
-                 tiles: dict, interpret: bool) -> None:
+                 tiles: dict, interpret: bool, score: ScoreTiles | None = None) -> None:
         _, Hi, Di = q_idx.shape
+        t = score or score_tiles(decode, tiles, interpret, compressed.element_size())
+        per_row = decode and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
+        HP = triton.next_power_of_2(Hi)
+        block_r = max(t.block_r, 16 // HP)  # rows x heads >= 16 on the dot's M
+        row_tiles = rows if per_row else triton.cdiv(rows, block_r)
+        span = _span(t, row_tiles, num_cols)
+        if span % t.block_g:
+            raise ValueError(f"score span {span} must be a multiple of block_g {t.block_g}")
         common = dict(HI=Hi, DI=Di, DP=triton.next_power_of_2(Di), PAGE=page_size, R=compress_ratio, KB=block_topk,
-                      BLOCK_G=tiles["block_g"],
+                      BLOCK_G=t.block_g, STAGES=t.stages,
                       DOT_DTYPE=tl.bfloat16 if exact_dot(q_idx, compressed, interpret) else tl.float32)
-        col_tiles = triton.cdiv(num_cols, tiles["block_g"])
+        spans = triton.cdiv(num_cols, span)
         args = (
             q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
-            row0, *(() if decode else (rows,)), num_cols, math.sqrt(Di),
+            row0, *(() if per_row else (rows,)), num_cols, span, math.sqrt(Di),
+            *(() if per_row else (float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),)),
             *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0),
         )
-        if decode:
-            self._launch = _decode.bind((rows, col_tiles), *args, free=_FREE,
-                                        HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=4)
-        else:
-            self._launch = _prefill.bind((triton.cdiv(rows, tiles["block_r"]), col_tiles), *args, free=_FREE,
-                                         BLOCK_R=tiles["block_r"], **common, num_warps=8)
+        if per_row:
+            self._launch = _decode.bind((rows, spans), *args, free=_FREE,
+                                        HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)
+        else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
+            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
+                                         PACK=t.pack and Hi <= 4, HP=HP,
+                                         FAST_DIV=t.fast_div and Di & (Di - 1) == 0, KEYS_M=t.keys_m, **common,
+                                         num_warps=t.num_warps)
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:
         sq, sb = q_idx.stride(), block_table.stride()
