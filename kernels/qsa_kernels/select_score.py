@@ -33,6 +33,9 @@ import triton.language as tl
 
 from .launch import Launcher
 
+# triton 3.6's interpreter rounds tl.fma twice (the product, then the sum), so the fast
+# division is exact there only when compiled: its interpreter runs take the IEEE division.
+INTERPRETER_FMA_FUSED = not triton.__version__.startswith("3.6.")
 _EXACT_DOT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -83,10 +86,12 @@ def _scores_decode_kernel(
     stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
-    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr,
 ):
     """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
-    to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols]."""
+    to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols].
+    SPAN_TILES > 0 (the interpreter only): the tile loop runs over constant bounds (triton
+    3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds."""
     lr = tl.program_id(0)
     row = row0 + lr
     col0 = tl.program_id(1) * span
@@ -100,8 +105,9 @@ def _scores_decode_kernel(
                     mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
         g_end = tl.minimum(vis, col0 + span)
         s_row = s_ptr + lr.to(tl.int64) * stride_sr
-        for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
-            g = c + tl.arange(0, BLOCK_G)
+        for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
+                            num_stages=STAGES):
+            g = (col0 + off if SPAN_TILES else off) + tl.arange(0, BLOCK_G)
             g_mask = g < g_end
             keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
                               stride_btp, DI, PAGE, R, DOT_DTYPE)
@@ -124,13 +130,14 @@ def _scores_prefill_kernel(
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
-    KEYS_M: tl.constexpr,
+    KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
     BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M (KEYS_M: its N, the keys
     its M); else rows are the dot's M,
     one dot per head, heads 0..3 keeping their q for the whole span (further heads reload theirs
-    per tile). A row tile may span requests: each request in it streams its own keys."""
+    per tile). A row tile may span requests: each request in it streams its own keys.
+    SPAN_TILES: as the decode kernel."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * span
     in_chunk = lr < n_rows
@@ -158,8 +165,9 @@ def _scores_prefill_kernel(
                              + (m // BLOCK_R)[:, None] * stride_qh + d[None, :] * stride_qd,
                              mask=(m_mine & (m // BLOCK_R < HI))[:, None] & (d < DI)[None, :], other=0.0)
                 qa = qa.to(DOT_DTYPE)
-                for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
-                    g = c + cols
+                for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end,
+                                    BLOCK_G, num_stages=STAGES):
+                    g = (col0 + off if SPAN_TILES else off) + cols
                     keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
                                       stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
                     if KEYS_M:  # keys on M, rows x heads on N: s^T tile [BLOCK_G, BLOCK_R]
@@ -178,8 +186,9 @@ def _scores_prefill_kernel(
                 q1 = _q_head(q_row, 1, stride_qh, q_mask, HI, DOT_DTYPE)
                 q2 = _q_head(q_row, 2, stride_qh, q_mask, HI, DOT_DTYPE)
                 q3 = _q_head(q_row, 3, stride_qh, q_mask, HI, DOT_DTYPE)
-                for c in tl.range(col0, g_end, BLOCK_G, num_stages=STAGES):
-                    g = c + cols
+                for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end,
+                                    BLOCK_G, num_stages=STAGES):
+                    g = (col0 + off if SPAN_TILES else off) + cols
                     keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
                                       stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
                     acc = _relu_dot(q0, keys)  # fp32 [BLOCK_R, BLOCK_G], heads summed in order
@@ -281,7 +290,7 @@ class ScoreLaunch:
         if span % t.block_g:
             raise ValueError(f"score span {span} must be a multiple of block_g {t.block_g}")
         common = dict(HI=Hi, DI=Di, DP=triton.next_power_of_2(Di), PAGE=page_size, R=compress_ratio, KB=block_topk,
-                      BLOCK_G=t.block_g, STAGES=t.stages,
+                      BLOCK_G=t.block_g, STAGES=t.stages, SPAN_TILES=span // t.block_g if interpret else 0,
                       DOT_DTYPE=tl.bfloat16 if exact_dot(q_idx, compressed, interpret) else tl.float32)
         spans = triton.cdiv(num_cols, span)
         args = (
@@ -296,7 +305,7 @@ class ScoreLaunch:
         else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,
-                                         FAST_DIV=t.fast_div and Di & (Di - 1) == 0, KEYS_M=t.keys_m, **common,
+                                         FAST_DIV=t.fast_div and Di & (Di - 1) == 0 and (INTERPRETER_FMA_FUSED or not interpret), KEYS_M=t.keys_m, **common,
                                          num_warps=t.num_warps)
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:

@@ -222,6 +222,9 @@ def _finish_kernel(x_ptr, out_ptr, norm, rcp, FAST: tl.constexpr, N: tl.constexp
     tl.store(out_ptr + i, ss._finish_fast(x, norm, rcp) if FAST else ss._finish(x, norm))
 
 
+@pytest.mark.skipif(DEV == "cpu" and not ss.INTERPRETER_FMA_FUSED,
+                    reason="triton 3.6's interpreter rounds tl.fma twice (CI runs this test under triton 3.9's "
+                           "interpreter and scripts/test_gpu.sh compiled on the GPU)")
 @pytest.mark.parametrize("Di", [32, 64, 128, 256])
 def test_fast_division_is_the_ieee_quotient(Di):
     """`_finish_fast` (Markstein) equals fp32 division by sqrt(Di) bit for bit on random fp32
@@ -255,7 +258,7 @@ for decode, kdt, rows_per_request in ((True, "bf16", 1), (True, "fp8e4nv", 1), (
                                       (False, "bf16", 1)):
     t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request), False, 1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
-                 DOT_DTYPE=tl.bfloat16, **{n: 1 for n, v in VALUES.items() if v == 1})
+                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, **{n: 1 for n, v in VALUES.items() if v == 1})
     if t.block_r == 1:
         fn, const["HM"] = ss._scores_decode_kernel, 16
     else:
