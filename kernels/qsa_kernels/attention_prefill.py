@@ -1,0 +1,434 @@
+"""Prefill sparse attention that shares gathered K/V tiles across neighbouring rows (tile union).
+
+Contract: `qsa_core/reference/attention.py`, the same op as `attention.py`'s kernel. The rows
+are cut into blocks of BR consecutive rows (BR x G query heads fill the MMA's M), three launches:
+
+1. `_union_kernel`, one program per block: checks that each row of the block is a packed row
+   as the top-k writes it (entries ascending, whole groups g*r .. g*r + r - 1, then the open
+   tail from a group boundary, all in [0, seq_len); the active rows of one request), and writes
+   the union of the rows' groups (each group once, as its first token) with the bitmask of the
+   rows that hold it, plus each row's last entry. A block is *shared* when it is well formed
+   and its union holds at most `max_union_ratio` x the sum of its rows' groups; else -1.
+2. `_shared_kernel`, (block, KV head): walks the union in tiles of BLOCK_G groups, gathers each
+   K/V tile once for the whole block and masks row i to the groups of its bit and the tokens
+   <= its last entry, which is exactly its own selection (a row's chosen groups all lie below
+   its tail). Fallback blocks return at once.
+3. `_per_row_kernel`, (row, KV head): `attention.py`'s one-pass online softmax, for the rows
+   of fallback blocks only (holes, junk and duplicates handled as there); rows of shared
+   blocks return at once.
+
+Rows with nothing valid (padding) give exact 0. Within a shared block a non-finite V entry
+that some row selects reaches the block's other rows too (0 * NaN in the shared P @ V); tokens
+>= seq_len are never loaded. `PrefillAttentionLaunch` binds the three launches once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import _LOG2E, _attend, _dot_dtype, _gated_store, _interpreting
+from .launch import BoundLaunch, Launcher
+
+# Blocks whose union is at most this fraction of their rows' groups run shared (see plan).
+MAX_UNION_RATIO = 0.5
+
+
+@triton.jit
+def _row_count(sel_ptr, row, T, stride_st, W: tl.constexpr):
+    """(row pointer, count clamped to [0, W]; 0 for rows >= T) of one packed row."""
+    sel_row = sel_ptr + tl.minimum(row, T - 1).to(tl.int64) * stride_st
+    count = tl.minimum(tl.maximum(tl.load(sel_row + W), 0), W)
+    return sel_row, tl.where(row < T, count, 0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _union_kernel(
+    req_ptr, seq_ptr, sel_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, T, max_ratio, stride_st,
+    BR: tl.constexpr, W: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, LOG: tl.constexpr,
+):
+    """Grid (blocks,). info int32 [blocks, 2]: (union size or -1 = per-row, request);
+    last int32 [T]: a row's last entry (-1: empty); ug / um int32 [blocks, CAP]: the union's
+    group first tokens and row bitmasks. selection with unit column stride."""
+    blk = tl.program_id(0)
+    bad = 0
+    req_lo = 2147483647
+    req_hi = -1
+    total = 0
+    for i in tl.static_range(BR):
+        row = blk * BR + i
+        sel_row, count = _row_count(sel_ptr, row, T, stride_st, W)
+        req = tl.load(req_ptr + tl.minimum(row, T - 1))
+        seq_len = tl.load(seq_ptr + req)
+        for c0 in tl.static_range(0, W, BLOCK_C):
+            k = c0 + tl.arange(0, BLOCK_C)
+            inc = k < count
+            e = tl.load(sel_row + k, mask=inc, other=0)
+            prev = tl.load(sel_row + k - 1, mask=inc & (k > 0), other=-1)
+            kr = k % R
+            good = (e >= 0) & (e < seq_len) & (e % R == kr) & tl.where(kr == 0, e > prev, e == prev + 1)
+            bad += tl.sum(tl.where(inc & ~good, 1, 0), 0)
+        active = count > 0
+        req_lo = tl.where(active, tl.minimum(req_lo, req), req_lo)
+        req_hi = tl.where(active, tl.maximum(req_hi, req), req_hi)
+        last = tl.load(sel_row + count - 1, mask=active, other=-1)
+        tl.store(last_ptr + row, tl.where(active, last, -1), mask=row < T)
+        total += (count + R - 1) // R
+    # Union: a group of row i is kept unless an earlier row of the block holds it; its mask has
+    # bit j for every row j holding it (binary search over row j's ascending group tokens).
+    n_union = 0
+    base = ug_ptr + blk.to(tl.int64) * CAP
+    mbase = um_ptr + blk.to(tl.int64) * CAP
+    for i in tl.static_range(BR):
+        sel_i, count_i = _row_count(sel_ptr, blk * BR + i, T, stride_st, W)
+        ng_i = (count_i + R - 1) // R
+        for c0 in tl.static_range(0, NG, BLOCK_G):
+            kk = c0 + tl.arange(0, BLOCK_G)
+            gv = kk < ng_i
+            gt = tl.load(sel_i + kk * R, mask=gv, other=0)
+            bits = tl.where(gv, 1 << i, 0)
+            for j in tl.static_range(BR):
+                if j != i:
+                    sel_j, count_j = _row_count(sel_ptr, blk * BR + j, T, stride_st, W)
+                    ng_j = (count_j + R - 1) // R
+                    lo = tl.zeros((BLOCK_G,), tl.int32)
+                    hi = lo + ng_j
+                    for _ in tl.static_range(LOG):
+                        look = lo < hi
+                        mid = (lo + hi) // 2
+                        v = tl.load(sel_j + mid * R, mask=look, other=0)
+                        lt = v < gt
+                        lo = tl.where(look & lt, mid + 1, lo)
+                        hi = tl.where(look & ~lt, mid, hi)
+                    found = tl.load(sel_j + lo * R, mask=gv & (lo < ng_j), other=-1) == gt
+                    bits = bits | tl.where(found & gv, 1 << j, 0)
+            keep = gv & ((bits & ((1 << i) - 1)) == 0)
+            k32 = keep.to(tl.int32)
+            pos = n_union + tl.cumsum(k32, 0) - k32
+            tl.store(base + pos, gt, mask=keep)
+            tl.store(mbase + pos, bits, mask=keep)
+            n_union += tl.sum(k32, 0)
+    shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= max_ratio * total)
+    tl.store(info_ptr + blk * 2, tl.where(shared, n_union, -1))
+    tl.store(info_ptr + blk * 2 + 1, tl.where(req_hi >= 0, req_hi, 0))
+
+
+@triton.jit
+def _shared_tile(
+    q, m, l, acc, t0, n_union, ug_row, um_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale, local, last,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp,
+    D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Online-softmax update of the block's M query heads with union groups [t0, t0 + BLOCK_G)."""
+    d = tl.arange(0, DP)
+    n = tl.arange(0, BLOCK_G * R)
+    gi = t0 + n // R
+    inu = gi < n_union
+    tok = tl.load(ug_row + gi, mask=inu, other=0) + n % R
+    bits = tl.load(um_row + gi, mask=inu, other=0)
+    real = inu & (tok < seq_len)
+    page = tl.maximum(tl.load(bt_row + (tok // PAGE) * stride_btp, mask=real, other=0), 0).to(tl.int64)
+    off = (tok % PAGE).to(tl.int64)
+    kv_mask = real[:, None] & (d < D)[None, :]
+    k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, BLOCK_N], log2 units
+    allowed = (((bits[None, :] >> local[:, None]) & 1) != 0) & (tok[None, :] <= last[:, None]) & real[None, :]
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m - m_shift)
+    p = tl.math.exp2(s - m_shift[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+    return m_new, l, acc
+
+
+@triton.jit(do_not_specialize=["T"])
+def _shared_kernel(
+    q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, out_ptr,
+    T, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_gt, stride_gh, stride_ot,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btr, stride_btp,
+    BR: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    PAGE: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr, BLOCK_G: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Grid (blocks, KV heads): out [T, HQ*D] of a shared block's rows; fallback blocks return."""
+    blk = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_union = tl.load(info_ptr + blk * 2)
+    if n_union >= 0:
+        req = tl.load(info_ptr + blk * 2 + 1)
+        seq_len = tl.load(seq_ptr + req)
+        mi = tl.arange(0, M)
+        local = mi // G
+        row = blk * BR + local
+        live = (mi < BR * G) & (row < T)
+        heads = kvh * G + mi % G
+        d = tl.arange(0, DP)
+        mask = live[:, None] & (d < D)[None, :]
+        rows64 = tl.minimum(row, T - 1).to(tl.int64)
+        q = tl.load(q_ptr + (rows64 * stride_qt + heads * stride_qh)[:, None] + d[None, :], mask=mask,
+                    other=0.0).to(DOT_DTYPE)
+        last = tl.load(last_ptr + row, mask=live, other=-1)
+        m = tl.full((M,), float("-inf"), tl.float32)
+        l = tl.zeros((M,), tl.float32)
+        acc = tl.zeros((M, DP), tl.float32)
+        ug_row = ug_ptr + blk.to(tl.int64) * CAP
+        um_row = um_ptr + blk.to(tl.int64) * CAP
+        bt_row = bt_ptr + req.to(tl.int64) * stride_btr
+        if INTERPRET:  # the interpreter cannot range over tensor bounds
+            t0 = 0
+            while t0 < n_union:
+                m, l, acc = _shared_tile(
+                    q, m, l, acc, t0, n_union, ug_row, um_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
+                    local, last, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp,
+                    D, DP, PAGE, R, BLOCK_G, DOT_DTYPE,
+                )
+                t0 += BLOCK_G
+        else:
+            for t0 in range(0, n_union, BLOCK_G):
+                m, l, acc = _shared_tile(
+                    q, m, l, acc, t0, n_union, ug_row, um_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
+                    local, last, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp,
+                    D, DP, PAGE, R, BLOCK_G, DOT_DTYPE,
+                )
+        has_any = (l > 0.0)[:, None]
+        o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
+        g_off = (rows64 * stride_gt + heads * stride_gh)[:, None] + d[None, :]
+        o_off = (rows64 * stride_ot + heads * D)[:, None] + d[None, :]
+        _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+
+
+@triton.jit(do_not_specialize=["W"])
+def _per_row_kernel(
+    q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, info_ptr, out_ptr, W, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_gt, stride_gh, stride_ot,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+    stride_btr, stride_btp, stride_st, stride_sc,
+    BR: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Grid (rows, KV heads): `attention.py`'s one pass for rows of fallback blocks."""
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if tl.load(info_ptr + (row // BR) * 2) < 0:
+        m, l, acc = _attend(
+            q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, row, kvh, 0, 1, W, qk_scale,
+            stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+            stride_btr, stride_btp, stride_st, stride_sc,
+            G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, INTERPRET,
+        )
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        heads = kvh * G + g
+        mask = (g < G)[:, None] & (d < D)[None, :]
+        has_any = (l > 0.0)[:, None]
+        o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
+        g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
+        o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
+        _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+
+
+@dataclass(frozen=True)
+class PrefillSchedule:
+    """How one shared-tile prefill attention runs, fixed when the step is planned.
+
+    Workspace views: info int32 [blocks, 2], last int32 [T], union_tokens / union_masks int32
+    [blocks, cap] (cap = block_rows * ceil(W / r))."""
+
+    num_rows: int
+    block_rows: int
+    compress_ratio: int
+    block_groups: int
+    num_warps: int
+    num_stages: int
+    max_union_ratio: float
+    interpret: bool
+    info: torch.Tensor
+    last: torch.Tensor
+    union_tokens: torch.Tensor
+    union_masks: torch.Tensor
+
+
+def _launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
+    """(BLOCK_G groups per shared tile, num_warps, num_stages) of the shared kernel."""
+    if interpret:
+        return 8, 4, 1
+    return (16, 8, 1) if dp >= 256 else (16, 4, 2)
+
+
+def workspace_size(num_rows: int, num_heads: int, num_kv_heads: int, width: int, compress_ratio: int,
+                   block_rows: int | None = None) -> int:
+    """int32 elements of the workspace a `plan_prefill_attention` of num_rows needs."""
+    br = block_rows or default_block_rows(num_heads, num_kv_heads)
+    blocks = triton.cdiv(num_rows, br)
+    return blocks * 2 + num_rows + 2 * blocks * br * triton.cdiv(width, compress_ratio)
+
+
+def default_block_rows(num_heads: int, num_kv_heads: int) -> int:
+    """Rows per block: as many as fill 64 query heads of the MMA's M (Hq 24 / Hkv 2: 5 rows)."""
+    return max(1, min(31, 64 // (num_heads // num_kv_heads)))
+
+
+def plan_prefill_attention(
+    num_rows: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    width: int,
+    compress_ratio: int,
+    *,
+    device: torch.device | str,
+    block_rows: int | None = None,
+    max_union_ratio: float = MAX_UNION_RATIO,
+    workspace: torch.Tensor | None = None,
+    launch: tuple[int, int, int] | None = None,
+) -> PrefillSchedule:
+    """Schedule of a shared-tile attention over num_rows rows of W = width selection columns
+    of groups of r = compress_ratio tokens. workspace: flat int32 of `workspace_size`, else
+    allocated. launch: (BLOCK_G, num_warps, num_stages), else `_launch_config`."""
+    dev = torch.device(device)
+    br = block_rows or default_block_rows(num_heads, num_kv_heads)
+    if not 1 <= br <= 31:
+        raise ValueError(f"block_rows must be in [1, 31] (a row bitmask of int32), got {br}")
+    interpret = _interpreting()
+    block_g, warps, stages = launch or _launch_config(triton.next_power_of_2(head_dim), interpret)
+    blocks = triton.cdiv(num_rows, br)
+    cap = br * triton.cdiv(width, compress_ratio)
+    need = workspace_size(num_rows, num_heads, num_kv_heads, width, compress_ratio, br)
+    if workspace is None:
+        workspace = torch.empty(need, dtype=torch.int32, device=dev)
+    if workspace.dtype != torch.int32 or workspace.numel() < need:
+        raise ValueError(f"prefill attention workspace must be int32 of >= {need} elements, "
+                         f"got {workspace.dtype} of {workspace.numel()}")
+    info = workspace[: blocks * 2].view(blocks, 2)
+    last = workspace[blocks * 2: blocks * 2 + num_rows]
+    at = blocks * 2 + num_rows
+    ut = workspace[at: at + blocks * cap].view(blocks, cap)
+    um = workspace[at + blocks * cap: at + 2 * blocks * cap].view(blocks, cap)
+    return PrefillSchedule(num_rows, br, compress_ratio, block_g, warps, stages, float(max_union_ratio), interpret,
+                           info, last, ut, um)
+
+
+_UNION_FREE = ("req_ptr", "seq_ptr", "sel_ptr", "stride_st")
+_SHARED_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "seq_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_gt",
+                "stride_gh", "stride_ot", "stride_btr", "stride_btp")
+_ROW_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "stride_qt", "stride_qh",
+             "stride_gt", "stride_gh", "stride_ot", "stride_btr", "stride_btp", "stride_st", "stride_sc")
+
+
+class PrefillAttentionLaunch:
+    """The shared-tile attention bound once to a `PrefillSchedule`, a layer's K/V cache and its
+    scales; `__call__(q, gate, block_table, token_to_req, seq_lens, selection, out)` as
+    `attention.AttentionLaunch` (same shapes, any strides; selection rows with unit column
+    stride)."""
+
+    def __init__(self, q: torch.Tensor, gate: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, token_to_req: torch.Tensor, seq_lens: torch.Tensor,
+                 selection: torch.Tensor, *, softmax_scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                 out: torch.Tensor, schedule: PrefillSchedule) -> None:
+        T, Hq, D = q.shape
+        _, page, Hkv, _ = k_cache.shape
+        W = selection.shape[1] - 1
+        s = schedule
+        if T != s.num_rows:
+            raise ValueError(f"the prefill attention schedule was planned for {s.num_rows} rows, got {T}")
+        if selection.stride(1) != 1:
+            raise ValueError(f"selection must have unit column stride, got {selection.stride(1)}")
+        if page % s.compress_ratio:
+            raise ValueError(f"page_size {page} must be a multiple of compress_ratio {s.compress_ratio}")
+        self.num_rows = T
+        self._launches: list[tuple[BoundLaunch, str]] = []
+        if T == 0:
+            return
+        G = Hq // Hkv
+        DP = triton.next_power_of_2(D)
+        R, BR = s.compress_ratio, s.block_rows
+        blocks = s.info.shape[0]
+        ng = triton.cdiv(W, R)
+        dot = _dot_dtype(q, k_cache, s.interpret)
+        qk_scale = softmax_scale * k_scale * _LOG2E
+        self._launches.append((_union.bind(
+            (blocks,), token_to_req, seq_lens, selection, s.info, s.last, s.union_tokens, s.union_masks, T,
+            s.max_union_ratio, selection.stride(0), free=_UNION_FREE,
+            BR=BR, W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], BLOCK_C=min(512, triton.next_power_of_2(W)),
+            BLOCK_G=min(128, triton.next_power_of_2(ng)), LOG=max(1, math.ceil(math.log2(ng + 1))), num_warps=4,
+        ), "union"))
+        kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+        self._launches.append((_shared.bind(
+            (blocks, Hkv), q, gate, k_cache, v_cache, block_table, seq_lens, s.info, s.last, s.union_tokens,
+            s.union_masks, out, T, qk_scale, v_scale, q.stride(0), q.stride(1), gate.stride(0), gate.stride(1),
+            out.stride(0), *kv_strides, block_table.stride(0), block_table.stride(1), free=_SHARED_FREE,
+            BR=BR, G=G, M=max(16, triton.next_power_of_2(BR * G)), D=D, DP=DP, PAGE=page, R=R,
+            CAP=s.union_tokens.shape[1], BLOCK_G=s.block_groups, DOT_DTYPE=dot, INTERPRET=s.interpret,
+            num_warps=s.num_warps, num_stages=s.num_stages,
+        ), "shared"))
+        row_block, row_warps, row_stages = (32, 4, 1) if s.interpret else ((64, 2, 1) if DP >= 256 else (64, 4, 3))
+        self._launches.append((_per_row.bind(
+            (T, Hkv), q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, s.info, out, W,
+            qk_scale, v_scale, q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0), *kv_strides,
+            block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1), free=_ROW_FREE,
+            BR=BR, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page, BLOCK_N=row_block,
+            DOT_DTYPE=dot, INTERPRET=s.interpret, num_warps=row_warps, num_stages=row_stages,
+        ), "row"))
+
+    def __call__(self, q: torch.Tensor, gate: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,
+                 seq_lens: torch.Tensor, selection: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if q.shape[0] != self.num_rows or out.shape[0] != self.num_rows:
+            raise ValueError(f"prefill attention bound for {self.num_rows} rows, got q {tuple(q.shape)}, "
+                             f"out {tuple(out.shape)}")
+        if self.num_rows and selection.stride(1) != 1:
+            raise ValueError(f"selection must have unit column stride, got {selection.stride(1)}")
+        for launch, kind in self._launches:
+            if kind == "union":
+                launch(token_to_req, seq_lens, selection, selection.stride(0))
+            elif kind == "shared":
+                launch(q, gate, block_table, seq_lens, out, q.stride(0), q.stride(1), gate.stride(0),
+                       gate.stride(1), out.stride(0), block_table.stride(0), block_table.stride(1))
+            else:
+                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, q.stride(0), q.stride(1),
+                       gate.stride(0), gate.stride(1), out.stride(0), block_table.stride(0), block_table.stride(1),
+                       selection.stride(0), selection.stride(1))
+        return out
+
+
+def qsa_prefill_attention(
+    q: torch.Tensor,
+    gate: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    token_to_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    selection: torch.Tensor,
+    *,
+    softmax_scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    out: torch.Tensor,
+    schedule: PrefillSchedule,
+) -> torch.Tensor:
+    """`attention.qsa_sparse_attention` (same arguments and result) by the shared-tile kernels;
+    schedule: `plan_prefill_attention(T, Hq, Hkv, D, W, r, ...)`. Binds on every call."""
+    if q.shape[0] == 0:
+        return out
+    launch = PrefillAttentionLaunch(q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection,
+                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                                    schedule=schedule)
+    return launch(q, gate, block_table, token_to_req, seq_lens, selection, out)
+
+
+_union = Launcher(_union_kernel)
+_shared = Launcher(_shared_kernel)
+_per_row = Launcher(_per_row_kernel)

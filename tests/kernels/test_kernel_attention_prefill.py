@@ -1,0 +1,224 @@
+"""Shared-tile prefill attention against the reference and the per-row kernel (interpreter on
+CPU, compiled on GPU)."""
+
+import os
+
+import pytest
+import torch
+from paged import shuffled_block_table
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from qsa_core.reference.attention import qsa_sparse_attention as reference  # noqa: E402
+from qsa_core.reference.expand import qsa_expand  # noqa: E402
+from qsa_kernels import attention as per_row  # noqa: E402
+from qsa_kernels import attention_prefill as ker  # noqa: E402
+
+R = 4
+
+
+def chosen(vis: int, prev: torch.Tensor | None, kb: int, overlap: float, g: torch.Generator) -> torch.Tensor:
+    """kb groups of [0, vis) (all of them if vis <= kb): each of the previous row's groups kept
+    with probability `overlap`, the rest drawn at random."""
+    if vis <= kb:
+        return torch.arange(vis)
+    keep = prev[prev < vis] if prev is not None else torch.empty(0, dtype=torch.long)
+    keep = keep[torch.rand(keep.numel(), generator=g) < overlap]
+    free = torch.ones(vis, dtype=torch.bool)
+    free[keep] = False
+    rest = free.nonzero().flatten()
+    rest = rest[torch.randperm(rest.numel(), generator=g)[: kb - keep.numel()]]
+    return torch.cat([keep, rest]).sort().values
+
+
+def make_prefill(seq_lens, query_lens, *, Hq=6, Hkv=2, D=32, page=16, Kb=6, overlap=0.0, dtype=torch.float32,
+                 pad_rows=0, device=DEV, seed=0):
+    """Prefill chunks (the last query_lens[i] positions of request i) over a shuffled paged
+    cache, with packed rows as the top-k writes them (`qsa_expand`): Kb chosen groups, ascending,
+    then the open tail. Padding rows: NaN q and gate, all -1, count 0.
+    Returns (q, gate, k, v, block_table, token_to_req, seq_lens, selection)."""
+    g = torch.Generator().manual_seed(seed)
+    table, num_pages = shuffled_block_table(seq_lens, page, g, spare_cols=2, spare_pages=2)
+    k = torch.randn(num_pages, page, Hkv, D, generator=g).to(dtype)
+    v = torch.randn(num_pages, page, Hkv, D, generator=g).to(dtype)
+    blocks, pos, reqs = [], [], []
+    for i, (s, lq) in enumerate(zip(seq_lens, query_lens)):
+        prev = None
+        for p in range(s - lq, s):
+            vis = (p + 1) // R
+            prev = chosen(vis, prev, Kb, overlap, g)
+            blocks.append(torch.cat([prev, torch.full((Kb - prev.numel(),), -1, dtype=torch.long)]))
+            pos.append(p)
+            reqs.append(i)
+    for _ in range(pad_rows):
+        blocks.append(torch.full((Kb,), -1, dtype=torch.long))
+        pos.append(-1)
+        reqs.append(0)
+    T = len(pos)
+    positions = torch.tensor(pos)
+    vis = torch.where(positions >= 0, (positions + 1) // R, 0)
+    sel = torch.empty(T, Kb * R + R, dtype=torch.int32)
+    qsa_expand(torch.stack(blocks).int(), positions, vis.int(), compress_ratio=R, out=sel)
+    q = torch.randn(T, Hq, D, generator=g)
+    gate = torch.randn(T, Hq, D, generator=g) * 2
+    if pad_rows:
+        q[-pad_rows:] = float("nan")
+        gate[-pad_rows:] = float("nan")
+    tensors = (q.to(dtype), gate.to(dtype), k, v, table, torch.tensor(reqs, dtype=torch.int32),
+               torch.tensor(seq_lens, dtype=torch.int32), sel)
+    return tuple(t.to(device) for t in tensors)
+
+
+def attend(problem, *, ratio=ker.MAX_UNION_RATIO, block_rows=None, k_scale=1.0, v_scale=1.0):
+    """(out, schedule) of the shared-tile kernel; out poisoned first."""
+    q, gate, k, v, table, to_req, seq, sel = problem
+    T, Hq, D = q.shape
+    sched = ker.plan_prefill_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, R, device=q.device,
+                                       block_rows=block_rows, max_union_ratio=ratio)
+    out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
+    ker.qsa_prefill_attention(*problem, softmax_scale=D**-0.5, k_scale=k_scale, v_scale=v_scale, out=out,
+                              schedule=sched)
+    return out, sched
+
+
+def per_row_kernel(problem, **kw):
+    q, k, sel = problem[0], problem[2], problem[-1]
+    T, Hq, D = q.shape
+    sched = per_row.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    out = torch.empty(T, Hq * D, dtype=q.dtype, device=q.device)
+    return per_row.qsa_sparse_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched, **kw)
+
+
+def compare(problem, *, tol=1e-5, k_scale=1.0, v_scale=1.0, **kw):
+    D = problem[0].shape[-1]
+    out, sched = attend(problem, k_scale=k_scale, v_scale=v_scale, **kw)
+    expect = reference(*problem, softmax_scale=D**-0.5, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out.float(), expect.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), per_row_kernel(problem, k_scale=k_scale, v_scale=v_scale).float(),
+                               rtol=tol, atol=tol)
+    return out, sched
+
+
+def shared_blocks(sched) -> torch.Tensor:
+    return sched.info[:, 0] >= 0
+
+
+def union_of_block(sel: torch.Tensor, rows: range) -> dict[int, int]:
+    """{group first token: bitmask of the block's rows holding the group} from packed rows."""
+    found: dict[int, int] = {}
+    W = sel.shape[1] - 1
+    for i, t in enumerate(rows):
+        toks = sel[t, : int(sel[t, W])].tolist()
+        for first in {x - x % R for x in toks}:
+            found[first] = found.get(first, 0) | (1 << i)
+    return found
+
+
+def test_identical_rows_share_one_union():
+    """A chunk whose rows see at most Kb groups selects everything: every block is shared and
+    its union is the groups of its last row, each with the bits of the rows that see it."""
+    problem = make_prefill([23], [23], seed=1)
+    out, sched = compare(problem, block_rows=5)
+    sel = problem[-1].cpu()
+    assert shared_blocks(sched).all()
+    for b in range(sched.info.shape[0]):
+        rows = range(5 * b, min(5 * b + 5, 23))
+        n = int(sched.info[b, 0])
+        got = dict(zip(sched.union_tokens[b, :n].tolist(), sched.union_masks[b, :n].tolist()))
+        assert got == union_of_block(sel, rows)
+    assert torch.equal(sched.last.cpu(), sel[torch.arange(23), sel[:, -1].long() - 1])
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("block_rows", [5, None])
+def test_overlap_two_requests_padding(overlap, block_rows):
+    """Chunks of two requests (a block straddling them falls back) and padding rows (exact 0)."""
+    problem = make_prefill([90, 61], [17, 9], overlap=overlap, pad_rows=3, seed=int(overlap * 10))
+    out, sched = compare(problem, block_rows=block_rows)
+    assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
+
+
+def test_every_block_shared_or_per_row():
+    """The same rows are exact whichever way the blocks go: all shared (ratio above any union),
+    all per-row (ratio 0 leaves only empty blocks shared)."""
+    problem = make_prefill([90], [20], overlap=0.3, pad_rows=5, seed=3)
+    out_all, sched = compare(problem, ratio=1e9, block_rows=5)
+    assert shared_blocks(sched).all()
+    out_none, sched = compare(problem, ratio=0.0, block_rows=5)
+    assert shared_blocks(sched).tolist() == [False] * 4 + [True]  # the padding block: nothing to attend
+    torch.testing.assert_close(out_all, out_none, rtol=1e-5, atol=1e-5)
+
+
+def test_decision_by_union_size():
+    """Identical selections share, independent ones (small union overlap) go per row at ratio 0.5."""
+    same = make_prefill([200], [10], overlap=1.0, Kb=6, seed=4)
+    _, sched = compare(same, block_rows=5)
+    assert shared_blocks(sched).all()
+    indep = make_prefill([2000], [10], overlap=0.0, Kb=6, seed=5)
+    _, sched = compare(indep, block_rows=5)
+    assert not shared_blocks(sched).any()
+
+
+def test_malformed_rows_fall_back_exactly():
+    """Rows the union cannot describe (holes, entries >= seq_len, a duplicate, unaligned tokens,
+    entries past the count) send their block per-row, still exact; other blocks stay shared."""
+    problem = list(make_prefill([60], [25], overlap=1.0, seed=6))
+    sel = problem[-1].clone()
+    W = sel.shape[1] - 1
+    sel[0, 1] = -1  # a hole: block 0
+    sel[6, 0] = 60 + 3  # >= seq_len: block 1
+    sel[11, 4] = sel[11, 3]  # a duplicate: block 2
+    sel[16, :4] = torch.tensor([1, 2, 3, 4])  # not a group: block 3
+    sel[21, W - 1] = 5  # beyond the count: ignored, block 4 stays shared
+    problem[-1] = sel
+    _, sched = compare(tuple(problem), ratio=1e9, block_rows=5)
+    assert shared_blocks(sched).tolist() == [False, False, False, False, True]
+
+
+def test_empty_selections_and_nan_gate():
+    problem = list(make_prefill([30], [7], seed=7))
+    sel = problem[-1].clone()
+    sel[:, -1] = 0
+    problem[-1] = sel
+    problem[1] = torch.full_like(problem[1], float("nan"))
+    out, sched = attend(tuple(problem), block_rows=5)
+    assert shared_blocks(sched).all() and torch.equal(out, torch.zeros_like(out))
+
+
+def test_bf16_and_scales():
+    problem = make_prefill([70, 33], [12, 6], overlap=0.8, dtype=torch.bfloat16, pad_rows=2, seed=8)
+    out, _ = compare(problem, tol=2e-2, k_scale=0.6, v_scale=1.7, block_rows=5)
+    assert out.dtype == torch.bfloat16
+
+
+def test_group_sizes_and_head_dim():
+    compare(make_prefill([50], [12], Hq=8, Hkv=1, D=64, overlap=0.9, seed=9), block_rows=3)
+    compare(make_prefill([50], [12], Hq=2, Hkv=2, D=16, overlap=0.9, seed=10))
+
+
+def test_bound_launch_relaunches_with_new_tensors():
+    """A launch bound to one step's tensors runs another step's (other buffers, a wider out)."""
+    first = make_prefill([60], [12], overlap=0.5, pad_rows=1, seed=11)
+    second = make_prefill([60], [12], overlap=0.9, pad_rows=1, seed=12)
+    q, gate, k, v, table, to_req, seq, sel = first
+    T, Hq, D = q.shape
+    sched = ker.plan_prefill_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, R, device=q.device, block_rows=5)
+    out = torch.empty(T, Hq * D, device=q.device)
+    bound = ker.PrefillAttentionLaunch(*first, softmax_scale=D**-0.5, out=out, schedule=sched)
+    q2, gate2, _, _, table2, to_req2, seq2, sel2 = second
+    wide = torch.zeros(T, Hq * D + 4, device=q.device)
+    bound(q2, gate2, table2, to_req2, seq2, sel2, wide[:, : Hq * D])
+    expect = reference(q2, gate2, k, v, table2, to_req2, seq2, sel2, softmax_scale=D**-0.5)
+    torch.testing.assert_close(wide[:, : Hq * D], expect, rtol=1e-5, atol=1e-5)
+    assert (wide[:, Hq * D:] == 0).all()
+    with pytest.raises(ValueError, match="bound for"):
+        bound(q2[:2], gate2[:2], table2, to_req2[:2], seq2, sel2[:2], wide[:2, : Hq * D])
+
+
+def test_bad_workspace_and_block_rows():
+    with pytest.raises(ValueError, match="workspace"):
+        ker.plan_prefill_attention(10, 6, 2, 32, 27, R, device="cpu", workspace=torch.empty(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="block_rows"):
+        ker.plan_prefill_attention(10, 6, 2, 32, 27, R, device="cpu", block_rows=32)
