@@ -38,79 +38,66 @@ from .launch import BoundLaunch, Launcher
 MAX_UNION_RATIO = 0.5
 
 
-@triton.jit
-def _row_count(sel_ptr, row, T, stride_st, W: tl.constexpr):
-    """(row pointer, count clamped to [0, W]; 0 for rows >= T) of one packed row."""
-    sel_row = sel_ptr + tl.minimum(row, T - 1).to(tl.int64) * stride_st
-    count = tl.minimum(tl.maximum(tl.load(sel_row + W), 0), W)
-    return sel_row, tl.where(row < T, count, 0)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _union_kernel(
     req_ptr, seq_ptr, sel_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, T, max_ratio, stride_st,
-    BR: tl.constexpr, W: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr,
+    BR: tl.constexpr, BRP: tl.constexpr, W: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, LOG: tl.constexpr,
 ):
     """Grid (blocks,). info int32 [blocks, 2]: (union size or -1 = per-row, request);
     last int32 [T]: a row's last entry (-1: empty); ug / um int32 [blocks, CAP]: the union's
     group first tokens and row bitmasks. selection with unit column stride."""
     blk = tl.program_id(0)
+    jr = tl.arange(0, BRP)  # the block's rows on axis 0
+    rows = blk * BR + jr
+    inb = (jr < BR) & (rows < T)
+    sel_rows = sel_ptr + tl.minimum(rows, T - 1).to(tl.int64) * stride_st
+    counts = tl.where(inb, tl.minimum(tl.maximum(tl.load(sel_rows + W), 0), W), 0)
+    reqs = tl.load(req_ptr + tl.minimum(rows, T - 1))
+    seq_lens = tl.load(seq_ptr + reqs)
     bad = 0
-    req_lo = 2147483647
-    req_hi = -1
-    total = 0
-    for i in tl.static_range(BR):
-        row = blk * BR + i
-        sel_row, count = _row_count(sel_ptr, row, T, stride_st, W)
-        req = tl.load(req_ptr + tl.minimum(row, T - 1))
-        seq_len = tl.load(seq_ptr + req)
-        for c0 in tl.static_range(0, W, BLOCK_C):
-            k = c0 + tl.arange(0, BLOCK_C)
-            inc = k < count
-            e = tl.load(sel_row + k, mask=inc, other=0)
-            prev = tl.load(sel_row + k - 1, mask=inc & (k > 0), other=-1)
-            kr = k % R
-            good = (e >= 0) & (e < seq_len) & (e % R == kr) & tl.where(kr == 0, e > prev, e == prev + 1)
-            bad += tl.sum(tl.where(inc & ~good, 1, 0), 0)
-        active = count > 0
-        req_lo = tl.where(active, tl.minimum(req_lo, req), req_lo)
-        req_hi = tl.where(active, tl.maximum(req_hi, req), req_hi)
-        last = tl.load(sel_row + count - 1, mask=active, other=-1)
-        tl.store(last_ptr + row, tl.where(active, last, -1), mask=row < T)
-        total += (count + R - 1) // R
+    for c0 in range(0, W, BLOCK_C):
+        k = c0 + tl.arange(0, BLOCK_C)[None, :]
+        inc = k < counts[:, None]
+        e = tl.load(sel_rows[:, None] + k, mask=inc, other=0)
+        prev = tl.load(sel_rows[:, None] + k - 1, mask=inc & (k > 0), other=-1)
+        kr = k % R
+        good = (e >= 0) & (e < seq_lens[:, None]) & (e % R == kr) & tl.where(kr == 0, e > prev, e == prev + 1)
+        bad += tl.sum(tl.sum(tl.where(inc & ~good, 1, 0), 1), 0)
+    active = counts > 0
+    req_lo = tl.min(tl.where(active, reqs, 2147483647), 0)
+    req_hi = tl.max(tl.where(active, reqs, -1), 0)
+    last = tl.load(sel_rows + counts - 1, mask=active, other=-1)
+    tl.store(last_ptr + rows, tl.where(active, last, -1), mask=inb)
+    n_groups = (counts + R - 1) // R
+    total = tl.sum(n_groups, 0)
     # Union: a group of row i is kept unless an earlier row of the block holds it; its mask has
-    # bit j for every row j holding it (binary search over row j's ascending group tokens).
+    # bit j for every row j holding it (binary searches over the rows' ascending group tokens).
     n_union = 0
     base = ug_ptr + blk.to(tl.int64) * CAP
     mbase = um_ptr + blk.to(tl.int64) * CAP
-    for i in tl.static_range(BR):
-        sel_i, count_i = _row_count(sel_ptr, blk * BR + i, T, stride_st, W)
-        ng_i = (count_i + R - 1) // R
-        for c0 in tl.static_range(0, NG, BLOCK_G):
+    for i in range(BR):
+        sel_i = sel_ptr + tl.minimum(blk * BR + i, T - 1).to(tl.int64) * stride_st
+        ng_i = tl.sum(tl.where(jr == i, n_groups, 0), 0)
+        for c0 in range(0, NG, BLOCK_G):
             kk = c0 + tl.arange(0, BLOCK_G)
             gv = kk < ng_i
-            gt = tl.load(sel_i + kk * R, mask=gv, other=0)
-            bits = tl.where(gv, 1 << i, 0)
-            for j in tl.static_range(BR):
-                if j != i:
-                    sel_j, count_j = _row_count(sel_ptr, blk * BR + j, T, stride_st, W)
-                    ng_j = (count_j + R - 1) // R
-                    lo = tl.zeros((BLOCK_G,), tl.int32)
-                    hi = lo + ng_j
-                    for _ in tl.static_range(LOG):
-                        look = lo < hi
-                        mid = (lo + hi) // 2
-                        v = tl.load(sel_j + mid * R, mask=look, other=0)
-                        lt = v < gt
-                        lo = tl.where(look & lt, mid + 1, lo)
-                        hi = tl.where(look & ~lt, mid, hi)
-                    found = tl.load(sel_j + lo * R, mask=gv & (lo < ng_j), other=-1) == gt
-                    bits = bits | tl.where(found & gv, 1 << j, 0)
+            gt = tl.load(sel_i + kk * R, mask=gv, other=0)[None, :]
+            lo = tl.zeros((BRP, BLOCK_G), tl.int32)
+            hi = lo + n_groups[:, None]
+            for _ in range(LOG):
+                look = lo < hi
+                mid = (lo + hi) // 2
+                v = tl.load(sel_rows[:, None] + mid * R, mask=look, other=0)
+                lt = v < gt
+                lo = tl.where(look & lt, mid + 1, lo)
+                hi = tl.where(look & ~lt, mid, hi)
+            found = tl.load(sel_rows[:, None] + lo * R, mask=(lo < n_groups[:, None]) & gv[None, :], other=-1) == gt
+            bits = tl.sum(tl.where(found, 1 << jr[:, None], 0), 0)
             keep = gv & ((bits & ((1 << i) - 1)) == 0)
             k32 = keep.to(tl.int32)
             pos = n_union + tl.cumsum(k32, 0) - k32
-            tl.store(base + pos, gt, mask=keep)
+            tl.store(base + pos, tl.reshape(gt, (BLOCK_G,)), mask=keep)
             tl.store(mbase + pos, bits, mask=keep)
             n_union += tl.sum(k32, 0)
     shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= max_ratio * total)
@@ -361,7 +348,7 @@ class PrefillAttentionLaunch:
         self._launches.append((_union.bind(
             (blocks,), token_to_req, seq_lens, selection, s.info, s.last, s.union_tokens, s.union_masks, T,
             s.max_union_ratio, selection.stride(0), free=_UNION_FREE,
-            BR=BR, W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], BLOCK_C=min(512, triton.next_power_of_2(W)),
+            BR=BR, BRP=triton.next_power_of_2(BR), W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], BLOCK_C=min(4096 // triton.next_power_of_2(BR), triton.next_power_of_2(W)),
             BLOCK_G=min(128, triton.next_power_of_2(ng)), LOG=max(1, math.ceil(math.log2(ng + 1))), num_warps=4,
         ), "union"))
         kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
