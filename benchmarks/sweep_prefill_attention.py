@@ -200,10 +200,11 @@ def main() -> None:
             summary.append(f"{label:20s} ov {stats['overlap']:.2f} u5/sum {stats['union5_over_sum']:.2f} | "
                            f"per-row {row['per-row']['us'] / 1e3:.2f} auto {row['auto']['us'] / 1e3:.2f} "
                            f"best {best} {row[best]['us'] / 1e3:.2f} ms | union {row['union_pass_us']:.0f} us")
+            print(summary[-1], flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(results, indent=1))
             del prob
             torch.cuda.empty_cache()
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
     print(f"total {time.time() - t_start:.0f} s")
     print("\n".join(summary))
 
