@@ -132,9 +132,11 @@ class WallTimer:
 # -- one step ----------------------------------------------------------------------------------
 
 class Step:
-    """Caches, plan and projections of one step of `case` (random data, seeded)."""
+    """Caches, plan and projections of one step of `case` (random data, seeded). prefill_data
+    "overlap": the prefill rows' indexer queries are correlated along positions
+    (`correlated_rows`), so neighbouring rows choose mostly the same groups."""
 
-    def __init__(self, case: Case, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, case: Case, device: torch.device, seed: int = 0, prefill_data: str = "random") -> None:
         torch.manual_seed(seed)
         cfg = self.cfg = qsa_config(case.index_dtype)
         self.case = case
@@ -176,6 +178,8 @@ class Step:
         self.meta = self.plan.meta
         Hi, Hq = cfg.index_n_heads, cfg.num_heads
         self.index_qk = torch.randn(T, (Hi + 1) * Di, device=dev, dtype=BF16)
+        if prefill_data == "overlap" and not self.decode:
+            self.index_qk[:, : Hi * Di] = correlated_rows(T, Hi * Di, OVERLAP_PERIOD, dev)
         self.q_gate = torch.randn(T, Hq * 2 * D, device=dev, dtype=BF16)
         self.k = torch.randn(T, Hkv * D, device=dev, dtype=BF16)
         self.v = torch.randn(T, Hkv * D, device=dev, dtype=BF16)
@@ -227,7 +231,8 @@ class Step:
         err = attention_error(self.attention()[:rows], self.reference_attention(sel, rows))
         if err > 2e-2:
             raise AssertionError(f"{self.case.label}: attention differs from the reference: {err:.2e}")
-        return f"ok (attention err {err:.1e} on {rows} rows)"
+        overlap = "" if self.decode else f"; neighbour overlap {neighbour_overlap(sel, self.meta.visible_blocks):.2f}"
+        return f"ok (attention err {err:.1e} on {rows} rows{overlap})"
 
     def reference_attention(self, packed: torch.Tensor, rows: int) -> torch.Tensor:
         return ref_attention(self.q[:rows], self.gate[:rows], self.cache.k, self.cache.v, self.meta.block_table,
@@ -245,6 +250,38 @@ class Step:
         distinct = torch.unique((req * self.context + tok)[valid]).numel()
         scored = int(self.meta.visible_blocks[:T].long().sum())
         return rep.traffic(self.case, GEOM, float(distinct), float(scored), float(valid.sum()))
+
+
+OVERLAP_PERIOD = 8  # rows between the anchors of `correlated_rows`
+
+
+def correlated_rows(rows: int, width: int, period: int, device: torch.device) -> torch.Tensor:
+    """bf16 [rows, width] standard normal rows correlated along the row index: row t =
+    cos(th) U_a + sin(th) U_{a+1}, a = t // period, th = pi/2 (t % period) / period, U iid N(0, 1)
+    (neighbours' correlation cos(pi / (2 period)), 0.98 at period 8)."""
+    u = torch.randn(rows // period + 2, width, device=device)
+    t = torch.arange(rows, device=device)
+    th = (t % period).float()[:, None] * (math.pi / 2 / period)
+    return (torch.cos(th) * u[t // period] + torch.sin(th) * u[t // period + 1]).to(BF16)
+
+
+def neighbour_overlap(sel: torch.Tensor, visible: torch.Tensor, max_rows: int = 4096) -> float:
+    """Mean over neighbouring rows t, t+1 (of the first max_rows) that both choose fewer groups
+    than they see of |chosen(t) & chosen(t+1)| / |chosen(t)| (complete groups, tails excluded)."""
+    n = min(max_rows, sel.shape[0])
+    W = sel.shape[1] - 1
+    vis = visible[:n].long()
+    ng = int(vis.max()) + 1 if n else 1
+    tok = sel[:n, :W].long()
+    valid = (torch.arange(W, device=sel.device)[None, :] < sel[:n, W:].long()) & (tok < vis[:, None] * 4)
+    m = torch.zeros(n, ng + 1, dtype=torch.bool, device=sel.device)
+    m.scatter_(1, torch.where(valid, tok // 4, ng), True)
+    m = m[:, :ng]
+    size = m.sum(1)
+    both = (size[1:] < vis[1:]) & (size[:-1] < vis[:-1]) & (size[:-1] > 0)
+    if not both.any():
+        return float("nan")
+    return float(((m[1:] & m[:-1]).sum(1)[both].float() / size[:-1][both].float()).mean())
 
 
 def chosen_groups(packed_row: torch.Tensor, visible: int) -> torch.Tensor:
@@ -324,9 +361,10 @@ def sglang_check(step: Step, path, rows: int = 2) -> float:
 
 # -- one configuration -------------------------------------------------------------------------
 
-def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save, warm_timer=None) -> Result:
+def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save, warm_timer=None,
+            prefill_data: str = "random") -> Result:
     """Fill result column by column (save() after each, so a killed run keeps what it has)."""
-    step = Step(case, device)
+    step = Step(case, device, prefill_data=prefill_data)
     step.select()
     if not result.check:
         result.check = step.check()
@@ -480,6 +518,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(its site-packages, or a copy of just those files): SGLang's QSA path becomes the peer columns. "
                     "Needs tilelang 0.1.15 and FlashInfer with its top-k module prebuilt; without this option the "
                     "peer columns are left out")
+    ap.add_argument("--prefill-data", choices=("random", "overlap"), default="random",
+                    help="prefill indexer queries: iid (random) or correlated along positions (Step, correlated_rows)")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense FlashInfer column")
     ap.add_argument("--warm-l2", action="store_true", help="do not flush L2 between replays")
     ap.add_argument("--budget-s", type=float, default=0.0,
@@ -534,11 +574,12 @@ def main(argv: list[str] | None = None) -> None:
     path = args.out / "results.json"
     meta, done = rep.load(path) if path.exists() else ({}, [])
     code = code_fingerprint()
-    if done and meta.get("code") != code:
-        print(f"{path}: written by other code ({meta.get('code')} != {code}); starting over")
+    if done and (meta.get("code") != code or meta.get("prefill_data", "random") != args.prefill_data):
+        print(f"{path}: written by other code or data ({meta.get('code')} != {code}); starting over")
         meta, done = {}, []
     by_key = {r.case.key: r for r in done}
     meta["code"] = code
+    meta["prefill_data"] = args.prefill_data
     meta.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)",
                 versions=versions(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 method="one CPU wall-clock call (dry run: not a measurement)" if args.dry_run else
@@ -573,7 +614,7 @@ def main(argv: list[str] | None = None) -> None:
             watchdog.start()
         try:
             measure(r.case, device, timer, sg, dense=not args.no_dense and not args.dry_run, result=r, save=save,
-                    warm_timer=warm_timer)
+                    warm_timer=warm_timer, prefill_data=args.prefill_data)
         except Exception as e:  # noqa: BLE001 - a failed check stops this configuration only
             r.notes.append(f"FAILED: {type(e).__name__}: {e}"[:300])
             failed.append(r.case.key)

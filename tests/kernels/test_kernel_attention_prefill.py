@@ -91,13 +91,15 @@ def per_row_kernel(problem, **kw):
     return per_row.qsa_sparse_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched, **kw)
 
 
-def compare(problem, *, tol=1e-5, k_scale=1.0, v_scale=1.0, **kw):
+def compare(problem, *, tol=1e-5, k_scale=1.0, v_scale=1.0, with_per_row=False, **kw):
+    """The shared-tile kernel against the reference (and `attention.py`'s kernel)."""
     D = problem[0].shape[-1]
     out, sched = attend(problem, k_scale=k_scale, v_scale=v_scale, **kw)
     expect = reference(*problem, softmax_scale=D**-0.5, k_scale=k_scale, v_scale=v_scale)
     torch.testing.assert_close(out.float(), expect.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(out.float(), per_row_kernel(problem, k_scale=k_scale, v_scale=v_scale).float(),
-                               rtol=tol, atol=tol)
+    if with_per_row:
+        torch.testing.assert_close(out.float(), per_row_kernel(problem, k_scale=k_scale, v_scale=v_scale).float(),
+                                   rtol=tol, atol=tol)
     return out, sched
 
 
@@ -135,19 +137,19 @@ def test_identical_rows_share_one_union():
 @pytest.mark.parametrize("block_rows", [5, None])
 def test_overlap_two_requests_padding(overlap, block_rows):
     """Chunks of two requests (a block straddling them falls back) and padding rows (exact 0)."""
-    problem = make_prefill([90, 61], [17, 9], overlap=overlap, pad_rows=3, seed=int(overlap * 10))
-    out, sched = compare(problem, block_rows=block_rows)
+    problem = make_prefill([70, 41], [12, 7], overlap=overlap, pad_rows=3, seed=int(overlap * 10))
+    out, sched = compare(problem, block_rows=block_rows, with_per_row=overlap == 0.7)
     assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
 
 
 def test_every_block_shared_or_per_row():
     """The same rows are exact whichever way the blocks go: all shared (ratio above any union),
     all per-row (ratio 0 leaves only empty blocks shared)."""
-    problem = make_prefill([90], [20], overlap=0.3, pad_rows=5, seed=3)
+    problem = make_prefill([90], [15], overlap=0.3, pad_rows=5, seed=3)
     out_all, sched = compare(problem, ratio=1e9, block_rows=5)
     assert shared_blocks(sched).all()
     out_none, sched = compare(problem, ratio=0.0, block_rows=5)
-    assert shared_blocks(sched).tolist() == [False] * 4 + [True]  # the padding block: nothing to attend
+    assert shared_blocks(sched).tolist() == [False] * 3 + [True]  # the padding block: nothing to attend
     torch.testing.assert_close(out_all, out_none, rtol=1e-5, atol=1e-5)
 
 
@@ -188,8 +190,8 @@ def test_empty_selections_and_nan_gate():
 
 
 def test_bf16_and_scales():
-    problem = make_prefill([70, 33], [12, 6], overlap=0.8, dtype=torch.bfloat16, pad_rows=2, seed=8)
-    out, _ = compare(problem, tol=2e-2, k_scale=0.6, v_scale=1.7, block_rows=5)
+    problem = make_prefill([70, 33], [8, 4], overlap=0.8, dtype=torch.bfloat16, pad_rows=2, seed=8)
+    out, _ = compare(problem, tol=2e-2, k_scale=0.6, v_scale=1.7, block_rows=5, with_per_row=True)
     assert out.dtype == torch.bfloat16
 
 
