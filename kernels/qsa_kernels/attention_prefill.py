@@ -73,10 +73,13 @@ def _union_kernel(
     total = tl.sum(n_groups, 0)
     # Union: a group of row i is kept unless an earlier row of the block holds it; its mask has
     # bit j for every row j holding it (binary searches over the rows' ascending group tokens).
+    # It stops once the union outgrows max_ratio x total (the block then goes per row).
+    limit = max_ratio * total
     n_union = 0
     base = ug_ptr + blk.to(tl.int64) * CAP
     mbase = um_ptr + blk.to(tl.int64) * CAP
-    for i in range(BR):
+    i = 0
+    while (i < BR) & (n_union <= limit):
         sel_i = sel_ptr + tl.minimum(blk * BR + i, T - 1).to(tl.int64) * stride_st
         ng_i = tl.sum(tl.where(jr == i, n_groups, 0), 0)
         for c0 in range(0, NG, BLOCK_G):
@@ -100,7 +103,8 @@ def _union_kernel(
             tl.store(base + pos, tl.reshape(gt, (BLOCK_G,)), mask=keep)
             tl.store(mbase + pos, bits, mask=keep)
             n_union += tl.sum(k32, 0)
-    shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= max_ratio * total)
+        i += 1
+    shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= limit)
     tl.store(info_ptr + blk * 2, tl.where(shared, n_union, -1))
     tl.store(info_ptr + blk * 2 + 1, tl.where(req_hi >= 0, req_hi, 0))
 
