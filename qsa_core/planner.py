@@ -222,8 +222,9 @@ class QSAPlanner:
         self._selection = torch.empty(n, cfg.packed_width, **i32)
         self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
         self._q_idx = self._q = None
-        self._select_ws = self._partials = None
+        self._select_ws = self._partials = self._attn_prefill_ws = None
         if self.backend == "triton":
+            from qsa_kernels import attention
             from qsa_kernels.attention import partials_size
             from qsa_kernels.select import select_workspace
 
@@ -234,6 +235,11 @@ class QSAPlanner:
             acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
             self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
                               torch.empty(acc, dtype=torch.float32, device=dev))
+            if n >= attention._PREFILL_MIN_ROWS:
+                from qsa_kernels.attention_prefill import workspace_size
+
+                self._attn_prefill_ws = torch.empty(workspace_size(
+                    n, cfg.num_heads, cfg.num_kv_heads, cfg.selection_width, cfg.compress_ratio), **i32)
         self._build = None
         if self.backend == "triton":
             from qsa_kernels.metadata import MetadataBuild
@@ -280,7 +286,8 @@ class QSAPlanner:
             if nd < T:
                 pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
             attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
-                                  device=self.device, partials=self._partials)
+                                  device=self.device, partials=self._partials, compress_ratio=cfg.compress_ratio,
+                                  prefill_workspace=self._attn_prefill_ws)
         rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols, fuse_ring=fuse_ring,

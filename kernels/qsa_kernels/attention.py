@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -30,6 +31,9 @@ _PROGRAMS_PER_SM = 3
 # Rows above which the one-pass kernel already fills the GPU.
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
+# Rows from which `plan_attention`, given the compress ratio, runs the shared-tile prefill
+# kernels (attention_prefill.py) instead of the one pass.
+_PREFILL_MIN_ROWS = 1024
 
 
 def _interpreting() -> bool:
@@ -250,6 +254,7 @@ class AttentionSchedule:
     interpret: bool
     part_ml: torch.Tensor | None
     part_acc: torch.Tensor | None
+    prefill: Any = None  # an attention_prefill.PrefillSchedule: its kernels run instead
 
 
 def partials_size(max_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, width: int,
@@ -273,10 +278,14 @@ def plan_attention(
     *,
     device: torch.device | str,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    compress_ratio: int | None = None,
+    prefill_workspace: torch.Tensor | None = None,
 ) -> AttentionSchedule:
     """Schedule of a sparse attention over num_rows rows of W = width selection columns.
 
     partials: flat fp32 (ml, acc) buffers of a workspace (`partials_size`), else allocated.
+    compress_ratio given and at least _PREFILL_MIN_ROWS rows: the shared-tile prefill kernels
+    (`attention_prefill.plan_prefill_attention`, on prefill_workspace if given).
     """
     dev = torch.device(device)
     block_n, num_warps, num_stages = _launch_config(triton.next_power_of_2(head_dim))
@@ -292,7 +301,14 @@ def plan_attention(
             raise ValueError(f"attention partials hold {acc.numel()} < {n * head_dim} elements")
         part_ml = ml[: n * 2].view(num_rows, num_heads, n_splits, 2)
         part_acc = acc[: n * head_dim].view(num_rows, num_heads, n_splits, head_dim)
-    return AttentionSchedule(num_rows, n_splits, block_n, num_warps, num_stages, _interpreting(), part_ml, part_acc)
+    prefill = None
+    if compress_ratio is not None and n_splits == 1 and num_rows >= _PREFILL_MIN_ROWS:
+        from .attention_prefill import plan_prefill_attention
+
+        prefill = plan_prefill_attention(num_rows, num_heads, num_kv_heads, head_dim, width, compress_ratio,
+                                         device=dev, workspace=prefill_workspace)
+    return AttentionSchedule(num_rows, n_splits, block_n, num_warps, num_stages, _interpreting(), part_ml, part_acc,
+                             prefill)
 
 
 _FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "stride_qt", "stride_qh",
@@ -316,7 +332,15 @@ class AttentionLaunch:
             raise ValueError(f"the attention schedule was planned for {schedule.num_rows} rows, got {T}")
         self.num_rows = T
         self._launches: list[tuple[BoundLaunch, bool]] = []  # (launch, combine: fewer free args)
+        self._prefill = None
         if T == 0:
+            return
+        if schedule.prefill is not None:
+            from .attention_prefill import PrefillAttentionLaunch
+
+            self._prefill = PrefillAttentionLaunch(
+                q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, softmax_scale=softmax_scale,
+                k_scale=k_scale, v_scale=v_scale, out=out, schedule=schedule.prefill)
             return
         G = Hq // Hkv
         DP = triton.next_power_of_2(D)
@@ -346,6 +370,8 @@ class AttentionLaunch:
                  seq_lens: torch.Tensor, selection: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != self.num_rows or out.shape[0] != self.num_rows:
             raise ValueError(f"attention bound for {self.num_rows} rows, got q {tuple(q.shape)}, out {tuple(out.shape)}")
+        if self._prefill is not None:
+            return self._prefill(q, gate, block_table, token_to_req, seq_lens, selection, out)
         qs, gs, bs, ss, os = q.stride(), gate.stride(), block_table.stride(), selection.stride(), out.stride()
         for launch, combine in self._launches:
             if combine:

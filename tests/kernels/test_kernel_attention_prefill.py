@@ -224,3 +224,22 @@ def test_bad_workspace_and_block_rows():
         ker.plan_prefill_attention(10, 6, 2, 32, 27, R, device="cpu", workspace=torch.empty(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="block_rows"):
         ker.plan_prefill_attention(10, 6, 2, 32, 27, R, device="cpu", block_rows=32)
+
+
+def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels(monkeypatch):
+    """`plan_attention` given the compress ratio plans the shared-tile kernels for chunks of at
+    least _PREFILL_MIN_ROWS rows, and `AttentionLaunch` runs them (exact); fewer rows or no ratio:
+    the one pass as before."""
+    monkeypatch.setattr(per_row, "_PREFILL_MIN_ROWS", 16)
+    problem = make_prefill([60], [18], overlap=0.9, pad_rows=1, seed=13)
+    q, k, sel = problem[0], problem[2], problem[-1]
+    T, Hq, D = q.shape
+    assert per_row.plan_attention(15, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R).prefill is None
+    assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device).prefill is None
+    sched = per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R)
+    assert sched.prefill is not None
+    out = torch.full((T, Hq * D), 7.0, device=q.device)
+    per_row.AttentionLaunch(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)(
+        q, problem[1], problem[4], problem[5], problem[6], sel, out)
+    assert shared_blocks(sched.prefill).any()
+    torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
