@@ -34,15 +34,15 @@ def chosen(vis: int, prev: torch.Tensor | None, kb: int, overlap: float, g: torc
 
 
 def make_prefill(seq_lens, query_lens, *, Hq=6, Hkv=2, D=32, page=16, Kb=6, overlap=0.0, dtype=torch.float32,
-                 pad_rows=0, device=DEV, seed=0):
+                 kv_dtype=None, pad_rows=0, device=DEV, seed=0):
     """Prefill chunks (the last query_lens[i] positions of request i) over a shuffled paged
     cache, with packed rows as the top-k writes them (`qsa_expand`): Kb chosen groups, ascending,
     then the open tail. Padding rows: NaN q and gate, all -1, count 0.
     Returns (q, gate, k, v, block_table, token_to_req, seq_lens, selection)."""
     g = torch.Generator().manual_seed(seed)
     table, num_pages = shuffled_block_table(seq_lens, page, g, spare_cols=2, spare_pages=2)
-    k = torch.randn(num_pages, page, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(num_pages, page, Hkv, D, generator=g).to(dtype)
+    k = torch.randn(num_pages, page, Hkv, D, generator=g).to(kv_dtype or dtype)
+    v = torch.randn(num_pages, page, Hkv, D, generator=g).to(kv_dtype or dtype)
     blocks, pos, reqs = [], [], []
     for i, (s, lq) in enumerate(zip(seq_lens, query_lens)):
         prev = None
@@ -189,8 +189,10 @@ def test_empty_selections_and_nan_gate():
     assert shared_blocks(sched).all() and torch.equal(out, torch.zeros_like(out))
 
 
-def test_bf16_and_scales():
-    problem = make_prefill([70, 33], [8, 4], overlap=0.8, dtype=torch.bfloat16, pad_rows=2, seed=8)
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_bf16_and_scales(kv_dtype):
+    problem = make_prefill([70, 33], [8, 4], overlap=0.8, dtype=torch.bfloat16, kv_dtype=kv_dtype, pad_rows=2,
+                           seed=8)
     out, _ = compare(problem, tol=2e-2, k_scale=0.6, v_scale=1.7, block_rows=5, with_per_row=True)
     assert out.dtype == torch.bfloat16
 
@@ -243,3 +245,28 @@ def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels(monkeypatch):
         q, problem[1], problem[4], problem[5], problem[6], sel, out)
     assert shared_blocks(sched.prefill).any()
     torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- GPU, production shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [0.0, 0.9, 1.0])
+def test_gpu_production(overlap):
+    """Hq 24 / Hkv 2 / D 256, page 64, K 2048: chunks at 128K and 5K context and padding rows,
+    against the reference and the per-row kernel; a CUDA-graph replay is bitwise the eager run."""
+    problem = make_prefill([131072, 5000], [150, 100], Hq=24, Hkv=2, D=256, page=64, Kb=512, overlap=overlap,
+                           dtype=torch.bfloat16, pad_rows=3, device="cuda", seed=int(overlap * 10) + 20)
+    out, sched = compare(problem, tol=2e-2, with_per_row=True)
+    assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
+    if overlap == 1.0:
+        assert shared_blocks(sched)[:29].all()  # blocks of the first request (the 30th straddles both)
+    q, gate, k, v, table, to_req, seq, sel = problem
+    bound = ker.PrefillAttentionLaunch(*problem, softmax_scale=256**-0.5, out=out, schedule=sched)
+    graph = torch.cuda.CUDAGraph()
+    replayed = torch.empty_like(out)
+    with torch.cuda.graph(graph):
+        bound(q, gate, table, to_req, seq, sel, replayed)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, out)
