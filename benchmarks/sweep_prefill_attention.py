@@ -45,6 +45,7 @@ VARIANTS = {
     "shared b5 g8 w8 s1": (5, 8, 8, 1, 1e9),
     "shared b5 g8 w8 s2": (5, 8, 8, 2, 1e9),
     "shared b5 g16 w8 s2": (5, 16, 8, 2, 1e9),
+    "shared b5 g8 w4 s2": (5, 8, 4, 2, 1e9),
     "shared b2 g8 w4 s2": (2, 8, 4, 2, 1e9),
 }
 DATA = [("random", 0), ("overlap", 8), ("overlap", 32)]
