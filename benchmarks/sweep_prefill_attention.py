@@ -41,11 +41,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # name: (block_rows, BLOCK_G, num_warps, num_stages, max_union_ratio); None: attention.py per row.
 VARIANTS = {
     "per-row": None,
-    "auto": (5, 8, 8, 2, 0.5),
-    "shared b5 g8 w8 s1": (5, 8, 8, 1, 1e9),
+    "auto": (5, 8, 8, 3, 0.5),
+    "shared b5 g8 w8 s3": (5, 8, 8, 3, 1e9),
+    "shared b5 g4 w8 s2": (5, 4, 8, 2, 1e9),
+    "shared b5 g4 w8 s3": (5, 4, 8, 3, 1e9),
     "shared b5 g8 w8 s2": (5, 8, 8, 2, 1e9),
-    "shared b5 g16 w8 s2": (5, 16, 8, 2, 1e9),
-    "shared b5 g8 w4 s2": (5, 8, 4, 2, 1e9),
     "shared b2 g8 w4 s2": (2, 8, 4, 2, 1e9),
 }
 DATA = [("random", 0), ("overlap", 8), ("overlap", 32)]
