@@ -38,7 +38,8 @@ HQ, HKV, D, PAGE, R, KB = 24, 2, 256, 64, 4, 512
 W = KB * R + R - 1
 ROWS = 16384
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-# name: (block_rows, BLOCK_G, num_warps, num_stages, max_union_ratio); None: attention.py per row.
+# name: (block_rows, BLOCK_G, num_warps, num_stages, max_union_ratio[, per-row (BLOCK_N, warps, stages)]);
+# None: attention.py per row. "rows ...": ratio 0, every block per row (this module's per-row kernel).
 VARIANTS = {
     "per-row": None,
     "auto": (5, 8, 8, 3, 0.5),
@@ -47,9 +48,12 @@ VARIANTS = {
     "shared b5 g4 w8 s3": (5, 4, 8, 3, 1e9),
     "shared b5 g8 w8 s2": (5, 8, 8, 2, 1e9),
     "shared b2 g8 w4 s2": (2, 8, 4, 2, 1e9),
+    "rows n32 w4 s3": (5, 8, 8, 3, 0.0, (32, 4, 3)),
+    "rows n32 w4 s2": (5, 8, 8, 3, 0.0, (32, 4, 2)),
 }
-DATA = [("random", 0), ("overlap", 8), ("overlap", 32)]
-CONTEXTS = [16384, 131072]
+# (context, data, L), most wanted first (a run cut by its time limit keeps the first ones).
+CASES = [(16384, "random", 0), (16384, "overlap", 8), (131072, "random", 0), (131072, "overlap", 8),
+         (16384, "overlap", 32), (131072, "overlap", 32)]
 
 
 def selections(context: int, rows: int, data: str, L: int, seed: int) -> torch.Tensor:
@@ -103,18 +107,20 @@ def overlap_stats(sel: torch.Tensor, context: int, block_rows: int = 5) -> dict:
     return {"overlap": adj / max(n_adj, 1), "union5_over_sum": union / max(total, 1)}
 
 
-def problem(context: int, data: str, L: int, seed: int = 0):
+def problem(context: int, data: str, L: int, seed: int = 0, rows: int | None = None):
+    """(q, gate, k, v, block_table, token_to_req, seq_lens, selection) of one request's last rows."""
+    rows = rows or ROWS
     dev = torch.device(DEV)
     torch.manual_seed(seed)
     pages = context // PAGE
     k = torch.randn(pages + 1, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
     v = torch.randn(pages + 1, PAGE, HKV, D, device=dev, dtype=torch.bfloat16)
     table = (torch.randperm(pages, device=dev) + 1).int()[None, :]
-    q = torch.randn(ROWS, HQ, D, device=dev, dtype=torch.bfloat16)
-    gate = torch.randn(ROWS, HQ, D, device=dev, dtype=torch.bfloat16)
-    to_req = torch.zeros(ROWS, dtype=torch.int32, device=dev)
+    q = torch.randn(rows, HQ, D, device=dev, dtype=torch.bfloat16)
+    gate = torch.randn(rows, HQ, D, device=dev, dtype=torch.bfloat16)
+    to_req = torch.zeros(rows, dtype=torch.int32, device=dev)
     seq = torch.tensor([context], dtype=torch.int32, device=dev)
-    return q, gate, k, v, table, to_req, seq, selections(context, ROWS, data, L, seed)
+    return q, gate, k, v, table, to_req, seq, selections(context, rows, data, L, seed)
 
 
 def runner(name: str, prob, out: torch.Tensor):
@@ -128,17 +134,16 @@ def runner(name: str, prob, out: torch.Tensor):
         sched = per_row.plan_attention(T, HQ, HKV, D, W, device=DEV)
         bound = per_row.AttentionLaunch(*prob, softmax_scale=D**-0.5, out=out, schedule=sched)
         return (lambda: bound(prob[0], prob[1], prob[4], prob[5], prob[6], prob[7], out)), None
-    br, bg, warps, stages, ratio = cfg
+    br, bg, warps, stages, ratio = cfg[:5]
     sched = pre.plan_prefill_attention(T, HQ, HKV, D, W, R, device=DEV, block_rows=br, max_union_ratio=ratio,
-                                       launch=(bg, warps, stages))
+                                       launch=(bg, warps, stages), row_launch=cfg[5] if len(cfg) > 5 else None)
     bound = pre.PrefillAttentionLaunch(*prob, softmax_scale=D**-0.5, out=out, schedule=sched)
     return (lambda: bound(prob[0], prob[1], prob[4], prob[5], prob[6], prob[7], out)), sched
 
 
 def _compile_one(name: str) -> str:
     t0 = time.time()
-    prob = problem(4096, "overlap", 8)
-    prob = tuple(x[:512] if i in (0, 1, 5, 7) else x for i, x in enumerate(prob))
+    prob = problem(4096, "overlap", 8, rows=512)
     out = torch.empty(512, HQ * D, device=DEV, dtype=torch.bfloat16)
     fn, _ = runner(name, prob, out)
     fn()
@@ -161,51 +166,53 @@ def main() -> None:
     print(f"compiles done at {time.time() - t_start:.0f} s", flush=True)
     timer = GraphTimer(flush_l2=True, reps=15)
     results, summary = [], []
-    for context in CONTEXTS if not args.quick else CONTEXTS[:1]:
-        for data, L in DATA:
-            prob = problem(context, data, L)
-            stats = overlap_stats(prob[7], context)
-            label = f"{context // 1024}K {data}" + (f" L{L}" if L else "")
-            ref_rows = torch.cat([torch.arange(0, 40), torch.arange(ROWS // 2, ROWS // 2 + 40),
-                                  torch.arange(ROWS - 40, ROWS)]).to(DEV)
-            sub = tuple(x[ref_rows] if i in (0, 1, 5, 7) else x for i, x in enumerate(prob))
-            want = ref_attention(*sub, softmax_scale=D**-0.5).float()
-            base = None
-            row = {"case": label, **stats}
-            for name in names:
-                out = torch.full((ROWS, HQ * D), float("nan"), device=DEV, dtype=torch.bfloat16)
-                fn, sched = runner(name, prob, out)
-                fn()
-                torch.cuda.synchronize()
-                got = out.float()
-                err_ref = ((got[ref_rows] - want).abs().max() / want.abs().max()).item()
-                if base is None:
-                    base = got
-                err_row = ((got - base).abs().max() / base.abs().max()).item()
-                ok = err_ref <= 2e-2 and err_row <= 2e-2 and bool(torch.isfinite(got).all())
-                shared = float((sched.info[:, 0] >= 0).float().mean()) if sched is not None else 0.0
-                us = timer(fn) if ok else float("nan")
-                row[name] = {"us": us, "err_ref": err_ref, "err_per_row": err_row, "shared_blocks": shared}
-                print(f"{label:22s} {name:20s} {us / 1e3:7.3f} ms  err {err_ref:.1e}/{err_row:.1e} "
-                      f"shared {shared:.2f}", flush=True)
-                del out, got
-            # the union pass alone (one variant's first launch)
-            fn, sched = runner("auto", prob, torch.empty(ROWS, HQ * D, device=DEV, dtype=torch.bfloat16))
-            import qsa_kernels.attention_prefill as pre
-            bound = pre.PrefillAttentionLaunch(*prob, softmax_scale=D**-0.5, out=torch.empty(
-                ROWS, HQ * D, device=DEV, dtype=torch.bfloat16), schedule=sched)
-            union_launch = bound._launches[0][0]
-            row["union_pass_us"] = timer(lambda: union_launch(prob[5], prob[6], prob[7], prob[7].stride(0)))
-            results.append(row)
-            best = min((n for n in names if n != "per-row"), key=lambda n: row[n]["us"])
-            summary.append(f"{label:20s} ov {stats['overlap']:.2f} u5/sum {stats['union5_over_sum']:.2f} | "
-                           f"per-row {row['per-row']['us'] / 1e3:.2f} auto {row['auto']['us'] / 1e3:.2f} "
-                           f"best {best} {row[best]['us'] / 1e3:.2f} ms | union {row['union_pass_us']:.0f} us")
-            print(summary[-1], flush=True)
-            if args.out:
-                args.out.write_text(json.dumps(results, indent=1))
-            del prob
-            torch.cuda.empty_cache()
+    for context, data, L in CASES if not args.quick else CASES[:1]:
+        prob = problem(context, data, L)
+        stats = overlap_stats(prob[7], context)
+        label = f"{context // 1024}K {data}" + (f" L{L}" if L else "")
+        ref_rows = torch.cat([torch.arange(0, 40), torch.arange(ROWS // 2, ROWS // 2 + 40),
+                              torch.arange(ROWS - 40, ROWS)]).to(DEV)
+        sub = tuple(x[ref_rows] if i in (0, 1, 5, 7) else x for i, x in enumerate(prob))
+        want = ref_attention(*sub, softmax_scale=D**-0.5).float()
+        base = None
+        row = {"case": label, **stats}
+        for name in names:
+            out = torch.full((ROWS, HQ * D), float("nan"), device=DEV, dtype=torch.bfloat16)
+            fn, sched = runner(name, prob, out)
+            fn()
+            torch.cuda.synchronize()
+            got = out.float()
+            err_ref = ((got[ref_rows] - want).abs().max() / want.abs().max()).item()
+            if base is None:
+                base = got
+            err_row = ((got - base).abs().max() / base.abs().max()).item()
+            ok = err_ref <= 2e-2 and err_row <= 2e-2 and bool(torch.isfinite(got).all())
+            shared = float((sched.info[:, 0] >= 0).float().mean()) if sched is not None else 0.0
+            us = timer(fn) if ok else float("nan")
+            row[name] = {"us": us, "err_ref": err_ref, "err_per_row": err_row, "shared_blocks": shared}
+            if name == "shared b5 g8 w8 s3":  # every block shared: the union sizes
+                row["union_groups"] = int(sched.info[:, 0].clamp(min=0).sum())
+                row["row_groups"] = int(((prob[7][:, W].long() + R - 1) // R).sum())
+            print(f"{label:22s} {name:20s} {us / 1e3:7.3f} ms  err {err_ref:.1e}/{err_row:.1e} "
+                  f"shared {shared:.2f}", flush=True)
+            del out, got
+        # the union pass alone (one variant's first launch)
+        fn, sched = runner("auto", prob, torch.empty(ROWS, HQ * D, device=DEV, dtype=torch.bfloat16))
+        import qsa_kernels.attention_prefill as pre
+        bound = pre.PrefillAttentionLaunch(*prob, softmax_scale=D**-0.5, out=torch.empty(
+            ROWS, HQ * D, device=DEV, dtype=torch.bfloat16), schedule=sched)
+        union_launch = bound._launches[0][0]
+        row["union_pass_us"] = timer(lambda: union_launch(prob[5], prob[6], prob[7], prob[7].stride(0)))
+        results.append(row)
+        best = min((n for n in names if n != "per-row"), key=lambda n: row[n]["us"])
+        summary.append(f"{label:20s} ov {stats['overlap']:.2f} u5/sum {stats['union5_over_sum']:.2f} | "
+                       f"per-row {row['per-row']['us'] / 1e3:.2f} auto {row['auto']['us'] / 1e3:.2f} "
+                       f"best {best} {row[best]['us'] / 1e3:.2f} ms | union {row['union_pass_us']:.0f} us")
+        print(summary[-1], flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+        del prob
+        torch.cuda.empty_cache()
     print(f"total {time.time() - t_start:.0f} s")
     print("\n".join(summary))
 

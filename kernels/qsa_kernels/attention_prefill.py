@@ -245,6 +245,7 @@ class PrefillSchedule:
     num_stages: int
     max_union_ratio: float
     interpret: bool
+    row_launch: tuple[int, int, int]
     info: torch.Tensor
     last: torch.Tensor
     union_tokens: torch.Tensor
@@ -257,6 +258,13 @@ def _launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
     if interpret:
         return 8, 4, 1
     return (8, 8, 3) if dp >= 256 else (16, 4, 2)
+
+
+def _row_launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the per-row kernel: `attention.py`'s one pass."""
+    if interpret:
+        return 32, 4, 1
+    return (64, 2, 1) if dp >= 256 else (64, 4, 3)
 
 
 def workspace_size(num_rows: int, num_heads: int, num_kv_heads: int, width: int, compress_ratio: int,
@@ -285,16 +293,20 @@ def plan_prefill_attention(
     max_union_ratio: float = MAX_UNION_RATIO,
     workspace: torch.Tensor | None = None,
     launch: tuple[int, int, int] | None = None,
+    row_launch: tuple[int, int, int] | None = None,
 ) -> PrefillSchedule:
     """Schedule of a shared-tile attention over num_rows rows of W = width selection columns
     of groups of r = compress_ratio tokens. workspace: flat int32 of `workspace_size`, else
-    allocated. launch: (BLOCK_G, num_warps, num_stages), else `_launch_config`."""
+    allocated. launch: the shared kernel's (BLOCK_G, num_warps, num_stages), else
+    `_launch_config`; row_launch: the per-row kernel's (BLOCK_N, num_warps, num_stages), else
+    `_row_launch_config`."""
     dev = torch.device(device)
     br = block_rows or default_block_rows(num_heads, num_kv_heads)
     if not 1 <= br <= 31:
         raise ValueError(f"block_rows must be in [1, 31] (a row bitmask of int32), got {br}")
     interpret = _interpreting()
     block_g, warps, stages = launch or _launch_config(triton.next_power_of_2(head_dim), interpret)
+    row = row_launch or _row_launch_config(triton.next_power_of_2(head_dim), interpret)
     blocks = triton.cdiv(num_rows, br)
     cap = br * triton.cdiv(width, compress_ratio)
     need = workspace_size(num_rows, num_heads, num_kv_heads, width, compress_ratio, br)
@@ -309,7 +321,7 @@ def plan_prefill_attention(
     ut = workspace[at: at + blocks * cap].view(blocks, cap)
     um = workspace[at + blocks * cap: at + 2 * blocks * cap].view(blocks, cap)
     return PrefillSchedule(num_rows, br, compress_ratio, block_g, warps, stages, float(max_union_ratio), interpret,
-                           info, last, ut, um)
+                           row, info, last, ut, um)
 
 
 _UNION_FREE = ("req_ptr", "seq_ptr", "sel_ptr", "stride_st")
@@ -366,7 +378,7 @@ class PrefillAttentionLaunch:
             CAP=s.union_tokens.shape[1], BLOCK_G=s.block_groups, DOT_DTYPE=dot, INTERPRET=s.interpret,
             num_warps=s.num_warps, num_stages=s.num_stages,
         ), "shared"))
-        row_block, row_warps, row_stages = (32, 4, 1) if s.interpret else ((64, 2, 1) if DP >= 256 else (64, 4, 3))
+        row_block, row_warps, row_stages = s.row_launch
         self._launches.append((_per_row.bind(
             (T, Hkv), q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, s.info, out, W,
             qk_scale, v_scale, q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0), *kv_strides,
