@@ -6,10 +6,11 @@ are cut into blocks of BR consecutive rows (BR x G query heads fill the MMA's M)
 1. `_union_kernel`, one program per block: checks that each row of the block is a packed row
    as the top-k writes it (entries ascending, whole groups g*r .. g*r + r - 1, then the open
    tail from a group boundary, all in [0, seq_len); the active rows of one request), and writes
-   the union of the rows' groups (each group once, as its first token) with the bitmask of the
-   rows that hold it, plus each row's last entry. A block is *shared* when it is well formed
-   and its union holds at most `max_union_ratio` x the sum of its rows' groups; else -1.
-2. `_shared_kernel`, (block, KV head): walks the union in tiles of BLOCK_G groups, gathers each
+   the block's groups as runs: a group (its first token) with the bitmask of the consecutive
+   rows holding it, so that each (row, group) lies in one run; plus each row's last entry. A
+   block is *shared* when it is well formed and its runs number at most `max_union_ratio` x
+   the sum of its rows' groups; else -1.
+2. `_shared_kernel`, (block, KV head): walks the runs in tiles of BLOCK_G groups, gathers each
    K/V tile once for the whole block and masks row i to the groups of its bit and the tokens
    <= its last entry, which is exactly its own selection (a row's chosen groups all lie below
    its tail). Fallback blocks return at once.
@@ -34,8 +35,25 @@ import triton.language as tl
 from .attention import _LOG2E, _attend, _dot_dtype, _gated_store, _interpreting
 from .launch import BoundLaunch, Launcher
 
-# Blocks whose union is at most this fraction of their rows' groups run shared (see plan).
-MAX_UNION_RATIO = 0.5
+# Blocks whose runs number at most this fraction of their rows' groups run shared. H200, W1:
+# the shared kernel with 2 rows x 12 heads on M costs ~1.45x the per-row kernel per gathered
+# token (break-even 0.69); with 5 rows on M = 64 ~3x.
+MAX_UNION_RATIO = 0.6
+
+
+@triton.jit
+def _holds(sel_row, n, gt, active, R: tl.constexpr, LOG: tl.constexpr):
+    """Where `active`: whether a row's first n groups (ascending first tokens at columns
+    0, R, 2R, ...) hold the group of first token gt (lower-bound search, LOG >= log2(n + 1))."""
+    lo = tl.zeros_like(gt)
+    hi = tl.where(active, n, 0)
+    for _ in range(LOG):
+        look = lo < hi
+        mid = (lo + hi) // 2
+        lt = tl.load(sel_row + mid * R, mask=look, other=0) < gt
+        lo = tl.where(look & lt, mid + 1, lo)
+        hi = tl.where(look & ~lt, mid, hi)
+    return active & (lo < n) & (tl.load(sel_row + lo * R, mask=active & (lo < n), other=-1) == gt)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -71,9 +89,10 @@ def _union_kernel(
     tl.store(last_ptr + rows, tl.where(active, last, -1), mask=inb)
     n_groups = (counts + R - 1) // R
     total = tl.sum(n_groups, 0)
-    # Union: a group of row i is kept unless an earlier row of the block holds it; its mask has
-    # bit j for every row j holding it (binary searches over the rows' ascending group tokens).
-    # It stops once the union outgrows max_ratio x total (the block then goes per row).
+    # Runs: row i's group opens an entry unless row i - 1 holds it too; the entry's mask has
+    # the bits of the consecutive rows i, i + 1, ... holding it (binary searches over the rows'
+    # ascending group tokens). Each (row, group) lies in exactly one run, so a group that skips
+    # a row gets one entry per run. Stops once the entries outgrow max_ratio x total.
     limit = max_ratio * total
     n_union = 0
     base = ug_ptr + blk.to(tl.int64) * CAP
@@ -81,27 +100,26 @@ def _union_kernel(
     i = 0
     while (i < BR) & (n_union <= limit):
         sel_i = sel_ptr + tl.minimum(blk * BR + i, T - 1).to(tl.int64) * stride_st
+        sel_p = sel_ptr + tl.minimum(blk * BR + tl.maximum(i - 1, 0), T - 1).to(tl.int64) * stride_st
         ng_i = tl.sum(tl.where(jr == i, n_groups, 0), 0)
+        ng_p = tl.sum(tl.where(jr == i - 1, n_groups, 0), 0)  # 0 for row 0
         for c0 in range(0, NG, BLOCK_G):
             kk = c0 + tl.arange(0, BLOCK_G)
             gv = kk < ng_i
-            gt = tl.load(sel_i + kk * R, mask=gv, other=0)[None, :]
-            lo = tl.zeros((BRP, BLOCK_G), tl.int32)
-            hi = lo + n_groups[:, None]
-            for _ in range(LOG):
-                look = lo < hi
-                mid = (lo + hi) // 2
-                v = tl.load(sel_rows[:, None] + mid * R, mask=look, other=0)
-                lt = v < gt
-                lo = tl.where(look & lt, mid + 1, lo)
-                hi = tl.where(look & ~lt, mid, hi)
-            found = tl.load(sel_rows[:, None] + lo * R, mask=(lo < n_groups[:, None]) & gv[None, :], other=-1) == gt
-            bits = tl.sum(tl.where(found, 1 << jr[:, None], 0), 0)
-            keep = gv & ((bits & ((1 << i) - 1)) == 0)
-            k32 = keep.to(tl.int32)
+            gt = tl.load(sel_i + kk * R, mask=gv, other=0)
+            start = gv & ~_holds(sel_p, ng_p, gt, gv, R, LOG)
+            bits = tl.where(start, 1 << i, 0)
+            alive = start
+            j = i + 1
+            while (j < BR) & (tl.max(alive.to(tl.int32), 0) > 0):
+                sel_j = sel_ptr + tl.minimum(blk * BR + j, T - 1).to(tl.int64) * stride_st
+                alive = alive & _holds(sel_j, tl.sum(tl.where(jr == j, n_groups, 0), 0), gt, alive, R, LOG)
+                bits = bits | tl.where(alive, 1 << j, 0)
+                j += 1
+            k32 = start.to(tl.int32)
             pos = n_union + tl.cumsum(k32, 0) - k32
-            tl.store(base + pos, tl.reshape(gt, (BLOCK_G,)), mask=keep)
-            tl.store(mbase + pos, bits, mask=keep)
+            tl.store(base + pos, gt, mask=start)
+            tl.store(mbase + pos, bits, mask=start)
             n_union += tl.sum(k32, 0)
         i += 1
     shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= limit)
@@ -253,11 +271,11 @@ class PrefillSchedule:
 
 
 def _launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_G groups per shared tile, num_warps, num_stages) of the shared kernel. D 256 on
-    sm_90 (triton 3.6): 8 groups (32 tokens), 8 warps, 3 stages spill 8 B (1 stage: 1.3 KB)."""
+    """(BLOCK_G groups per shared tile, num_warps, num_stages) of the shared kernel. D 256, M 32
+    on sm_90 (triton 3.6): 8 groups (32 tokens), 4 warps, 3 stages: no spill, cp.async gathers."""
     if interpret:
         return 8, 4, 1
-    return (8, 8, 3) if dp >= 256 else (16, 4, 2)
+    return (8, 4, 3) if dp >= 256 else (16, 4, 2)
 
 
 def _row_launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
@@ -276,8 +294,9 @@ def workspace_size(num_rows: int, num_heads: int, num_kv_heads: int, width: int,
 
 
 def default_block_rows(num_heads: int, num_kv_heads: int) -> int:
-    """Rows per block: as many as fill 64 query heads of the MMA's M (Hq 24 / Hkv 2: 5 rows)."""
-    return max(1, min(31, 64 // (num_heads // num_kv_heads)))
+    """Rows per block: as many as fill 32 query heads of the MMA's M (Hq 24 / Hkv 2: 2 rows;
+    5 rows on M = 64 ran slower on the H200 at every overlap but the highest)."""
+    return max(1, min(31, 32 // (num_heads // num_kv_heads)))
 
 
 def plan_prefill_attention(
@@ -366,7 +385,7 @@ class PrefillAttentionLaunch:
             (blocks,), token_to_req, seq_lens, selection, s.info, s.last, s.union_tokens, s.union_masks, T,
             s.max_union_ratio, selection.stride(0), free=_UNION_FREE,
             BR=BR, BRP=triton.next_power_of_2(BR), W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], BLOCK_C=min(4096 // triton.next_power_of_2(BR), triton.next_power_of_2(W)),
-            BLOCK_G=min(128, triton.next_power_of_2(ng)), LOG=max(1, math.ceil(math.log2(ng + 1))), num_warps=4,
+            BLOCK_G=min(1024, triton.next_power_of_2(ng)), LOG=max(1, math.ceil(math.log2(ng + 1))), num_warps=4,
         ), "union"))
         kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                       v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))

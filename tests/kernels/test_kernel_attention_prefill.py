@@ -109,29 +109,41 @@ def shared_blocks(sched) -> torch.Tensor:
     return sched.info[:, 0] >= 0
 
 
-def union_of_block(sel: torch.Tensor, rows: range) -> dict[int, int]:
-    """{group first token: bitmask of the block's rows holding the group} from packed rows."""
-    found: dict[int, int] = {}
+def runs_of_block(sel: torch.Tensor, rows: range) -> list[tuple[int, int]]:
+    """Sorted (group first token, bitmask) of each run of consecutive rows of the block holding
+    a group, from packed rows."""
     W = sel.shape[1] - 1
-    for i, t in enumerate(rows):
-        toks = sel[t, : int(sel[t, W])].tolist()
-        for first in {x - x % R for x in toks}:
-            found[first] = found.get(first, 0) | (1 << i)
-    return found
+    held = [{x - x % R for x in sel[t, : int(sel[t, W])].tolist()} for t in rows]
+    runs = []
+    for i, groups in enumerate(held):
+        for first in groups:
+            if i > 0 and first in held[i - 1]:
+                continue
+            bits, j = 0, i
+            while j < len(held) and first in held[j]:
+                bits |= 1 << j
+                j += 1
+            runs.append((first, bits))
+    return sorted(runs)
+
+
+def block_runs(sched, b: int) -> list[tuple[int, int]]:
+    n = int(sched.info[b, 0])
+    return sorted(zip(sched.union_tokens[b, :n].tolist(), sched.union_masks[b, :n].tolist()))
 
 
 def test_identical_rows_share_one_union():
     """A chunk whose rows see at most Kb groups selects everything: every block is shared and
-    its union is the groups of its last row, each with the bits of the rows that see it."""
+    its runs are the groups of its last row, each once, with the bits of the rows that see it."""
     problem = make_prefill([23], [23], seed=1)
     out, sched = compare(problem, block_rows=5)
     sel = problem[-1].cpu()
     assert shared_blocks(sched).all()
     for b in range(sched.info.shape[0]):
         rows = range(5 * b, min(5 * b + 5, 23))
-        n = int(sched.info[b, 0])
-        got = dict(zip(sched.union_tokens[b, :n].tolist(), sched.union_masks[b, :n].tolist()))
-        assert got == union_of_block(sel, rows)
+        runs = runs_of_block(sel, rows)
+        assert block_runs(sched, b) == runs
+        assert len(runs) == len({first for first, _ in runs})  # one run per group
     assert torch.equal(sched.last.cpu(), sel[torch.arange(23), sel[:, -1].long() - 1])
 
 
@@ -142,6 +154,17 @@ def test_overlap_two_requests_padding(overlap, block_rows):
     problem = make_prefill([70, 41], [12, 7], overlap=overlap, pad_rows=3, seed=int(overlap * 10))
     out, sched = compare(problem, block_rows=block_rows, with_per_row=overlap == 0.7)
     assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
+
+
+def test_runs_of_groups_that_skip_rows():
+    """A group held by rows 0 and 2 of a block but not row 1 gets two runs (each row once)."""
+    problem = make_prefill([200], [10], overlap=0.5, seed=14)
+    out, sched = compare(problem, ratio=1e9, block_rows=5)
+    sel = problem[-1].cpu()
+    for b in range(2):
+        assert block_runs(sched, b) == runs_of_block(sel, range(5 * b, 5 * b + 5))
+    assert any(len(runs_of_block(sel, range(5 * b, 5 * b + 5))) > len({f for f, _ in runs_of_block(
+        sel, range(5 * b, 5 * b + 5))}) for b in range(2))
 
 
 def test_every_block_shared_or_per_row():
@@ -314,7 +337,7 @@ def test_gpu_production(overlap):
     out, sched = compare(problem, tol=2e-2, with_per_row=True)
     assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
     if overlap == 1.0:
-        assert shared_blocks(sched)[:30].all()  # the 30 blocks of the first request
+        assert shared_blocks(sched)[: 150 // sched.block_rows].all()  # the first request's blocks
     q, gate, k, v, table, to_req, seq, sel = problem
     bound = ker.PrefillAttentionLaunch(*problem, softmax_scale=256**-0.5, out=out, schedule=sched)
     graph = torch.cuda.CUDAGraph()
