@@ -49,6 +49,10 @@ VARIANTS = {
     "shared b2 g8 w8 s2": (2, 8, 8, 2, 1e9),
     "rows n32 w4 s3": (2, 8, 4, 3, 0.0, (32, 4, 3)),
     "rows n32 w4 s2": (2, 8, 4, 3, 0.0, (32, 4, 2)),
+    "rows n16 w2 s3": (2, 8, 4, 3, 0.0, (16, 2, 3)),
+    "rows n64 w2 s1": (2, 8, 4, 3, 0.0, (64, 2, 1)),
+    "auto b5 r0.4": (5, 16, 8, 2, 0.4),
+    "shared b5 g16 w8 s2": (5, 16, 8, 2, 1e9),
 }
 # (context, data, L), most wanted first (a run cut by its time limit keeps the first ones).
 CASES = [(16384, "random", 0), (16384, "overlap", 8), (131072, "random", 0), (131072, "overlap", 8),
