@@ -35,10 +35,11 @@ import triton.language as tl
 from .attention import _LOG2E, _attend, _dot_dtype, _gated_store, _interpreting
 from .launch import BoundLaunch, Launcher
 
-# Blocks whose runs number at most this fraction of their rows' groups run shared. H200, W1:
-# the shared kernel with 2 rows x 12 heads on M costs ~1.45x the per-row kernel per gathered
-# token (break-even 0.69); with 5 rows on M = 64 ~3x.
-MAX_UNION_RATIO = 0.6
+# Blocks whose runs number at most this fraction of their rows' groups run shared. H200 (W2,
+# 16K rows at 16K / 128K): the shared kernel (5 rows x 12 heads on M = 64) costs 3.0-3.4x the
+# per-row kernel per gathered token, so it wins below about 0.30-0.33; 2 rows on M = 32 lost
+# at every overlap measured (3 stages) or won less (2 stages, W1).
+MAX_UNION_RATIO = 0.3
 
 
 @triton.jit
@@ -58,73 +59,89 @@ def _holds(sel_row, n, gt, active, R: tl.constexpr, LOG: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _union_kernel(
-    req_ptr, seq_ptr, sel_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, T, max_ratio, stride_st,
+    req_ptr, seq_ptr, sel_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, T, max_ratio, min_share, stride_st,
     BR: tl.constexpr, BRP: tl.constexpr, W: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, LOG: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, PRE: tl.constexpr, LOG: tl.constexpr,
 ):
-    """Grid (blocks,). info int32 [blocks, 2]: (union size or -1 = per-row, request);
-    last int32 [T]: a row's last entry (-1: empty); ug / um int32 [blocks, CAP]: the union's
-    group first tokens and row bitmasks. selection with unit column stride."""
+    """Grid (blocks,). info int32 [blocks, 2]: (number of runs or -1 = per-row, request);
+    last int32 [T]: a shared block's rows' last entries (-1: empty); ug / um int32 [blocks, CAP]:
+    the runs' group first tokens and row bitmasks. selection with unit column stride.
+
+    First look: of row 0's first PRE groups, the share the block's last row holds. Runs within
+    max_ratio x the groups need about 2 - BR * max_ratio of it (two rows' union already counts);
+    below min_share (that, less a margin, host-side) the block goes per row at once."""
     blk = tl.program_id(0)
     jr = tl.arange(0, BRP)  # the block's rows on axis 0
     rows = blk * BR + jr
     inb = (jr < BR) & (rows < T)
     sel_rows = sel_ptr + tl.minimum(rows, T - 1).to(tl.int64) * stride_st
     counts = tl.where(inb, tl.minimum(tl.maximum(tl.load(sel_rows + W), 0), W), 0)
-    reqs = tl.load(req_ptr + tl.minimum(rows, T - 1))
-    seq_lens = tl.load(seq_ptr + reqs)
-    bad = 0
-    for c0 in range(0, W, BLOCK_C):
-        k = c0 + tl.arange(0, BLOCK_C)[None, :]
-        inc = k < counts[:, None]
-        e = tl.load(sel_rows[:, None] + k, mask=inc, other=0)
-        prev = tl.load(sel_rows[:, None] + k - 1, mask=inc & (k > 0), other=-1)
-        kr = k % R
-        good = (e >= 0) & (e < seq_lens[:, None]) & (e % R == kr) & tl.where(kr == 0, e > prev, e == prev + 1)
-        bad += tl.sum(tl.sum(tl.where(inc & ~good, 1, 0), 1), 0)
-    active = counts > 0
-    req_lo = tl.min(tl.where(active, reqs, 2147483647), 0)
-    req_hi = tl.max(tl.where(active, reqs, -1), 0)
-    last = tl.load(sel_rows + counts - 1, mask=active, other=-1)
-    tl.store(last_ptr + rows, tl.where(active, last, -1), mask=inb)
     n_groups = (counts + R - 1) // R
-    total = tl.sum(n_groups, 0)
-    # Runs: row i's group opens an entry unless row i - 1 holds it too; the entry's mask has
-    # the bits of the consecutive rows i, i + 1, ... holding it (binary searches over the rows'
-    # ascending group tokens). Each (row, group) lies in exactly one run, so a group that skips
-    # a row gets one entry per run. Stops once the entries outgrow max_ratio x total.
-    limit = max_ratio * total
-    n_union = 0
-    base = ug_ptr + blk.to(tl.int64) * CAP
-    mbase = um_ptr + blk.to(tl.int64) * CAP
-    i = 0
-    while (i < BR) & (n_union <= limit):
-        sel_i = sel_ptr + tl.minimum(blk * BR + i, T - 1).to(tl.int64) * stride_st
-        sel_p = sel_ptr + tl.minimum(blk * BR + tl.maximum(i - 1, 0), T - 1).to(tl.int64) * stride_st
-        ng_i = tl.sum(tl.where(jr == i, n_groups, 0), 0)
-        ng_p = tl.sum(tl.where(jr == i - 1, n_groups, 0), 0)  # 0 for row 0
-        for c0 in range(0, NG, BLOCK_G):
-            kk = c0 + tl.arange(0, BLOCK_G)
-            gv = kk < ng_i
-            gt = tl.load(sel_i + kk * R, mask=gv, other=0)
-            start = gv & ~_holds(sel_p, ng_p, gt, gv, R, LOG)
-            bits = tl.where(start, 1 << i, 0)
-            alive = start
-            j = i + 1
-            while (j < BR) & (tl.max(alive.to(tl.int32), 0) > 0):
-                sel_j = sel_ptr + tl.minimum(blk * BR + j, T - 1).to(tl.int64) * stride_st
-                alive = alive & _holds(sel_j, tl.sum(tl.where(jr == j, n_groups, 0), 0), gt, alive, R, LOG)
-                bits = bits | tl.where(alive, 1 << j, 0)
-                j += 1
-            k32 = start.to(tl.int32)
-            pos = n_union + tl.cumsum(k32, 0) - k32
-            tl.store(base + pos, gt, mask=start)
-            tl.store(mbase + pos, bits, mask=start)
-            n_union += tl.sum(k32, 0)
-        i += 1
-    shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= limit)
-    tl.store(info_ptr + blk * 2, tl.where(shared, n_union, -1))
-    tl.store(info_ptr + blk * 2 + 1, tl.where(req_hi >= 0, req_hi, 0))
+    lr = tl.minimum(BR - 1, T - 1 - blk * BR)  # the block's last row
+    sel_l = sel_ptr + (blk * BR + lr).to(tl.int64) * stride_st
+    pk = tl.arange(0, PRE)
+    pv = pk < tl.sum(tl.where(jr == 0, n_groups, 0), 0)
+    sel_0 = sel_ptr + tl.minimum(blk * BR, T - 1).to(tl.int64) * stride_st
+    hit = _holds(sel_l, tl.sum(tl.where(jr == lr, n_groups, 0), 0), tl.load(sel_0 + pk * R, mask=pv, other=0),
+                 pv, R, LOG)
+    info = -1
+    block_req = 0
+    if tl.sum(hit.to(tl.int32), 0) >= min_share * tl.sum(pv.to(tl.int32), 0):
+        reqs = tl.load(req_ptr + tl.minimum(rows, T - 1))
+        seq_lens = tl.load(seq_ptr + reqs)
+        bad = 0
+        for c0 in range(0, W, BLOCK_C):
+            k = c0 + tl.arange(0, BLOCK_C)[None, :]
+            inc = k < counts[:, None]
+            e = tl.load(sel_rows[:, None] + k, mask=inc, other=0)
+            prev = tl.load(sel_rows[:, None] + k - 1, mask=inc & (k > 0), other=-1)
+            kr = k % R
+            good = (e >= 0) & (e < seq_lens[:, None]) & (e % R == kr) & tl.where(kr == 0, e > prev, e == prev + 1)
+            bad += tl.sum(tl.sum(tl.where(inc & ~good, 1, 0), 1), 0)
+        active = counts > 0
+        req_lo = tl.min(tl.where(active, reqs, 2147483647), 0)
+        req_hi = tl.max(tl.where(active, reqs, -1), 0)
+        last = tl.load(sel_rows + counts - 1, mask=active, other=-1)
+        tl.store(last_ptr + rows, tl.where(active, last, -1), mask=inb)
+        total = tl.sum(n_groups, 0)
+        # Runs: row i's group opens an entry unless row i - 1 holds it too; the entry's mask has
+        # the bits of the consecutive rows i, i + 1, ... holding it (binary searches over the
+        # rows' ascending group tokens). Each (row, group) lies in exactly one run, so a group
+        # that skips a row gets one entry per run. Stops once the entries outgrow the ratio.
+        limit = max_ratio * total
+        n_union = 0
+        base = ug_ptr + blk.to(tl.int64) * CAP
+        mbase = um_ptr + blk.to(tl.int64) * CAP
+        i = 0
+        while (i < BR) & (n_union <= limit):
+            sel_i = sel_ptr + tl.minimum(blk * BR + i, T - 1).to(tl.int64) * stride_st
+            sel_p = sel_ptr + tl.minimum(blk * BR + tl.maximum(i - 1, 0), T - 1).to(tl.int64) * stride_st
+            ng_i = tl.sum(tl.where(jr == i, n_groups, 0), 0)
+            ng_p = tl.sum(tl.where(jr == i - 1, n_groups, 0), 0)  # 0 for row 0
+            for c0 in range(0, NG, BLOCK_G):
+                kk = c0 + tl.arange(0, BLOCK_G)
+                gv = kk < ng_i
+                gt = tl.load(sel_i + kk * R, mask=gv, other=0)
+                start = gv & ~_holds(sel_p, ng_p, gt, gv, R, LOG)
+                bits = tl.where(start, 1 << i, 0)
+                alive = start
+                j = i + 1
+                while (j < BR) & (tl.max(alive.to(tl.int32), 0) > 0):
+                    sel_j = sel_ptr + tl.minimum(blk * BR + j, T - 1).to(tl.int64) * stride_st
+                    alive = alive & _holds(sel_j, tl.sum(tl.where(jr == j, n_groups, 0), 0), gt, alive, R, LOG)
+                    bits = bits | tl.where(alive, 1 << j, 0)
+                    j += 1
+                k32 = start.to(tl.int32)
+                pos = n_union + tl.cumsum(k32, 0) - k32
+                tl.store(base + pos, gt, mask=start)
+                tl.store(mbase + pos, bits, mask=start)
+                n_union += tl.sum(k32, 0)
+            i += 1
+        shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= limit)
+        info = tl.where(shared, n_union, -1)
+        block_req = tl.where(req_hi >= 0, req_hi, 0)
+    tl.store(info_ptr + blk * 2, info)
+    tl.store(info_ptr + blk * 2 + 1, block_req)
 
 
 @triton.jit
@@ -271,11 +288,12 @@ class PrefillSchedule:
 
 
 def _launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_G groups per shared tile, num_warps, num_stages) of the shared kernel. D 256, M 32
-    on sm_90 (triton 3.6): 8 groups (32 tokens), 4 warps, 3 stages: no spill, cp.async gathers."""
+    """(BLOCK_G groups per shared tile, num_warps, num_stages) of the shared kernel. D 256, M 64
+    on the H200 (triton 3.6): 16 groups (64 tokens), 8 warps, 2 stages, the fastest of the
+    configurations measured (W1, W2) although it spills ~1 KB."""
     if interpret:
         return 8, 4, 1
-    return (8, 4, 3) if dp >= 256 else (16, 4, 2)
+    return (16, 8, 2) if dp >= 256 else (16, 4, 2)
 
 
 def _row_launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
@@ -294,9 +312,8 @@ def workspace_size(num_rows: int, num_heads: int, num_kv_heads: int, width: int,
 
 
 def default_block_rows(num_heads: int, num_kv_heads: int) -> int:
-    """Rows per block: as many as fill 32 query heads of the MMA's M (Hq 24 / Hkv 2: 2 rows;
-    5 rows on M = 64 ran slower on the H200 at every overlap but the highest)."""
-    return max(1, min(31, 32 // (num_heads // num_kv_heads)))
+    """Rows per block: as many as fill 64 query heads of the MMA's M (Hq 24 / Hkv 2: 5 rows)."""
+    return max(1, min(31, 64 // (num_heads // num_kv_heads)))
 
 
 def plan_prefill_attention(
@@ -343,6 +360,17 @@ def plan_prefill_attention(
                            row, info, last, ut, um)
 
 
+# Groups of a block's first row looked up in its last row before the full pass.
+_FIRST_LOOK = 64
+
+
+def _min_share(block_rows: int, max_ratio: float) -> float:
+    """Share of the first look's groups the last row must hold for the full pass: a union of
+    two rows within max_ratio x the block's groups needs 2 - block_rows x max_ratio of them
+    (rows of equal size), less 0.15 for the sample and unequal rows."""
+    return 2.0 - block_rows * max_ratio - 0.15
+
+
 _UNION_FREE = ("req_ptr", "seq_ptr", "sel_ptr", "stride_st")
 _SHARED_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "seq_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_gt",
                 "stride_gh", "stride_ot", "stride_btr", "stride_btp")
@@ -383,9 +411,10 @@ class PrefillAttentionLaunch:
         qk_scale = softmax_scale * k_scale * _LOG2E
         self._launches.append((_union.bind(
             (blocks,), token_to_req, seq_lens, selection, s.info, s.last, s.union_tokens, s.union_masks, T,
-            s.max_union_ratio, selection.stride(0), free=_UNION_FREE,
+            s.max_union_ratio, _min_share(BR, s.max_union_ratio), selection.stride(0), free=_UNION_FREE,
             BR=BR, BRP=triton.next_power_of_2(BR), W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], BLOCK_C=min(4096 // triton.next_power_of_2(BR), triton.next_power_of_2(W)),
-            BLOCK_G=min(1024, triton.next_power_of_2(ng)), LOG=max(1, math.ceil(math.log2(ng + 1))), num_warps=4,
+            BLOCK_G=min(1024, triton.next_power_of_2(ng)), PRE=min(_FIRST_LOOK, triton.next_power_of_2(ng)),
+            LOG=max(1, math.ceil(math.log2(ng + 1))), num_warps=4,
         ), "union"))
         kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                       v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))

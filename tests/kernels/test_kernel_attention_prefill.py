@@ -133,10 +133,10 @@ def block_runs(sched, b: int) -> list[tuple[int, int]]:
 
 
 def test_identical_rows_share_one_union():
-    """A chunk whose rows see at most Kb groups selects everything: every block is shared and
-    its runs are the groups of its last row, each once, with the bits of the rows that see it."""
+    """A chunk whose rows see at most Kb groups selects everything: every block is shared (at
+    ratio 0.5) and its runs are the groups of its last row, each once, with the bits of the rows that see it."""
     problem = make_prefill([23], [23], seed=1)
-    out, sched = compare(problem, block_rows=5)
+    out, sched = compare(problem, block_rows=5, ratio=0.5)
     sel = problem[-1].cpu()
     assert shared_blocks(sched).all()
     for b in range(sched.info.shape[0]):
@@ -181,11 +181,29 @@ def test_every_block_shared_or_per_row():
 def test_decision_by_union_size():
     """Identical selections share, independent ones (small union overlap) go per row at ratio 0.5."""
     same = make_prefill([200], [10], overlap=1.0, Kb=6, seed=4)
-    _, sched = compare(same, block_rows=5)
+    _, sched = compare(same, block_rows=5, ratio=0.5)
     assert shared_blocks(sched).all()
     indep = make_prefill([2000], [10], overlap=0.0, Kb=6, seed=5)
-    _, sched = compare(indep, block_rows=5)
+    _, sched = compare(indep, block_rows=5, ratio=0.5)
     assert not shared_blocks(sched).any()
+
+
+def test_first_look_sends_independent_blocks_per_row_at_once():
+    """At ratio 0.3 a block of 5 rows needs its first and last rows to share about half their
+    groups: independent rows fail that first look (the full pass never runs: their last entries
+    stay unwritten), identical rows pass it and share."""
+    for overlap, shared in [(0.0, False), (1.0, True)]:
+        problem = make_prefill([4000], [10], overlap=overlap, Kb=64, seed=15)
+        q, k, sel = problem[0], problem[2], problem[-1]
+        T, Hq, D = q.shape
+        sched = ker.plan_prefill_attention(T, Hq, 2, D, sel.shape[1] - 1, R, device=q.device, block_rows=5,
+                                           max_union_ratio=0.3)
+        sched.last.fill_(-7)
+        out = torch.empty(T, Hq * D, device=q.device)
+        ker.qsa_prefill_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
+        torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
+        assert shared_blocks(sched).tolist() == [shared] * 2
+        assert (sched.last == -7).all().item() is not shared
 
 
 def test_malformed_rows_fall_back_exactly():
@@ -286,10 +304,12 @@ NG = math.ceil(W / R)
 bf = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16")
 def sig(fn):
     return {p.name: "constexpr" if p.is_constexpr else bf.get(p.name, "*i32") if p.name.endswith("_ptr")
-            else "fp32" if p.name.endswith("_scale") or p.name == "max_ratio" else "i32" for p in fn.params}
+            else "fp32" if p.name.endswith("_scale") or p.name in ("max_ratio", "min_share") else "i32"
+            for p in fn.params}
 bg, warps, stages = ker._launch_config(256, False)
 variants = [
-    ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=BR * NG, BLOCK_C=512, BLOCK_G=128, LOG=10),
+    ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=BR * NG, BLOCK_C=512, BLOCK_G=1024,
+     PRE=64, LOG=10),
      dict(num_warps=4)),
     ("shared", ker._shared_kernel, dict(BR=BR, G=G, M=64, D=256, DP=256, PAGE=64, R=R, CAP=BR * NG, BLOCK_G=bg,
      DOT_DTYPE=tl.bfloat16, INTERPRET=False), dict(num_warps=warps, num_stages=stages)),
