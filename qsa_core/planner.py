@@ -235,7 +235,7 @@ class QSAPlanner:
             acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
             self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
                               torch.empty(acc, dtype=torch.float32, device=dev))
-            if n >= attention._PREFILL_MIN_ROWS:
+            if n >= attention._PREFILL_MIN_ROWS and attention.shared_prefill_enabled():
                 from qsa_kernels.attention_prefill import workspace_size
 
                 self._attn_prefill_ws = torch.empty(workspace_size(

@@ -272,13 +272,16 @@ def test_bad_workspace_and_block_rows():
 
 
 def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels(monkeypatch):
-    """`plan_attention` given the compress ratio plans the shared-tile kernels for chunks of at
-    least _PREFILL_MIN_ROWS rows, and `AttentionLaunch` runs them (exact); fewer rows or no ratio:
-    the one pass as before."""
+    """With QSA_SHARED_PREFILL=1, `plan_attention` given the compress ratio plans the shared-tile
+    kernels for chunks of at least _PREFILL_MIN_ROWS rows, and `AttentionLaunch` runs them
+    (exact); fewer rows, no ratio or the switch off (the default): the one pass as before."""
     monkeypatch.setattr(per_row, "_PREFILL_MIN_ROWS", 16)
     problem = make_prefill([60], [18], overlap=0.9, pad_rows=1, seed=13)
     q, k, sel = problem[0], problem[2], problem[-1]
     T, Hq, D = q.shape
+    monkeypatch.delenv("QSA_SHARED_PREFILL", raising=False)
+    assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R).prefill is None
+    monkeypatch.setenv("QSA_SHARED_PREFILL", "1")
     assert per_row.plan_attention(15, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R).prefill is None
     assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device).prefill is None
     sched = per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R)
