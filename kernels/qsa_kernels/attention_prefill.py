@@ -3,9 +3,11 @@
 Contract: `qsa_core/reference/attention.py`, the same op as `attention.py`'s kernel. The rows
 are cut into blocks of BR consecutive rows (BR x G query heads fill the MMA's M), three launches:
 
-1. `_union_kernel`, one program per block: checks that each row of the block is a packed row
-   as the top-k writes it (entries ascending, whole groups g*r .. g*r + r - 1, then the open
-   tail from a group boundary, all in [0, seq_len); the active rows of one request), and writes
+1. `_union_kernel`, one program per block: a first look (row 0's first groups searched in the
+   block's last row) sends blocks whose union cannot meet the ratio per row at once; else it
+   checks that each row of the block is a packed row as the top-k writes it (entries
+   ascending, whole groups g*r .. g*r + r - 1, then the open tail from a group boundary, all
+   in [0, seq_len); the active rows of one request), and writes
    the block's groups as runs: a group (its first token) with the bitmask of the consecutive
    rows holding it, so that each (row, group) lies in one run; plus each row's last entry. A
    block is *shared* when it is well formed and its runs number at most `max_union_ratio` x
@@ -20,7 +22,8 @@ are cut into blocks of BR consecutive rows (BR x G query heads fill the MMA's M)
 
 Rows with nothing valid (padding) give exact 0. Within a shared block a non-finite V entry
 that some row selects reaches the block's other rows too (0 * NaN in the shared P @ V); tokens
->= seq_len are never loaded. `PrefillAttentionLaunch` binds the three launches once.
+>= seq_len are never loaded. `PrefillAttentionLaunch` binds the three launches once;
+`attention.plan_attention` plans this path only with QSA_SHARED_PREFILL=1 (see there).
 """
 
 from __future__ import annotations
