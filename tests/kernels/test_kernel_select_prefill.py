@@ -212,7 +212,7 @@ def test_score_launch_writes_the_samples(nan_scratch):
 
 
 @pytest.mark.parametrize("kind", ["int", "bf16"])
-def test_prefill_select_takes_this_route_bitwise(nan_scratch, kind):
+def test_prefill_select_takes_this_route(nan_scratch, kind):
     # Two requests (130 and 75 columns: several segments), chunks of rows crossing Kb, padding.
     problem = make_problem([520, 300, 40], [12, 10, 3], kind=kind, pad_rows=3, seed=1)
     T, max_seq = problem[0].shape[0], problem[-1]
