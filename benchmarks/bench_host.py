@@ -5,8 +5,8 @@
 - planning a step of 64 decode requests: `QSAStepInputs(...)` + `QSAPlanner.plan`.
 
 Host time: `time.perf_counter` around many calls with no synchronisation per call (after a
-sync, in batches short enough that the launch queue never fills), so it is the time the
-CPU spends issuing work. GPU time: CUDA events around the same loop (the GPU's span; when
+sync, in batches short enough that the launch queue never fills, the garbage collector off as
+in `timeit`), so it is the time the CPU spends issuing work. GPU time: CUDA events around the same loop (the GPU's span; when
 it is above the host time, the GPU waits on nothing). Kernel launches per call come from the
 profiler.
 Every case runs with the ordinary Triton launch (`JITFunction.run`, the old path) and with
@@ -20,7 +20,9 @@ pass), each pass the median of its rounds.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -44,25 +46,35 @@ BF16 = torch.bfloat16
 COUNTED = ("layer halves", "plan", "plan static")  # cases whose kernel launches are counted
 
 
-def host_and_gpu_us(fn: Callable[[], object], calls: int = 25, rounds: int = 6) -> tuple[float, float]:
-    """Median over rounds of (host us per call, GPU us per call) for `calls` unsynchronised calls."""
+def host_and_gpu_us(fn: Callable[[], object], calls: int = 25, rounds: int = 6) -> tuple[float, float, float]:
+    """Median over rounds of (host us, host CPU us, GPU us) per call for `calls`
+    unsynchronised calls, with Python's garbage collector off during each round (as `timeit`
+    does). Host CPU: this thread's CPU time (`time.thread_time`), which leaves out the time
+    the OS ran something else (a shared host's noise)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    host, gpu = [], []
+    host, cpu, gpu = [], [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
         torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        t1 = time.perf_counter()
-        end.record()
+        gc.collect()
+        gc.disable()
+        try:
+            start.record()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            for _ in range(calls):
+                fn()
+            t1, c1 = time.perf_counter(), time.thread_time()
+            end.record()
+        finally:
+            gc.enable()
         torch.cuda.synchronize()
         host.append((t1 - t0) * 1e6 / calls)
+        cpu.append((c1 - c0) * 1e6 / calls)
         gpu.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(host)[rounds // 2], sorted(gpu)[rounds // 2]
+    mid = rounds // 2
+    return sorted(host)[mid], sorted(cpu)[mid], sorted(gpu)[mid]
 
 
 @triton.jit
@@ -178,7 +190,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per pass (their median)")
     parser.add_argument("--passes", type=int, default=3, help="interleaved passes over all cases (their median)")
     parser.add_argument("--shapes", default="4x8192,64x8192,64x131072", help="BATCHxCONTEXT decode steps, comma separated")
+    parser.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU core (less migration noise)")
     args = parser.parse_args()
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     modes = ("ordinary", "launcher") if args.launch == "both" else (args.launch,)
     rows, same = [], []
@@ -198,7 +213,8 @@ def main() -> None:
                  ("plan", step.make_plan), ("plan static", lambda step=step: step.make_plan(static=True))]
         for name, fn in cases:
             for mode in modes:
-                row = dict(case=name, launch=mode, batch=batch, context=context, host_passes=[], gpu_passes=[])
+                row = dict(case=name, launch=mode, batch=batch, context=context, host_passes=[], cpu_passes=[],
+                           gpu_passes=[])
                 rows.append(row)
                 timed.append((row, fn, mode))
     for p in range(args.passes + 1):  # pass 0 warms up
@@ -207,28 +223,30 @@ def main() -> None:
                 continue
             set_enabled(mode == "launcher")
             try:
-                host, gpu = host_and_gpu_us(fn, args.calls, args.rounds)
+                host, cpu, gpu = host_and_gpu_us(fn, args.calls, args.rounds)
             except Exception as exc:  # report the failure of one case and go on
                 row["error"] = f"{type(exc).__name__}: {exc}"[:80]
                 continue
             if p:
                 row["host_passes"].append(round(host, 1))
+                row["cpu_passes"].append(round(cpu, 1))
                 row["gpu_passes"].append(round(gpu, 1))
     for row, fn, mode in timed:
         set_enabled(mode == "launcher")
         if "error" in row:
-            row.update(host_us="error", gpu_us="-", launches=row["error"])
+            row.update(host_us="error", cpu_us="-", gpu_us="-", launches=row["error"])
         else:
             # Both paths launch the same kernels: count them once, for the whole cases.
             count = launches(fn) if mode == modes[-1] and row["case"] in COUNTED else "-"
-            row.update(host_us=sorted(row["host_passes"])[len(row["host_passes"]) // 2],
-                       gpu_us=sorted(row["gpu_passes"])[len(row["gpu_passes"]) // 2], launches=count)
+            mid = len(row["host_passes"]) // 2
+            row.update({f"{k}_us": sorted(row[f"{k}_passes"])[mid] for k in ("host", "cpu", "gpu")}, launches=count)
         print(row, flush=True)
     set_enabled(True)
     floor = launch_floor()
-    head = f"{'case':<22}{'launch':>10}{'batch':>6}{'context':>9}{'host us':>10}{'gpu us':>10}{'launches':>10}"
+    head = (f"{'case':<22}{'launch':>10}{'batch':>6}{'context':>9}{'host us':>10}{'cpu us':>10}{'gpu us':>10}"
+            f"{'launches':>10}")
     lines = [head] + [f"{r['case']:<22}{r['launch']:>10}{r['batch']:>6}{r['context']:>9}{r['host_us']:>10}"
-                      f"{r['gpu_us']:>10}{str(r['launches']):>10}" for r in rows]
+                      f"{r['cpu_us']:>10}{r['gpu_us']:>10}{str(r['launches']):>10}" for r in rows]
     if same:
         lines.append("launcher outputs == ordinary outputs (bitwise): " + "; ".join(same))
     lines.append("host us of one empty-kernel launch: " + ", ".join(f"{k} {v}" for k, v in floor.items()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -64,11 +65,12 @@ class QSAStepInputs:
     rope_positions: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
 
-    @property
+    # Cached: read several times per plan (a frozen dataclass keeps a __dict__ for them).
+    @cached_property
     def num_reqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    @property
+    @cached_property
     def num_tokens(self) -> int:
         """Rows T, padding rows included."""
         return self.slot_mapping.shape[0]

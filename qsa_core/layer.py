@@ -178,7 +178,7 @@ def qsa_prepare(
     call's tensors only."""
     meta, s, cfg = plan.meta, plan.schedule, plan.config
     T = s.num_tokens
-    if index_qk.size(0) != T or q_gate.size(0) != T or k.size(0) != T or v.size(0) != T:
+    if index_qk.shape[0] != T or q_gate.shape[0] != T or k.shape[0] != T or v.shape[0] != T:
         index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in
                                   ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
     split = cfg.index_n_heads * cfg.index_head_dim
@@ -213,7 +213,7 @@ def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tens
         index_qk, index_qk, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,
         index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k, eps=cfg.rms_norm_eps,
         inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q,
-        raw_offset=split,
+        raw_offset=split, fuse_ring=s.fuse_ring,
     )
 
 

@@ -7,7 +7,7 @@ allocated once for `max_num_tokens` rows, so a captured CUDA graph keeps every a
 
 `plan(inputs)` runs once per step: it validates the `QSAStepInputs` (host ints and tensor
 metadata; the values too for CPU tensors or under `QSA_DEBUG=1`), derives the per-row fields
-on the device (guards + derivation, no host read) and fixes the schedule of every op for
+on the device (guards + derivation in one launch, no host read) and fixes the schedule of every op for
 this step's shape. The layer halves (`qsa_indexer`, `qsa_attention`) then
 only launch: no allocation, no derivation, no host read.
 
@@ -52,7 +52,8 @@ def column_bucket(num_cols: int) -> int:
 class StepSchedule:
     """Everything of a plan that depends on the step's shape only (cached per shape).
 
-    Row views [T, ...] of the workspace: the derived metadata fields, q_idx, q (prepare
+    fuse_ring: prepare stores the ring rows in its first launch (`ring_store_fuses`: no
+    request of the step has C - 2 rows or more). Row views [T, ...] of the workspace: the derived metadata fields, q_idx, q (prepare
     outputs; None on the reference), blocks int32 [T, Kb] (the reference's chosen groups),
     selection int32 [T, W + 1], attn_out [T, Hq*D]; the select
     schedules of the decode rows [:num_decode_tokens] and the prefill rows after them (and
@@ -64,6 +65,7 @@ class StepSchedule:
     num_tokens: int
     num_decode_tokens: int
     num_cols: int
+    fuse_ring: bool
     derived: dict[str, torch.Tensor]
     q_idx: torch.Tensor | None
     q: torch.Tensor | None
@@ -198,7 +200,7 @@ class QSAPlanner:
             self.inv_freq = config.inv_freq().to(self.device)
             self.rope_axes = config.rope_axes().to(self.device)
             self._allocate(max_num_reqs)
-        self._schedules: dict[tuple[int, int, int], StepSchedule] = {}
+        self._schedules: dict[tuple, StepSchedule] = {}
 
     # -- workspace ------------------------------------------------------------------------
 
@@ -214,6 +216,7 @@ class QSAPlanner:
             kv_slot=torch.full((n,), -1, **i64),
         )
         self.guard = torch.zeros(1, **i32)
+        self._arrive = torch.zeros(2, **i32)  # the metadata build's arrival counter (left zero)
         self._request_flags = torch.zeros(max(max_num_reqs or 0, n), **i32)
         self._blocks = torch.empty(n, cfg.block_topk, **i32)
         self._selection = torch.empty(n, cfg.packed_width, **i32)
@@ -236,7 +239,7 @@ class QSAPlanner:
             from qsa_kernels.metadata import MetadataBuild
 
             self._build = MetadataBuild(
-                **self._derived, request_flags=self._request_flags, guard=self.guard,
+                **self._derived, request_flags=self._request_flags, arrive=self._arrive, guard=self.guard,
                 compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, page_size=self.page_size,
                 num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
                 num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
@@ -259,8 +262,8 @@ class QSAPlanner:
             self._stager = StaticStage(**self._static)
 
     def _schedule(self, num_tokens: int, num_decode_tokens: int, num_cols: int,
-                  decode_query_len: int) -> StepSchedule:
-        key = (num_tokens, num_decode_tokens, num_cols, decode_query_len)
+                  decode_query_len: int, fuse_ring: bool) -> StepSchedule:
+        key = (num_tokens, num_decode_tokens, num_cols, decode_query_len, fuse_ring)
         found = self._schedules.get(key)
         if found is not None:
             return found
@@ -280,7 +283,7 @@ class QSAPlanner:
                                   device=self.device, partials=self._partials)
         rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
-            num_tokens=T, num_decode_tokens=nd, num_cols=num_cols,
+            num_tokens=T, num_decode_tokens=nd, num_cols=num_cols, fuse_ring=fuse_ring,
             derived={k: self._derived[k][:T] for k in _DERIVED},
             q_idx=None if self._q_idx is None else self._q_idx[:T],
             q=None if self._q is None else self._q[:T],
@@ -343,7 +346,7 @@ class QSAPlanner:
             raise ValueError(f"max_seq_len ({inputs.max_seq_len}) exceeds the planner's max_model_len ({self.max_model_len})")
 
     def plan(self, inputs: QSAStepInputs, *, static: bool = False) -> QSAPlan:
-        """Validate, derive (two launches on Triton) and schedule one step; reads nothing back.
+        """Validate, derive (one launch on Triton) and schedule one step; reads nothing back.
 
         static=True copies the step's tensors into planner-owned buffers first, so a CUDA
         graph captured over `plan` + layers replays on fresh inputs (same shapes and
@@ -356,7 +359,7 @@ class QSAPlanner:
         cfg = self.config
         T = inputs.num_tokens
         schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(inputs.max_seq_len // cfg.compress_ratio),
-                                  inputs.decode_query_len)
+                                  inputs.decode_query_len, inputs.max_query_len <= self.ring_capacity - 3)
         if static:
             qsl, seq, table, slots, ring, rope = self._stage(inputs)
         else:

@@ -346,13 +346,13 @@ class AttentionLaunch:
                  seq_lens: torch.Tensor, selection: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != self.num_rows or out.shape[0] != self.num_rows:
             raise ValueError(f"attention bound for {self.num_rows} rows, got q {tuple(q.shape)}, out {tuple(out.shape)}")
+        qs, gs, bs, ss, os = q.stride(), gate.stride(), block_table.stride(), selection.stride(), out.stride()
         for launch, combine in self._launches:
             if combine:
-                launch(gate, out, gate.stride(0), gate.stride(1), out.stride(0))
+                launch(gate, out, gs[0], gs[1], os[0])
             else:
-                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, q.stride(0), q.stride(1),
-                       gate.stride(0), gate.stride(1), out.stride(0), block_table.stride(0), block_table.stride(1),
-                       selection.stride(0), selection.stride(1))
+                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, qs[0], qs[1], gs[0], gs[1], os[0],
+                       bs[0], bs[1], ss[0], ss[1])
         return out
 
 

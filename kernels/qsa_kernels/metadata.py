@@ -1,16 +1,18 @@
 """Triton metadata build: SPEC.md section 3's derived per-row fields, guarded.
 
-Mirrors `qsa_core.reference.metadata.qsa_build_metadata`. Two launches, CUDA-graph safe
-(grids from T and R only, no host reads, batch-varying ints not specialized), no memset:
-1. `_request_guard_kernel`, grid (R,): request i's guard bits (seq_len bounds, rows past
-   the live rows, ring_index, the block-table pages it uses, the slots of its rows), stored
-   to request_flags[i] by this one program (loops over its pages and rows);
-2. `_metadata_kernel`, grid (row blocks): each row finds its request by a binary search of
-   `query_start_loc`, flags live rows no request owns, and derives its fields, with every
-   row of a flagged request inert (as padding) and its reasons OR-ed into the guard.
+Mirrors `qsa_core.reference.metadata.qsa_build_metadata`. One launch, CUDA-graph safe (grid
+from T and R only, no host reads, batch-varying ints not specialized), no memset. Program p
+1. (p < R) computes request p's guard bits (seq_len bounds, rows past the live rows,
+   ring_index, the block-table pages it uses, the slots of its rows) into request_flags[p],
+   and marks the step as having a flagged request;
+2. (p < row blocks) derives the fields of rows [p * BLOCK, (p + 1) * BLOCK): each row finds
+   its request by a binary search of `query_start_loc`; live rows no request owns are flagged.
+The last program to arrive (an acq_rel counter it resets) makes every live row of a flagged
+request inert (as padding) and ORs those requests' reasons into the guard: a loop over the
+rows that runs only in a step with a flagged request, so a well-formed step pays one atomic.
 
-`MetadataBuild` binds both launches (`qsa_kernels.launch`) to fixed outputs, once per
-(R, T); `qsa_build_metadata` is the op on it. `StaticStage` copies a step's inputs into a
+`MetadataBuild` binds the launch (`qsa_kernels.launch`) to fixed outputs, once per (R, T);
+`qsa_build_metadata` is the op on it. `StaticStage` copies a step's inputs into a
 planner's fixed buffers in one launch (`plan(static=True)`).
 """
 
@@ -37,16 +39,15 @@ BLOCK_SLOTS = 1024
 _CACHE = 256  # bound (R, T) pairs kept per build
 
 
-@triton.jit(do_not_specialize=["R", "T", "P", "max_seq_len", "num_live", "num_pages", "num_slots", "num_ring_rows",
-                               "stride_bt0", "stride_bt1"])
-def _request_guard_kernel(
-    qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1, flags_ptr,
+@triton.jit
+def _request_flag(
+    i, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
     R, T, P, max_seq_len, num_live, num_pages, num_slots, num_ring_rows, page_size,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
     SLOT: tl.constexpr,
 ):
-    i = tl.program_id(0).to(tl.int64)
+    """Request i's guard bits (int32 scalar)."""
     seq = tl.load(seq_ptr + i).to(tl.int64)
     start = tl.load(qsl_ptr + i).to(tl.int64)
     end = tl.load(qsl_ptr + i + 1).to(tl.int64)
@@ -78,18 +79,17 @@ def _request_guard_kernel(
         slot = tl.load(slot_ptr + rows, mask=rows < hi, other=-1)
         bad = bad | (((slot < -1) | (slot >= num_slots)) & (rows < hi)).to(tl.int32)
         r0 += BLOCK_S
-    flag = flag | tl.max(bad, 0) * SLOT
-    tl.store(flags_ptr + i, flag)
+    return flag | tl.max(bad, 0) * SLOT
 
 
-@triton.jit(do_not_specialize=["R", "T", "num_live", "stray_end"])
-def _metadata_kernel(
-    qsl_ptr, seq_ptr, slot_ptr, ring_index_ptr, flags_ptr,
+@triton.jit
+def _derive_rows(
+    rows, qsl_ptr, seq_ptr, slot_ptr, ring_index_ptr,
     to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
     R, T, num_live, stray_end,
     r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, QSL: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """The derived fields of rows int64 [BLOCK] (request flags not applied yet)."""
     in_range = rows < T
     owned = tl.load(qsl_ptr + R).to(tl.int64)
     # tl.where, not `& (R > 0)`: triton 3.9's interpreter refuses a block mask & a scalar.
@@ -108,12 +108,6 @@ def _metadata_kernel(
         lo = tl.where(go_right, mid + 1, lo)
         hi = tl.where(active & ~go_right, mid, hi)
     req = tl.where(live, lo, 0)
-    # Guards: every row of a flagged request becomes inert (as padding); the reasons go to
-    # the sticky flag. Such a request is never run on malformed values.
-    flags = tl.load(flags_ptr + req, mask=live, other=0)
-    tl.atomic_or(guard_ptr + rows * 0, flags, mask=live & (flags != 0))
-    live = live & (flags == 0)
-    req = tl.where(live, req, 0)
     seq = tl.load(seq_ptr + req, mask=live, other=0).to(tl.int64)
     start = tl.load(qsl_ptr + req, mask=live, other=0).to(tl.int64)
     end = tl.load(qsl_ptr + req + 1, mask=live, other=0).to(tl.int64)
@@ -135,11 +129,78 @@ def _metadata_kernel(
     tl.store(kv_slot_ptr + rows, slot, mask=in_range)
 
 
-_request_guard = Launcher(_request_guard_kernel)
-_derive = Launcher(_metadata_kernel)
-_GUARD_FREE = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "slot_ptr", "bt_ptr", "stride_bt0", "stride_bt1", "P",
-               "max_seq_len", "num_live")
-_DERIVE_FREE = ("qsl_ptr", "seq_ptr", "slot_ptr", "ring_index_ptr", "num_live", "stray_end")
+@triton.jit
+def _make_inert(
+    qsl_ptr, flags_ptr, to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
+    R, T, num_live, BLOCK: tl.constexpr,
+):
+    """Every live row of a flagged request becomes padding; those requests' bits go to the
+    guard."""
+    bits = tl.zeros([BLOCK], dtype=tl.int32)
+    n_live = tl.minimum(tl.minimum(tl.load(qsl_ptr + R).to(tl.int64), num_live), T)
+    r0 = T * 0
+    while r0 < n_live:
+        rows = r0 + tl.arange(0, BLOCK)
+        live = rows < n_live
+        req = tl.load(to_req_ptr + rows, mask=live, other=0)
+        flag = tl.load(flags_ptr + req, mask=live, other=0)
+        inert = live & (flag != 0)
+        bits = bits | flag
+        tl.store(to_req_ptr + rows, tl.zeros([BLOCK], dtype=tl.int32), mask=inert)
+        tl.store(pos_ptr + rows, tl.full([BLOCK], -1, tl.int64), mask=inert)
+        tl.store(vis_ptr + rows, tl.zeros([BLOCK], dtype=tl.int32), mask=inert)
+        tl.store(ring_slot_ptr + rows, tl.full([BLOCK], -1, tl.int64), mask=inert)
+        tl.store(comp_slot_ptr + rows, tl.full([BLOCK], -1, tl.int64), mask=inert)
+        tl.store(kv_slot_ptr + rows, tl.full([BLOCK], -1, tl.int64), mask=inert)
+        r0 += BLOCK
+    tl.atomic_or(guard_ptr, _or_all(bits))
+
+
+@triton.jit
+def _or_combine(a, b):
+    return a | b
+
+
+@triton.jit
+def _or_all(x):
+    return tl.reduce(x, 0, _or_combine)
+
+
+@triton.jit(do_not_specialize=["R", "T", "P", "max_seq_len", "num_live", "stray_end", "num_pages", "num_slots",
+                               "num_ring_rows", "stride_bt0", "stride_bt1"])
+def _metadata_kernel(
+    qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1, flags_ptr, arrive_ptr,
+    to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
+    R, T, P, max_seq_len, num_live, stray_end, num_pages, num_slots, num_ring_rows, page_size,
+    r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
+    MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
+    SLOT: tl.constexpr,
+):
+    """arrive int32 [2], zero between launches: [arrived programs, a request was flagged]."""
+    p = tl.program_id(0).to(tl.int64)
+    if p < R:
+        flag = _request_flag(p, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
+                             R, T, P, max_seq_len, num_live, num_pages, num_slots, num_ring_rows, page_size,
+                             BLOCK_P, BLOCK_S, MAX_SEQ, SEQ, QSL, RING, PAGE, SLOT)
+        tl.store(flags_ptr + p, flag)
+        if flag != 0:
+            tl.atomic_or(arrive_ptr + 1, 1, sem="relaxed")
+    if p * BLOCK < T:
+        _derive_rows(p * BLOCK + tl.arange(0, BLOCK), qsl_ptr, seq_ptr, slot_ptr, ring_index_ptr,
+                     to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
+                     R, T, num_live, stray_end, r, C, BLOCK, SEARCH_STEPS, QSL)
+    tl.debug_barrier()  # this program's stores before its arrival
+    if tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        tl.store(arrive_ptr, 0)  # zero for the next step
+        if tl.atomic_xchg(arrive_ptr + 1, 0, sem="relaxed") != 0:
+            _make_inert(qsl_ptr, flags_ptr, to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr,
+                        guard_ptr, R, T, num_live, BLOCK)
+
+
+_build = Launcher(_metadata_kernel)
+_BUILD_FREE = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "slot_ptr", "bt_ptr", "stride_bt0", "stride_bt1", "P",
+               "max_seq_len", "num_live", "stray_end")
 
 
 class MetadataBuild:
@@ -147,21 +208,22 @@ class MetadataBuild:
 
     Outputs, contiguous [>= T]: token_to_req int32, positions int64, visible_blocks int32,
     ring_slot int64, compressed_slot int64, kv_slot int64; request_flags int32 [>= R]
-    scratch; guard int32 [1] (sticky). Geometry: compress_ratio r, ring_capacity C,
-    page_size, num_slots and num_ring_rows (the bounds of the guards).
+    scratch; arrive int32 [2] scratch, zero (the launch leaves it zero); guard int32 [1]
+    (sticky). Geometry: compress_ratio r, ring_capacity C, page_size, num_slots and
+    num_ring_rows (the bounds of the guards).
     """
 
     def __init__(
         self, *, token_to_req: torch.Tensor, positions: torch.Tensor, visible_blocks: torch.Tensor,
         ring_slot: torch.Tensor, compressed_slot: torch.Tensor, kv_slot: torch.Tensor,
-        request_flags: torch.Tensor, guard: torch.Tensor,
+        request_flags: torch.Tensor, arrive: torch.Tensor, guard: torch.Tensor,
         compress_ratio: int, ring_capacity: int, page_size: int, num_slots: int, num_ring_rows: int,
     ) -> None:
         self.outputs = (token_to_req, positions, visible_blocks, ring_slot, compressed_slot, kv_slot)
-        self.request_flags, self.guard = request_flags, guard
+        self.request_flags, self.arrive, self.guard = request_flags, arrive, guard
         self.r, self.C, self.page_size = compress_ratio, ring_capacity, page_size
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
-        self._bound: dict[tuple[int, int], tuple[BoundLaunch | None, BoundLaunch]] = {}
+        self._bound: dict[tuple[int, int], BoundLaunch] = {}
 
     def __call__(
         self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
@@ -172,37 +234,29 @@ class MetadataBuild:
         if T == 0:
             return
         live_bound = T if num_live_rows < 0 else num_live_rows
-        bound = self._bound.get((R, T))
-        if bound is None:
-            bound = self._bind(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len,
-                               live_bound, num_live_rows)
-        guard_launch, derive_launch = bound
-        if guard_launch is not None:
-            guard_launch(query_start_loc, seq_lens, ring_index, slot_mapping, block_table, block_table.stride(0),
-                         block_table.stride(1), block_table.shape[1], max_seq_len, live_bound)
-        derive_launch(query_start_loc, seq_lens, slot_mapping, ring_index, live_bound, num_live_rows)
+        launch = self._bound.get((R, T))
+        if launch is None:
+            launch = self._bind(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len,
+                                live_bound, num_live_rows)
+        bt0, bt1 = block_table.stride()
+        launch(query_start_loc, seq_lens, ring_index, slot_mapping, block_table, bt0, bt1, block_table.shape[1],
+               max_seq_len, live_bound, num_live_rows)
 
-    def _bind(self, qsl, seq, slots, ring, table, max_seq_len, live_bound, stray_end):
+    def _bind(self, qsl, seq, slots, ring, table, max_seq_len, live_bound, stray_end) -> BoundLaunch:
         T, R = slots.shape[0], seq.shape[0]
-        flags = self.request_flags[: max(R, 1)]
-        guard_launch = None
-        if R:
-            guard_launch = _request_guard.bind(
-                (R,), qsl, seq, ring, slots, table, table.stride(0), table.stride(1), flags,
-                R, T, table.shape[1], max_seq_len, live_bound, self.num_slots // self.page_size, self.num_slots,
-                self.num_ring_rows, self.page_size, free=_GUARD_FREE,
-                BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS, MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN,
-                QSL=GUARD_QUERY_START_LOC, RING=GUARD_RING_INDEX, PAGE=GUARD_PAGE, SLOT=GUARD_SLOT,
-            )
-        derive_launch = _derive.bind(
-            (triton.cdiv(T, BLOCK_ROWS),), qsl, seq, slots, ring, flags, *(o[:T] for o in self.outputs), self.guard,
-            R, T, live_bound, stray_end, free=_DERIVE_FREE,
-            r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, QSL=GUARD_QUERY_START_LOC,
+        launch = _build.bind(
+            (max(R, triton.cdiv(T, BLOCK_ROWS)),), qsl, seq, ring, slots, table, table.stride(0), table.stride(1),
+            self.request_flags[: max(R, 1)], self.arrive, *(o[:T] for o in self.outputs), self.guard,
+            R, T, table.shape[1], max_seq_len, live_bound, stray_end, self.num_slots // self.page_size,
+            self.num_slots, self.num_ring_rows, self.page_size, free=_BUILD_FREE,
+            r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS,
+            MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN, QSL=GUARD_QUERY_START_LOC, RING=GUARD_RING_INDEX,
+            PAGE=GUARD_PAGE, SLOT=GUARD_SLOT,
         )
         if len(self._bound) >= _CACHE:
             self._bound.clear()
-        self._bound[(R, T)] = (guard_launch, derive_launch)
-        return guard_launch, derive_launch
+        self._bound[(R, T)] = launch
+        return launch
 
 
 def qsa_build_metadata(
@@ -235,11 +289,13 @@ def qsa_build_metadata(
     Outputs, contiguous [T]: token_to_req int32, positions int64, visible_blocks int32,
     ring_slot int64, compressed_slot int64, kv_slot int64; guard int32 [1] gets the GUARD_*
     bits of the malformed requests (never cleared here); request_flags int32 [>= R] scratch.
-    Binds its launches on every call: a planner keeps a `MetadataBuild` instead.
+    Binds its launch (and allocates its arrival counter) on every call: a planner keeps a
+    `MetadataBuild` instead.
     """
     MetadataBuild(
         token_to_req=token_to_req, positions=positions, visible_blocks=visible_blocks, ring_slot=ring_slot,
-        compressed_slot=compressed_slot, kv_slot=kv_slot, request_flags=request_flags, guard=guard,
+        compressed_slot=compressed_slot, kv_slot=kv_slot, request_flags=request_flags,
+        arrive=torch.zeros(2, dtype=torch.int32, device=slot_mapping.device), guard=guard,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, page_size=page_size, num_slots=num_slots,
         num_ring_rows=num_ring_rows,
     )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len=max_seq_len,

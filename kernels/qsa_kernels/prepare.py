@@ -4,12 +4,14 @@ Mirrors `qsa_core.reference.prepare`. Numerics follow the reference's dtype path
 fp32 rounded to the model dtype, RoPE with the cos/sin table rounded to the model dtype and
 every product and sum rounded to it, as torch does for bf16 tensors.
 
-`qsa_prepare` is two launches. Launch 1, grid (T, 3 + ceil(Hq / heads per program)):
+`qsa_prepare` is one or two launches. Launch 1, grid (T, 3 + ceil(Hq / heads per program)):
 task 0 the indexer query, task 1 the compression of the group the row closes (if any),
-task 2 the row's K/V store, tasks 3.. blocks of main query heads. Launch 2 stores the raw
-keys (and MRoPE positions) into the ring. It must follow launch 1: compression reads ring
-rows of earlier steps, and a chunk's last C rows map onto those same ring slots.
-`PrepareLaunch` binds both (`qsa_kernels.launch`) once per step shape and layer cache; the
+task 2 the row's K/V store, tasks 3.. blocks of main query heads. The raw keys (and MRoPE
+positions) go into the ring in launch 2, after launch 1: compression reads ring rows of
+earlier steps, and a chunk's last C rows map onto those same ring slots. Where no request
+of the step has C - 2 rows or more (every decode step), those slots cannot meet and task 2
+stores the ring row too: one launch (`ring_store_fuses`).
+`PrepareLaunch` binds them (`qsa_kernels.launch`) once per step shape and layer cache; the
 standalone stores and compression (not on a layer's path) launch the ordinary way.
 """
 
@@ -274,7 +276,7 @@ def _prepare_kernel(
     iq_ptr, iq_stride_t, iq_w_ptr, qidx_ptr, Hi, Di,
     # raw keys (row t at raw_ptr + raw_off + t * stride_raw), compression, compressed cache
     raw_ptr, stride_raw, raw_off, ik_w_ptr, comp_ptr, stride_cpage, stride_comp, comp_rows,
-    ring_ptr, stride_rpage, stride_ring, ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
+    ring_ptr, stride_rpage, stride_ring, ring_rows, ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
     # main q / k / v
     qg_ptr, qg_stride_t, q_w_ptr, q_out_ptr, Hq, D,
     k_ptr, k_stride_t, k_w_ptr, v_ptr, v_stride_t, Hkv,
@@ -282,11 +284,14 @@ def _prepare_kernel(
     k_scale, v_scale,
     # positions and metadata
     rope_ptr, rope_stride_axis, rope_stride_t, inv_freq_ptr, rope_axes_ptr, eps,
-    slot_ptr, comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr,
+    slot_ptr, comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, ring_slot_ptr,
     r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr,
     BHI: tl.constexpr, BDI: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr, BKV: tl.constexpr,
-    HAS_RING_POS: tl.constexpr, INTERP: tl.constexpr,
+    HAS_RING_POS: tl.constexpr, RING_STORE: tl.constexpr, STORE_RING_POS: tl.constexpr, INTERP: tl.constexpr,
 ):
+    """RING_STORE: task 2 also stores the row's ring row (+ its positions where
+    STORE_RING_POS); only where no compression of the step can read a ring slot that another
+    row of the step writes (`ring_store_fuses`)."""
     t = tl.program_id(0).to(tl.int64)
     task = tl.program_id(1)
     if task == 0:
@@ -307,21 +312,24 @@ def _prepare_kernel(
                  kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size, num_slots, k_scale, v_scale,
                  rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, eps,
                  RD, BKV, BD, INTERP)
+        if RING_STORE:
+            _ring_row(t, raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring, ring_rows, ring_slot_ptr,
+                      Di, ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1, rope_ptr, rope_stride_axis,
+                      rope_stride_t, C, STORE_RING_POS, BDI, INTERP)
     else:  # a block of main query heads; per head [q | gate] in q_gate
         _heads_task(t, qg_ptr, qg_stride_t, 2 * D, q_w_ptr, q_out_ptr, (task - 3) * BHQ, Hq, D,
                     rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, eps,
                     RD, BHQ, BD, INTERP)
 
 
-@triton.jit(do_not_specialize=["rope_stride_axis"])
-def _ring_store_kernel(
-    raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring, ring_rows, ring_slot_ptr, Di,
+@triton.jit
+def _ring_row(
+    t, raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring, ring_rows, ring_slot_ptr, Di,
     ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1, rope_ptr, rope_stride_axis, rope_stride_t,
     C: tl.constexpr, HAS_POS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
 ):
     """ring[ring_slot[t]] = raw[t] (at raw_ptr + raw_off + t * stride_raw; + the row's 3 rope
-    positions) for valid ring slots."""
-    t = tl.program_id(0).to(tl.int64)
+    positions where HAS_POS) for a valid ring slot."""
     slot = tl.load(ring_slot_ptr + t)
     if (slot >= 0) & (slot < ring_rows):
         d = tl.arange(0, BD)
@@ -333,6 +341,17 @@ def _ring_store_kernel(
             pos = tl.load(rope_ptr + a * rope_stride_axis + t * rope_stride_t, mask=a < 3, other=0)
             pos_dst = ring_pos_ptr + (slot // C) * stride_rpp + (slot % C) * stride_rp0
             tl.store(pos_dst + a * stride_rp1, pos, mask=a < 3)
+
+
+@triton.jit(do_not_specialize=["rope_stride_axis"])
+def _ring_store_kernel(
+    raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring, ring_rows, ring_slot_ptr, Di,
+    ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1, rope_ptr, rope_stride_axis, rope_stride_t,
+    C: tl.constexpr, HAS_POS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+):
+    _ring_row(tl.program_id(0).to(tl.int64), raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring,
+              ring_rows, ring_slot_ptr, Di, ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
+              rope_ptr, rope_stride_axis, rope_stride_t, C, HAS_POS, BD, INTERP)
 
 
 @triton.jit(do_not_specialize=["rope_stride_axis"])
@@ -401,9 +420,8 @@ def _pow2(n: int) -> int:
 
 def _rope_args(rope_positions: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """(tensor, axis stride, row stride); a 1-D tensor feeds all three axes (stride 0)."""
-    if rope_positions.dim() == 1:
-        return rope_positions, 0, rope_positions.stride(0)
-    return rope_positions, rope_positions.stride(0), rope_positions.stride(1)
+    st = rope_positions.stride()
+    return (rope_positions, 0, st[0]) if len(st) == 1 else (rope_positions, st[0], st[1])
 
 
 def _ring_pos_args(cache: "QSALayerCache", fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -508,9 +526,18 @@ _PREPARE_FREE = ("iq_ptr", "iq_stride_t", "iq_w_ptr", "raw_ptr", "stride_raw", "
 _RING_FREE = ("raw_ptr", "stride_raw", "rope_ptr", "rope_stride_axis", "rope_stride_t")
 
 
+def ring_store_fuses(max_query_len: int, ring_capacity: int) -> bool:
+    """Whether a step's ring store may run in prepare's first launch: no request has
+    C - 2 rows or more. A request's compressions read ring slots of positions s-3..s-1 (s:
+    its first row's position) and its rows write slots of positions in [s, s + n); those
+    slots (mod C) meet only if C <= n + 2. Decode steps qualify (C >= r + draft rows)."""
+    return max_query_len <= ring_capacity - 3
+
+
 class PrepareLaunch:
-    """`qsa_prepare`'s two launches bound to one step shape (T rows, the plan's workspace) and
-    one layer cache; `__call__` takes what changes per layer call.
+    """`qsa_prepare` bound to one step shape (T rows, the plan's workspace) and one layer
+    cache: one launch where `ring_store_fuses(meta.max_query_len, C)` (fuse_ring), else two;
+    `__call__` takes what changes per layer call.
 
     Fixed at binding: the metadata's derived per-row fields (slot_mapping, compressed_slot,
     token_to_req, positions, ring_slot: the plan's workspace views), the q_idx / q outputs,
@@ -526,7 +553,7 @@ class PrepareLaunch:
         v: torch.Tensor, rope_positions: torch.Tensor, *, index_q_norm: torch.Tensor, index_k_norm: torch.Tensor,
         q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor, rope_axes: torch.Tensor,
         cache: "QSALayerCache", meta: "QSAForwardMetadata", q_idx_out: torch.Tensor, q_out: torch.Tensor,
-        raw_offset: int = 0,
+        raw_offset: int = 0, fuse_ring: bool = False,
     ) -> None:
         T, Di = raw_keys.shape[0], index_k_norm.shape[0]
         D = k_norm.shape[0]
@@ -545,20 +572,21 @@ class PrepareLaunch:
             (T, 3 + triton.cdiv(Hq, heads_per_prog)),
             index_q, index_q.stride(0), index_q_norm, q_idx_out, Hi, Di,
             raw_keys, raw_keys.stride(0), raw_offset, index_k_norm, *_paged_args(cache.compressed),
-            *_paged_args(cache.ring)[:3], ring_pos, rpp, rp0, rp1,
+            *_paged_args(cache.ring), ring_pos, rpp, rp0, rp1,
             q_gate, q_gate.stride(0), q_norm, q_out, Hq, D,
             k, k.stride(0), k_norm, v, v.stride(0), Hkv,
             *_kv_cache_args(cache.k, cache.v), page, cache.k.shape[0] * page,
             float(cache.k_scale), float(cache.v_scale),
             rope, rs_axis, rs_t, inv_freq, rope_axes, float(eps),
             meta.slot_mapping, meta.compressed_slot, meta.token_to_req, meta.positions,
-            meta.query_start_loc, meta.ring_index,
+            meta.query_start_loc, meta.ring_index, meta.ring_slot,
             free=_PREPARE_FREE,
             r=meta.compress_ratio, C=meta.ring_capacity, RPP=cache.compressed.shape[1], RD=2 * inv_freq.shape[0],
             BHI=_pow2(Hi), BDI=_pow2(Di), BHQ=heads_per_prog, BD=BD, BKV=_pow2(Hkv),
-            HAS_RING_POS=has_ring_pos, INTERP=interp,
+            HAS_RING_POS=has_ring_pos, RING_STORE=fuse_ring, STORE_RING_POS=cache.ring_positions is not None,
+            INTERP=interp,
         )
-        self._ring = _ring_store.bind(
+        self._ring = None if fuse_ring else _ring_store.bind(
             (T,), raw_keys, raw_keys.stride(0), raw_offset, *_paged_args(cache.ring), meta.ring_slot, Di,
             ring_pos, rpp, rp0, rp1, rope, rs_axis, rs_t,
             free=_RING_FREE,
@@ -572,21 +600,23 @@ class PrepareLaunch:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Shapes as `qsa_prepare` (T rows each); returns (q_idx, q, gate)."""
         rope, rs_axis, rs_t = _rope_args(rope_positions)
-        iq_stride = index_q.stride(0)
-        raw_stride = iq_stride if raw_keys is index_q else raw_keys.stride(0)
+        iq_stride = index_q.stride()[0]
+        raw_stride = iq_stride if raw_keys is index_q else raw_keys.stride()[0]
+        qg_stride = q_gate.stride()
         self._main(index_q, iq_stride, index_q_norm, raw_keys, raw_stride, index_k_norm, q_gate,
-                   q_gate.stride(0), q_norm, k, k.stride(0), k_norm, v, v.stride(0), rope, rs_axis, rs_t,
+                   qg_stride[0], q_norm, k, k.stride()[0], k_norm, v, v.stride()[0], rope, rs_axis, rs_t,
                    query_start_loc, ring_index)
-        self._ring(raw_keys, raw_stride, rope, rs_axis, rs_t)
-        return self.q_idx, self.q, _gate(q_gate, self.T, self.Hq, self.D)
+        if self._ring is not None:
+            self._ring(raw_keys, raw_stride, rope, rs_axis, rs_t)
+        return self.q_idx, self.q, _gate(q_gate, self.T, self.Hq, self.D, qg_stride)
 
 
-def _gate(q_gate: torch.Tensor, T: int, Hq: int, D: int) -> torch.Tensor:
-    """The gate half [T, Hq, D] of q_gate [T, Hq*2D] (per head [q | gate], contiguous rows):
-    `q_gate.view(T, Hq, 2D)[..., D:]` as one view op."""
-    if q_gate.stride(1) != 1:
-        raise ValueError(f"q_gate rows must be contiguous, got strides {q_gate.stride()}")
-    return q_gate.as_strided((T, Hq, D), (q_gate.stride(0), 2 * D, 1), q_gate.storage_offset() + D)
+def _gate(q_gate: torch.Tensor, T: int, Hq: int, D: int, st: tuple[int, ...]) -> torch.Tensor:
+    """The gate half [T, Hq, D] of q_gate [T, Hq*2D] (per head [q | gate], contiguous rows;
+    st = q_gate.stride()): `q_gate.view(T, Hq, 2D)[..., D:]` as one view op."""
+    if st[1] != 1:
+        raise ValueError(f"q_gate rows must be contiguous, got strides {st}")
+    return q_gate.as_strided((T, Hq, D), (st[0], 2 * D, 1), q_gate.storage_offset() + D)
 
 
 def qsa_prepare(
@@ -628,5 +658,6 @@ def qsa_prepare(
     norms = (index_q_norm, index_k_norm, q_norm, k_norm)
     launch = PrepareLaunch(index_q, raw_keys, q_gate, k, v, rope_positions, index_q_norm=norms[0],
                            index_k_norm=norms[1], q_norm=norms[2], k_norm=norms[3], eps=eps, inv_freq=inv_freq,
-                           rope_axes=rope_axes, cache=cache, meta=meta, q_idx_out=q_idx, q_out=q)
+                           rope_axes=rope_axes, cache=cache, meta=meta, q_idx_out=q_idx, q_out=q,
+                           fuse_ring=ring_store_fuses(meta.max_query_len, meta.ring_capacity))
     return launch(index_q, raw_keys, q_gate, k, v, rope_positions, *norms, meta.query_start_loc, meta.ring_index)

@@ -326,7 +326,7 @@ class SelectLaunch:
                              f"got {q_idx.dtype} {tuple(q_idx.shape)}")
         if out.shape != self.out_shape or out.dtype is not torch.int32:
             raise ValueError(f"select out must be int32 {tuple(self.out_shape)}, got {out.dtype} {tuple(out.shape)}")
-        out_stride = out.stride(0)
+        out_stride = out.stride()[0]
         for row0, score, topk in self._chunks:
             if score is not None:
                 score(q_idx, block_table, row0)

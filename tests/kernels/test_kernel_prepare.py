@@ -280,6 +280,24 @@ def chunked_schedule(spec: int) -> list:
     return steps + [([("a", 1), ("b", 1), ("c", 1)], i % 2, 3, None) for i in range(3)]
 
 
+def test_ring_store_fuses_only_where_the_step_reads_no_slot_it_writes():
+    """Prepare stores ring rows in its first launch only if no request's compression reads a
+    ring slot (positions s-3..s-1, from earlier steps) that its rows (the last C of the
+    step, positions < s + n) write: true for every n <= C - 3, and the bound is tight."""
+
+    def meet(s: int, n: int, C: int) -> bool:
+        reads = {(s - j) % C for j in (1, 2, 3) if s - j >= 0}
+        writes = {p % C for p in range(max(s, s + n - C), s + n)}
+        return bool(reads & writes)
+
+    for C in (4, 8, 12):
+        for n in range(1, 2 * C + 2):
+            if kernels.ring_store_fuses(n, C):
+                assert not any(meet(s, n, C) for s in range(3 * C))
+        assert any(meet(s, C - 2, C) for s in range(3 * C))  # one row more and they can meet
+    assert kernels.ring_store_fuses(1, 4) and kernels.ring_store_fuses(4, 8)  # decode, 3-draft MTP
+
+
 CASES = [
     # (mrope, model dtype, index dtype, kv dtype, spec)
     (False, torch.bfloat16, "auto", "auto", 3),
@@ -447,13 +465,14 @@ def production_schedule(spec: int) -> list:
     [(False, "auto", "auto", 0, 24), (True, "fp8_e4m3", "fp8_e4m3", 3, 24), (False, "fp8_e4m3", "auto", 0, 16)],
 )
 def test_prepare_production_gpu(mrope, index_dtype, kv_dtype, spec, Hq):
-    """Production shapes; steps of every size share one compiled variant of each kernel."""
+    """Production shapes; steps of every size share one compiled variant of each kernel (the
+    prepare kernel: one per ring mode, fused into it for decode steps or a launch of its own)."""
     cfg = production_config(mrope, index_dtype, kv_dtype, Hq)
     layout = QSACacheLayout(num_layers=1, page_size=64, num_pages=400, ring_rows=8, num_speculative_tokens=spec)
     before = {k: compiled_variants(k) for k in (kernels._prepare_kernel, kernels._ring_store_kernel)}
     run_scenario(cfg, layout, torch.bfloat16, "cuda", production_schedule(spec))
     for kernel, n in before.items():
-        assert compiled_variants(kernel) <= n + 1, kernel
+        assert compiled_variants(kernel) <= n + (2 if kernel is kernels._prepare_kernel else 1), kernel
 
 
 def compiled_variants(kernel) -> int:
