@@ -45,12 +45,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DRY = os.environ.get("TRITON_INTERPRET", "0") == "1"
 KB = 8 if DRY else 512  # the interpreter's tiny shapes: Kb 8
 W = KB * R + R - 1
-CONTEXTS = {"16K": 16384, "128K": 131072, "1M": 1 << 20, "dry1": 256, "dry2": 1024}
+CONTEXTS = {"16K": 16384, "128K": 131072, "1M": 1 << 20,
+            "dry1": 256, "dry2": 1024}  # (the --dry contexts)
 # select_prefill tile overrides (name -> changes of `prefill_tiles`); "topk": select_topk's route.
 VARIANTS = {
     "pf": {}, "pf-seg16k": dict(seg=16384), "pf-seg8k": dict(seg=8192), "pf-w8": dict(warps=8),
     "pf-w4": dict(warps=4), "pf-b4": dict(bits=4), "pf-w4b4": dict(warps=4, bits=4), "pf-b2k": dict(block=2048),
-    "pf-l31": dict(lbits=31), "pf-sub2": dict(sub=2), "pf-sub1": dict(sub=1), "pf-sub4": dict(sub=4), "topk": None,
+    "pf-l31": dict(lbits=31), "pf-sub2": dict(sub=2), "pf-sub1": dict(sub=1), "pf-sub4": dict(sub=4), "pf-sub8": dict(sub=8), "pf-sub16": dict(sub=16), "topk": None,
 }
 PREFILL_ROUTE, TOPK_ROUTE = sel._prefill_route, sel._topk_route
 
@@ -144,7 +145,10 @@ def routes(ctx: str, names: list[str]) -> list[str]:
             continue
         g = sel._score_block_g()
         t = {**sp.prefill_tiles(cols, KB, g, small=DRY), **VARIANTS[n]}
-        if cols * t["sub"] >= 2 * KB * g and (n == "pf" or t != sp.prefill_tiles(cols, KB, g, small=DRY)):
+        base = sp.prefill_tiles(cols, KB, g, small=DRY)
+        if t["seg"] >= cols and base["seg"] >= cols:  # one segment either way
+            t["seg"] = base["seg"]
+        if cols * t["sub"] >= 2 * KB * g and (n == "pf" or t != base):
             out.append(n)
     return out
 

@@ -259,7 +259,8 @@ def plan_select(
             prefill = select_prefill.prefill_scratch(need, device)
         for name, n in need.items():
             if getattr(prefill, name).numel() < n:
-                raise ValueError(f"select workspace.prefill.{name} holds {getattr(prefill, name).numel()} < {n} elements")
+                raise ValueError(f"select workspace.prefill.{name} holds {getattr(prefill, name).numel()} "
+                                 f"< {n} elements")
     return SelectSchedule(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),

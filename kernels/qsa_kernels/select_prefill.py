@@ -113,13 +113,13 @@ _prefill_topk = Launcher(_topk_prefill_kernel)
 
 def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
     """Launch shapes for prefill rows of num_cols columns whose score tiles are score_block_g
-    columns wide. sub: samples per score tile (1, 2 or 4: the fewest giving >= 4 Kb samples
-    over num_cols), S = score_block_g / sub columns per sample; seg: columns per program;
+    columns wide. sub: samples per score tile (a power of two, the fewest giving >= 4 Kb
+    samples over num_cols, at most score_block_g / 4), S = score_block_g / sub columns per sample; seg: columns per program;
     cap: candidates of a row (and of one list); block / rblock: columns per sweep step
     (compaction / the whole-row resolve); bits: key bits per search step; lbits: high key
     bits of the bound; warps per program. small: the interpreter's tiles."""
     sub = 1
-    while sub < 4 and num_cols * sub < 4 * block_topk * score_block_g:
+    while 4 * sub < score_block_g and num_cols * sub < 4 * block_topk * score_block_g:
         sub *= 2
     if small:
         return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4)
@@ -191,6 +191,7 @@ class PrefillTopkLaunch(ChunkLaunches):
             row0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0), out.stride(0), out.stride(1),
             free=("row0", "out_ptr", "stride_or"),
             KB=Kb, KBP=triton.next_power_of_2(Kb), BITS=t["bits"], LBITS=t["lbits"],
-            S=sample_cols(t, score_block_g), SAMPP=triton.next_power_of_2(samples.shape[1]), SEG=t["seg"], SEGP=segp,
+            S=sample_cols(t, score_block_g), SAMPP=triton.next_power_of_2(samples.shape[1]),
+            SEG=t["seg"], SEGP=segp,
             CAP=t["cap"], BLOCK=t["block"], RBLOCK=t["rblock"], **write, num_warps=t["warps"],
         ), True)]

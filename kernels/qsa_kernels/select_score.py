@@ -324,9 +324,9 @@ class ScoreLaunch:
                       BLOCK_G=t.block_g, STAGES=t.stages, SPAN_TILES=span // t.block_g if interpret else 0,
                       DOT_DTYPE=tl.bfloat16 if exact_dot(q_idx, compressed, interpret) else tl.float32)
         spans = triton.cdiv(num_cols, span)
-        if samples is not None and (per_row or sample_sub not in (1, 2, 4) or t.block_g % sample_sub
+        if samples is not None and (per_row or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
                                     or samples.shape[1] < triton.cdiv(num_cols, t.block_g // sample_sub)):
-            raise ValueError(f"score samples need the prefill kernel, sample_sub in 1, 2, 4 and >= "
+            raise ValueError(f"score samples need the prefill kernel, sample_sub a power of two and >= "
                              f"cdiv(num_cols, block_g {t.block_g} / sample_sub) columns, got {sample_sub} and "
                              f"{tuple(samples.shape)}")
         sampled = samples if samples is not None else scores  # (unread without samples)

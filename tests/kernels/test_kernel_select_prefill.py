@@ -258,7 +258,7 @@ k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPU
 print("topk", k.metadata.shared)
 st = ss.score_tiles(False, {}, False)
 fn = ss._scores_prefill_kernel
-for sub in (1, 2, 4):
+for sub in (1, 4, 16):
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
                  KEYS_M=st.keys_m, SAMPLE=sub, stride_qd=1, stride_kd=1, stride_btp=1)
