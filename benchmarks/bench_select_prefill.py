@@ -51,7 +51,12 @@ CONTEXTS = {"16K": 16384, "128K": 131072, "1M": 1 << 20,
 VARIANTS = {
     "pf": {}, "pf-seg16k": dict(seg=16384), "pf-seg8k": dict(seg=8192), "pf-w8": dict(warps=8),
     "pf-w4": dict(warps=4), "pf-b4": dict(bits=4), "pf-w4b4": dict(warps=4, bits=4), "pf-b2k": dict(block=2048),
-    "pf-l31": dict(lbits=31), "pf-sub2": dict(sub=2), "pf-sub1": dict(sub=1), "pf-sub4": dict(sub=4), "pf-sub8": dict(sub=8), "pf-sub16": dict(sub=16), "topk": None,
+    "pf-l31": dict(lbits=31), "pf-sub2": dict(sub=2), "pf-sub1": dict(sub=1), "pf-sub4": dict(sub=4),
+    "pf-w16r64": dict(warps=16, regs=64), "pf-w8r64": dict(warps=8, regs=64),
+    "pf-w8r64c1k": dict(warps=8, regs=64, cap=1024, block=2048),
+    "pf-w8r64c1kb4k": dict(warps=8, regs=64, cap=1024), "pf-w8r80c1k": dict(warps=8, regs=80, cap=1024),
+    "pf-w8r64c1k-s16k": dict(warps=8, regs=64, cap=1024, block=2048, seg=16384),
+    "pf-w8r64c1k-l12": dict(warps=8, regs=64, cap=1024, block=2048, lbits=12), "pf-sub8": dict(sub=8), "pf-sub16": dict(sub=16), "topk": None,
 }
 PREFILL_ROUTE, TOPK_ROUTE = sel._prefill_route, sel._topk_route
 
@@ -137,7 +142,7 @@ def reference_rows(run: Select, data) -> bool:
 
 def routes(ctx: str, names: list[str]) -> list[str]:
     cols = CONTEXTS[ctx] // R
-    out = []
+    out, seen = [], []
     for n in names:
         if n == "topk":
             if cols <= stk.topk_tiles(cols, DRY)["seg"]:  # select_topk: the short route, or one segment
@@ -148,8 +153,9 @@ def routes(ctx: str, names: list[str]) -> list[str]:
         base = sp.prefill_tiles(cols, KB, g, small=DRY)
         if t["seg"] >= cols and base["seg"] >= cols:  # one segment either way
             t["seg"] = base["seg"]
-        if cols * t["sub"] >= 2 * KB * g and (n == "pf" or t != base):
+        if cols * t["sub"] >= 2 * KB * g and (n == "pf" or t != base) and t not in seen:
             out.append(n)
+            seen.append(t)
     return out
 
 

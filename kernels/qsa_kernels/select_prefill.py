@@ -117,13 +117,14 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     samples over num_cols, at most score_block_g / 4), S = score_block_g / sub columns per sample; seg: columns per program;
     cap: candidates of a row (and of one list); block / rblock: columns per sweep step
     (compaction / the whole-row resolve); bits: key bits per search step; lbits: high key
-    bits of the bound; warps per program. small: the interpreter's tiles."""
+    bits of the bound; warps per program; regs: registers per thread the compiler may use (0:
+    its choice; fewer let more programs share an SM). small: the interpreter's tiles."""
     sub = 1
     while 4 * sub < score_block_g and num_cols * sub < 4 * block_topk * score_block_g:
         sub *= 2
     if small:
-        return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4)
-    return dict(sub=sub, seg=32768, cap=2048, block=4096, rblock=1024, bits=2, lbits=16, warps=16)
+        return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0)
+    return dict(sub=sub, seg=32768, cap=2048, block=4096, rblock=1024, bits=2, lbits=16, warps=16, regs=0)
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
@@ -194,4 +195,5 @@ class PrefillTopkLaunch(ChunkLaunches):
             S=sample_cols(t, score_block_g), SAMPP=triton.next_power_of_2(samples.shape[1]),
             SEG=t["seg"], SEGP=segp,
             CAP=t["cap"], BLOCK=t["block"], RBLOCK=t["rblock"], **write, num_warps=t["warps"],
+            **({"maxnreg": t["regs"]} if t["regs"] else {}),
         ), True)]
