@@ -56,7 +56,14 @@ VARIANTS = {
     "pf-w8r64c1k": dict(warps=8, regs=64, cap=1024, block=2048),
     "pf-w8r64c1kb4k": dict(warps=8, regs=64, cap=1024), "pf-w8r80c1k": dict(warps=8, regs=80, cap=1024),
     "pf-w8r64c1k-s16k": dict(warps=8, regs=64, cap=1024, block=2048, seg=16384),
-    "pf-w8r64c1k-l12": dict(warps=8, regs=64, cap=1024, block=2048, lbits=12), "pf-sub8": dict(sub=8), "pf-sub16": dict(sub=16), "topk": None,
+    "pf-w8r64c1k-l12": dict(warps=8, regs=64, cap=1024, block=2048, lbits=12),
+    # defer: the resolve of several chunks' rows in one later launch
+    "pd-w8r64c1k": dict(defer=1, warps=8, regs=64, cap=1024, block=2048),
+    "pd-w8r64c2k": dict(defer=1, warps=8, regs=64, cap=2048, block=4096, rregs=64),
+    "pd-w16r64c1k": dict(defer=1, warps=16, regs=64, cap=1024, block=4096),
+    "pd-w8r64c1k-s16k": dict(defer=1, warps=8, regs=64, cap=1024, block=2048, seg=16384),
+    "pd-w8r64c1k-l12": dict(defer=1, warps=8, regs=64, cap=1024, block=2048, lbits=12),
+    "pd-w8r64c1k-rw4": dict(defer=1, warps=8, regs=64, cap=1024, block=2048, rwarps=4), "pf-sub8": dict(sub=8), "pf-sub16": dict(sub=16), "topk": None,
 }
 PREFILL_ROUTE, TOPK_ROUTE = sel._prefill_route, sel._topk_route
 
@@ -123,7 +130,8 @@ class Select:
         n = min(s.chunk, s.num_rows - row0)
         segp = triton.next_power_of_2(triton.cdiv(s.num_cols, t["seg"]))
         vis = self.vis[row0:row0 + n]
-        cnt = s.prefill.counts[: s.chunk * segp].view(s.chunk, segp)[:n]
+        crow0 = row0 % sp.defer_rows(s.chunk, s.num_rows, s.num_cols, t)
+        cnt = s.prefill.counts.view(-1, segp)[crow0:crow0 + n]
         nseg = (vis + t["seg"] - 1) // t["seg"]
         tot = torch.where(torch.arange(segp, device=DEV)[None, :] < nseg[:, None], cnt, 0).sum(1)[vis > KB]
         return int(tot.max()), float(tot.float().mean()), int((tot > t["cap"]).sum())
@@ -181,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry", action="store_true", help="CPU interpreter: tiny shapes, checks only")
+    ap.add_argument("--warm-only", action="store_true", help="compile (fill Triton's cache), no timing")
+    ap.add_argument("--no-warm", action="store_true", help="time without the parallel compile first")
     a = ap.parse_args(argv)
     t0 = time.time()
     if a.dry:
@@ -191,9 +201,12 @@ def main(argv: list[str] | None = None) -> None:
 
         ctxs = a.contexts.split(",")
         work = [(c, r) for c in ctxs for r in ["radix"] + routes(c, a.variants.split(","))]
-        with ProcessPoolExecutor(a.workers, mp_context=mp.get_context("spawn")) as pool:
-            errors = [e for e in pool.map(_warm, work) if e]
-        print(f"compiled {len(work)} in {time.time() - t0:.0f} s; failed: {errors or 'none'}", flush=True)
+        if not a.no_warm:
+            with ProcessPoolExecutor(a.workers, mp_context=mp.get_context("spawn")) as pool:
+                errors = [e for e in pool.map(_warm, work) if e]
+            print(f"compiled {len(work)} in {time.time() - t0:.0f} s; failed: {errors or 'none'}", flush=True)
+        if a.warm_only:
+            return
         timer = GraphTimer(reps=15, budget_ms=400)
     ctxs = a.contexts.split(",")
     results = []

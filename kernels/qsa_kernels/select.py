@@ -155,7 +155,8 @@ def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
     for c in sorted(bounds):
         tiles = _prefill_route(c, block_topk, False)
         if tiles is not None:
-            elems = select_prefill.prefill_scratch_elems(_scored_chunk(max_rows, c), c, tiles, _score_block_g())
+            elems = select_prefill.prefill_scratch_elems(_scored_chunk(max_rows, c), max_rows, c, tiles,
+                                                         _score_block_g())
             need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
     return select_prefill.prefill_scratch(need, dev) if need else None
 
@@ -253,7 +254,7 @@ def plan_select(
     prefill = None
     prefill_tiles = _prefill_route(n_cols, Kb, decode)
     if prefill_tiles is not None:
-        need = select_prefill.prefill_scratch_elems(chunk, n_cols, prefill_tiles, _score_block_g())
+        need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles, _score_block_g())
         prefill = workspace.prefill if workspace is not None and workspace.prefill is not None else None
         if prefill is None:
             prefill = select_prefill.prefill_scratch(need, device)
@@ -305,7 +306,8 @@ class SelectLaunch:
                     topk = select_prefill.PrefillTopkLaunch(
                         s.scores, samples, visible_blocks, out, s.prefill, row0=row0, rows=n, num_cols=s.num_cols,
                         block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=_score_block_g(),
-                        positions=positions, compress_ratio=compress_ratio,
+                        first_row=first_row, num_rows=s.num_rows, chunk=s.chunk, positions=positions,
+                        compress_ratio=compress_ratio,
                     )
                 elif s.topk is not None:
                     topk = select_topk.TopkLaunch(

@@ -66,7 +66,7 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     for i, r in enumerate(rows):
         scores[i, : r.numel()] = r
     tiles = {**sp.prefill_tiles(num_cols, kb, BLOCK_G, small=DEV == "cpu"), **tile_changes}
-    scratch = sp.prefill_scratch(sp.prefill_scratch_elems(T, num_cols, tiles, BLOCK_G), DEV)
+    scratch = sp.prefill_scratch(sp.prefill_scratch_elems(T, T, num_cols, tiles, BLOCK_G), DEV)
     samples = sp.samples_view(scratch, T, num_cols, tiles, BLOCK_G)
     samples.copy_(samples_of(scores, vis, sp.sample_cols(tiles, BLOCK_G)))
     vis_t = torch.tensor([0] * row0 + vis, dtype=torch.int32, device=DEV)
@@ -75,7 +75,8 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     out = torch.full((row0 + T, width), -7, dtype=torch.int32, device=DEV)
     scores = scores.to(DEV)
     launch = sp.PrefillTopkLaunch(scores, samples, vis_t, out, scratch, row0=row0, rows=T, num_cols=num_cols,
-                                  block_topk=kb, tiles=tiles, score_block_g=BLOCK_G, positions=pos, compress_ratio=R)
+                                  block_topk=kb, tiles=tiles, score_block_g=BLOCK_G, first_row=row0, num_rows=T,
+                                  chunk=T, positions=pos, compress_ratio=R)
     for _ in range(calls):
         out[row0:] = -7
         launch(row0, out, out.stride(0))
@@ -111,12 +112,14 @@ def test_small_tiles_cross_every_path():
     assert not sp.prefill_route(40, 8, sp.prefill_tiles(40, 8, BLOCK_G, small=DEV == "cpu"), BLOCK_G)
 
 
-@pytest.mark.parametrize("num_cols, kb, packed, lbits", [
-    (60, 8, False, 31), (300, 8, False, 31), (300, 16, False, 31), (300, 8, True, 31), (300, 8, False, 12)])
-def test_random_scores(num_cols, kb, packed, lbits):
-    # lbits 12: a coarser bound (its 12 high key bits), more candidates, the same result.
+@pytest.mark.parametrize("num_cols, kb, packed, lbits, defer", [
+    (60, 8, False, 31, 0), (300, 8, False, 31, 0), (300, 16, False, 31, 0), (300, 8, True, 31, 0),
+    (300, 8, False, 12, 0), (60, 8, True, 31, 1), (300, 8, True, 31, 1)])
+def test_random_scores(num_cols, kb, packed, lbits, defer):
+    # lbits 12: a coarser bound (its 12 high key bits), more candidates, the same result;
+    # defer: the resolve in its own launch after the chunk.
     rows = [distinct(num_cols, s) for s in range(3)] + [distinct(num_cols - 5, 9)]
-    got = run_topk(rows, num_cols, kb, calls=2, packed=packed, lbits=lbits)
+    got = run_topk(rows, num_cols, kb, calls=2, packed=packed, lbits=lbits, defer=defer)
     assert torch.equal(got, reference(rows, num_cols, kb, packed))
 
 
@@ -151,19 +154,23 @@ def test_a_score_gap_at_the_threshold():
     assert run_topk([row], num_cols, 8)[0].tolist() == top.tolist()
 
 
-@pytest.mark.parametrize("num_cols, packed", [(60, False), (300, False), (200, True)])
-def test_crowded_candidates_overflow_to_the_exact_resolve(num_cols, packed):
-    # Integer scores 0..3: the bound admits every key of the top value, beyond the row's capacity.
+@pytest.mark.parametrize("num_cols, packed, defer", [(60, False, 0), (300, False, 0), (200, True, 0), (200, True, 1)])
+def test_crowded_candidates_overflow_to_the_exact_resolve(num_cols, packed, defer):
+    # Integer scores 0..3: the bound admits every key of the top value, beyond the row's capacity
+    # (defer: that row resolves from its scores in the chunk's launch, the other one later).
     g = torch.Generator().manual_seed(5)
     rows = [torch.randint(0, 4, (num_cols,), generator=g).float() for _ in range(2)]
     rows[1][-40:] = 7.0  # the top keys crowd the last segment
-    assert torch.equal(run_topk(rows, num_cols, 16, calls=2, packed=packed), reference(rows, num_cols, 16, packed))
+    rows.append(distinct(num_cols, 8))
+    got = run_topk(rows, num_cols, 16, calls=2, packed=packed, defer=defer)
+    assert torch.equal(got, reference(rows, num_cols, 16, packed))
 
 
 @pytest.mark.parametrize("num_cols", COLS)
 def test_rows_at_or_below_kb_and_padding_rows(num_cols):
     rows = [distinct(n, n) for n in (0, 1, 7, 8, 9, num_cols)]  # 0: a padding row (visible 0)
     assert torch.equal(run_topk(rows, num_cols, 8, row0=2, packed=True), reference(rows, num_cols, 8, True))
+    assert torch.equal(run_topk(rows, num_cols, 8, row0=2, packed=True, defer=1), reference(rows, num_cols, 8, True))
     got = run_topk(rows, num_cols, 8, row0=2)
     assert torch.equal(got, reference(rows, num_cols, 8))
     assert (got[0] == -1).all() and torch.equal(got[2][:7], torch.arange(7, dtype=torch.int32))
@@ -225,14 +232,20 @@ def test_prefill_select_takes_this_route(nan_scratch, kind):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkeypatch):
+@pytest.mark.parametrize("defer", [0, 1])
+def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkeypatch, defer):
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 4 * 128 * 7)  # 7 rows per chunk
-    problem = make_problem([512, 300], [12, 5], kind="int", seed=2)
+    # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
+    monkeypatch.setattr(sp, "CAND_BYTES", 7 * 2 * 32 * 8 * 2)
+    tiles = sp.prefill_tiles
+    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer})
+    problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
     ws = ker.select_workspace(T, max_seq // R, 8, DEV)
     s = ker.plan_select(T, max_seq // R, 8, decode=False, device=DEV, workspace=ws)
     assert s.prefill is ws.prefill and s.chunk == 7
+    assert sp.defer_rows(s.chunk, T, s.num_cols, s.prefill_tiles) == (14 if defer else 7)
     kw = dict(page_size=16, compress_ratio=R, block_topk=8)
     expect = ref.qsa_select_prefill(*(t.cpu() for t in (q, comp, table, to_req, vis)),
                                     out=torch.empty(T, 8, dtype=torch.int32), **kw)
@@ -248,14 +261,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qsa_kernels import select_prefill as sp, select_score as ss
 t = sp.prefill_tiles(32768, 512, 64, small=False)
-fn = sp._topk_prefill_kernel
-const = dict(KB=512, KBP=512, BITS=t["bits"], LBITS=t["lbits"], S=16, SAMPP=2048, SEG=t["seg"], SEGP=8,
-             CAP=t["cap"], BLOCK=t["block"], RBLOCK=t["rblock"], PACKED=True, R=4, W=2051, BLOCK_W=1024, stride_oc=1)
-sig = {n: "constexpr" if n in const else "*i64" if n == "pos_ptr" else "*fp32" if n == "s_ptr"
-       else "*i32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=t["warps"]))
-print("topk", k.metadata.shared)
+write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
+             stride_oc=1)
+for fn, const, warps in (
+        (sp._topk_prefill_kernel, dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"],
+                                       RBLOCK=t["rblock"], DEFER=t["defer"]), t["warps"]),
+        (sp._resolve_prefill_kernel, {}, t["rwarps"])):
+    const.update(write)
+    sig = {n: "constexpr" if n in const else "*i64" if n == "pos_ptr" else "*fp32" if n == "s_ptr"
+           else "*i32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps))
+    print("topk", k.metadata.shared)
 st = ss.score_tiles(False, {}, False)
 fn = ss._scores_prefill_kernel
 for sub in (1, 4, 16):
@@ -279,7 +296,7 @@ def test_production_tiles_compile_for_sm90():
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 4 and lines[0][0] == "topk", run.stdout
-    assert int(lines[0][1]) <= 227 * 1024
-    for _, _, wgmma, shared in lines[1:]:
+    assert len(lines) == 5 and lines[0][0] == lines[1][0] == "topk", run.stdout
+    assert int(lines[0][1]) <= 227 * 1024 and int(lines[1][1]) <= 227 * 1024
+    for _, _, wgmma, shared in lines[2:]:
         assert int(wgmma) > 0 and int(shared) <= 227 * 1024, lines
