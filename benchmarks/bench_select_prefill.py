@@ -251,6 +251,12 @@ def main(argv: list[str] | None = None) -> None:
     sel._prefill_route, sel._topk_route = PREFILL_ROUTE, TOPK_ROUTE
     if a.out:
         Path(a.out).write_text(json.dumps(results, indent=1))
+    for ctx in ctxs:  # a summary: the radix route and the fastest exact variants
+        rows = sorted((r for r in results if r["ctx"] == ctx and r["route"] != "radix" and r["exact"]),
+                      key=lambda r: r["select"])[:3]
+        radix = [r for r in results if r["ctx"] == ctx and r["route"] == "radix"]
+        print(f"best {ctx}: radix {radix[0]['select']:.0f} | " if radix else f"best {ctx}: ",
+              " | ".join(f"{r['route']} {r['select']:.0f} ({r['scores']:.0f}+{r['topk']:.0f})" for r in rows), flush=True)
     print(f"total {time.time() - t0:.0f} s", flush=True)
 
 

@@ -1,8 +1,8 @@
 """The prefill top-k from the score launch's samples (`select_prefill`) against the reference.
 
-Runs on the GPU when there is one, else in the Triton interpreter with the small tiles (score
-tiles of 16 columns, samples of 4 columns, segments of 64 columns, 32 candidates per row), so
-the shapes below cross every path: one and several segments (the last arriver resolves),
+Runs on the GPU when there is one, else in the Triton interpreter; the top-k launches alone
+take the small tiles either way (samples of at least 4 columns of score tiles of 16, segments of
+64 columns, 32 candidates per row), so the shapes below cross every path: one and several segments (the last arriver resolves),
 the whole-row resolve when candidates overflow, rows at or below Kb, padding rows, the packed
 rows. Indices exact: integer-valued data makes ties (SPEC 2.7), random data score gaps.
 """
@@ -26,7 +26,7 @@ from qsa_kernels import select as ker  # noqa: E402
 from qsa_kernels import select_prefill as sp  # noqa: E402
 
 R = 4  # compress ratio
-BLOCK_G = 64 if DEV == "cuda" else 16  # columns per prefill score tile
+BLOCK_G = 16  # columns per score tile the samples of the top-k tests stand for
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     scores = torch.full((T, num_cols), float("nan"))
     for i, r in enumerate(rows):
         scores[i, : r.numel()] = r
-    tiles = {**sp.prefill_tiles(num_cols, kb, BLOCK_G, small=DEV == "cpu"), **tile_changes}
+    tiles = {**sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), **tile_changes}
     scratch = sp.prefill_scratch(sp.prefill_scratch_elems(T, T, num_cols, tiles, BLOCK_G), DEV)
     samples = sp.samples_view(scratch, T, num_cols, tiles, BLOCK_G)
     samples.copy_(samples_of(scores, vis, sp.sample_cols(tiles, BLOCK_G)))
@@ -107,9 +107,9 @@ COLS = [60, 300]
 
 
 def test_small_tiles_cross_every_path():
-    t = sp.prefill_tiles(300, 8, BLOCK_G, small=DEV == "cpu")
+    t = sp.prefill_tiles(300, 8, BLOCK_G, small=True)
     assert 60 <= t["seg"] < 300 and sp.prefill_route(300, 8, t, BLOCK_G)
-    assert not sp.prefill_route(40, 8, sp.prefill_tiles(40, 8, BLOCK_G, small=DEV == "cpu"), BLOCK_G)
+    assert not sp.prefill_route(40, 8, sp.prefill_tiles(40, 8, BLOCK_G, small=True), BLOCK_G)
 
 
 @pytest.mark.parametrize("num_cols, kb, packed, lbits, defer", [
@@ -208,8 +208,8 @@ def test_score_launch_writes_the_samples(nan_scratch):
     out = torch.empty(T, 8, dtype=torch.int32, device=DEV)
     launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, page_size=16, compress_ratio=R, block_topk=8)
     launch._chunks[0][1](q, table, 0)
-    S = sp.sample_cols(s.prefill_tiles, BLOCK_G)
-    got = sp.samples_view(s.prefill, T, cols, s.prefill_tiles, BLOCK_G).cpu()
+    S = sp.sample_cols(s.prefill_tiles, ker._score_block_g())
+    got = sp.samples_view(s.prefill, T, cols, s.prefill_tiles, ker._score_block_g()).cpu()
     scores = s.scores.cpu()
     for t in range(T):
         v = int(vis[t])
@@ -236,9 +236,10 @@ def test_prefill_select_takes_this_route(nan_scratch, kind):
 def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkeypatch, defer):
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 4 * 128 * 7)  # 7 rows per chunk
     # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
-    monkeypatch.setattr(sp, "CAND_BYTES", 7 * 2 * 32 * 8 * 2)
     tiles = sp.prefill_tiles
     monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer})
+    t = sp.prefill_tiles(128, 8, ker._score_block_g(), small=DEV == "cpu")
+    monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t["seg"]) * t["cap"] * 8)
     problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
