@@ -1,4 +1,4 @@
-"""Triton exact top-k of prefill rows from the score kernel's subset maxima, one launch (SPEC 2.7).
+"""Triton exact top-k of prefill rows from the score kernel's subset maxima (SPEC 2.7).
 
 Contract: `qsa_core.reference.select.topk_groups` (as `select_radix` / `select_topk`): input a
 chunk's fp32 score scratch [chunk rows, num_cols] (scores >= 0, -0.0 folded into +0.0, so the
@@ -10,18 +10,22 @@ index, ascending; rows with visible <= Kb take groups 0..visible-1 unscored, -1 
 (PACKED) the packed selection rows (`expand._packed_groups` / `_packed_tail`).
 
 The maxima of disjoint column subsets are real keys, so the Kb-th largest sample is a lower
-bound L of the row's Kb-th largest key (to LBITS high bits: a lower bound still). One launch,
-grid rows x segments of SEG columns: each program finds L from its row's samples, compacts
-its segment's keys >= L (ascending column) into its candidate list, and the program that
-completes the row (its only one, or the last to arrive at the row's counter, acq_rel) gathers
-the lists in column order and resolves them exactly in registers (`select_topk._kth_key`,
-`_emit`). More than CAP candidates (keys crowded near the threshold, or rows too short to have
-Kb samples) send the row to the exact whole-row resolve (`select_topk._resolve_row`): slower,
-same result. The scores make one trip through memory after the score launch; no histogram.
+bound L of the row's Kb-th largest key (to LBITS high bits: a lower bound still). Per chunk
+one launch, grid rows x segments of SEG columns: each program finds L from its row's samples,
+compacts its segment's keys >= L (ascending column) into its candidate list, and the program
+that completes the row (its only one, or the last to arrive at the row's counter, acq_rel)
+gathers the lists in column order and resolves them exactly in registers
+(`select_topk._kth_key`, `_emit`). More than CAP candidates (keys crowded near the threshold,
+or rows too short to have Kb samples) send the row to the exact whole-row resolve
+(`select_topk._resolve_row`): slower, same result. With `defer`, the lists of several chunks'
+rows stay (under CAND_BYTES) and one `_resolve_prefill_kernel` launch after the group's last
+chunk resolves them, many rows at once (a chunk has few rows at long contexts); only
+overflowing rows resolve in the chunk's launch, while their scores are there. The scores make
+one trip through memory after the score launch; no histogram.
 
 Deterministic and batch-invariant: samples, counts and positions depend on the row's scores
-only, lists sit at fixed offsets, no row reads another's state. `PrefillTopkLaunch` binds one
-chunk; `prefill_tiles` / `prefill_route` say when and with which shapes `plan_select` takes it.
+only, lists sit at fixed offsets, no row reads another's state. `PrefillTopkLaunch` binds a
+chunk's launches; `prefill_tiles` / `prefill_route` say when and with which shapes `plan_select` takes it.
 """
 
 from __future__ import annotations
