@@ -76,7 +76,7 @@ def configure(route: str) -> None:
         return
     changes = VARIANTS[route]
 
-    def tiles(n_cols: int, block_topk: int, decode: bool):
+    def tiles(n_cols: int, block_topk: int, decode: bool, chunk: int):
         if decode:
             return None
         t = sp.prefill_tiles(n_cols, block_topk, sel._score_block_g(), small=DRY)

@@ -40,6 +40,9 @@ _FUSED_MAX_ROWS = 256
 # (128K B64: 210 -> 192; 1M B4 x 4 rows: 330 -> 284); not few long rows (128K B4: 48.7 vs
 # 62.3; 1M B4: 124.7 vs 144.4). Chunk bounds are the measured range (1, 16 and 64 rows).
 _TOPK_SHORT_MAX_ROWS = 64
+# Prefill chunks of this many rows or more take `select_prefill` (H200, 2026-12-01 W1: chunks of
+# 64 and 512 rows, 16K rows at 1M / 128K context); the interpreter's tests take it from one row.
+_PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
 
@@ -53,9 +56,10 @@ def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:
     return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
 
 
-def _prefill_route(n_cols: int, block_topk: int, decode: bool) -> dict | None:
-    """The `select_prefill` tiles where a prefill chunk of n_cols columns takes it, else None."""
-    if decode:
+def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int) -> dict | None:
+    """The `select_prefill` tiles where a prefill chunk of `chunk` rows x n_cols columns takes
+    it, else None."""
+    if decode or chunk < _PREFILL_MIN_ROWS:
         return None
     block_g = _score_block_g()
     tiles = select_prefill.prefill_tiles(n_cols, block_topk, block_g, small=_interpreting())
@@ -153,10 +157,10 @@ def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
     need: dict[str, int] = {}
     bounds = {max_cols} | {1 << i for i in range(block_topk.bit_length(), max_cols.bit_length())}
     for c in sorted(bounds):
-        tiles = _prefill_route(c, block_topk, False)
+        chunk = _scored_chunk(max_rows, c)
+        tiles = _prefill_route(c, block_topk, False, chunk)
         if tiles is not None:
-            elems = select_prefill.prefill_scratch_elems(_scored_chunk(max_rows, c), max_rows, c, tiles,
-                                                         _score_block_g())
+            elems = select_prefill.prefill_scratch_elems(chunk, max_rows, c, tiles, _score_block_g())
             need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
     return select_prefill.prefill_scratch(need, dev) if need else None
 
@@ -252,7 +256,7 @@ def plan_select(
                 raise ValueError(f"select workspace.topk.{name} holds {getattr(have, name).numel()} < {n} elements")
         topk = have
     prefill = None
-    prefill_tiles = _prefill_route(n_cols, Kb, decode)
+    prefill_tiles = _prefill_route(n_cols, Kb, decode, chunk)
     if prefill_tiles is not None:
         need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles, _score_block_g())
         prefill = workspace.prefill if workspace is not None and workspace.prefill is not None else None

@@ -31,9 +31,11 @@ BLOCK_G = 16  # columns per score tile the samples of the top-k tests stand for
 
 @pytest.fixture
 def nan_scratch(monkeypatch):
-    """Every score scratch starts NaN: a read of an unscored column would show up."""
+    """Every score scratch starts NaN: a read of an unscored column would show up. Chunks of
+    any number of rows take the route (the GPU's plan takes it from 64)."""
     monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
         (rows, cols), float("nan"), device=device))
+    monkeypatch.setattr(ker, "_PREFILL_MIN_ROWS", 1)
 
 
 def positions_of(vis: list[int]) -> torch.Tensor:
