@@ -40,8 +40,8 @@ _FUSED_MAX_ROWS = 256
 # (128K B64: 210 -> 192; 1M B4 x 4 rows: 330 -> 284); not few long rows (128K B4: 48.7 vs
 # 62.3; 1M B4: 124.7 vs 144.4). Chunk bounds are the measured range (1, 16 and 64 rows).
 _TOPK_SHORT_MAX_ROWS = 64
-# Prefill chunks of this many rows or more take `select_prefill` (H200, 2026-12-01 W1: chunks of
-# 64 and 512 rows, 16K rows at 1M / 128K context); the interpreter's tests take it from one row.
+# Prefill chunks of this many rows or more take `select_prefill` (H200, 2026-12-01 W1 / W2: chunks of
+# 64, 512 and 4096 rows, 16K rows at 1M / 128K / 16K context); the interpreter's tests take it from one row.
 _PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64

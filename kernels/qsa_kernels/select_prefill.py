@@ -174,15 +174,20 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     search step; lbits: high key bits of the bound; warps per program; regs: registers per
     thread the compiler may use (0: its choice; fewer let more programs share an SM); defer:
     resolve the rows of several chunks in one later launch (`defer_rows`), with rwarps /
-    rregs, instead of in each row's last program. small: the interpreter's tiles."""
+    rregs, instead of in each row's last program. small: the interpreter's tiles; else the
+    H200's (2026-12-01 W2, select of 16K rows, radix -> this route, ms: at 16K context 1.59 ->
+    1.13, 128K 14.95 -> 6.52, 1M 120.8 -> 58.4; the top-k part is bound by latency, so 8 warps
+    at 64 registers (4 programs per SM), 1024 candidates and the deferred resolve won; the
+    whole-row programs of 16 warps and 2048 candidates (W1) took 6.9 / 50.6 ms of top-k at
+    128K / 1M)."""
     sub = 1
     while 4 * sub < score_block_g and num_cols * sub < 4 * block_topk * score_block_g:
         sub *= 2
     if small:
-        return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=0,
+        return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
                     rwarps=4, rregs=0)
-    return dict(sub=sub, seg=32768, cap=2048, block=4096, rblock=1024, bits=2, lbits=16, warps=16, regs=0, defer=0,
-                rwarps=8, rregs=0)
+    return dict(sub=sub, seg=32768, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
+                rwarps=4, rregs=0)
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
