@@ -13,7 +13,7 @@ only launch: no allocation, no derivation, no host read.
 
 Column bound: selection scores at most `max_seq_len // r` groups per row (rounded up to a
 bucket, so that schedules repeat). Guards: a malformed request (seq_len > max_seq_len or
-below its query length, rows past the live rows, a slot, ring_index or used block-table
+below its query length, a query length above max_query_len, rows past the live rows, a slot, ring_index or used block-table
 page outside the caches) is never run on bad values: the metadata build makes its rows inert
 (as padding: empty selection, output 0, no K/V, ring or compressed-key write) and ORs the
 reason into a sticky device flag (`check_guard` names it); with the engine's host copy
@@ -382,11 +382,13 @@ class QSAPlanner:
         # query_start_loc on the device, never from this step's host int.
         live = -1 if static else T - inputs.num_padding_rows
         if self._build is not None:
-            self._build(qsl, seq, slots, ring, table, max_seq_len=inputs.max_seq_len, num_live_rows=live)
+            self._build(qsl, seq, slots, ring, table, max_seq_len=inputs.max_seq_len,
+                        max_query_len=inputs.max_query_len, num_live_rows=live)
         else:
             ops.build_metadata(
                 qsl, seq, slots, ring, table,
                 compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
+                max_query_len=inputs.max_query_len,
                 page_size=self.page_size, num_live_rows=live,
                 num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
                 num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
@@ -422,6 +424,8 @@ _GUARD_REASONS = (
     (reference_metadata.GUARD_MAX_SEQ_LEN,
      "a seq_len exceeded the step's max_seq_len (the column bound of selection): pass max_seq_len >= every seq_len"),
     (reference_metadata.GUARD_SEQ_LEN, "a seq_lens entry was below its request's query length (expected >= it)"),
+    (reference_metadata.GUARD_MAX_QUERY_LEN,
+     "a request's query length exceeded the step's max_query_len: pass max_query_len >= every query length"),
     (reference_metadata.GUARD_QUERY_START_LOC,
      "query_start_loc[-1] differed from the number of rows (num_tokens - num_padding_rows)"),
     (reference_metadata.GUARD_SLOT, "a slot_mapping entry was outside [-1, num_slots)"),
