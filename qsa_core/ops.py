@@ -60,6 +60,7 @@ def build_metadata(
     compress_ratio: int,
     ring_capacity: int,
     max_seq_len: int,
+    max_query_len: int,
     page_size: int,
     num_live_rows: int,
     num_slots: int,
@@ -86,7 +87,7 @@ def build_metadata(
     _impl(backend, slot_mapping.device).qsa_build_metadata(
         query_start_loc, seq_lens, slot_mapping, ring_index, block_table,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, max_seq_len=max_seq_len,
-        page_size=page_size, num_live_rows=num_live_rows, num_slots=num_slots, num_ring_rows=num_ring_rows,
+        max_query_len=max_query_len, page_size=page_size, num_live_rows=num_live_rows, num_slots=num_slots, num_ring_rows=num_ring_rows,
         token_to_req=token_to_req, positions=positions, visible_blocks=visible_blocks,
         ring_slot=ring_slot, compressed_slot=compressed_slot, kv_slot=kv_slot,
         request_flags=request_flags, guard=guard,

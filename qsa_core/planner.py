@@ -13,7 +13,7 @@ only launch: no allocation, no derivation, no host read.
 
 Column bound: selection scores at most `max_seq_len // r` groups per row (rounded up to a
 bucket, so that schedules repeat). Guards: a malformed request (seq_len > max_seq_len or
-below its query length, rows past the live rows, a slot, ring_index or used block-table
+below its query length, a query length above max_query_len, rows past the live rows, a slot, ring_index or used block-table
 page outside the caches) is never run on bad values: the metadata build makes its rows inert
 (as padding: empty selection, output 0, no K/V, ring or compressed-key write) and ORs the
 reason into a sticky device flag (`check_guard` names it); with the engine's host copy
@@ -58,7 +58,8 @@ class StepSchedule:
     selection int32 [T, W + 1], attn_out [T, Hq*D]; the select
     schedules of the decode rows [:num_decode_tokens] and the prefill rows after them (and
     their views of token_to_req, visible_blocks, blocks: `decode_rows`, `prefill_rows`), and
-    the attention schedule (None on the reference backend); `launches`: the Triton launches
+    the attention schedule (None on the reference backend); `meta_fixed`: the metadata fields
+    every step of this shape shares (derived views, geometry); `launches`: the Triton launches
     bound to this shape per layer cache (`layer_launches`).
     """
 
@@ -77,6 +78,7 @@ class StepSchedule:
     attention: object | None
     decode_rows: tuple[torch.Tensor, ...]
     prefill_rows: tuple[torch.Tensor, ...]
+    meta_fixed: dict = field(default_factory=dict, compare=False, repr=False)
     launches: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layer_launches(self, cache: QSALayerCache) -> dict:
@@ -104,10 +106,13 @@ class StepSchedule:
         return found
 
 
-def _record(cls: type, **fields: object) -> object:
-    """An instance of the frozen dataclass `cls` from all its fields, without its __init__'s
-    per-field object.__setattr__ (plan makes two per step; neither has a __post_init__)."""
+def _record(cls: type, fixed: dict | None = None, **fields: object) -> object:
+    """An instance of the frozen dataclass `cls` from all its fields (`fixed`, then `fields`),
+    without its __init__'s per-field object.__setattr__ (plan makes two per step; neither has
+    a __post_init__)."""
     record = object.__new__(cls)
+    if fixed:
+        record.__dict__.update(fixed)
     record.__dict__.update(fields)
     return record
 
@@ -298,6 +303,13 @@ class QSAPlanner:
             select_decode=dec, select_prefill=pre, attention=attn,
             decode_rows=tuple(x[:nd] for x in rows), prefill_rows=tuple(x[nd:] for x in rows),
         )
+        d = found.derived
+        found.meta_fixed.update(
+            slot_mapping=d["kv_slot"],  # the guarded one: inert rows write nothing
+            compress_ratio=cfg.compress_ratio, page_size=self.page_size, ring_capacity=self.ring_capacity,
+            token_to_req=d["token_to_req"], positions=d["positions"], visible_blocks=d["visible_blocks"],
+            ring_slot=d["ring_slot"], compressed_slot=d["compressed_slot"],
+        )
         if len(self._schedules) >= _SCHEDULE_CACHE:
             self._schedules.clear()
         self._schedules[key] = found
@@ -377,26 +389,24 @@ class QSAPlanner:
         # query_start_loc on the device, never from this step's host int.
         live = -1 if static else T - inputs.num_padding_rows
         if self._build is not None:
-            self._build(qsl, seq, slots, ring, table, max_seq_len=inputs.max_seq_len, num_live_rows=live)
+            self._build(qsl, seq, slots, ring, table, max_seq_len=inputs.max_seq_len,
+                        max_query_len=inputs.max_query_len, num_live_rows=live)
         else:
             ops.build_metadata(
                 qsl, seq, slots, ring, table,
                 compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
+                max_query_len=inputs.max_query_len,
                 page_size=self.page_size, num_live_rows=live,
                 num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
                 num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
                 request_flags=self._request_flags, guard=self.guard, backend=self.backend, **d,
             )
         meta = _record(
-            QSAForwardMetadata, query_start_loc=qsl, seq_lens=seq, block_table=table,
-            slot_mapping=d["kv_slot"],  # the guarded one: inert rows write nothing
+            QSAForwardMetadata, schedule.meta_fixed, query_start_loc=qsl, seq_lens=seq, block_table=table,
             ring_index=ring, num_decodes=inputs.num_decodes, max_query_len=inputs.max_query_len,
             max_seq_len=inputs.max_seq_len, decode_query_len=inputs.decode_query_len,
             num_padding_rows=inputs.num_padding_rows,
             rope_positions=d["positions"] if rope is None else rope, seq_lens_cpu=inputs.seq_lens_cpu,
-            compress_ratio=cfg.compress_ratio, page_size=self.page_size, ring_capacity=self.ring_capacity,
-            token_to_req=d["token_to_req"], positions=d["positions"], visible_blocks=d["visible_blocks"],
-            ring_slot=d["ring_slot"], compressed_slot=d["compressed_slot"],
         )
         return _record(
             QSAPlan, meta=meta, schedule=schedule, config=cfg, backend=self.backend, index_dtype=self.index_dtype,
@@ -421,6 +431,8 @@ _GUARD_REASONS = (
     (reference_metadata.GUARD_MAX_SEQ_LEN,
      "a seq_len exceeded the step's max_seq_len (the column bound of selection): pass max_seq_len >= every seq_len"),
     (reference_metadata.GUARD_SEQ_LEN, "a seq_lens entry was below its request's query length (expected >= it)"),
+    (reference_metadata.GUARD_MAX_QUERY_LEN,
+     "a request's query length exceeded the step's max_query_len: pass max_query_len >= every query length"),
     (reference_metadata.GUARD_QUERY_START_LOC,
      "query_start_loc[-1] differed from the number of rows (num_tokens - num_padding_rows)"),
     (reference_metadata.GUARD_SLOT, "a slot_mapping entry was outside [-1, num_slots)"),

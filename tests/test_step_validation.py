@@ -52,6 +52,11 @@ BAD = {
         r"seq_lens\[0\] = 3 is below request 0's query length 4: expected seq_lens\[0\] >= 4",
         guards.GUARD_SEQ_LEN, "a",
     ),
+    "max_query_len": (
+        dict(max_query_len=5),
+        r"max_query_len must be >= every query length \(6\), got 5",
+        guards.GUARD_MAX_QUERY_LEN, "b",
+    ),
     "query_start_loc": (
         dict(query_start_loc=torch.tensor([0, 4, 11], dtype=I32), seq_lens=torch.tensor([4, 7], dtype=I32)),
         r"query_start_loc\[-1\] must equal the number of rows T - num_padding_rows = 12 - 2 = 10, got 11",
@@ -76,6 +81,7 @@ BAD = {
 ROWS = {"a": slice(0, 4), "b": slice(4, 10)}
 REASON = {
     guards.GUARD_SEQ_LEN: "seq_lens entry was below",
+    guards.GUARD_MAX_QUERY_LEN: "query length exceeded the step's max_query_len",
     guards.GUARD_QUERY_START_LOC: r"query_start_loc\[-1\] differed",
     guards.GUARD_SLOT: "slot_mapping entry was outside",
     guards.GUARD_RING_INDEX: "ring_index entry was outside",

@@ -23,7 +23,8 @@ hook (profiler) is installed; with a hook, under `TRITON_INTERPRET=1`, or when d
     bound(out, out.stride(0))                                 # per call: the free args, in order
 
 A binding is for the device current when it is made; it launches on that device's current
-stream (a CUDA-graph capture records it). Fixed tensors are held alive by the binding.
+stream (a CUDA-graph capture records it). Fixed tensors are held alive by the binding; the
+free arguments of the binding call are not (an engine's activations stay its own).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class BoundLaunch:
                  free: tuple[str, ...]) -> None:
         self.launcher = launcher
         self.grid = grid
-        self.values = values  # every parameter in order (constexprs included), as Triton's binder
+        self.values = values  # every parameter in order (constexprs included; free ones None), as Triton's binder
         self.options = options
         self.free_index = tuple(launcher.names.index(n) for n in free)
         self.free_flags = tuple(launcher._spec_flags[n] for n in free)
@@ -163,6 +164,8 @@ class BoundLaunch:
             free_values = [values[i] for i in self.free_index]
             key = self.key(free_values)
             self._call = self._generate(self._variant(key, values), free_values)
+        for i in self.free_index:  # every call passes its own: never keep the first call's tensors alive
+            values[i] = None
 
     def __call__(self, *free: Any) -> None:
         self._call(*free)
@@ -199,7 +202,7 @@ class BoundLaunch:
                  "SLOW": self._slow, "FAST": _fast,
                  "KIND": _int_kind}
         params = [f"f{j}" for j in range(len(self.free_index))]
-        checks, prep, args = [], [], []
+        checks, prep, args, aligned = [], [], [], []
         for j, (x, (spec, align)) in enumerate(zip(free_values, self.free_flags)):
             f = f"f{j}"
             if isinstance(x, torch.Tensor):
@@ -207,18 +210,24 @@ class BoundLaunch:
                 prep.append(f"p{j} = {f}.data_ptr()")
                 checks.append(f"{f}.dtype is K{j} and {f}.get_device() == DEV")
                 if spec and align:
-                    checks.append(f"(p{j} & 15 == 0) is {x.data_ptr() % 16 == 0}")
+                    if x.data_ptr() % 16 == 0:
+                        aligned.append(f"p{j}")  # one test for all of them, below
+                    else:
+                        checks.append(f"p{j} & 15 != 0")
             elif type(x) is int:
+                # The bound value passes at once (usually a stride or size that never changes).
                 kind = _int_kind(x)
-                checks.append(f"type({f}) is int and " + (f"{_I32[0]} <= {f} <= {_I32[1]}" if kind == 0
-                                                          else f"KIND({f}) == {kind}"))
+                key = [f"{_I32[0]} <= {f} <= {_I32[1]}" if kind == 0 else f"KIND({f}) == {kind}"]
                 if spec:
-                    checks.append(f"({f} == 1) is {x == 1}")
+                    key.append(f"({f} == 1) is {x == 1}")
                     if align:
-                        checks.append(f"({f} & 15 == 0) is {x % 16 == 0}")
+                        key.append(f"({f} & 15 == 0) is {x % 16 == 0}")
+                checks.append(f"type({f}) is int and ({f} == {x} or ({' and '.join(key)}))")
             else:
                 names[f"T{j}"] = type(x)
                 checks.append(f"type({f}) is T{j}")
+        if aligned:
+            checks.append(f"({' | '.join(aligned)}) & 15 == 0")
         free_at = dict(zip(self.free_index, range(len(self.free_index))))
         for i, value in enumerate(self.values):
             if i in free_at:

@@ -2,9 +2,9 @@
 
 Mirrors `qsa_core.reference.metadata.qsa_build_metadata`. One launch, CUDA-graph safe (grid
 from T and R only, no host reads, batch-varying ints not specialized), no memset. Program p
-1. (p < R) computes request p's guard bits (seq_len bounds, rows past the live rows,
-   ring_index, the block-table pages it uses, the slots of its rows) into request_flags[p],
-   and marks the step as having a flagged request;
+1. (p < R) computes request p's guard bits (seq_len bounds, its query length against
+   max_query_len, rows past the live rows, ring_index, the block-table pages it uses, the
+   slots of its rows) into request_flags[p], and marks the step as having a flagged request;
 2. (p < row blocks) derives the fields of rows [p * BLOCK, (p + 1) * BLOCK): each row finds
    its request by a binary search of `query_start_loc`; live rows no request owns are flagged.
 The last program to arrive (an acq_rel counter it resets) makes every live row of a flagged
@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from qsa_core.reference.metadata import (
+    GUARD_MAX_QUERY_LEN,
     GUARD_MAX_SEQ_LEN,
     GUARD_PAGE,
     GUARD_QUERY_START_LOC,
@@ -42,10 +43,10 @@ _CACHE = 256  # bound (R, T) pairs kept per build
 @triton.jit
 def _request_flag(
     i, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
-    R, T, P, max_seq_len, num_live, num_pages, num_slots, num_ring_rows, page_size,
+    R, T, P, max_seq_len, max_query_len, num_live, num_pages, num_slots, num_ring_rows, page_size,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
-    SLOT: tl.constexpr,
+    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr,
 ):
     """Request i's guard bits (int32 scalar)."""
     seq = tl.load(seq_ptr + i).to(tl.int64)
@@ -54,6 +55,7 @@ def _request_flag(
     ring = tl.load(ring_index_ptr + i).to(tl.int64)
     flag = (seq > max_seq_len).to(tl.int32) * MAX_SEQ
     flag = flag | (seq < end - start).to(tl.int32) * SEQ
+    flag = flag | (end - start > max_query_len).to(tl.int32) * MAX_QUERY
     flag = flag | (end > num_live).to(tl.int32) * QSL
     flag = flag | ((ring < 0) | (ring >= num_ring_rows)).to(tl.int32) * RING
     pages = (seq + page_size - 1) // page_size
@@ -166,23 +168,23 @@ def _or_all(x):
     return tl.reduce(x, 0, _or_combine)
 
 
-@triton.jit(do_not_specialize=["R", "T", "P", "max_seq_len", "num_live", "stray_end", "num_pages", "num_slots",
-                               "num_ring_rows", "stride_bt0", "stride_bt1"])
+@triton.jit(do_not_specialize=["R", "T", "P", "max_seq_len", "max_query_len", "num_live", "stray_end", "num_pages",
+                               "num_slots", "num_ring_rows", "stride_bt0", "stride_bt1"])
 def _metadata_kernel(
     qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1, flags_ptr, arrive_ptr,
     to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
-    R, T, P, max_seq_len, num_live, stray_end, num_pages, num_slots, num_ring_rows, page_size,
+    R, T, P, max_seq_len, max_query_len, num_live, stray_end, num_pages, num_slots, num_ring_rows, page_size,
     r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
-    SLOT: tl.constexpr,
+    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr,
 ):
     """arrive int32 [2], zero between launches: [arrived programs, a request was flagged]."""
     p = tl.program_id(0).to(tl.int64)
     if p < R:
         flag = _request_flag(p, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
-                             R, T, P, max_seq_len, num_live, num_pages, num_slots, num_ring_rows, page_size,
-                             BLOCK_P, BLOCK_S, MAX_SEQ, SEQ, QSL, RING, PAGE, SLOT)
+                             R, T, P, max_seq_len, max_query_len, num_live, num_pages, num_slots, num_ring_rows,
+                             page_size, BLOCK_P, BLOCK_S, MAX_SEQ, SEQ, QSL, RING, PAGE, SLOT, MAX_QUERY)
         tl.store(flags_ptr + p, flag)
         if flag != 0:
             tl.atomic_or(arrive_ptr + 1, 1, sem="relaxed")
@@ -200,7 +202,7 @@ def _metadata_kernel(
 
 _build = Launcher(_metadata_kernel)
 _BUILD_FREE = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "slot_ptr", "bt_ptr", "stride_bt0", "stride_bt1", "P",
-               "max_seq_len", "num_live", "stray_end")
+               "max_seq_len", "max_query_len", "num_live", "stray_end")
 
 
 class MetadataBuild:
@@ -227,7 +229,8 @@ class MetadataBuild:
 
     def __call__(
         self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
-        ring_index: torch.Tensor, block_table: torch.Tensor, *, max_seq_len: int, num_live_rows: int,
+        ring_index: torch.Tensor, block_table: torch.Tensor, *, max_seq_len: int, max_query_len: int,
+        num_live_rows: int,
     ) -> None:
         """Inputs as `qsa_build_metadata`; num_live_rows -1: query_start_loc[R] alone bounds."""
         T, R = slot_mapping.shape[0], seq_lens.shape[0]
@@ -237,21 +240,21 @@ class MetadataBuild:
         launch = self._bound.get((R, T))
         if launch is None:
             launch = self._bind(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len,
-                                live_bound, num_live_rows)
+                                max_query_len, live_bound, num_live_rows)
         bt0, bt1 = block_table.stride()
         launch(query_start_loc, seq_lens, ring_index, slot_mapping, block_table, bt0, bt1, block_table.shape[1],
-               max_seq_len, live_bound, num_live_rows)
+               max_seq_len, max_query_len, live_bound, num_live_rows)
 
-    def _bind(self, qsl, seq, slots, ring, table, max_seq_len, live_bound, stray_end) -> BoundLaunch:
+    def _bind(self, qsl, seq, slots, ring, table, max_seq_len, max_query_len, live_bound, stray_end) -> BoundLaunch:
         T, R = slots.shape[0], seq.shape[0]
         launch = _build.bind(
             (max(R, triton.cdiv(T, BLOCK_ROWS)),), qsl, seq, ring, slots, table, table.stride(0), table.stride(1),
             self.request_flags[: max(R, 1)], self.arrive, *(o[:T] for o in self.outputs), self.guard,
-            R, T, table.shape[1], max_seq_len, live_bound, stray_end, self.num_slots // self.page_size,
+            R, T, table.shape[1], max_seq_len, max_query_len, live_bound, stray_end, self.num_slots // self.page_size,
             self.num_slots, self.num_ring_rows, self.page_size, free=_BUILD_FREE,
             r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS,
             MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN, QSL=GUARD_QUERY_START_LOC, RING=GUARD_RING_INDEX,
-            PAGE=GUARD_PAGE, SLOT=GUARD_SLOT,
+            PAGE=GUARD_PAGE, SLOT=GUARD_SLOT, MAX_QUERY=GUARD_MAX_QUERY_LEN,
         )
         if len(self._bound) >= _CACHE:
             self._bound.clear()
@@ -269,6 +272,7 @@ def qsa_build_metadata(
     compress_ratio: int,
     ring_capacity: int,
     max_seq_len: int,
+    max_query_len: int,
     page_size: int,
     num_live_rows: int,
     num_slots: int,
@@ -299,7 +303,7 @@ def qsa_build_metadata(
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, page_size=page_size, num_slots=num_slots,
         num_ring_rows=num_ring_rows,
     )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len=max_seq_len,
-      num_live_rows=num_live_rows)
+      max_query_len=max_query_len, num_live_rows=num_live_rows)
 
 
 @triton.jit(do_not_specialize=["R", "T", "P", "stride_bt0", "stride_bt1", "rope_stride_axis", "rope_stride_t"])

@@ -4,8 +4,9 @@ Contract: `qsa_core/reference/select.py`. A select call runs per chunk of rows (
 only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
 (`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
-`select_topk.py`, see `_topk_route`) write each row's chosen groups in ascending order (or
-the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored.
+`select_topk.py`, see `_topk_route`; for long prefill rows `select_prefill.py` from samples the
+score launch writes too, see `_prefill_route`) write each row's chosen groups in ascending
+order (or the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored.
 
 `plan_select` fixes the schedule of a call (chunk, route, scratch views) when a step is
 planned; `SelectLaunch` binds all of a call's launches to that schedule, the compressed keys
@@ -21,9 +22,9 @@ import torch
 import triton
 
 from .select_radix import BINS as _BINS
-from .select_radix import TopkLaunch
-from .select_score import ScoreLaunch
-from . import select_topk
+from .select_radix import ChunkLaunches, TopkLaunch
+from .select_score import ScoreLaunch, score_tiles
+from . import select_prefill, select_topk
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
@@ -39,6 +40,9 @@ _FUSED_MAX_ROWS = 256
 # (128K B64: 210 -> 192; 1M B4 x 4 rows: 330 -> 284); not few long rows (128K B4: 48.7 vs
 # 62.3; 1M B4: 124.7 vs 144.4). Chunk bounds are the measured range (1, 16 and 64 rows).
 _TOPK_SHORT_MAX_ROWS = 64
+# Prefill chunks of this many rows or more take `select_prefill` (H200, 2026-12-01 W1 / W2: chunks of
+# 64, 512 and 4096 rows, 16K rows at 1M / 128K / 16K context); the interpreter's tests take it from one row.
+_PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
 
@@ -50,6 +54,21 @@ def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:
     if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, small=_interpreting())):
         return fused and chunk <= _TOPK_SHORT_MAX_ROWS
     return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
+
+
+def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int) -> dict | None:
+    """The `select_prefill` tiles where a prefill chunk of `chunk` rows x n_cols columns takes
+    it, else None."""
+    if decode or chunk < _PREFILL_MIN_ROWS:
+        return None
+    block_g = _score_block_g()
+    tiles = select_prefill.prefill_tiles(n_cols, block_topk, block_g, small=_interpreting())
+    return tiles if n_cols > block_topk and select_prefill.prefill_route(n_cols, block_topk, tiles, block_g) else None
+
+
+def _score_block_g() -> int:
+    """Columns per prefill score tile (the samples' geometry)."""
+    return score_tiles(False, _tiles(False), _interpreting()).block_g
 
 
 def _interpreting() -> bool:
@@ -75,7 +94,8 @@ def _tiles(decode: bool) -> dict[str, int]:
 class SelectWorkspace:
     """Persistent scratch of selection (flat; a schedule takes views): fp32 scores, the
     int32 radix histograms and arrival counters (zero between uses: the resolving program
-    clears what it read), states and per-tile counts; the scratch of `select_topk` (decode)."""
+    clears what it read), states and per-tile counts; the scratch of `select_topk` (decode)
+    and of `select_prefill` (long prefill rows)."""
 
     scores: torch.Tensor
     hist: torch.Tensor
@@ -83,6 +103,7 @@ class SelectWorkspace:
     state: torch.Tensor
     counts: torch.Tensor
     topk: select_topk.TopkScratch | None = None
+    prefill: select_prefill.PrefillScratch | None = None
 
 
 def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str) -> SelectWorkspace:
@@ -104,6 +125,7 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         state=torch.empty(max_chunk * 4, dtype=torch.int32, device=dev),
         counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
         topk=_topk_scratch(max_rows, cols, block_topk, dev),
+        prefill=_prefill_scratch(max_rows, cols, block_topk, dev),
     )
 
 
@@ -128,6 +150,21 @@ def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.devi
         v, dtype=torch.int32, device=dev) for k, v in need.items()})
 
 
+def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
+                     dev: torch.device) -> select_prefill.PrefillScratch | None:
+    """`select_prefill` scratch for every prefill plan up to max_rows x max_cols (num_cols
+    are powers of two, or max_cols): the largest need of any column bound that takes the route."""
+    need: dict[str, int] = {}
+    bounds = {max_cols} | {1 << i for i in range(block_topk.bit_length(), max_cols.bit_length())}
+    for c in sorted(bounds):
+        chunk = _scored_chunk(max_rows, c)
+        tiles = _prefill_route(c, block_topk, False, chunk)
+        if tiles is not None:
+            elems = select_prefill.prefill_scratch_elems(chunk, max_rows, c, tiles, _score_block_g())
+            need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
+    return select_prefill.prefill_scratch(need, dev) if need else None
+
+
 @dataclass(frozen=True)
 class SelectSchedule:
     """How one select call runs, fixed when the step is planned (host ints and views only).
@@ -136,7 +173,9 @@ class SelectSchedule:
     pass; scored: any row may have more than Kb visible groups; fused: the one-launch
     per-row top-k, else the radix passes; the views scores fp32 [chunk, num_cols], hist,
     arrive, state, counts (unused ones alias `scores`); topk / topk_tiles: the scratch and
-    tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None.
+    tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None;
+    prefill / prefill_tiles: those of `select_prefill` where a prefill chunk takes it
+    (`_prefill_route`), else None.
     """
 
     num_rows: int
@@ -155,6 +194,8 @@ class SelectSchedule:
     counts: torch.Tensor
     topk: select_topk.TopkScratch | None = None
     topk_tiles: dict | None = None
+    prefill: select_prefill.PrefillScratch | None = None
+    prefill_tiles: dict | None = None
 
 
 def plan_select(
@@ -214,10 +255,22 @@ def plan_select(
             if getattr(have, name).numel() < n:
                 raise ValueError(f"select workspace.topk.{name} holds {getattr(have, name).numel()} < {n} elements")
         topk = have
+    prefill = None
+    prefill_tiles = _prefill_route(n_cols, Kb, decode, chunk)
+    if prefill_tiles is not None:
+        need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles, _score_block_g())
+        prefill = workspace.prefill if workspace is not None and workspace.prefill is not None else None
+        if prefill is None:
+            prefill = select_prefill.prefill_scratch(need, device)
+        for name, n in need.items():
+            if getattr(prefill, name).numel() < n:
+                raise ValueError(f"select workspace.prefill.{name} holds {getattr(prefill, name).numel()} "
+                                 f"< {n} elements")
     return SelectSchedule(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
         scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
+        prefill=prefill, prefill_tiles=prefill_tiles,
     )
 
 
@@ -241,16 +294,26 @@ class SelectLaunch:
             if t.shape[0] < self.rows:
                 raise ValueError(f"the select schedule covers rows up to {self.rows}; {name} has {t.shape[0]}")
         bound: dict[int, tuple] = {}  # rows of a chunk -> its launches (all full chunks share theirs)
-        self._chunks: list[tuple[int, ScoreLaunch | None, TopkLaunch]] = []
+        self._chunks: list[tuple[int, ScoreLaunch | None, ChunkLaunches]] = []
         for row0 in range(first_row, self.rows, s.chunk):
             n = min(s.chunk, self.rows - row0)
             if n not in bound:
+                samples = None if s.prefill is None else select_prefill.samples_view(
+                    s.prefill, s.chunk, s.num_cols, s.prefill_tiles, _score_block_g())
                 score = ScoreLaunch(
                     q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, row0=row0, rows=n,
                     num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio, block_topk=block_topk,
-                    decode=s.decode, tiles=s.tiles, interpret=s.interpret,
+                    decode=s.decode, tiles=s.tiles, interpret=s.interpret, samples=samples,
+                    sample_sub=0 if s.prefill is None else s.prefill_tiles["sub"],
                 ) if s.scored else None
-                if s.topk is not None:
+                if s.prefill is not None:
+                    topk = select_prefill.PrefillTopkLaunch(
+                        s.scores, samples, visible_blocks, out, s.prefill, row0=row0, rows=n, num_cols=s.num_cols,
+                        block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=_score_block_g(),
+                        first_row=first_row, num_rows=s.num_rows, chunk=s.chunk, positions=positions,
+                        compress_ratio=compress_ratio,
+                    )
+                elif s.topk is not None:
                     topk = select_topk.TopkLaunch(
                         s.scores, visible_blocks, out, s.topk, row0=row0, rows=n, num_cols=s.num_cols,
                         block_topk=block_topk, tiles=s.topk_tiles, positions=positions, compress_ratio=compress_ratio,

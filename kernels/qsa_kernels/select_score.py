@@ -116,28 +116,43 @@ def _scores_decode_kernel(
 
 
 @triton.jit
+def _store_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
+                   SUB: tl.constexpr):
+    """The selection's samples of a score tile s fp32 [BLOCK_G, BLOCK_R] (columns g0 + i, rows
+    lr; mask: the cells written): for each of its SUB subsets of S = BLOCK_G / SUB columns,
+    samples int32 [chunk rows, cdiv(n_cols, S)] at (row, g0 / S + subset) = the largest key
+    (score bits) among the subset's columns below the row's visible (-1: none)."""
+    key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
+    m = tl.max(tl.reshape(key, (SUB, BLOCK_G // SUB, BLOCK_R)), 1)  # [SUB, BLOCK_R]
+    i = tl.arange(0, SUB)[:, None]
+    tl.store(samp_ptr + lr.to(tl.int64)[None, :] * stride_pr + g0 // (BLOCK_G // SUB) + i, m,
+             mask=(g0 + i * (BLOCK_G // SUB)) < vis[None, :])
+
+
+@triton.jit
 def _q_head(q_row, h, stride_qh, mask, HI: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """q [BLOCK_R, DP] of head h of a row tile (zeros where masked or h >= HI)."""
     return tl.load(q_row + h * stride_qh, mask=mask & (h < HI), other=0.0).to(DOT_DTYPE)
 
 
-@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr"])
+@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr", "stride_pr"])
 def _scores_prefill_kernel(
-    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
+    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr,
     row0, n_rows, n_cols, span, norm, rcp,
-    stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
+    stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr, stride_pr,
     HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
-    KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr,
+    KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
     BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M (KEYS_M: its N, the keys
     its M); else rows are the dot's M,
     one dot per head, heads 0..3 keeping their q for the whole span (further heads reload theirs
     per tile). A row tile may span requests: each request in it streams its own keys.
-    SPAN_TILES: as the decode kernel."""
+    SPAN_TILES: as the decode kernel. SAMPLE > 0: also the top-k's samples of each tile
+    (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * span
     in_chunk = lr < n_rows
@@ -167,19 +182,27 @@ def _scores_prefill_kernel(
                 qa = qa.to(DOT_DTYPE)
                 for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end,
                                     BLOCK_G, num_stages=STAGES):
-                    g = (col0 + off if SPAN_TILES else off) + cols
+                    g0 = col0 + off if SPAN_TILES else off
+                    g = g0 + cols
                     keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
                                       stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
                     if KEYS_M:  # keys on M, rows x heads on N: s^T tile [BLOCK_G, BLOCK_R]
                         dots = tl.dot(keys, tl.trans(qa), input_precision="ieee")
                         acc = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (BLOCK_G, HP, BLOCK_R)), 1)
                         s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-                        tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s,
-                                 mask=mine[None, :] & (g[:, None] < vis[None, :]))
+                        written = mine[None, :] & (g[:, None] < vis[None, :])
+                        tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s, mask=written)
+                        if SAMPLE:
+                            _store_samples(samp_ptr, lr, g0, s, written, tl.where(mine, vis, 0), stride_pr,
+                                           BLOCK_G, BLOCK_R, SAMPLE)
                     else:
                         acc = tl.sum(tl.reshape(_relu_dot(qa, keys), (HP, BLOCK_R, BLOCK_G)), 0)
                         s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-                        tl.store(s_rows + g[None, :], s, mask=mine[:, None] & (g[None, :] < vis[:, None]))
+                        written = mine[:, None] & (g[None, :] < vis[:, None])
+                        tl.store(s_rows + g[None, :], s, mask=written)
+                        if SAMPLE:
+                            _store_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written),
+                                           tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
             else:
                 q_mask = mine[:, None] & (d < DI)[None, :]
                 q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
@@ -188,7 +211,8 @@ def _scores_prefill_kernel(
                 q3 = _q_head(q_row, 3, stride_qh, q_mask, HI, DOT_DTYPE)
                 for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end,
                                     BLOCK_G, num_stages=STAGES):
-                    g = (col0 + off if SPAN_TILES else off) + cols
+                    g0 = col0 + off if SPAN_TILES else off
+                    g = g0 + cols
                     keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
                                       stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
                     acc = _relu_dot(q0, keys)  # fp32 [BLOCK_R, BLOCK_G], heads summed in order
@@ -201,7 +225,11 @@ def _scores_prefill_kernel(
                     for h in tl.static_range(4, HI):
                         acc += _relu_dot(_q_head(q_row, h, stride_qh, q_mask, HI, DOT_DTYPE), keys)
                     s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-                    tl.store(s_rows + g[None, :], s, mask=mine[:, None] & (g[None, :] < vis[:, None]))
+                    written = mine[:, None] & (g[None, :] < vis[:, None])
+                    tl.store(s_rows + g[None, :], s, mask=written)
+                    if SAMPLE:
+                        _store_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written),
+                                       tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
             cur += 1
 
 
@@ -274,12 +302,15 @@ class ScoreLaunch:
     the compressed keys [pages, page_size / r, Di], token_to_req / visible_blocks int32 [T]
     and the score scratch fp32 [>= rows, num_cols]; `__call__(q_idx [T, Hi, Di], block_table
     int32 [R, P], row0)` launches it. q_idx's dtype is fixed at binding. `score` overrides
-    the tiles (`score_tiles`; benchmarks)."""
+    the tiles (`score_tiles`; benchmarks). samples int32 [>= rows, cdiv(num_cols, block_g /
+    sample_sub)] (prefill only): the launch also writes the top-k's samples there
+    (`select_prefill`: sample_sub per score tile of block_g columns)."""
 
     def __init__(self, q_idx: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor, visible_blocks: torch.Tensor, scores: torch.Tensor, *, row0: int,
                  rows: int, num_cols: int, page_size: int, compress_ratio: int, block_topk: int, decode: bool,
-                 tiles: dict, interpret: bool, score: ScoreTiles | None = None) -> None:
+                 tiles: dict, interpret: bool, score: ScoreTiles | None = None, samples: torch.Tensor | None = None,
+                 sample_sub: int = 0) -> None:
         _, Hi, Di = q_idx.shape
         t = score or score_tiles(decode, tiles, interpret, compressed.element_size())
         per_row = decode and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
@@ -293,11 +324,19 @@ class ScoreLaunch:
                       BLOCK_G=t.block_g, STAGES=t.stages, SPAN_TILES=span // t.block_g if interpret else 0,
                       DOT_DTYPE=tl.bfloat16 if exact_dot(q_idx, compressed, interpret) else tl.float32)
         spans = triton.cdiv(num_cols, span)
+        if samples is not None and (per_row or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
+                                    or samples.shape[1] < triton.cdiv(num_cols, t.block_g // sample_sub)):
+            raise ValueError(f"score samples need the prefill kernel, sample_sub a power of two and >= "
+                             f"cdiv(num_cols, block_g {t.block_g} / sample_sub) columns, got {sample_sub} and "
+                             f"{tuple(samples.shape)}")
+        sampled = samples if samples is not None else scores  # (unread without samples)
         args = (
             q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
+            *(() if per_row else (sampled,)),
             row0, *(() if per_row else (rows,)), num_cols, span, math.sqrt(Di),
             *(() if per_row else (float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),)),
             *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0),
+            *(() if per_row else (sampled.stride(0),)),
         )
         if per_row:
             self._launch = _decode.bind((rows, spans), *args, free=_FREE,
@@ -305,7 +344,8 @@ class ScoreLaunch:
         else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,
-                                         FAST_DIV=t.fast_div and Di & (Di - 1) == 0 and (INTERPRETER_FMA_FUSED or not interpret), KEYS_M=t.keys_m, **common,
+                                         FAST_DIV=t.fast_div and Di & (Di - 1) == 0 and (INTERPRETER_FMA_FUSED or not interpret), KEYS_M=t.keys_m,
+                                         SAMPLE=sample_sub if samples is not None else 0, **common,
                                          num_warps=t.num_warps)
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:

@@ -12,6 +12,7 @@ GUARD_QUERY_START_LOC = 4  # query_start_loc[-1] != num_live_rows (a request pas
 GUARD_SLOT = 8  # a slot_mapping entry outside [-1, num_slots)
 GUARD_RING_INDEX = 16  # ring_index outside [0, num_ring_rows)
 GUARD_PAGE = 32  # a block_table page the request uses outside [0, num_pages)
+GUARD_MAX_QUERY_LEN = 64  # a request's query length > max_query_len (the step's bound on rows per request)
 
 
 def qsa_build_metadata(
@@ -24,6 +25,7 @@ def qsa_build_metadata(
     compress_ratio: int,
     ring_capacity: int,
     max_seq_len: int,
+    max_query_len: int,
     page_size: int,
     num_live_rows: int,
     num_slots: int,
@@ -48,7 +50,7 @@ def qsa_build_metadata(
     rows and the two checks against it are off.
     Rows at or past query_start_loc[R] (or num_live_rows) are padding: request 0, position
     -1, everything inert. Guards: every row of a malformed request (seq_len > max_seq_len or
-    < its query length, rows past num_live_rows, ring_index outside [0, num_ring_rows), a
+    < its query length, a query length > max_query_len, rows past num_live_rows, ring_index outside [0, num_ring_rows), a
     slot of its rows outside [-1, num_slots), a page among its first ceil(seq_len /
     page_size) outside [0, num_slots / page_size)) is made inert the same way, and the
     reason's GUARD_* bit is OR-ed into guard int32 [1] (sticky; never cleared here).
@@ -81,6 +83,7 @@ def qsa_build_metadata(
     flags = (
         torch.where(seq > max_seq_len, GUARD_MAX_SEQ_LEN, 0)
         | torch.where(seq < ends - starts, GUARD_SEQ_LEN, 0)
+        | torch.where(ends - starts > max_query_len, GUARD_MAX_QUERY_LEN, 0)
         | torch.where(ends > live_bound, GUARD_QUERY_START_LOC, 0)
         | torch.where((ring < 0) | (ring >= num_ring_rows), GUARD_RING_INDEX, 0)
         | torch.where(bad_page, GUARD_PAGE, 0)
@@ -94,7 +97,8 @@ def qsa_build_metadata(
     stray = (rows >= qsl[-1]) & (rows < num_live_rows)  # live rows no request owns
     bits = torch.where(live, flags[req], 0)
     bits_any = torch.zeros((), dtype=torch.int64, device=dev)
-    for bit in (GUARD_MAX_SEQ_LEN, GUARD_SEQ_LEN, GUARD_QUERY_START_LOC, GUARD_SLOT, GUARD_RING_INDEX, GUARD_PAGE):
+    for bit in (GUARD_MAX_SEQ_LEN, GUARD_SEQ_LEN, GUARD_QUERY_START_LOC, GUARD_SLOT, GUARD_RING_INDEX, GUARD_PAGE,
+                GUARD_MAX_QUERY_LEN):
         bits_any = bits_any | torch.where(((bits & bit) != 0).any(), bit, 0)
     bits_any = bits_any | torch.where(stray.any(), GUARD_QUERY_START_LOC, 0)
     guard.copy_(guard | bits_any.to(guard.dtype).view(1))

@@ -46,7 +46,7 @@ def guard_args(qsl, seq, slots, page_size=8):
     )
 
 
-def build(fn, qsl, seq, slots, ring, r, C, outs, max_seq_len=1 << 30, guard=None, **extra):
+def build(fn, qsl, seq, slots, ring, r, C, outs, max_seq_len=1 << 30, guard=None, max_query_len=1 << 30, **extra):
     """Run a metadata build `fn` into outs (the five derived fields, then optionally kv_slot);
     returns the guard flag. extra: guard inputs (default `guard_args` of the step)."""
     guard = torch.zeros(1, dtype=torch.int32, device=slots.device) if guard is None else guard
@@ -54,8 +54,8 @@ def build(fn, qsl, seq, slots, ring, r, C, outs, max_seq_len=1 << 30, guard=None
     if len(outs) > len(FIELDS):
         kw = dict(kw, kv_slot=outs[len(FIELDS)])
     table = kw.pop("block_table")
-    fn(qsl, seq, slots, ring, table, compress_ratio=r, ring_capacity=C, max_seq_len=max_seq_len, guard=guard,
-       **kw, **dict(zip(FIELDS, outs)))
+    fn(qsl, seq, slots, ring, table, compress_ratio=r, ring_capacity=C, max_seq_len=max_seq_len,
+       max_query_len=max_query_len, guard=guard, **kw, **dict(zip(FIELDS, outs)))
     return guard
 
 

@@ -3,7 +3,9 @@ launch, a rebind where the specialization changes, results equal to the ordinary
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -137,6 +139,23 @@ def test_disabled_or_hooked_launches_take_the_ordinary_path(fake_device, monkeyp
         triton.knobs.runtime.launch_enter_hook.remove(hook)
     bound(9)
     assert [v[3] for v in ordinary] == [7, 8] and [a[9 + 3] for _, a in calls] == [9]
+
+
+def test_a_binding_keeps_no_free_argument_alive(fake_device):
+    """The binding call's free tensors (an engine's activations) die with the caller's
+    references; the fixed ones are held by the binding, which still launches."""
+    launcher, fn, calls, compiled = fake_device
+    x, out = torch.randn(4, 64), torch.empty(4, 32)
+    bound = launcher.bind((4,), x, out, 64, 32, 2.0, free=("x_ptr",), BLOCK=32)
+    bound(x)
+    compiled.clear()  # the fake compiler's own record of the values
+    refs = weakref.ref(x), weakref.ref(out)
+    del x, out
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is not None
+    y = torch.randn(4, 64)
+    bound(y)
+    assert calls[-1][1][9] == y.data_ptr() and calls[-1][1][10] == refs[1]().data_ptr()
 
 
 def test_free_arguments_must_be_runtime_parameters(fake_device):

@@ -1,0 +1,290 @@
+"""Triton exact top-k of prefill rows from the score kernel's subset maxima (SPEC 2.7).
+
+Contract: `qsa_core.reference.select.topk_groups` (as `select_radix` / `select_topk`): input a
+chunk's fp32 score scratch [chunk rows, num_cols] (scores >= 0, -0.0 folded into +0.0, so the
+int32 bits order like the values; columns >= visible are garbage) and its samples int32
+[chunk rows, cdiv(num_cols, S)], which the prefill score launch writes next to the scores
+(`select_score`, `sample_sub`): sample i of a row is the largest key of its columns
+[i*S, i*S + S) below visible. Output per row the Kb largest groups, ties to the lowest group
+index, ascending; rows with visible <= Kb take groups 0..visible-1 unscored, -1 padded; or
+(PACKED) the packed selection rows (`expand._packed_groups` / `_packed_tail`).
+
+The maxima of disjoint column subsets are real keys, so the Kb-th largest sample is a lower
+bound L of the row's Kb-th largest key (to LBITS high bits: a lower bound still). Per chunk
+one launch, grid rows x segments of SEG columns: each program finds L from its row's samples,
+compacts its segment's keys >= L (ascending column) into its candidate list, and the program
+that completes the row (its only one, or the last to arrive at the row's counter, acq_rel)
+gathers the lists in column order and resolves them exactly in registers
+(`select_topk._kth_key`, `_emit`). More than CAP candidates (keys crowded near the threshold,
+or rows too short to have Kb samples) send the row to the exact whole-row resolve
+(`select_topk._resolve_row`): slower, same result. With `defer`, the lists of several chunks'
+rows stay (under CAND_BYTES) and one `_resolve_prefill_kernel` launch after the group's last
+chunk resolves them, many rows at once (a chunk has few rows at long contexts); only
+overflowing rows resolve in the chunk's launch, while their scores are there. The scores make
+one trip through memory after the score launch; no histogram.
+
+Deterministic and batch-invariant: samples, counts and positions depend on the row's scores
+only, lists sit at fixed offsets, no row reads another's state. `PrefillTopkLaunch` binds a
+chunk's launches; `prefill_tiles` / `prefill_route` say when and with which shapes `plan_select` takes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .launch import BoundLaunch, Launcher
+from .select_radix import ChunkLaunches, packed_write
+from .select_topk import _emit, _keys, _kth_key, _resolve_row, _write_short, _write_tail
+
+
+@triton.jit
+def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr,
+                   SEGP: tl.constexpr, CAP: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
+    """Exact top-k of a row's candidate lists (list s at s * CAP of c_idx / c_key, its length
+    at cnt_row[s], n_seg lists, at most CAP candidates in all): gathered in segment order
+    (ascending columns), the KB-th key found in registers, the chosen written ascending."""
+    segs = tl.arange(0, SEGP)
+    cnt = tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg")
+    total = tl.sum(cnt, 0)
+    # Candidate j of the row: list sj, entry j - the list's start.
+    j = tl.arange(0, CAP)
+    first = tl.cumsum(cnt, 0) - cnt
+    sj = tl.sum((first[None, :] <= j[:, None]).to(tl.int32), 1) - 1
+    src = sj * CAP + j - tl.sum(tl.where(segs[None, :] == sj[:, None], first[None, :], 0), 1)
+    m = j < total
+    key = tl.load(c_key + src, mask=m, other=-1, cache_modifier=".cg")
+    idx = tl.load(c_idx + src, mask=m, other=0, cache_modifier=".cg")
+    _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+
+
+@triton.jit
+def _row_total(cnt_row, n_seg, SEGP: tl.constexpr):
+    """Candidates of a row in all (its n_seg list lengths)."""
+    segs = tl.arange(0, SEGP)
+    return tl.sum(tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg"), 0)
+
+
+@triton.jit(do_not_specialize=["row0", "crow0", "n_cols", "stride_sr", "stride_pr", "stride_cr"])
+def _topk_prefill_kernel(
+    s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr,
+    row0, crow0, n_cols, stride_sr, stride_pr, stride_cr, stride_or, stride_oc,
+    KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
+    SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+    RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
+    S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
+    CAP] (the chunk's at crow0; list s at s * CAP, at most CAP entries stored), their lengths
+    cnt int32 [rows, SEGP]; arrive int32 [chunk rows] zero between calls (the last arriver
+    resets it). The last arriver resolves the row from its lists, or (more than CAP
+    candidates) from its scores; DEFER: only the latter, `_resolve_prefill_kernel` does the
+    rest after the chunk's scores are gone."""
+    lr = tl.program_id(0)
+    seg = tl.program_id(1)
+    row = row0 + lr
+    vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
+    out_row = out_ptr + row.to(tl.int64) * stride_or
+    s_row = s_ptr + lr.to(tl.int64) * stride_sr
+    n_seg = tl.cdiv(vis, SEG)
+    if vis <= KB:
+        if seg == 0:
+            _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+            _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
+    elif seg < n_seg:
+        p = tl.arange(0, SAMPP)
+        samples = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr + p, mask=p < tl.cdiv(vis, S), other=-1)
+        bound = _kth_key(samples, KB, BITS, LBITS)  # <= the row's KB-th largest key
+        c_idx = cidx_ptr + (crow0 + lr).to(tl.int64) * stride_cr
+        c_key = ckey_ptr + (crow0 + lr).to(tl.int64) * stride_cr
+        cnt_row = cnt_ptr + (crow0 + lr).to(tl.int64) * SEGP
+        lo = seg * SEG
+        hi = tl.minimum(vis, lo + SEG)
+        ar = tl.arange(0, BLOCK)
+        n = lo * 0
+        start = lo
+        while start < hi:  # (while: the interpreter cannot range over loaded values)
+            cols = start + ar
+            key = _keys(s_row, cols, cols < hi)
+            keep = (key >= bound).to(tl.int32)
+            pos = n + tl.cumsum(keep, 0) - keep
+            ok = (keep > 0) & (pos < CAP)
+            tl.store(c_idx + seg * CAP + pos, cols, mask=ok)
+            tl.store(c_key + seg * CAP + pos, key, mask=ok)
+            n += tl.sum(keep, 0)
+            start += BLOCK
+        tl.store(cnt_row + seg, n)
+        tl.debug_barrier()  # this program's list and count before its arrival / its resolve
+        last = n_seg == 1
+        if SEGP > 1:
+            last = tl.atomic_add(arrive_ptr + lr, 1, sem="acq_rel", scope="gpu") == n_seg - 1
+        if last:
+            if SEGP > 1:
+                tl.store(arrive_ptr + lr, 0)  # clean for the next call
+            if _row_total(cnt_row, n_seg, SEGP) <= CAP:
+                if not DEFER:
+                    _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
+            else:
+                _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+                _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+
+
+@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_cr"])
+def _resolve_prefill_kernel(
+    vis_ptr, cidx_ptr, ckey_ptr, cnt_ptr, out_ptr, pos_ptr, row0, n_rows, n_cols, stride_cr, stride_or, stride_oc,
+    KB: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr,
+    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """The deferred resolve of rows [row0, row0 + n_rows) (grid: >= n_rows programs) from the
+    candidate lists `_topk_prefill_kernel` (DEFER) left at their local row: rows with visible
+    > KB and at most CAP candidates (the others are written)."""
+    lr = tl.program_id(0)
+    if lr < n_rows:
+        row = row0 + lr
+        vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
+        n_seg = tl.cdiv(vis, SEG)
+        cnt_row = cnt_ptr + lr.to(tl.int64) * SEGP
+        if vis > KB:
+            if _row_total(cnt_row, n_seg, SEGP) <= CAP:
+                out_row = out_ptr + row.to(tl.int64) * stride_or
+                _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+                _resolve_lists(cidx_ptr + lr.to(tl.int64) * stride_cr, ckey_ptr + lr.to(tl.int64) * stride_cr,
+                               cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
+
+
+_prefill_topk = Launcher(_topk_prefill_kernel)
+_prefill_resolve = Launcher(_resolve_prefill_kernel)
+
+
+# Cap on the candidate lists kept for a deferred resolve (bytes): rows of several chunks.
+CAND_BYTES = 64 << 20
+
+
+def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
+    """Launch shapes for prefill rows of num_cols columns whose score tiles are score_block_g
+    columns wide. sub: samples per score tile (a power of two, the fewest giving >= 4 Kb
+    samples over num_cols, at most score_block_g / 4), S = score_block_g / sub columns per
+    sample; seg: columns per program; cap: candidates of a row (and of one list); block /
+    rblock: columns per sweep step (compaction / the whole-row resolve); bits: key bits per
+    search step; lbits: high key bits of the bound; warps per program; regs: registers per
+    thread the compiler may use (0: its choice; fewer let more programs share an SM); defer:
+    resolve the rows of several chunks in one later launch (`defer_rows`), with rwarps /
+    rregs, instead of in each row's last program. small: the interpreter's tiles; else the
+    H200's (2026-12-01 W2, select of 16K rows, radix -> this route, ms: at 16K context 1.59 ->
+    1.13, 128K 14.95 -> 6.52, 1M 120.8 -> 58.4; the top-k part is bound by latency, so 8 warps
+    at 64 registers (4 programs per SM), 1024 candidates and the deferred resolve won; the
+    whole-row programs of 16 warps and 2048 candidates (W1) took 6.9 / 50.6 ms of top-k at
+    128K / 1M)."""
+    sub = 1
+    while 4 * sub < score_block_g and num_cols * sub < 4 * block_topk * score_block_g:
+        sub *= 2
+    if small:
+        return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
+                    rwarps=4, rregs=0)
+    return dict(sub=sub, seg=32768, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
+                rwarps=4, rregs=0)
+
+
+def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
+    """Whether prefill rows of num_cols columns take this route: their samples number at
+    least 2 Kb (fewer make a loose bound: crowded candidates, the slow whole-row resolve)."""
+    return num_cols * tiles["sub"] >= 2 * block_topk * score_block_g
+
+
+def sample_cols(tiles: dict, score_block_g: int) -> int:
+    """Columns per sample (S)."""
+    return score_block_g // tiles["sub"]
+
+
+def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: dict) -> int:
+    """Rows whose candidate lists one resolve launch takes: a multiple of chunk, the lists
+    under CAND_BYTES (or chunk, without defer)."""
+    if not tiles["defer"]:
+        return chunk
+    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles["seg"]))
+    per_chunk = chunk * segp * tiles["cap"] * 8
+    return chunk * max(1, min(triton.cdiv(num_rows, chunk), CAND_BYTES // per_chunk))
+
+
+@dataclass(frozen=True)
+class PrefillScratch:
+    """Scratch of this route (flat; views per schedule): samples and arrival counters (zero
+    between calls) of a chunk, candidate indices, keys and list lengths of `defer_rows` rows."""
+
+    samples: torch.Tensor
+    cand_idx: torch.Tensor
+    cand_key: torch.Tensor
+    counts: torch.Tensor
+    arrive: torch.Tensor
+
+
+def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
+                          score_block_g: int) -> dict[str, int]:
+    """int32 elements of each `PrefillScratch` field for a call of num_rows rows of num_cols
+    columns in chunks of `chunk` rows."""
+    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles["seg"]))
+    group = defer_rows(chunk, num_rows, num_cols, tiles)
+    return dict(samples=chunk * triton.cdiv(num_cols, sample_cols(tiles, score_block_g)),
+                cand_idx=group * segp * tiles["cap"], cand_key=group * segp * tiles["cap"], counts=group * segp,
+                arrive=chunk)
+
+
+def prefill_scratch(elems: dict[str, int], device: torch.device | str) -> PrefillScratch:
+    """Allocate `elems` (`prefill_scratch_elems`) int32 elements per field, arrivals zeroed."""
+    return PrefillScratch(**{k: (torch.zeros if k == "arrive" else torch.empty)(v, dtype=torch.int32, device=device)
+                             for k, v in elems.items()})
+
+
+def samples_view(scratch: PrefillScratch, rows: int, num_cols: int, tiles: dict, score_block_g: int) -> torch.Tensor:
+    """The samples int32 [rows, cdiv(num_cols, S)] of a chunk (what the score launch writes)."""
+    n = triton.cdiv(num_cols, sample_cols(tiles, score_block_g))
+    return scratch.samples[: rows * n].view(rows, n)
+
+
+class PrefillTopkLaunch(ChunkLaunches):
+    """The top-k launches of a chunk of `rows` rows (from a free first row `row0`) of a call
+    over rows [first_row, first_row + num_rows) in chunks of `chunk` rows, bound to the
+    score scratch fp32 [>= rows, num_cols], its samples (`samples_view`), visible_blocks int32
+    [T] and `scratch`; `__call__(row0, out, out_row_stride)` launches the chunk's (and, defer:
+    after the last chunk of a `defer_rows` group, the group's resolve) into out: int32 [T, Kb]
+    (any strides; `out` at binding fixes its column stride) or, with `positions` int64 [T]
+    given, the packed selection int32 [T, W + 1] (contiguous rows; r = compress_ratio)."""
+
+    def __init__(self, scores: torch.Tensor, samples: torch.Tensor, visible_blocks: torch.Tensor,
+                 out: torch.Tensor, scratch: PrefillScratch, *, row0: int, rows: int, num_cols: int,
+                 block_topk: int, tiles: dict, score_block_g: int, first_row: int, num_rows: int, chunk: int,
+                 positions: torch.Tensor | None = None, compress_ratio: int = 1) -> None:
+        Kb, t = block_topk, tiles
+        write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
+        segs = triton.cdiv(num_cols, t["seg"])
+        segp = triton.next_power_of_2(segs)
+        n = prefill_scratch_elems(chunk, num_rows, num_cols, t, score_block_g)
+        self.rows, self.first, self.end = rows, first_row, first_row + num_rows
+        self.group = defer_rows(chunk, num_rows, num_cols, t)
+        cidx, ckey = (x[: n["cand_idx"]].view(self.group, -1) for x in (scratch.cand_idx, scratch.cand_key))
+        common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], **write)
+        self._topk = _prefill_topk.bind(
+            (rows, segs), scores, visible_blocks, samples, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
+            row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0), out.stride(0), out.stride(1),
+            free=("row0", "crow0", "out_ptr", "stride_or"),
+            KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=sample_cols(t, score_block_g),
+            SAMPP=triton.next_power_of_2(samples.shape[1]), BLOCK=t["block"], RBLOCK=t["rblock"],
+            DEFER=bool(t["defer"]), **common, num_warps=t["warps"], **({"maxnreg": t["regs"]} if t["regs"] else {}),
+        )
+        self._resolve = _prefill_resolve.bind(
+            (self.group,), visible_blocks, cidx, ckey, scratch.counts, out, pos, row0, rows, num_cols,
+            cidx.stride(0), out.stride(0), out.stride(1), free=("row0", "n_rows", "out_ptr", "stride_or"),
+            **common, num_warps=t["rwarps"], **({"maxnreg": t["rregs"]} if t["rregs"] else {}),
+        ) if t["defer"] else None
+
+    def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int) -> None:
+        crow0 = (row0 - self.first) % self.group
+        self._topk(row0, crow0, out, out_row_stride)
+        done = crow0 + self.rows
+        if self._resolve is not None and (done >= self.group or row0 + self.rows >= self.end):
+            self._resolve(row0 - crow0, done, out, out_row_stride)

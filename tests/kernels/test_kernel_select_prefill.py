@@ -1,0 +1,305 @@
+"""The prefill top-k from the score launch's samples (`select_prefill`) against the reference.
+
+Runs on the GPU when there is one, else in the Triton interpreter; the top-k launches alone
+take the small tiles either way (samples of at least 4 columns of score tiles of 16, segments of
+64 columns, 32 candidates per row), so the shapes below cross every path: one and several segments (the last arriver resolves),
+the whole-row resolve when candidates overflow, rows at or below Kb, padding rows, the packed
+rows. Indices exact: integer-valued data makes ties (SPEC 2.7), random data score gaps.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from test_kernel_select import make_problem, run_both, scores_of  # noqa: E402
+
+from qsa_core.reference import select as ref  # noqa: E402
+from qsa_core.reference.expand import qsa_expand  # noqa: E402
+from qsa_kernels import select as ker  # noqa: E402
+from qsa_kernels import select_prefill as sp  # noqa: E402
+
+R = 4  # compress ratio
+BLOCK_G = 16  # columns per score tile the samples of the top-k tests stand for
+
+
+@pytest.fixture
+def nan_scratch(monkeypatch):
+    """Every score scratch starts NaN: a read of an unscored column would show up. Chunks of
+    any number of rows take the route (the GPU's plan takes it from 64)."""
+    monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
+        (rows, cols), float("nan"), device=device))
+    monkeypatch.setattr(ker, "_PREFILL_MIN_ROWS", 1)
+
+
+def positions_of(vis: list[int]) -> torch.Tensor:
+    """A position per row with visible = (p + 1) // R (open tails of 0..R-1 tokens); -1 for
+    rows that see nothing (padding)."""
+    return torch.tensor([v * R - 1 + i % R if v else -1 for i, v in enumerate(vis)], dtype=torch.int64)
+
+
+def samples_of(scores: torch.Tensor, vis: list[int], S: int) -> torch.Tensor:
+    """What the score launch writes as samples: per row, the largest key (score bits) of each
+    S columns below visible; -7 (garbage) beyond."""
+    T, G = scores.shape
+    n = -(-G // S)
+    out = torch.full((T, n), -7, dtype=torch.int32)
+    keys = scores.view(torch.int32) & 0x7FFFFFFF
+    for t, v in enumerate(vis):
+        for i in range(-(-v // S)):
+            out[t, i] = keys[t, i * S: min(v, i * S + S)].max()
+    return out
+
+
+def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0, calls: int = 1,
+             packed: bool = False, **tile_changes) -> torch.Tensor:
+    """Kernel top-k of score rows (row i: its visible scores) in one chunk, samples as the
+    score launch writes them. The scratch beyond each row's visible columns is NaN; out has
+    row0 rows before the chunk (must stay -7). tile_changes: of the small tiles."""
+    T = len(rows)
+    vis = [r.numel() for r in rows]
+    scores = torch.full((T, num_cols), float("nan"))
+    for i, r in enumerate(rows):
+        scores[i, : r.numel()] = r
+    tiles = {**sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), **tile_changes}
+    scratch = sp.prefill_scratch(sp.prefill_scratch_elems(T, T, num_cols, tiles, BLOCK_G), DEV)
+    samples = sp.samples_view(scratch, T, num_cols, tiles, BLOCK_G)
+    samples.copy_(samples_of(scores, vis, sp.sample_cols(tiles, BLOCK_G)))
+    vis_t = torch.tensor([0] * row0 + vis, dtype=torch.int32, device=DEV)
+    pos = torch.cat([torch.full((row0,), -1, dtype=torch.int64), positions_of(vis)]).to(DEV) if packed else None
+    width = kb * R + R if packed else kb
+    out = torch.full((row0 + T, width), -7, dtype=torch.int32, device=DEV)
+    scores = scores.to(DEV)
+    launch = sp.PrefillTopkLaunch(scores, samples, vis_t, out, scratch, row0=row0, rows=T, num_cols=num_cols,
+                                  block_topk=kb, tiles=tiles, score_block_g=BLOCK_G, first_row=row0, num_rows=T,
+                                  chunk=T, positions=pos, compress_ratio=R)
+    for _ in range(calls):
+        out[row0:] = -7
+        launch(row0, out, out.stride(0))
+    assert (out[:row0] == -7).all(), "rows before the chunk were written"
+    assert (scratch.arrive == 0).all(), "arrival counters must be clean after a call"
+    return out[row0:].cpu()
+
+
+def reference(rows: list[torch.Tensor], num_cols: int, kb: int, packed: bool = False) -> torch.Tensor:
+    scores = torch.zeros(len(rows), num_cols)
+    for i, r in enumerate(rows):
+        scores[i, : r.numel()] = r
+    vis = [r.numel() for r in rows]
+    blocks = ref.topk_groups(scores, torch.tensor(vis, dtype=torch.int32), kb)
+    if not packed:
+        return blocks
+    out = torch.empty(len(rows), kb * R + R, dtype=torch.int32)
+    return qsa_expand(blocks, positions_of(vis), torch.tensor(vis, dtype=torch.int32), compress_ratio=R, out=out)
+
+
+def distinct(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, generator=g) * 10
+
+
+# Small tiles: 60 columns is one segment, 300 five (the last arriver resolves).
+COLS = [60, 300]
+
+
+def test_small_tiles_cross_every_path():
+    t = sp.prefill_tiles(300, 8, BLOCK_G, small=True)
+    assert 60 <= t["seg"] < 300 and sp.prefill_route(300, 8, t, BLOCK_G)
+    assert not sp.prefill_route(40, 8, sp.prefill_tiles(40, 8, BLOCK_G, small=True), BLOCK_G)
+
+
+@pytest.mark.parametrize("num_cols, kb, packed, lbits, defer", [
+    (60, 8, False, 31, 0), (300, 8, False, 31, 0), (300, 16, False, 31, 0), (300, 8, True, 31, 0),
+    (300, 8, False, 12, 0), (60, 8, True, 31, 1), (300, 8, True, 31, 1), (300, 16, False, 12, 1)])
+def test_random_scores(num_cols, kb, packed, lbits, defer):
+    # lbits 12: a coarser bound (its 12 high key bits), more candidates, the same result;
+    # defer: the resolve in its own launch after the chunk.
+    rows = [distinct(num_cols, s) for s in range(3)] + [distinct(num_cols - 5, 9)]
+    got = run_topk(rows, num_cols, kb, calls=2, packed=packed, lbits=lbits, defer=defer)
+    assert torch.equal(got, reference(rows, num_cols, kb, packed))
+
+
+@pytest.mark.parametrize("num_cols", COLS)
+def test_all_equal_scores_take_the_lowest_groups(num_cols):
+    # Every key equals the bound: the candidates overflow the row's 32 slots (whole-row resolve).
+    rows = [torch.full((num_cols,), 1.5), torch.zeros(num_cols)]
+    got = run_topk(rows, num_cols, 8)
+    assert torch.equal(got, torch.arange(8, dtype=torch.int32).expand(2, 8))
+
+
+@pytest.mark.parametrize("num_cols", COLS)
+def test_ties_at_the_threshold_take_the_lowest_groups(num_cols):
+    # 5 distinct top scores, then 12 keys tied at the threshold spread over the row, the rest below.
+    g = torch.Generator().manual_seed(3)
+    row = torch.rand(num_cols, generator=g)
+    tie_at = torch.randperm(num_cols, generator=g)[:17]
+    row[tie_at[:12]] = 2.0
+    row[tie_at[12:]] = 3.0 + torch.arange(5.0)
+    got = run_topk([row], num_cols, 8)
+    assert torch.equal(got, reference([row], num_cols, 8))
+    tied = tie_at[:12].sort().values[:3]
+    assert set(got[0].tolist()) == set(tie_at[12:].tolist()) | set(tied.tolist())
+
+
+def test_a_score_gap_at_the_threshold():
+    # The 8 chosen keys stand a gap above the rest: exactly them, whichever segment holds them.
+    num_cols = 300
+    row = distinct(num_cols, 4)
+    top = torch.tensor([3, 70, 71, 150, 199, 230, 280, 299])
+    row[top] = 100.0 + torch.arange(8.0)
+    assert run_topk([row], num_cols, 8)[0].tolist() == top.tolist()
+
+
+@pytest.mark.parametrize("num_cols, packed, defer", [(60, False, 0), (300, False, 0), (200, True, 0), (200, True, 1)])
+def test_crowded_candidates_overflow_to_the_exact_resolve(num_cols, packed, defer):
+    # Integer scores 0..3: the bound admits every key of the top value, beyond the row's capacity
+    # (defer: that row resolves from its scores in the chunk's launch, the other one later).
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(0, 4, (num_cols,), generator=g).float() for _ in range(2)]
+    rows[1][-40:] = 7.0  # the top keys crowd the last segment
+    rows.append(distinct(num_cols, 8))
+    got = run_topk(rows, num_cols, 16, calls=2, packed=packed, defer=defer)
+    assert torch.equal(got, reference(rows, num_cols, 16, packed))
+
+
+@pytest.mark.parametrize("num_cols", COLS)
+def test_rows_at_or_below_kb_and_padding_rows(num_cols):
+    rows = [distinct(n, n) for n in (0, 1, 7, 8, 9, num_cols)]  # 0: a padding row (visible 0)
+    assert torch.equal(run_topk(rows, num_cols, 8, row0=2, packed=True), reference(rows, num_cols, 8, True))
+    assert torch.equal(run_topk(rows, num_cols, 8, row0=2, packed=True, defer=0), reference(rows, num_cols, 8, True))
+    got = run_topk(rows, num_cols, 8, row0=2)
+    assert torch.equal(got, reference(rows, num_cols, 8))
+    assert (got[0] == -1).all() and torch.equal(got[2][:7], torch.arange(7, dtype=torch.int32))
+
+
+def test_negative_zero_equals_zero():
+    num_cols = 300
+    row = torch.zeros(num_cols)
+    row[1::2] = -0.0
+    row[num_cols // 2] = 1.0
+    got = run_topk([row], num_cols, 8)
+    assert torch.equal(got[0], torch.tensor(sorted([0, 1, 2, 3, 4, 5, 6, num_cols // 2]), dtype=torch.int32))
+
+
+def test_batch_invariance_rows_of_different_lengths():
+    num_cols = 300
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.rand(n, generator=g) for n in (300, 9, 61, 0, 130, 200)]
+    rows[4][::3] = 0.5  # ties in one row only
+    together = run_topk(rows, num_cols, 8)
+    assert torch.equal(together, reference(rows, num_cols, 8))
+    for i, r in enumerate(rows):
+        assert torch.equal(together[i], run_topk([r], num_cols, 8)[0]), f"row {i} depends on the batch"
+
+
+# -- through the plan: the score launch writes the samples ------------------------------------
+
+def test_score_launch_writes_the_samples(nan_scratch):
+    # Rows of one request cross row tiles (16) and spans; samples of columns below each row's visible.
+    problem = make_problem([300, 520], [40, 24], kind="int", pad_rows=2)
+    q, comp, table, to_req, vis, max_seq = problem
+    T, cols = q.shape[0], max_seq // R
+    s = ker.plan_select(T, cols, 8, decode=False, device=DEV)
+    assert s.prefill is not None and s.chunk == T
+    out = torch.empty(T, 8, dtype=torch.int32, device=DEV)
+    launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, page_size=16, compress_ratio=R, block_topk=8)
+    launch._chunks[0][1](q, table, 0)
+    S = sp.sample_cols(s.prefill_tiles, ker._score_block_g())
+    got = sp.samples_view(s.prefill, T, cols, s.prefill_tiles, ker._score_block_g()).cpu()
+    scores = s.scores.cpu()
+    for t in range(T):
+        v = int(vis[t])
+        if v > 8:
+            want = samples_of(scores[t:t + 1], [v], S)[0, : -(-v // S)]
+            assert torch.equal(got[t, : want.numel()], want), t
+
+
+@pytest.mark.parametrize("kind", ["int", "bf16"])
+def test_prefill_select_takes_this_route(nan_scratch, kind):
+    # Two requests (130 and 75 columns: several segments), chunks of rows crossing Kb, padding.
+    problem = make_problem([520, 300, 40], [12, 10, 3], kind=kind, pad_rows=3, seed=1)
+    T, max_seq = problem[0].shape[0], problem[-1]
+    assert ker.plan_select(T, max_seq // R, 8, decode=False, device=DEV).prefill is not None
+    out, expect = run_both(problem, decode=False)
+    if kind == "int":  # exact scores: ties broken by SPEC 2.7
+        assert torch.equal(out, expect)
+    else:  # fp32 sums in another order: the chosen groups' reference scores agree
+        for a, b in zip(scores_of(problem, out, R, 16), scores_of(problem, expect, R, 16)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("defer", [0, 1])
+def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkeypatch, defer):
+    monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 4 * 128 * 7)  # 7 rows per chunk
+    # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
+    tiles = sp.prefill_tiles
+    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer})
+    t = sp.prefill_tiles(128, 8, ker._score_block_g(), small=DEV == "cpu")
+    monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t["seg"]) * t["cap"] * 8)
+    problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
+    q, comp, table, to_req, vis, max_seq = problem
+    T = q.shape[0]
+    ws = ker.select_workspace(T, max_seq // R, 8, DEV)
+    s = ker.plan_select(T, max_seq // R, 8, decode=False, device=DEV, workspace=ws)
+    assert s.prefill is ws.prefill and s.chunk == 7
+    assert sp.defer_rows(s.chunk, T, s.num_cols, s.prefill_tiles) == (14 if defer else 7)
+    kw = dict(page_size=16, compress_ratio=R, block_topk=8)
+    expect = ref.qsa_select_prefill(*(t.cpu() for t in (q, comp, table, to_req, vis)),
+                                    out=torch.empty(T, 8, dtype=torch.int32), **kw)
+    for _ in range(2):
+        out = ker.qsa_select_prefill(q, comp, table, to_req, vis, out=torch.full((T, 8), 7, dtype=torch.int32,
+                                     device=DEV), schedule=s, **kw)
+        assert torch.equal(out.cpu(), expect)
+
+
+SM90_COMPILE = """
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qsa_kernels import select_prefill as sp, select_score as ss
+t = sp.prefill_tiles(32768, 512, 64, small=False)
+write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
+             stride_oc=1)
+for fn, const, warps in (
+        (sp._topk_prefill_kernel, dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"],
+                                       RBLOCK=t["rblock"], DEFER=t["defer"]), t["warps"]),
+        (sp._resolve_prefill_kernel, {}, t["rwarps"])):
+    const.update(write)
+    sig = {n: "constexpr" if n in const else "*i64" if n == "pos_ptr" else "*fp32" if n == "s_ptr"
+           else "*i32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, maxnreg=t["regs"] or None))
+    print("topk", k.metadata.shared)
+st = ss.score_tiles(False, {}, False)
+fn = ss._scores_prefill_kernel
+for sub in (1, 4, 16):
+    const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
+                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
+                 KEYS_M=st.keys_m, SAMPLE=sub, stride_qd=1, stride_kd=1, stride_btp=1)
+    types = dict(q_ptr="*bf16", k_ptr="*bf16", s_ptr="*fp32", norm="fp32", rcp="fp32")
+    sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
+           for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=st.num_warps, num_stages=st.stages))
+    print("score", sub, k.asm["ptx"].count("wgmma.mma_async"), k.metadata.shared)
+"""
+
+
+def test_production_tiles_compile_for_sm90():
+    """The H200 shapes of the top-k and of the sampling score kernel compile here without a GPU
+    (what the interpreter accepts and the compiler rejects shows in CI); the score kernel keeps
+    its wgmma, shared memory within the H200's 227 KiB per program."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line.split() for line in run.stdout.strip().splitlines()]
+    assert len(lines) == 5 and lines[0][0] == lines[1][0] == "topk", run.stdout
+    assert int(lines[0][1]) <= 227 * 1024 and int(lines[1][1]) <= 227 * 1024
+    for _, _, wgmma, shared in lines[2:]:
+        assert int(wgmma) > 0 and int(shared) <= 227 * 1024, lines
