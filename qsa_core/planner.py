@@ -240,7 +240,8 @@ class QSAPlanner:
             acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
             self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
                               torch.empty(acc, dtype=torch.float32, device=dev))
-            if n >= attention._PREFILL_MIN_ROWS and attention.shared_prefill_enabled():
+            self._shared_prefill = attention.shared_prefill_enabled()  # QSA_SHARED_PREFILL, read once
+            if n >= attention._PREFILL_MIN_ROWS and self._shared_prefill:
                 from qsa_kernels.attention_prefill import workspace_size
 
                 self._attn_prefill_ws = torch.empty(workspace_size(
@@ -292,7 +293,7 @@ class QSAPlanner:
                 pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
             attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
                                   device=self.device, partials=self._partials, compress_ratio=cfg.compress_ratio,
-                                  prefill_workspace=self._attn_prefill_ws)
+                                  shared_prefill=self._shared_prefill, prefill_workspace=self._attn_prefill_ws)
         rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols, fuse_ring=fuse_ring,

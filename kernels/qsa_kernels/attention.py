@@ -31,7 +31,7 @@ _PROGRAMS_PER_SM = 3
 # Rows above which the one-pass kernel already fills the GPU.
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
-# Rows from which `plan_attention`, given the compress ratio and QSA_SHARED_PREFILL=1, runs the
+# Rows from which `plan_attention`, given the compress ratio and shared_prefill, runs the
 # shared-tile prefill kernels (attention_prefill.py) instead of the one pass. Off by default: on
 # the H200 they win where neighbouring rows' selections overlap (16K rows, overlap 0.98 / 0.95:
 # 11.07 -> 7.81 ms at 16K, 12.08 -> 10.30 at 128K) and lost 2-4 % on random selections.
@@ -39,7 +39,8 @@ _PREFILL_MIN_ROWS = 1024
 
 
 def shared_prefill_enabled() -> bool:
-    """Whether `plan_attention` may plan the shared-tile prefill kernels (QSA_SHARED_PREFILL=1)."""
+    """QSA_SHARED_PREFILL=1: planners made now plan the shared-tile prefill kernels (read once,
+    when a `QSAPlanner` is made)."""
     return os.environ.get("QSA_SHARED_PREFILL", "0") == "1"
 
 
@@ -286,12 +287,13 @@ def plan_attention(
     device: torch.device | str,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     compress_ratio: int | None = None,
+    shared_prefill: bool = False,
     prefill_workspace: torch.Tensor | None = None,
 ) -> AttentionSchedule:
     """Schedule of a sparse attention over num_rows rows of W = width selection columns.
 
     partials: flat fp32 (ml, acc) buffers of a workspace (`partials_size`), else allocated.
-    compress_ratio given, at least _PREFILL_MIN_ROWS rows and `shared_prefill_enabled()`: the
+    shared_prefill with compress_ratio given and at least _PREFILL_MIN_ROWS rows: the
     shared-tile prefill kernels (`attention_prefill.plan_prefill_attention`, on prefill_workspace
     if given).
     """
@@ -310,7 +312,7 @@ def plan_attention(
         part_ml = ml[: n * 2].view(num_rows, num_heads, n_splits, 2)
         part_acc = acc[: n * head_dim].view(num_rows, num_heads, n_splits, head_dim)
     prefill = None
-    if compress_ratio is not None and n_splits == 1 and num_rows >= _PREFILL_MIN_ROWS and shared_prefill_enabled():
+    if shared_prefill and compress_ratio is not None and n_splits == 1 and num_rows >= _PREFILL_MIN_ROWS:
         from .attention_prefill import plan_prefill_attention
 
         prefill = plan_prefill_attention(num_rows, num_heads, num_kv_heads, head_dim, width, compress_ratio,

@@ -272,19 +272,23 @@ def test_bad_workspace_and_block_rows():
 
 
 def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels(monkeypatch):
-    """With QSA_SHARED_PREFILL=1, `plan_attention` given the compress ratio plans the shared-tile
-    kernels for chunks of at least _PREFILL_MIN_ROWS rows, and `AttentionLaunch` runs them
-    (exact); fewer rows, no ratio or the switch off (the default): the one pass as before."""
+    """With shared_prefill (QSA_SHARED_PREFILL=1 when a planner is made), `plan_attention` given
+    the compress ratio plans the shared-tile kernels for chunks of at least _PREFILL_MIN_ROWS
+    rows, and `AttentionLaunch` runs them (exact); fewer rows, no ratio or the switch off (the
+    default): the one pass as before."""
     monkeypatch.setattr(per_row, "_PREFILL_MIN_ROWS", 16)
     problem = make_prefill([60], [18], overlap=0.9, pad_rows=1, seed=13)
     q, k, sel = problem[0], problem[2], problem[-1]
     T, Hq, D = q.shape
     monkeypatch.delenv("QSA_SHARED_PREFILL", raising=False)
+    assert not per_row.shared_prefill_enabled()
     assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R).prefill is None
     monkeypatch.setenv("QSA_SHARED_PREFILL", "1")
-    assert per_row.plan_attention(15, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R).prefill is None
-    assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device).prefill is None
-    sched = per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R)
+    assert per_row.shared_prefill_enabled()
+    on = dict(device=q.device, shared_prefill=True)
+    assert per_row.plan_attention(15, Hq, 2, D, sel.shape[1] - 1, compress_ratio=R, **on).prefill is None
+    assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, **on).prefill is None
+    sched = per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, compress_ratio=R, **on)
     assert sched.prefill is not None
     out = torch.full((T, Hq * D), 7.0, device=q.device)
     per_row.AttentionLaunch(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)(
