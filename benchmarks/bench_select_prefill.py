@@ -47,23 +47,13 @@ KB = 8 if DRY else 512  # the interpreter's tiny shapes: Kb 8
 W = KB * R + R - 1
 CONTEXTS = {"16K": 16384, "128K": 131072, "1M": 1 << 20,
             "dry1": 256, "dry2": 1024}  # (the --dry contexts)
-# select_prefill tile overrides (name -> changes of `prefill_tiles`); "topk": select_topk's route.
+# select_prefill tile overrides of `prefill_tiles` (name -> changes); "topk": select_topk's route.
 VARIANTS = {
-    "pf": {}, "pf-seg16k": dict(seg=16384), "pf-seg8k": dict(seg=8192), "pf-w8": dict(warps=8),
-    "pf-w4": dict(warps=4), "pf-b4": dict(bits=4), "pf-w4b4": dict(warps=4, bits=4), "pf-b2k": dict(block=2048),
-    "pf-l31": dict(lbits=31), "pf-sub2": dict(sub=2), "pf-sub1": dict(sub=1), "pf-sub4": dict(sub=4),
-    "pf-w16r64": dict(warps=16, regs=64), "pf-w8r64": dict(warps=8, regs=64),
-    "pf-w8r64c1k": dict(warps=8, regs=64, cap=1024, block=2048),
-    "pf-w8r64c1kb4k": dict(warps=8, regs=64, cap=1024), "pf-w8r80c1k": dict(warps=8, regs=80, cap=1024),
-    "pf-w8r64c1k-s16k": dict(warps=8, regs=64, cap=1024, block=2048, seg=16384),
-    "pf-w8r64c1k-l12": dict(warps=8, regs=64, cap=1024, block=2048, lbits=12),
-    # defer: the resolve of several chunks' rows in one later launch
-    "pd-w8r64c1k": dict(defer=1, warps=8, regs=64, cap=1024, block=2048),
-    "pd-w8r64c2k": dict(defer=1, warps=8, regs=64, cap=2048, block=4096, rregs=64),
-    "pd-w16r64c1k": dict(defer=1, warps=16, regs=64, cap=1024, block=4096),
-    "pd-w8r64c1k-s16k": dict(defer=1, warps=8, regs=64, cap=1024, block=2048, seg=16384),
-    "pd-w8r64c1k-l12": dict(defer=1, warps=8, regs=64, cap=1024, block=2048, lbits=12),
-    "pd-w8r64c1k-rw4": dict(defer=1, warps=8, regs=64, cap=1024, block=2048, rwarps=4), "pf-sub8": dict(sub=8), "pf-sub16": dict(sub=16), "topk": None,
+    "plan": {},  # as planned (2026-12-01 W2: defer, 8 warps at 64 registers, 1024 candidates)
+    "w1": dict(defer=0, warps=16, regs=0, cap=2048, block=4096),  # W1's: rows resolved by their last program
+    "nodefer": dict(defer=0), "c2k": dict(cap=2048, block=4096, rregs=64), "w16": dict(warps=16, block=4096),
+    "noregs": dict(regs=0), "s16k": dict(seg=16384), "l12": dict(lbits=12), "rw8": dict(rwarps=8),
+    "sub2": dict(sub=2), "sub4": dict(sub=4), "sub8": dict(sub=8), "sub16": dict(sub=16), "topk": None,
 }
 PREFILL_ROUTE, TOPK_ROUTE = sel._prefill_route, sel._topk_route
 
@@ -161,7 +151,7 @@ def routes(ctx: str, names: list[str]) -> list[str]:
         base = sp.prefill_tiles(cols, KB, g, small=DRY)
         if t["seg"] >= cols and base["seg"] >= cols:  # one segment either way
             t["seg"] = base["seg"]
-        if cols * t["sub"] >= 2 * KB * g and (n == "pf" or t != base) and t not in seen:
+        if cols * t["sub"] >= 2 * KB * g and (n == "plan" or t != base) and t not in seen:
             out.append(n)
             seen.append(t)
     return out
@@ -185,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", default="16K,128K,1M")
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--rows-1m", type=int, default=None, help="rows at 1M (default --rows)")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="plan,w1,nodefer,c2k,l12,topk")
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry", action="store_true", help="CPU interpreter: tiny shapes, checks only")

@@ -1,10 +1,10 @@
 """The prefill top-k from the score launch's samples (`select_prefill`) against the reference.
 
 Runs on the GPU when there is one, else in the Triton interpreter; the top-k launches alone
-take the small tiles either way (samples of at least 4 columns of score tiles of 16, segments of
-64 columns, 32 candidates per row), so the shapes below cross every path: one and several segments (the last arriver resolves),
-the whole-row resolve when candidates overflow, rows at or below Kb, padding rows, the packed
-rows. Indices exact: integer-valued data makes ties (SPEC 2.7), random data score gaps.
+take the small tiles either way (samples of at least 4 columns of score tiles of 16, segments
+of 64 columns, 32 candidates per row), so the shapes below cross every path: one and several
+segments (the last arriver), the resolve in the chunk's launch or deferred to a group's, the
+whole-row resolve when candidates overflow, rows at or below Kb, padding rows, the packed rows. Indices exact: integer-valued data makes ties (SPEC 2.7), random data score gaps.
 """
 
 import os
