@@ -8,7 +8,7 @@
 #
 # Uses $PYTHON (default python3) as it is: no venv is created; torch with CUDA, triton,
 # pydantic, transformers 5.19, pytest and pytest-xdist must import there. QSA_GPU_WORKERS
-# sets the pytest-xdist workers of the oracle suite (default 4; 0 = no xdist).
+# sets the pytest-xdist workers of the kernels and oracle suites (default 4; 0 = no xdist).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -62,7 +62,7 @@ for suite in "${SUITES[@]}"; do
     case "$suite" in
         # Interpreter-only tests (skipif TRITON_INTERPRET != 1) are deselected: they run in
         # CI on the CPU. Every other kernel test runs here on CUDA tensors, the gpu ones included.
-        kernels) run kernels tests/kernels tests/test_negative_zero_ties.py -m "not skipif" ;;
+        kernels) run kernels tests/kernels tests/test_negative_zero_ties.py -m "not skipif" ${xdist[@]+"${xdist[@]}"} ;;
         oracle) run oracle tests/test_hf_oracle.py ${xdist[@]+"${xdist[@]}"} ;;
         runner) run runner tests/test_runner.py tests/test_faults.py tests/test_layer_modes.py tests/test_step_validation.py ;;
         *) echo "unknown suite '$suite' (kernels, oracle, runner)"; exit 2 ;;
