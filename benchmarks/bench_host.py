@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -190,10 +189,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per pass (their median)")
     parser.add_argument("--passes", type=int, default=3, help="interleaved passes over all cases (their median)")
     parser.add_argument("--shapes", default="4x8192,64x8192,64x131072", help="BATCHxCONTEXT decode steps, comma separated")
-    parser.add_argument("--cpu", type=int, default=None, help="pin the process to this CPU core (less migration noise)")
     args = parser.parse_args()
-    if args.cpu is not None:
-        os.sched_setaffinity(0, {args.cpu})
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     modes = ("ordinary", "launcher") if args.launch == "both" else (args.launch,)
     rows, same = [], []

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import ops
-from .cache import QSALayerCache, check_page_size
+from .cache import QSALayerCache, check_page_size, ring_store_fuses
 from .config import QSAConfig, resolve_dtype
 from .inputs import QSAStepInputs, debug_enabled
 from .metadata import QSAForwardMetadata
@@ -379,7 +379,7 @@ class QSAPlanner:
         cfg = self.config
         T = inputs.num_tokens
         schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(inputs.max_seq_len // cfg.compress_ratio),
-                                  inputs.decode_query_len, inputs.max_query_len <= self.ring_capacity - 3)
+                                  inputs.decode_query_len, ring_store_fuses(inputs.max_query_len, self.ring_capacity))
         if static:
             qsl, seq, table, slots, ring, rope = self._stage(inputs)
         else:

@@ -443,18 +443,18 @@ class PrefillAttentionLaunch:
         if q.shape[0] != self.num_rows or out.shape[0] != self.num_rows:
             raise ValueError(f"prefill attention bound for {self.num_rows} rows, got q {tuple(q.shape)}, "
                              f"out {tuple(out.shape)}")
-        if self.num_rows and selection.stride(1) != 1:
-            raise ValueError(f"selection must have unit column stride, got {selection.stride(1)}")
+        ss = selection.stride()
+        if self.num_rows and ss[1] != 1:
+            raise ValueError(f"selection must have unit column stride, got {ss[1]}")
+        qs, gs, bs, os = q.stride(), gate.stride(), block_table.stride(), out.stride()
         for launch, kind in self._launches:
             if kind == "union":
-                launch(token_to_req, seq_lens, selection, selection.stride(0))
+                launch(token_to_req, seq_lens, selection, ss[0])
             elif kind == "shared":
-                launch(q, gate, block_table, seq_lens, out, q.stride(0), q.stride(1), gate.stride(0),
-                       gate.stride(1), out.stride(0), block_table.stride(0), block_table.stride(1))
+                launch(q, gate, block_table, seq_lens, out, qs[0], qs[1], gs[0], gs[1], os[0], bs[0], bs[1])
             else:
-                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, q.stride(0), q.stride(1),
-                       gate.stride(0), gate.stride(1), out.stride(0), block_table.stride(0), block_table.stride(1),
-                       selection.stride(0), selection.stride(1))
+                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, qs[0], qs[1], gs[0], gs[1],
+                       os[0], bs[0], bs[1], ss[0], ss[1])
         return out
 
 

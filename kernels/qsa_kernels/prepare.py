@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qsa_core.cache import ring_store_fuses
+
 from .launch import Launcher
 
 if TYPE_CHECKING:
@@ -524,14 +526,6 @@ _PREPARE_FREE = ("iq_ptr", "iq_stride_t", "iq_w_ptr", "raw_ptr", "stride_raw", "
                  "q_w_ptr", "k_ptr", "k_stride_t", "k_w_ptr", "v_ptr", "v_stride_t",
                  "rope_ptr", "rope_stride_axis", "rope_stride_t", "qsl_ptr", "ring_index_ptr")
 _RING_FREE = ("raw_ptr", "stride_raw", "rope_ptr", "rope_stride_axis", "rope_stride_t")
-
-
-def ring_store_fuses(max_query_len: int, ring_capacity: int) -> bool:
-    """Whether a step's ring store may run in prepare's first launch: no request has
-    C - 2 rows or more. A request's compressions read ring slots of positions s-3..s-1 (s:
-    its first row's position) and its rows write slots of positions in [s, s + n); those
-    slots (mod C) meet only if C <= n + 2. Decode steps qualify (C >= r + draft rows)."""
-    return max_query_len <= ring_capacity - 3
 
 
 class PrepareLaunch:
