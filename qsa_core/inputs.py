@@ -34,7 +34,7 @@ def _expect(name: str, t: object, dtype: torch.dtype, ndim: int, device: torch.d
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, init=False)
 class QSAStepInputs:
     """One step as an engine describes it. Rows: decode requests first, then prefills.
 
@@ -65,6 +65,21 @@ class QSAStepInputs:
     rope_positions: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
 
+    def __init__(
+        self, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+        slot_mapping: torch.Tensor, ring_index: torch.Tensor, num_decodes: int, max_query_len: int,
+        max_seq_len: int, decode_query_len: int = 1, num_padding_rows: int = 0,
+        rope_positions: torch.Tensor | None = None, seq_lens_cpu: torch.Tensor | None = None,
+    ) -> None:
+        # One dict update instead of a frozen dataclass's object.__setattr__ per field: an
+        # engine builds one of these every step, on the host's critical path.
+        self.__dict__.update(
+            query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+            slot_mapping=slot_mapping, ring_index=ring_index, num_decodes=num_decodes,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, decode_query_len=decode_query_len,
+            num_padding_rows=num_padding_rows, rope_positions=rope_positions, seq_lens_cpu=seq_lens_cpu,
+        )
+
     # Cached: read several times per plan (a frozen dataclass keeps a __dict__ for them).
     @cached_property
     def num_reqs(self) -> int:
@@ -81,12 +96,24 @@ class QSAStepInputs:
 
     def validate(self, device: torch.device) -> None:
         """Shapes, dtypes, devices and host ints (no tensor reads)."""
-        if not self._tensors_as_expected(device):  # the per-step fast check failed: name the field
-            _expect("query_start_loc", self.query_start_loc, torch.int32, 1, device)
-            _expect("seq_lens", self.seq_lens, torch.int32, 1, device)
-            _expect("block_table", self.block_table, torch.int32, 2, device)
-            _expect("slot_mapping", self.slot_mapping, torch.int64, 1, device)
-            _expect("ring_index", self.ring_index, torch.int32, 1, device)
+        if not self._as_expected(device):  # the detailed checks name the field
+            self._explain(device)
+        R = self.num_reqs
+        host = self.seq_lens_cpu
+        if host is not None and R and int(host.max()) > self.max_seq_len:
+            raise ValueError(
+                f"max_seq_len ({self.max_seq_len}) is below a request's seq_len ({int(host.max())}): it bounds "
+                "the groups selection scores, so such a request would be cut off"
+            )
+
+    def _explain(self, device: torch.device) -> None:
+        """The checks of `validate` one by one: raises naming the first bad field (returns
+        when all hold: a non-CUDA device, or rope_positions given)."""
+        _expect("query_start_loc", self.query_start_loc, torch.int32, 1, device)
+        _expect("seq_lens", self.seq_lens, torch.int32, 1, device)
+        _expect("block_table", self.block_table, torch.int32, 2, device)
+        _expect("slot_mapping", self.slot_mapping, torch.int64, 1, device)
+        _expect("ring_index", self.ring_index, torch.int32, 1, device)
         R, T = self.num_reqs, self.num_tokens
         if self.query_start_loc.shape[0] != R + 1:
             raise ValueError(
@@ -103,10 +130,9 @@ class QSAStepInputs:
         ):
             got = f"{rp.dtype} {tuple(rp.shape)} on {rp.device}" if isinstance(rp, torch.Tensor) else type(rp).__name__
             raise ValueError(f"rope_positions must be int64 [{T}] or [3, {T}] on {device}, got {got}")
-        if min(self.num_decodes, self.max_query_len, self.max_seq_len, self.num_padding_rows) < 0:
-            for name in ("num_decodes", "max_query_len", "max_seq_len", "num_padding_rows"):
-                if getattr(self, name) < 0:
-                    raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("num_decodes", "max_query_len", "max_seq_len", "num_padding_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.decode_query_len < 1:
             raise ValueError(f"decode_query_len must be >= 1, got {self.decode_query_len}")
         if self.num_padding_rows > T:
@@ -115,12 +141,19 @@ class QSAStepInputs:
             raise ValueError(f"num_decodes ({self.num_decodes}) must be <= num_reqs ({R})")
         if self.num_decode_tokens > T:
             raise ValueError(f"num_decodes * decode_query_len = {self.num_decode_tokens} exceeds num_tokens ({T})")
-        host = self.seq_lens_cpu
-        if host is not None and R and int(host.max()) > self.max_seq_len:
-            raise ValueError(
-                f"max_seq_len ({self.max_seq_len}) is below a request's seq_len ({int(host.max())}): it bounds "
-                "the groups selection scores, so such a request would be cut off"
-            )
+
+    def _as_expected(self, device: torch.device) -> bool:
+        """Every check of `validate` but seq_lens_cpu's, in one test of the usual step (CUDA
+        tensors, no rope_positions)."""
+        if not self._tensors_as_expected(device) or self.rope_positions is not None:
+            return False
+        R, T = self.num_reqs, self.num_tokens
+        nd, dq = self.num_decodes, self.decode_query_len
+        return (
+            self.query_start_loc.shape[0] == R + 1 and self.ring_index.shape[0] == R
+            and self.block_table.shape[0] >= R and 0 <= nd <= R and dq >= 1 and nd * dq <= T
+            and self.max_query_len >= 0 and self.max_seq_len >= 0 and 0 <= self.num_padding_rows <= T
+        )
 
     def _tensors_as_expected(self, device: torch.device) -> bool:
         """The five tensors' dtypes, ranks and CUDA device in one cheap test (other devices

@@ -206,6 +206,8 @@ class QSAPlanner:
             self.rope_axes = config.rope_axes().to(self.device)
             self._allocate(max_num_reqs)
         self._schedules: dict[tuple, StepSchedule] = {}
+        self._plan_fixed = dict(config=config, backend=self.backend, index_dtype=self.index_dtype,
+                                inv_freq=self.inv_freq, rope_axes=self.rope_axes)  # every plan's
 
     # -- workspace ------------------------------------------------------------------------
 
@@ -409,10 +411,7 @@ class QSAPlanner:
             num_padding_rows=inputs.num_padding_rows,
             rope_positions=d["positions"] if rope is None else rope, seq_lens_cpu=inputs.seq_lens_cpu,
         )
-        return _record(
-            QSAPlan, meta=meta, schedule=schedule, config=cfg, backend=self.backend, index_dtype=self.index_dtype,
-            inv_freq=self.inv_freq, rope_axes=self.rope_axes,
-        )
+        return _record(QSAPlan, self._plan_fixed, meta=meta, schedule=schedule)
 
     def check_guard(self) -> None:
         """Raise if any step since the last check had a malformed request whose rows the
