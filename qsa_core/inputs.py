@@ -147,7 +147,9 @@ class QSAStepInputs:
         tensors, no rope_positions)."""
         if not self._tensors_as_expected(device) or self.rope_positions is not None:
             return False
-        R, T = self.num_reqs, self.num_tokens
+        d = self.__dict__  # fill the cached num_reqs / num_tokens without their descriptor's call
+        R = d["num_reqs"] = self.seq_lens.shape[0]
+        T = d["num_tokens"] = self.slot_mapping.shape[0]
         nd, dq = self.num_decodes, self.decode_query_len
         return (
             self.query_start_loc.shape[0] == R + 1 and self.ring_index.shape[0] == R

@@ -225,6 +225,7 @@ class QSAPlanner:
         self.guard = torch.zeros(1, **i32)
         self._arrive = torch.zeros(2, **i32)  # the metadata build's arrival counter (left zero)
         self._request_flags = torch.zeros(max(max_num_reqs or 0, n), **i32)
+        self._max_reqs = self._request_flags.shape[0]
         self._blocks = torch.empty(n, cfg.block_topk, **i32)
         self._selection = torch.empty(n, cfg.packed_width, **i32)
         self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
@@ -257,6 +258,7 @@ class QSAPlanner:
                 compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, page_size=self.page_size,
                 num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
                 num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
+                inputs_checked=True,  # plan validates them first
             )
         self._static: dict[str, torch.Tensor] | None = None
         if max_num_reqs is not None:
@@ -357,10 +359,10 @@ class QSAPlanner:
     def _check_capacity(self, inputs: QSAStepInputs) -> None:
         """The step fits the workspace (host ints only)."""
         T = inputs.num_tokens
-        if inputs.num_reqs > self._request_flags.shape[0]:
+        if inputs.num_reqs > self._max_reqs:
             raise ValueError(
                 f"num_reqs ({inputs.num_reqs}) exceeds the planner's max_num_reqs / max_num_tokens "
-                f"({self._request_flags.shape[0]})"
+                f"({self._max_reqs})"
             )
         if T > self.max_num_tokens:
             raise ValueError(f"num_tokens ({T}) exceeds the planner's max_num_tokens ({self.max_num_tokens})")
@@ -375,13 +377,15 @@ class QSAPlanner:
         max_seq_len bucket => the same schedule).
         """
         inputs.validate(self.device)
-        self._check_capacity(inputs)
+        T, max_seq_len = inputs.num_tokens, inputs.max_seq_len
+        if inputs.num_reqs > self._max_reqs or T > self.max_num_tokens or max_seq_len > self.max_model_len:
+            self._check_capacity(inputs)  # raises, naming the bound
         if self._read_values:
             inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         cfg = self.config
-        T = inputs.num_tokens
-        schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(inputs.max_seq_len // cfg.compress_ratio),
-                                  inputs.decode_query_len, ring_store_fuses(inputs.max_query_len, self.ring_capacity))
+        dq = inputs.decode_query_len
+        schedule = self._schedule(T, inputs.num_decodes * dq, column_bucket(max_seq_len // cfg.compress_ratio), dq,
+                                  ring_store_fuses(inputs.max_query_len, self.ring_capacity))
         if static:
             qsl, seq, table, slots, ring, rope = self._stage(inputs)
         else:
@@ -392,8 +396,7 @@ class QSAPlanner:
         # query_start_loc on the device, never from this step's host int.
         live = -1 if static else T - inputs.num_padding_rows
         if self._build is not None:
-            self._build(qsl, seq, slots, ring, table, max_seq_len=inputs.max_seq_len,
-                        max_query_len=inputs.max_query_len, num_live_rows=live)
+            self._build(qsl, seq, slots, ring, table, max_seq_len, inputs.max_query_len, live)
         else:
             ops.build_metadata(
                 qsl, seq, slots, ring, table,

@@ -112,9 +112,12 @@ class Launcher:
         self._spec_flags = {n: (not params[n].do_not_specialize, not params[n].do_not_specialize_on_alignment)
                             if n in params else (True, True) for n in self.names}
 
-    def bind(self, grid: Sequence[int], *args: Any, free: Sequence[str] = (), **kwargs: Any) -> "BoundLaunch":
+    def bind(self, grid: Sequence[int], *args: Any, free: Sequence[str] = (), checked: Sequence[str] = (),
+             **kwargs: Any) -> "BoundLaunch":
         """Bind `kernel[grid](*args, **kwargs)`: the values given are the first call's; the
         `free` parameters (non-constexpr names) are passed again, in that order, on every call.
+        `checked`: free tensor parameters whose dtype and device the caller guarantees equal
+        to the first call's (it validated them); per call only their alignment is checked.
         kwargs: constexprs and launch options (num_warps, num_stages, ...). Compiles now."""
         options = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
         call = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.signature.parameters})
@@ -122,7 +125,11 @@ class Launcher:
         for name in free:
             if name not in call.arguments or name in self._constexpr:
                 raise ValueError(f"{self.fn.__name__}: free argument {name!r} must be a runtime parameter")
-        return BoundLaunch(self, tuple(grid), list(call.arguments.values()), options, tuple(free))
+        for name in checked:
+            if name not in free:
+                raise ValueError(f"{self.fn.__name__}: checked argument {name!r} must be a free argument")
+        return BoundLaunch(self, tuple(grid), list(call.arguments.values()), options, tuple(free),
+                           tuple(n in checked for n in free))
 
     def compiled(self, grid: Sequence[int], values: list, options: dict) -> Any:
         """The compiled kernel of these argument values (Triton's cache; compiles if needed)."""
@@ -146,8 +153,9 @@ class BoundLaunch:
     """
 
     def __init__(self, launcher: Launcher, grid: tuple[int, ...], values: list, options: dict,
-                 free: tuple[str, ...]) -> None:
+                 free: tuple[str, ...], checked: tuple[bool, ...] = ()) -> None:
         self.launcher = launcher
+        self.checked = checked or (False,) * len(free)  # per free argument: dtype / device checked by the caller
         self.grid = grid
         self.values = values  # every parameter in order (constexprs included; free ones None), as Triton's binder
         self.options = options
@@ -208,7 +216,8 @@ class BoundLaunch:
             if isinstance(x, torch.Tensor):
                 names[f"K{j}"] = x.dtype
                 prep.append(f"p{j} = {f}.data_ptr()")
-                checks.append(f"{f}.dtype is K{j} and {f}.get_device() == DEV")
+                if not self.checked[j]:
+                    checks.append(f"{f}.dtype is K{j} and {f}.get_device() == DEV")
                 if spec and align:
                     if x.data_ptr() % 16 == 0:
                         aligned.append(f"p{j}")  # one test for all of them, below

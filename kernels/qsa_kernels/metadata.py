@@ -212,7 +212,9 @@ class MetadataBuild:
     ring_slot int64, compressed_slot int64, kv_slot int64; request_flags int32 [>= R]
     scratch; arrive int32 [2] scratch, zero (the launch leaves it zero); guard int32 [1]
     (sticky). Geometry: compress_ratio r, ring_capacity C, page_size, num_slots and
-    num_ring_rows (the bounds of the guards).
+    num_ring_rows (the bounds of the guards). inputs_checked: the caller guarantees the five
+    input tensors' dtypes and device (a planner validated them), so a launch checks only
+    their alignment.
     """
 
     def __init__(
@@ -220,8 +222,10 @@ class MetadataBuild:
         ring_slot: torch.Tensor, compressed_slot: torch.Tensor, kv_slot: torch.Tensor,
         request_flags: torch.Tensor, arrive: torch.Tensor, guard: torch.Tensor,
         compress_ratio: int, ring_capacity: int, page_size: int, num_slots: int, num_ring_rows: int,
+        inputs_checked: bool = False,
     ) -> None:
         self.outputs = (token_to_req, positions, visible_blocks, ring_slot, compressed_slot, kv_slot)
+        self._checked = _BUILD_FREE[:5] if inputs_checked else ()
         self.request_flags, self.arrive, self.guard = request_flags, arrive, guard
         self.r, self.C, self.page_size = compress_ratio, ring_capacity, page_size
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
@@ -229,7 +233,7 @@ class MetadataBuild:
 
     def __call__(
         self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
-        ring_index: torch.Tensor, block_table: torch.Tensor, *, max_seq_len: int, max_query_len: int,
+        ring_index: torch.Tensor, block_table: torch.Tensor, max_seq_len: int, max_query_len: int,
         num_live_rows: int,
     ) -> None:
         """Inputs as `qsa_build_metadata`; num_live_rows -1: query_start_loc[R] alone bounds."""
@@ -251,7 +255,7 @@ class MetadataBuild:
             (max(R, triton.cdiv(T, BLOCK_ROWS)),), qsl, seq, ring, slots, table, table.stride(0), table.stride(1),
             self.request_flags[: max(R, 1)], self.arrive, *(o[:T] for o in self.outputs), self.guard,
             R, T, table.shape[1], max_seq_len, max_query_len, live_bound, stray_end, self.num_slots // self.page_size,
-            self.num_slots, self.num_ring_rows, self.page_size, free=_BUILD_FREE,
+            self.num_slots, self.num_ring_rows, self.page_size, free=_BUILD_FREE, checked=self._checked,
             r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS,
             MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN, QSL=GUARD_QUERY_START_LOC, RING=GUARD_RING_INDEX,
             PAGE=GUARD_PAGE, SLOT=GUARD_SLOT, MAX_QUERY=GUARD_MAX_QUERY_LEN,
@@ -302,8 +306,7 @@ def qsa_build_metadata(
         arrive=torch.zeros(2, dtype=torch.int32, device=slot_mapping.device), guard=guard,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, page_size=page_size, num_slots=num_slots,
         num_ring_rows=num_ring_rows,
-    )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len=max_seq_len,
-      max_query_len=max_query_len, num_live_rows=num_live_rows)
+    )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len, max_query_len, num_live_rows)
 
 
 @triton.jit(do_not_specialize=["R", "T", "P", "stride_bt0", "stride_bt1", "rope_stride_axis", "rope_stride_t"])

@@ -167,6 +167,21 @@ def test_free_arguments_must_be_runtime_parameters(fake_device):
         launcher.bind((4,), x, out, 64, 32, 2.0, free=("nope",), BLOCK=32)
 
 
+def test_checked_arguments_skip_dtype_and_device_but_not_alignment(fake_device):
+    """A `checked` free tensor (its dtype and device validated by the caller, as a planner
+    does for an engine's step tensors) is checked only for its 16-byte alignment."""
+    launcher = fake_device[0]
+    calls, compiled = fake_device[2], fake_device[3]
+    x, out = torch.randn(4, 64), torch.empty(4, 32)
+    bound = launcher.bind((4,), x, out, 64, 32, 2.0, free=("x_ptr",), checked=("x_ptr",), BLOCK=32)
+    bound(x[:, 1:])  # a 4-byte offset: still another specialization
+    assert len(compiled) == 2 and calls[-1][0] == 2
+    bound(torch.randn(4, 64))
+    assert len(compiled) == 2 and calls[-1][0] == 1
+    with pytest.raises(ValueError, match="checked argument 'out_ptr' must be a free argument"):
+        launcher.bind((4,), x, out, 64, 32, 2.0, free=("x_ptr",), checked=("out_ptr",), BLOCK=32)
+
+
 scale_rows = triton.jit(_scale_rows, do_not_specialize=["n"])
 
 
