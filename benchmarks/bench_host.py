@@ -5,8 +5,8 @@
 - planning a step of 64 decode requests: `QSAStepInputs(...)` + `QSAPlanner.plan`.
 
 Host time: `time.perf_counter` around many calls with no synchronisation per call (after a
-sync, in batches short enough that the launch queue never fills, the garbage collector off as
-in `timeit`), so it is the time the CPU spends issuing work. GPU time: CUDA events around the same loop (the GPU's span; when
+sync, in batches short enough that the launch queue never fills, the garbage collector off and
+one collection per case as in `timeit`), so it is the time the CPU spends issuing work. GPU time: CUDA events around the same loop (the GPU's span; when
 it is above the host time, the GPU waits on nothing). Kernel launches per call come from the
 profiler.
 Every case runs with the ordinary Triton launch (`JITFunction.run`, the old path) and with
@@ -47,9 +47,13 @@ COUNTED = ("layer halves", "plan", "plan static")  # cases whose kernel launches
 
 def host_and_gpu_us(fn: Callable[[], object], calls: int = 25, rounds: int = 6) -> tuple[float, float, float]:
     """Median over rounds of (host us, host CPU us, GPU us) per call for `calls`
-    unsynchronised calls, with Python's garbage collector off during each round (as `timeit`
-    does). Host CPU: this thread's CPU time (`time.thread_time`), which leaves out the time
-    the OS ran something else (a shared host's noise)."""
+    unsynchronised calls, with Python's garbage collector off during each round and one
+    collection before the warm-up (as `timeit` does). Host CPU: this thread's CPU time
+    (`time.thread_time`), which leaves out the time the OS ran something else (a shared host's
+    noise)."""
+    # One collection, none between the rounds (as timeit): a full collection before each
+    # 25-call round evicts the host's caches (seen: +30 % on a 23 us plan on a CPU host).
+    gc.collect()
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -57,7 +61,6 @@ def host_and_gpu_us(fn: Callable[[], object], calls: int = 25, rounds: int = 6) 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(rounds):
         torch.cuda.synchronize()
-        gc.collect()
         gc.disable()
         try:
             start.record()
