@@ -173,7 +173,7 @@ def _sampled_scratch(max_rows: int, max_cols: int, block_topk: int,
     need: dict[str, int] = {}
     bounds = {max_cols} | {1 << i for i in range(block_topk.bit_length(), max_cols.bit_length())}
     for c in sorted(bounds):
-        chunk = _scored_chunk(max_rows, c)
+        chunk = min(_scored_chunk(max_rows, c), _SAMPLED_MAX_ROWS)  # the largest chunk the route takes
         for rpr in (1, 2):  # (the score tiles of one and of several rows per request)
             tiles = _sampled_route(c, block_topk, chunk, True, rpr)
             if tiles is not None:
