@@ -57,7 +57,7 @@ SCORE_VARIANTS = {  # decode score tiles (block_r, block_g, span, stages, warps)
     "g128 sp128 s3 w8": ScoreTiles(1, 128, 128, 3, 8),
 }
 # Overrides of `select_sampled.sampled_tiles` ("seg*2": twice its segment).
-NEW_VARIANTS = {"base": {}, "w16": dict(warps=16), "w4": dict(warps=4), "seg*2": dict(seg=2), "bits2": dict(bits=2)}
+NEW_VARIANTS = {"base": {}, "w16": dict(warps=16), "seg*2": dict(seg=2), "bits2": dict(bits=2), "cap1k": dict(cap=1024)}
 TILES = ssm.sampled_tiles
 
 
@@ -158,14 +158,15 @@ class Select:
                            block_topk=KB, decode=True, tiles=self.s.tiles, interpret=False, score=tiles)
 
 
-def run_shape(key: str, timer, breakdown: bool, results: list, parts: set) -> None:
+def run_shape(key: str, timer, breakdown: bool, results: list, parts: set, variants: list[str],
+              warm: bool = False) -> None:
     ctx, batch, rows, dtype = SHAPES[key]
     data = problem(ctx, batch, rows, dtype)
-    main = Select(data, ctx, rows)
-    main()
-    want = main.out.clone()
-    ok = torch.equal(want, main.reference())
-    log(f"{key}: main route exact vs reference: {ok}; top-k launches {len(main.topk._launches)}")
+    main = Select(data, ctx, rows) if not warm or parts & {"main", "score"} else None  # (binding compiles)
+    if not warm or parts & {"main"}:
+        main()
+        ok = torch.equal(main.out, main.reference())
+        log(f"{key}: main route exact vs reference: {ok}; top-k launches {len(main.topk._launches)}")
 
     def rec(name: str, us: float) -> None:
         results.append(dict(shape=key, name=name, us=us))
@@ -178,7 +179,7 @@ def run_shape(key: str, timer, breakdown: bool, results: list, parts: set) -> No
         rec("main topk alone", timer(main.prefix(None)))
         for k in range(1, len(main.topk._launches)):
             rec(f"main score+L1..{k}", timer(main.prefix(k)))
-    if breakdown and parts & {"score"} and rows == 1:
+    if breakdown and parts & {"score"} and rows == 1 and dtype == "bf16":
             for name, t in SCORE_VARIANTS.items():
                 try:
                     v = main.score_variant(t)
@@ -192,8 +193,13 @@ def run_shape(key: str, timer, breakdown: bool, results: list, parts: set) -> No
                 except Exception as exc:  # a variant that does not compile is reported
                     log(f"{key} score {name}: {type(exc).__name__}: {str(exc)[:120]}")
     if parts & {"new"} and ctx // R >= sel._SAMPLED_MIN_COLS and rows <= 4:
-        for vname, variant in NEW_VARIANTS.items():
+        for vname in variants:
+            variant = NEW_VARIANTS[vname]
             try:
+                if warm:  # compile only
+                    Select(data, ctx, rows, sampled=True, variant=variant)()
+                    torch.cuda.synchronize()
+                    continue
                 for ties in (False, True) if vname == "base" else (False,):
                     d = data if not ties else problem(ctx, batch, rows, dtype, ties=True)
                     ref = main if not ties else Select(d, ctx, rows)
@@ -226,6 +232,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--parts", default="main,score,new", help="main (route + breakdown), score (tile variants), new")
+    ap.add_argument("--variants", default=",".join(NEW_VARIANTS), help="of the sampled route (NEW_VARIANTS)")
+    ap.add_argument("--variants-at", default="", help="shapes that time every variant (others: the first only)")
     ap.add_argument("--warm", action="store_true", help="compile only (run each launch once, no timing)")
     ap.add_argument("--dry", action="store_true", help="CPU interpreter: tiny shapes, Kb 16, no timing")
     a = ap.parse_args()
@@ -243,7 +251,11 @@ def main() -> None:
     results: list = []
     for key in a.shapes.split(","):
         try:
-            run_shape(key, timer, not a.no_breakdown, results, set(a.parts.split(",")))
+            variants = a.variants.split(",")
+            if a.variants_at and key not in a.variants_at.split(","):
+                variants = variants[:1]
+            run_shape(key, timer, not a.no_breakdown, results, set(a.parts.split(",")), variants,
+                      warm=a.warm and not a.dry)
         except Exception as exc:
             log(f"{key}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
         if a.out:
