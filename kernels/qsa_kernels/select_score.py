@@ -79,6 +79,34 @@ def _relu_dot(q, keys):
     return tl.maximum(tl.dot(q, tl.trans(keys), input_precision="ieee"), 0.0)
 
 
+@triton.jit
+def _score_span(q_ptr, k_ptr, bt_ptr, s_row, row, req, col0, g_end, norm,
+                stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp,
+                HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
+                R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                SPAN_TILES: tl.constexpr, samp_row, SAMPLE: tl.constexpr):
+    """Scores of one row (q [T, HI, DI] row `row`, keys of request req) at groups [col0, g_end)
+    in BLOCK_G tiles into s_row (fp32, by group): its heads (padded to HM >= 16) are the dot's M.
+    SPAN_TILES > 0 (the interpreter only): the tile loop runs over SPAN_TILES constant tiles
+    (triton 3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
+    SAMPLE > 0: also each tile's SAMPLE run maxima into samp_row (`_store_row_samples`)."""
+    h = tl.arange(0, HM)
+    d = tl.arange(0, DP)
+    q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
+    for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
+                        num_stages=STAGES):
+        g0 = col0 + off if SPAN_TILES else off
+        g = g0 + tl.arange(0, BLOCK_G)
+        g_mask = g < g_end
+        keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
+                          stride_btp, DI, PAGE, R, DOT_DTYPE)
+        s = _finish(tl.sum(_relu_dot(q, keys), 0), norm)  # fp32 [BLOCK_G]
+        tl.store(s_row + g, s, mask=g_mask)
+        if SAMPLE:
+            _store_row_samples(samp_row, g0, s, g_mask, g_end, BLOCK_G, SAMPLE)
+
+
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr"])
 def _scores_decode_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr,
@@ -89,36 +117,19 @@ def _scores_decode_kernel(
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr,
 ):
-    """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
-    to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols].
-    SPAN_TILES > 0 (the interpreter only): the tile loop runs over constant bounds (triton
-    3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
-    SAMPLE > 0: also each tile's SAMPLE subset maxima (`_store_row_samples`) into samp int32
-    [chunk rows, cdiv(n_cols, BLOCK_G / SAMPLE)]."""
+    """Scores of one row x groups [pid1*span, +span) (`_score_span`) -> s fp32 [chunk rows,
+    n_cols]. SAMPLE > 0: also each tile's SAMPLE subset maxima (`_store_row_samples`) into samp
+    int32 [chunk rows, cdiv(n_cols, BLOCK_G / SAMPLE)]."""
     lr = tl.program_id(0)
     row = row0 + lr
     col0 = tl.program_id(1) * span
     vis = tl.load(vis_ptr + row)
     vis = tl.where(vis > KB, tl.minimum(vis, n_cols), 0)  # <= Kb: chosen without scores
     if col0 < vis:
-        req = tl.load(req_ptr + row)
-        h = tl.arange(0, HM)
-        d = tl.arange(0, DP)
-        q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
-                    mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
-        g_end = tl.minimum(vis, col0 + span)
-        s_row = s_ptr + lr.to(tl.int64) * stride_sr
-        for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
-                            num_stages=STAGES):
-            g0 = col0 + off if SPAN_TILES else off
-            g = g0 + tl.arange(0, BLOCK_G)
-            g_mask = g < g_end
-            keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
-                              stride_btp, DI, PAGE, R, DOT_DTYPE)
-            s = _finish(tl.sum(_relu_dot(q, keys), 0), norm)  # fp32 [BLOCK_G]
-            tl.store(s_row + g, s, mask=g_mask)
-            if SAMPLE:
-                _store_row_samples(samp_ptr + lr.to(tl.int64) * stride_pr, g0, s, g_mask, g_end, BLOCK_G, SAMPLE)
+        _score_span(q_ptr, k_ptr, bt_ptr, s_ptr + lr.to(tl.int64) * stride_sr, row, tl.load(req_ptr + row), col0,
+                    tl.minimum(vis, col0 + span), norm, stride_qt, stride_qh, stride_qd, stride_kp, stride_kr,
+                    stride_kd, stride_btr, stride_btp, HI, DI, HM, DP, PAGE, R, BLOCK_G, STAGES, DOT_DTYPE,
+                    SPAN_TILES, samp_ptr + lr.to(tl.int64) * stride_pr, SAMPLE)
 
 
 @triton.jit
