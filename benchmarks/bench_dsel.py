@@ -50,6 +50,7 @@ SHAPES = {  # context, batch, rows per request, key dtype
     "1m-b4x4": (1 << 20, 4, 4, "bf16"),
     "dry-b2": (1024, 2, 1, "bf16"),  # (CPU, Kb 16)
     "dry-b2x2": (1024, 2, 2, "bf16"),
+    "dry-short": (128, 2, 1, "bf16"),
 }
 SCORE_VARIANTS = {  # decode score tiles (block_r, block_g, span, stages, warps)
     "g64 sp64 s1 w4": ScoreTiles(1, 64, 64, 1, 4),
@@ -58,13 +59,18 @@ SCORE_VARIANTS = {  # decode score tiles (block_r, block_g, span, stages, warps)
 }
 # Overrides of `select_sampled.sampled_tiles` ("seg*2": twice its segment).
 NEW_VARIANTS = {"base": {}, "w16": dict(warps=16), "seg*2": dict(seg=2), "bits2": dict(bits=2), "cap1k": dict(cap=1024)}
+# Short rows (<= 4096 columns): `select_fused` (scores + top-k in one launch) by warps.
+SHORT_VARIANTS = {"fused w4": dict(fused_warps=4), "fused w8": dict(fused_warps=8)}
 TILES = ssm.sampled_tiles
 
 
 def set_route(sampled: bool, variant: dict | None = None) -> None:
-    """Route few long decode rows to `select_sampled` (variant: tile overrides) or not (main)."""
-    sel._SAMPLED_MAX_ROWS = 16 if sampled else 0
+    """Route few long decode rows to `select_sampled` (variant: tile overrides) and few short
+    ones to `select_fused` (variant fused_warps), or neither (main)."""
     v = dict(variant or {})
+    sel._SAMPLED_MAX_ROWS = 16 if sampled else 0
+    sel._FUSED_SHORT_MAX_ROWS = 4 if sampled else 0
+    sel._FUSED_SHORT_WARPS = v.pop("fused_warps", 4)
 
     def tiles(num_cols: int, block_topk: int, block_g: int, small: bool) -> dict:
         t = TILES(num_cols, block_topk, block_g, small)
@@ -115,7 +121,7 @@ class Select:
         self.out = torch.full((T, W + 1), -7, dtype=torch.int32, device=DEV)
         self.launch = sel.SelectLaunch(self.s, q, comp, table, to_req, vis, self.out, page_size=PAGE,
                                        compress_ratio=R, block_topk=KB, positions=pos)
-        (_, self.score, self.topk), = self.launch._chunks
+        (_, self.score, self.topk), = self.launch._chunks  # (topk None: select_fused, one launch)
         self.comp, self.to_req = comp, to_req
 
     def __call__(self) -> None:
@@ -138,6 +144,8 @@ class Select:
 
     def describe(self) -> str:
         s = self.s
+        if s.fused_short:
+            return "select_fused"
         if s.sampled is None:
             return "not the sampled route"
         segp = s.sampled.counts.numel() // max(1, s.chunk)
@@ -192,15 +200,16 @@ def run_shape(key: str, timer, breakdown: bool, results: list, parts: set, varia
                     rec(f"score {name}{'' if same else ' DIFFERS'}", timer(lambda: v(main.q, main.table, 0)))
                 except Exception as exc:  # a variant that does not compile is reported
                     log(f"{key} score {name}: {type(exc).__name__}: {str(exc)[:120]}")
-    if parts & {"new"} and ctx // R >= sel._SAMPLED_MIN_COLS and rows <= 4:
-        for vname in variants:
-            variant = NEW_VARIANTS[vname]
+    short = ctx // R <= (32 if DEV == "cpu" else 4096)  # select_topk's short route (the interpreter's tiles)
+    if parts & {"new"} and rows <= 4:
+        for vname in (list(SHORT_VARIANTS) if short else variants):
+            variant = {**NEW_VARIANTS, **SHORT_VARIANTS}[vname]
             try:
                 if warm:  # compile only
                     Select(data, ctx, rows, sampled=True, variant=variant)()
                     torch.cuda.synchronize()
                     continue
-                for ties in (False, True) if vname == "base" else (False,):
+                for ties in (False, True) if vname in ("base", "fused w4") else (False,):
                     d = data if not ties else problem(ctx, batch, rows, dtype, ties=True)
                     ref = main if not ties else Select(d, ctx, rows)
                     ref()
@@ -214,7 +223,7 @@ def run_shape(key: str, timer, breakdown: bool, results: list, parts: set, varia
                         break
                     if not ties:
                         rec(f"new {vname} all", timer(new))
-                        if breakdown and vname == "base":
+                        if breakdown and vname == "base" and new.topk is not None:
                             rec("new score", timer(new.score_only))
                             rec("new topk alone", timer(new.prefix(None)))
                     else:
@@ -243,7 +252,7 @@ def main() -> None:
         global KB, W
         KB, W = 16, 16 * R + R - 1
         sel._SAMPLED_MIN_COLS = 1
-        a.shapes, a.warm = "dry-b2,dry-b2x2", True
+        a.shapes, a.warm = "dry-short,dry-b2,dry-b2x2", True
     if a.warm:
         timer = lambda fn: (fn(), DEV == "cuda" and torch.cuda.synchronize(), float("nan"))[2]  # noqa: E731
     else:

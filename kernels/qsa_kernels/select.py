@@ -24,7 +24,7 @@ import triton
 from .select_radix import BINS as _BINS
 from .select_radix import ChunkLaunches, TopkLaunch
 from .select_score import ScoreLaunch, score_tiles
-from . import select_prefill, select_sampled, select_topk
+from . import select_fused, select_prefill, select_sampled, select_topk
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
@@ -49,6 +49,10 @@ _TOPK_MAX_ROWS = 64
 # `select_sampled` (the score launch writes samples, one top-k launch).
 _SAMPLED_MIN_COLS = 4097
 _SAMPLED_MAX_ROWS = 16
+# Decode chunks of at most this many rows (one per request) over short rows (`select_topk`'s
+# short route) take `select_fused`: scores and top-k in one launch.
+_FUSED_SHORT_MAX_ROWS = 0  # (off until measured)
+_FUSED_SHORT_WARPS = 4
 
 
 def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:
@@ -67,6 +71,12 @@ def _sampled_route(n_cols: int, block_topk: int, chunk: int, decode: bool, rows_
         return None
     block_g = score_tiles(True, dict(_tiles(True), rows_per_request=rows_per_request), _interpreting()).block_g
     return select_sampled.sampled_tiles(n_cols, block_topk, block_g, small=_interpreting())
+
+
+def _fused_short_route(n_cols: int, block_topk: int, chunk: int, decode: bool, rows_per_request: int) -> bool:
+    """Whether a decode chunk takes `select_fused` (one launch for scores and top-k)."""
+    return (decode and rows_per_request == 1 and block_topk < n_cols and chunk <= _FUSED_SHORT_MAX_ROWS
+            and select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, small=_interpreting())))
 
 
 def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int) -> dict | None:
@@ -230,6 +240,7 @@ class SelectSchedule:
     prefill_tiles: dict | None = None
     sampled: select_sampled.SampledScratch | None = None
     sampled_tiles: dict | None = None
+    fused_short: bool = False
 
 
 def plan_select(
@@ -261,7 +272,7 @@ def plan_select(
         workspace = SelectWorkspace(
             scores=_score_scratch(chunk, n_cols, torch.device(device)).view(-1),
             hist=torch.zeros(triton.cdiv(chunk, rows) * rows * _BINS, dtype=torch.int32, device=device),
-            arrive=torch.zeros(triton.cdiv(chunk, rows), dtype=torch.int32, device=device),
+            arrive=torch.zeros(triton.cdiv(chunk, rows) * rows, dtype=torch.int32, device=device),
             state=torch.empty(chunk * 4, dtype=torch.int32, device=device),
             counts=torch.empty(chunk * n_tiles * 2, dtype=torch.int32, device=device),
         )
@@ -273,13 +284,19 @@ def plan_select(
                 raise ValueError(f"select workspace.{name} holds {getattr(workspace, name).numel()} < {n} elements")
         scores = workspace.scores[: chunk * n_cols].view(chunk, n_cols)
         hist = workspace.hist[: need["hist"]].view(-1, _BINS)
+        fused_short = _fused_short_route(n_cols, Kb, chunk, decode, rows_per_request)
+        if fused_short:  # one arrival counter per row (zero between calls, as the radix passes leave it)
+            need["arrive"] = chunk
+            if workspace.arrive.numel() < chunk:
+                raise ValueError(f"select workspace.arrive holds {workspace.arrive.numel()} < {chunk} elements")
         arrive = workspace.arrive[: need["arrive"]]
         state = workspace.state[: chunk * 4].view(chunk, 4)
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
+        fused_short = False
     topk = topk_tiles = sampled = None
-    sampled_tiles = _sampled_route(n_cols, Kb, chunk, decode, rows_per_request) if scored else None
+    sampled_tiles = _sampled_route(n_cols, Kb, chunk, decode, rows_per_request) if scored and not fused_short else None
     if sampled_tiles is not None:
         need = select_sampled.sampled_scratch_elems(chunk, n_cols, sampled_tiles)
         sampled = workspace.sampled if workspace is not None and workspace.sampled is not None else None
@@ -288,7 +305,7 @@ def plan_select(
         for name, n in need.items():
             if getattr(sampled, name).numel() < n:
                 raise ValueError(f"select workspace.sampled.{name} holds {getattr(sampled, name).numel()} < {n} elements")
-    elif _topk_route(n_cols, chunk, decode, fused):
+    elif _topk_route(n_cols, chunk, decode, fused) and not fused_short:
         topk_tiles = select_topk.topk_tiles(n_cols, small=_interpreting())
         need = select_topk.topk_scratch_elems(chunk, n_cols, topk_tiles)
         have = workspace.topk if workspace is not None and workspace.topk is not None else None
@@ -314,6 +331,7 @@ def plan_select(
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
         scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
         prefill=prefill, prefill_tiles=prefill_tiles, sampled=sampled, sampled_tiles=sampled_tiles,
+        fused_short=fused_short,
     )
 
 
@@ -340,6 +358,14 @@ class SelectLaunch:
         self._chunks: list[tuple[int, ScoreLaunch | None, ChunkLaunches]] = []
         for row0 in range(first_row, self.rows, s.chunk):
             n = min(s.chunk, self.rows - row0)
+            if n not in bound and s.fused_short:
+                t = score_tiles(True, s.tiles, s.interpret, compressed.element_size())
+                bound[n] = (select_fused.FusedShortLaunch(
+                    q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, s.arrive, out, row0=row0,
+                    rows=n, num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio,
+                    block_topk=block_topk, block_g=t.block_g, span=t.span, stages=t.stages,
+                    bits=select_topk.topk_tiles(s.num_cols, small=s.interpret)["bits"], warps=_FUSED_SHORT_WARPS,
+                    interpret=s.interpret, positions=positions), None)
             if n not in bound:
                 samples, sample_sub = None, 0
                 if s.prefill is not None:
@@ -389,6 +415,9 @@ class SelectLaunch:
             raise ValueError(f"select out must be int32 {tuple(self.out_shape)}, got {out.dtype} {tuple(out.shape)}")
         out_stride = out.stride()[0]
         for row0, score, topk in self._chunks:
+            if topk is None:  # scores and top-k in one launch
+                score(q_idx, block_table, row0, out, out_stride)
+                continue
             if score is not None:
                 score(q_idx, block_table, row0)
             topk(row0, out, out_stride)
