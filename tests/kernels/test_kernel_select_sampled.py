@@ -134,3 +134,39 @@ def test_the_select_workspace_holds_every_decode_plan_of_this_route(monkeypatch)
                 s = ker.plan_select(rows, cols, 8, decode=True, device=DEV, workspace=ws, rows_per_request=rpr)
                 assert (s.sampled is not None) == (cols >= 64 and rows <= 16)
                 assert s.sampled is None or s.sampled is ws.sampled
+
+
+@pytest.mark.parametrize("kind", ["int", "bf16"])
+def test_fused_short_select_through_the_plan(kind, monkeypatch):
+    # `select_fused`: scores and the top-k in one launch (the last program of a row resolves
+    # it); rows of several spans, one span, < Kb and padding; groups and packed rows, twice.
+    from test_kernel_select import make_problem
+    from qsa_core.reference import select as ref
+    from qsa_core.reference.expand import qsa_expand
+    from qsa_kernels import select as ker
+
+    import dataclasses
+
+    tiles = ker.score_tiles
+    monkeypatch.setattr(ker, "score_tiles", lambda *a: dataclasses.replace(tiles(*a), span=tiles(*a).block_g))
+    monkeypatch.setattr(ker, "_FUSED_SHORT_MAX_ROWS", 4)  # (spans of one 16-column tile: 2 programs a row)
+    monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
+        (rows, cols), float("nan"), device=device))
+    kw = dict(page_size=16, compress_ratio=R, block_topk=8)
+    q, comp, table, to_req, vis, max_seq = make_problem([128, 60, 20], [1, 1, 1], kind=kind, pad_rows=1)
+    T = q.shape[0]
+    s = ker.plan_select(T, max_seq // R, 8, decode=True, device=DEV)
+    assert s.fused_short and s.sampled is None and s.topk is None
+    expect = ref.qsa_select_decode(q, comp, table, to_req, vis, out=torch.empty(T, 8, dtype=torch.int32, device=DEV),
+                                   **kw)
+    pos = torch.where(vis > 0, vis * R + 1, -1).long()
+    packed = qsa_expand(expect, pos, vis, compress_ratio=R, out=torch.empty(T, 8 * R + R, dtype=torch.int32,
+                                                                             device=DEV))
+    for positions, want in ((None, expect), (pos, packed)):
+        out = torch.full_like(want, 7)
+        launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, positions=positions, **kw)
+        for _ in range(2):
+            out.fill_(7)
+            launch(q, table, out)
+            assert torch.equal(out, want), positions is not None
+    assert (s.arrive == 0).all()
