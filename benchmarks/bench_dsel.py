@@ -48,6 +48,8 @@ SHAPES = {  # context, batch, rows per request, key dtype
     "1m-b4": (1 << 20, 4, 1, "bf16"),
     "1m-b4-fp8": (1 << 20, 4, 1, "fp8"),
     "1m-b4x4": (1 << 20, 4, 4, "bf16"),
+    "32k-b4": (32768, 4, 1, "bf16"),
+    "128k-b16": (131072, 16, 1, "bf16"),
     "dry-b2": (1024, 2, 1, "bf16"),  # (CPU, Kb 16)
     "dry-b2x2": (1024, 2, 2, "bf16"),
     "dry-short": (128, 2, 1, "bf16"),
@@ -58,7 +60,8 @@ SCORE_VARIANTS = {  # decode score tiles (block_r, block_g, span, stages, warps)
     "g128 sp128 s3 w8": ScoreTiles(1, 128, 128, 3, 8),
 }
 # Overrides of `select_sampled.sampled_tiles` ("seg*2": twice its segment).
-NEW_VARIANTS = {"base": {}, "w16": dict(warps=16), "seg*2": dict(seg=2), "bits2": dict(bits=2), "cap1k": dict(cap=1024)}
+NEW_VARIANTS = {"base": {}, "bound8": dict(bound=8), "bound16": dict(bound=16), "bound8 w8": dict(bound=8, warps=8),
+                "w8": dict(warps=8), "bits4": dict(bits=4), "seg*2": dict(seg=2)}
 # Short rows (<= 4096 columns): `select_fused` (scores + top-k in one launch) by warps.
 SHORT_VARIANTS = {"fused w4": dict(fused_warps=4), "fused w8": dict(fused_warps=8)}
 TILES = ssm.sampled_tiles
@@ -242,7 +245,8 @@ def main() -> None:
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--parts", default="main,score,new", help="main (route + breakdown), score (tile variants), new")
     ap.add_argument("--variants", default=",".join(NEW_VARIANTS), help="of the sampled route (NEW_VARIANTS)")
-    ap.add_argument("--variants-at", default="", help="shapes that time every variant (others: the first only)")
+    ap.add_argument("--variants-at", default="", help="shapes that time every variant (others: --variants-rest)")
+    ap.add_argument("--variants-rest", default="base")
     ap.add_argument("--warm", action="store_true", help="compile only (run each launch once, no timing)")
     ap.add_argument("--dry", action="store_true", help="CPU interpreter: tiny shapes, Kb 16, no timing")
     a = ap.parse_args()
@@ -262,7 +266,7 @@ def main() -> None:
         try:
             variants = a.variants.split(",")
             if a.variants_at and key not in a.variants_at.split(","):
-                variants = variants[:1]
+                variants = a.variants_rest.split(",")
             run_shape(key, timer, not a.no_breakdown, results, set(a.parts.split(",")), variants,
                       warm=a.warm and not a.dry)
         except Exception as exc:

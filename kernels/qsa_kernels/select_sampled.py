@@ -35,6 +35,35 @@ from .select_radix import ChunkLaunches, packed_write
 from .select_topk import _emit, _keys, _kth_key, _resolve_row, _write_short, _write_tail
 
 
+@triton.jit
+def _row_bound(samp_ptr, lr, vis, stride_pr, KB: tl.constexpr, S: tl.constexpr, NSP: tl.constexpr,
+               BITS: tl.constexpr, LBITS: tl.constexpr):
+    """The lower bound of row lr's KB-th largest key from its cdiv(vis, S) samples."""
+    p = tl.arange(0, NSP)
+    samples = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr + p, mask=p < tl.cdiv(vis, S), other=-1)
+    return _kth_key(samples, KB, BITS, LBITS)
+
+
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_pr"])
+def _bound_kernel(vis_ptr, samp_ptr, bound_ptr, row0, n_cols, stride_pr, KB: tl.constexpr, S: tl.constexpr,
+                  NSP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr):
+    """bound int32 [chunk rows]: each row's lower bound (`_row_bound`), rows with visible > KB."""
+    lr = tl.program_id(0)
+    vis = tl.minimum(tl.load(vis_ptr + row0 + lr), n_cols)
+    if vis > KB:
+        tl.store(bound_ptr + lr, _row_bound(samp_ptr, lr, vis, stride_pr, KB, S, NSP, BITS, LBITS))
+
+
+@triton.jit
+def _resolve_lists(c_idx, c_key, total, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr,
+                   CAP: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
+    """The exact top-k of a row's packed candidates (total <= CAP, ascending columns)."""
+    j = tl.arange(0, CAP)
+    key = tl.load(c_key + j, mask=j < total, other=-1, cache_modifier=".cg")
+    idx = tl.load(c_idx + j, mask=j < total, other=0, cache_modifier=".cg")
+    _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+
+
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr", "stride_cr"])
 def _topk_sampled_kernel(
     s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr,
@@ -42,12 +71,14 @@ def _topk_sampled_kernel(
     KB: tl.constexpr, KBP: tl.constexpr, S: tl.constexpr, NSP: tl.constexpr, BITS: tl.constexpr,
     LBITS: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, LCAP: tl.constexpr, CAP: tl.constexpr,
     BLOCK: tl.constexpr, RBLOCK: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, BOUND: tl.constexpr,
 ):
     """One segment [pid1 * SEG, +SEG) of row pid0. samp int32 [chunk rows, >= NSP] (the first
     cdiv(visible, S) read); candidate lists cidx / ckey int32 [chunk rows, SEGP * LCAP + CAP]
     (list s at s * LCAP, the packed lists at SEGP * LCAP), their lengths cnt int32 [chunk rows,
-    SEGP]; arrive int32 [chunk rows], zero between calls (the last arriver resets it)."""
+    SEGP]; arrive int32 [chunk rows], zero between calls (the last arriver resets it). BOUND:
+    the rows' bounds are read from samp instead (int32 [chunk rows] at stride_pr, `_bound_kernel`);
+    else each program derives its row's. Rows of at most CAP / 2 candidates resolve at that width."""
     lr = tl.program_id(0)
     seg = tl.program_id(1)
     row = row0 + lr
@@ -60,9 +91,10 @@ def _topk_sampled_kernel(
             _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
             _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     elif seg < n_seg:
-        p = tl.arange(0, NSP)
-        samples = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr + p, mask=p < tl.cdiv(vis, S), other=-1)
-        bound = _kth_key(samples, KB, BITS, LBITS)  # <= the row's KB-th largest key
+        if BOUND:
+            bound = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr)
+        else:
+            bound = _row_bound(samp_ptr, lr, vis, stride_pr, KB, S, NSP, BITS, LBITS)  # <= the KB-th largest key
         c_idx = cidx_ptr + lr.to(tl.int64) * stride_cr
         c_key = ckey_ptr + lr.to(tl.int64) * stride_cr
         lo = seg * SEG
@@ -96,15 +128,18 @@ def _topk_sampled_kernel(
                 tl.store(c_idx + dst, tl.load(c_idx + src, mask=m, cache_modifier=".cg"), mask=m)
                 tl.store(c_key + dst, tl.load(c_key + src, mask=m, cache_modifier=".cg"), mask=m)
                 tl.debug_barrier()
-                j = tl.arange(0, CAP)
-                key = tl.load(c_key + SEGP * LCAP + j, mask=j < total, other=-1, cache_modifier=".cg")
-                idx = tl.load(c_idx + SEGP * LCAP + j, mask=j < total, other=0, cache_modifier=".cg")
-                _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+                if total <= CAP // 2:
+                    _resolve_lists(c_idx + SEGP * LCAP, c_key + SEGP * LCAP, total, out_row, stride_oc, KB, BITS,
+                                   CAP // 2, PACKED, R)
+                else:
+                    _resolve_lists(c_idx + SEGP * LCAP, c_key + SEGP * LCAP, total, out_row, stride_oc, KB, BITS,
+                                   CAP, PACKED, R)
             else:
                 _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
 
 
 _sampled = Launcher(_topk_sampled_kernel)
+_bound = Launcher(_bound_kernel)
 
 
 def sampled_tiles(num_cols: int, block_topk: int, block_g: int, small: bool) -> dict[str, int]:
@@ -113,37 +148,40 @@ def sampled_tiles(num_cols: int, block_topk: int, block_g: int, small: bool) -> 
     keeps the bound tight); nsp: samples read per row (a power of two); seg: columns per
     program; lcap: candidates per segment list; cap: candidates of a row resolved in
     registers; block / rblock: columns per sweep step (compaction / the whole-row resolve);
-    bits: key bits per search step; lbits: high key bits of the bound; warps per program.
+    bits: key bits per search step; lbits: high key bits of the bound; warps per program;
+    bound: > 0, the bounds come from a launch of their own (one program a row, `bound` warps).
     small: the interpreter's tiles (tests cross every border with few columns)."""
     S = block_g
     while S > 1 and triton.cdiv(num_cols, S) < 4 * block_topk:
         S //= 2
     t = dict(sub=block_g // S, S=S, nsp=triton.next_power_of_2(triton.cdiv(max(num_cols, 1), S)))
     if small:
-        return dict(t, seg=32, lcap=16, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4)
+        return dict(t, seg=32, lcap=16, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, bound=0)
     seg = max(2048, triton.next_power_of_2(triton.cdiv(num_cols, 64)))
     segp = triton.next_power_of_2(triton.cdiv(max(num_cols, 1), seg))
     return dict(t, seg=seg, lcap=min(seg, max(64, 4096 // segp)), cap=2048, block=min(seg, 4096), rblock=1024,
-                bits=4, lbits=16, warps=8)
+                bits=2, lbits=16, warps=16, bound=0)
 
 
 @dataclass(frozen=True)
 class SampledScratch:
     """Scratch of the sampled route for a chunk of rows (flat): samples, candidate indices
-    and keys, list lengths, arrival counters (zero between calls)."""
+    and keys, list lengths, arrival counters (zero between calls), the rows' bounds."""
 
     samples: torch.Tensor
     cand_idx: torch.Tensor
     cand_key: torch.Tensor
     counts: torch.Tensor
     arrive: torch.Tensor
+    bounds: torch.Tensor
 
 
 def sampled_scratch_elems(rows: int, num_cols: int, tiles: dict) -> dict[str, int]:
     """int32 elements of each `SampledScratch` field for `rows` rows of num_cols columns."""
     segp = triton.next_power_of_2(triton.cdiv(max(num_cols, 1), tiles["seg"]))
     lists = rows * (segp * tiles["lcap"] + tiles["cap"])
-    return dict(samples=rows * tiles["nsp"], cand_idx=lists, cand_key=lists, counts=rows * segp, arrive=rows)
+    return dict(samples=rows * tiles["nsp"], cand_idx=lists, cand_key=lists, counts=rows * segp, arrive=rows,
+                bounds=rows)
 
 
 def sampled_scratch(need: dict[str, int], device: torch.device | str) -> SampledScratch:
@@ -175,10 +213,18 @@ class SampledTopkLaunch(ChunkLaunches):
         n = sampled_scratch_elems(rows, num_cols, t)
         samp = samples_view(scratch, rows, t)
         cidx, ckey = (x[: n["cand_idx"]].view(rows, -1) for x in (scratch.cand_idx, scratch.cand_key))
-        self._launches: list[tuple[BoundLaunch, bool]] = [(_sampled.bind(
-            (rows, segs), scores, visible_blocks, samp, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
-            row0, num_cols, scores.stride(0), samp.stride(0), cidx.stride(0), out.stride(0), out.stride(1),
-            free=("row0", "out_ptr", "stride_or"), KB=Kb, KBP=triton.next_power_of_2(Kb), S=t["S"], NSP=t["nsp"],
-            BITS=t["bits"], LBITS=t["lbits"], SEG=t["seg"], SEGP=segp, LCAP=t["lcap"], CAP=t["cap"],
-            BLOCK=t["block"], RBLOCK=t["rblock"], **write, num_warps=t["warps"],
-        ), True)]
+        search = dict(KB=Kb, S=t["S"], NSP=t["nsp"], BITS=t["bits"], LBITS=t["lbits"])
+        self._launches: list[tuple[BoundLaunch, bool]] = []
+        bounds = scratch.bounds[:rows].view(rows, 1)
+        if t["bound"]:
+            self._launches.append((_bound.bind(
+                (rows,), visible_blocks, samp, bounds, row0, num_cols, samp.stride(0), free=("row0",), **search,
+                num_warps=t["bound"]), False))
+        given = bounds if t["bound"] else samp  # (BOUND: the kernel reads a row's bound where its samples were)
+        self._launches.append((_sampled.bind(
+            (rows, segs), scores, visible_blocks, given, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
+            row0, num_cols, scores.stride(0), given.stride(0), cidx.stride(0), out.stride(0), out.stride(1),
+            free=("row0", "out_ptr", "stride_or"), KBP=triton.next_power_of_2(Kb), SEG=t["seg"], SEGP=segp,
+            LCAP=t["lcap"], CAP=t["cap"], BLOCK=t["block"], RBLOCK=t["rblock"], BOUND=bool(t["bound"]), **search,
+            **write, num_warps=t["warps"],
+        ), True))

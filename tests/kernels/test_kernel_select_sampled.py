@@ -64,12 +64,13 @@ def test_small_tiles_cross_every_border():
     assert t["seg"] < 300 and t["S"] < 16 and -(-300 // t["S"]) >= 4 * 8
 
 
-@pytest.mark.parametrize("num_cols, kb, packed, lbits", [(300, 8, False, 31), (300, 16, True, 31),
-                                                         (60, 8, False, 31), (300, 8, False, 12)])
-def test_random_scores(num_cols, kb, packed, lbits):
-    # lbits 12: a coarser bound (its 12 high key bits), more candidates, the same result.
+@pytest.mark.parametrize("num_cols, kb, packed, lbits, bound", [(300, 8, False, 31, 0), (300, 16, True, 31, 4),
+                                                                (60, 8, False, 31, 0), (300, 8, False, 12, 0)])
+def test_random_scores(num_cols, kb, packed, lbits, bound):
+    # lbits 12: a coarser bound (its 12 high key bits), more candidates, the same result; bound 4:
+    # the bounds from a launch of their own.
     rows = [distinct(num_cols, s) for s in range(2)] + [distinct(num_cols - 5, 9), distinct(min(num_cols, 41), 4)]
-    got = run_sampled(rows, num_cols, kb, packed=packed, lbits=lbits)
+    got = run_sampled(rows, num_cols, kb, packed=packed, lbits=lbits, bound=bound)
     assert torch.equal(got, reference(rows, num_cols, kb, packed))
 
 
