@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qsa_kernels import select as sel  # noqa: E402
 from qsa_kernels import select_sampled as ssm  # noqa: E402
+from qsa_kernels import select_score  # noqa: E402
 from qsa_kernels.select_score import ScoreLaunch, ScoreTiles  # noqa: E402
 from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_core.reference.select import topk_groups  # noqa: E402
@@ -61,9 +62,11 @@ SCORE_VARIANTS = {  # decode score tiles (block_r, block_g, span, stages, warps)
 }
 # Overrides of `select_sampled.sampled_tiles` ("seg*2": twice its segment).
 NEW_VARIANTS = {"base": {}, "bound8": dict(bound=8), "bound16": dict(bound=16), "bound8 w8": dict(bound=8, warps=8),
-                "w8": dict(warps=8), "bits4": dict(bits=4), "seg*2": dict(seg=2)}
+                "w8": dict(warps=8), "bits4": dict(bits=4), "seg*2": dict(seg=2), "base early": dict(early=True),
+                "bound8 early": dict(bound=8, early=True)}
 # Short rows (<= 4096 columns): `select_fused` (scores + top-k in one launch) by warps.
-SHORT_VARIANTS = {"fused w4": dict(fused_warps=4), "fused w8": dict(fused_warps=8)}
+SHORT_VARIANTS = {"fused w4": dict(fused_warps=4), "fused w8": dict(fused_warps=8),
+                  "fused w4 early": dict(fused_warps=4, early=True)}
 TILES = ssm.sampled_tiles
 
 
@@ -71,6 +74,7 @@ def set_route(sampled: bool, variant: dict | None = None) -> None:
     """Route few long decode rows to `select_sampled` (variant: tile overrides) and few short
     ones to `select_fused` (variant fused_warps), or neither (main)."""
     v = dict(variant or {})
+    select_score.EARLY_LOADS = v.pop("early", False)
     sel._SAMPLED_MAX_ROWS = 16 if sampled else 0
     sel._FUSED_SHORT_MAX_ROWS = 4 if sampled else 0
     sel._FUSED_SHORT_WARPS = v.pop("fused_warps", 4)
@@ -185,6 +189,13 @@ def run_shape(key: str, timer, breakdown: bool, results: list, parts: set, varia
 
     if parts & {"main"}:
         rec("main all", timer(main))
+        early = Select(data, ctx, rows, variant=dict(early=True))  # main's route, the score's early loads
+        early()
+        if not warm:
+            same = torch.equal(early.out, main.out)
+            rec(f"main early all{'' if same else ' DIFFERS'}", timer(early))
+            rec("main early score", timer(early.score_only))
+        del early
     if breakdown and parts & {"main"}:
         rec("main score", timer(main.score_only))
         rec("main topk alone", timer(main.prefix(None)))

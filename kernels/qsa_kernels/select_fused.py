@@ -25,7 +25,8 @@ import triton.language as tl
 
 from .launch import Launcher
 from .select_radix import packed_write
-from .select_score import _score_span, exact_dot
+from . import select_score
+from .select_score import _q_row, _score_span, exact_dot
 from .select_topk import _emit, _kth_key, _write_short, _write_tail
 
 
@@ -38,26 +39,33 @@ def _select_short_kernel(
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, KBP: tl.constexpr, BLOCK_G: tl.constexpr,
     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, CAP: tl.constexpr,
-    BITS: tl.constexpr, PACKED: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    BITS: tl.constexpr, PACKED: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Row pid0's groups [pid1 * span, +span): scores (q [T, HI, DI], keys [rows, DI] -> s fp32
     [chunk rows, n_cols]), then, in the row's last program to arrive at arrive int32 [chunk
     rows] (zero between calls; it resets it), the top-k into out int32 [T, KB] or (PACKED) the
-    packed rows [T, W + 1] (R: the compress ratio, tokens per group)."""
+    packed rows [T, W + 1] (R: the compress ratio, tokens per group). EARLY: as the decode
+    score kernel's."""
     lr = tl.program_id(0)
     row = row0 + lr
     col0 = tl.program_id(1) * span
     vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
     out_row = out_ptr + row.to(tl.int64) * stride_or
     s_row = s_ptr + lr.to(tl.int64) * stride_sr
+    if EARLY:
+        req = tl.load(req_ptr + row)
+        q = _q_row(q_ptr, row, stride_qt, stride_qh, stride_qd, HI, DI, HM, DP, DOT_DTYPE)
     if vis <= KB:
         if col0 == 0:
             _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
             _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     elif col0 < vis:
-        _score_span(q_ptr, k_ptr, bt_ptr, s_row, row, tl.load(req_ptr + row), col0, tl.minimum(vis, col0 + span),
-                    norm, stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp,
-                    HI, DI, HM, DP, PAGE, R, BLOCK_G, STAGES, DOT_DTYPE, SPAN_TILES, s_row, 0)
+        if not EARLY:
+            req = tl.load(req_ptr + row)
+            q = _q_row(q_ptr, row, stride_qt, stride_qh, stride_qd, HI, DI, HM, DP, DOT_DTYPE)
+        _score_span(q, k_ptr, bt_ptr, s_row, req, col0, tl.minimum(vis, col0 + span), norm, stride_kp, stride_kr,
+                    stride_kd, stride_btr, stride_btp, DI, DP, PAGE, R, BLOCK_G, STAGES, DOT_DTYPE, SPAN_TILES,
+                    s_row, 0)
         tl.debug_barrier()  # this program's scores before its arrival
         if tl.atomic_add(arrive_ptr + lr, 1, sem="acq_rel", scope="gpu") == tl.cdiv(vis, span) - 1:
             tl.store(arrive_ptr + lr, 0)  # clean for the next call
@@ -98,7 +106,7 @@ class FusedShortLaunch:
             R=compress_ratio, KB=block_topk, KBP=triton.next_power_of_2(block_topk), BLOCK_G=block_g, STAGES=stages,
             DOT_DTYPE=tl.bfloat16 if exact_dot(q_idx, compressed, interpret) else tl.float32,
             SPAN_TILES=span // block_g if interpret else 0, CAP=triton.next_power_of_2(max(num_cols, 1)), BITS=bits,
-            **write, num_warps=warps,
+            **write, EARLY=select_score.EARLY_LOADS, num_warps=warps,
         )
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int, out: torch.Tensor,

@@ -37,6 +37,8 @@ from .launch import Launcher
 # division is exact there only when compiled: its interpreter runs take the IEEE division.
 INTERPRETER_FMA_FUSED = not triton.__version__.startswith("3.6.")
 _EXACT_DOT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+# The decode kernel's request and q load with the visible count (EARLY); off until measured.
+EARLY_LOADS = False
 
 
 @triton.jit
@@ -80,20 +82,26 @@ def _relu_dot(q, keys):
 
 
 @triton.jit
-def _score_span(q_ptr, k_ptr, bt_ptr, s_row, row, req, col0, g_end, norm,
-                stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp,
-                HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
+def _q_row(q_ptr, row, stride_qt, stride_qh, stride_qd, HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr,
+           DP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """q [HM, DP] of one row, heads padded to HM and dims to DP with zeros."""
+    h = tl.arange(0, HM)
+    d = tl.arange(0, DP)
+    return tl.load(q_ptr + row.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
+                   mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
+
+
+@triton.jit
+def _score_span(q, k_ptr, bt_ptr, s_row, req, col0, g_end, norm, stride_kp, stride_kr, stride_kd, stride_btr,
+                stride_btp, DI: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
                 R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr,
                 SPAN_TILES: tl.constexpr, samp_row, SAMPLE: tl.constexpr):
-    """Scores of one row (q [T, HI, DI] row `row`, keys of request req) at groups [col0, g_end)
+    """Scores of one row (q [HM, DP], `_q_row`; keys of request req) at groups [col0, g_end)
     in BLOCK_G tiles into s_row (fp32, by group): its heads (padded to HM >= 16) are the dot's M.
     SPAN_TILES > 0 (the interpreter only): the tile loop runs over SPAN_TILES constant tiles
     (triton 3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
     SAMPLE > 0: also each tile's SAMPLE run maxima into samp_row (`_store_row_samples`)."""
-    h = tl.arange(0, HM)
     d = tl.arange(0, DP)
-    q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
     for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
                         num_stages=STAGES):
         g0 = col0 + off if SPAN_TILES else off
@@ -116,20 +124,27 @@ def _scores_decode_kernel(
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """Scores of one row x groups [pid1*span, +span) (`_score_span`) -> s fp32 [chunk rows,
     n_cols]. SAMPLE > 0: also each tile's SAMPLE subset maxima (`_store_row_samples`) into samp
-    int32 [chunk rows, cdiv(n_cols, BLOCK_G / SAMPLE)]."""
+    int32 [chunk rows, cdiv(n_cols, BLOCK_G / SAMPLE)]. EARLY: the row's request and q load with
+    its visible count (one dependent memory round trip less; programs past visible load them too)."""
     lr = tl.program_id(0)
     row = row0 + lr
     col0 = tl.program_id(1) * span
     vis = tl.load(vis_ptr + row)
+    if EARLY:
+        req = tl.load(req_ptr + row)
+        q = _q_row(q_ptr, row, stride_qt, stride_qh, stride_qd, HI, DI, HM, DP, DOT_DTYPE)
     vis = tl.where(vis > KB, tl.minimum(vis, n_cols), 0)  # <= Kb: chosen without scores
     if col0 < vis:
-        _score_span(q_ptr, k_ptr, bt_ptr, s_ptr + lr.to(tl.int64) * stride_sr, row, tl.load(req_ptr + row), col0,
-                    tl.minimum(vis, col0 + span), norm, stride_qt, stride_qh, stride_qd, stride_kp, stride_kr,
-                    stride_kd, stride_btr, stride_btp, HI, DI, HM, DP, PAGE, R, BLOCK_G, STAGES, DOT_DTYPE,
-                    SPAN_TILES, samp_ptr + lr.to(tl.int64) * stride_pr, SAMPLE)
+        if not EARLY:
+            req = tl.load(req_ptr + row)
+            q = _q_row(q_ptr, row, stride_qt, stride_qh, stride_qd, HI, DI, HM, DP, DOT_DTYPE)
+        _score_span(q, k_ptr, bt_ptr, s_ptr + lr.to(tl.int64) * stride_sr, req, col0, tl.minimum(vis, col0 + span),
+                    norm, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, DI, DP, PAGE, R, BLOCK_G, STAGES,
+                    DOT_DTYPE, SPAN_TILES, samp_ptr + lr.to(tl.int64) * stride_pr, SAMPLE)
 
 
 @triton.jit
@@ -368,7 +383,8 @@ class ScoreLaunch:
         if per_row:
             self._launch = _decode.bind((rows, spans), *args, free=_FREE,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common,
-                                        SAMPLE=sample_sub if samples is not None else 0, num_warps=t.num_warps)
+                                        SAMPLE=sample_sub if samples is not None else 0, EARLY=EARLY_LOADS,
+                                        num_warps=t.num_warps)
         else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,

@@ -109,7 +109,10 @@ def test_decode_select_through_the_plan(query_lens, monkeypatch):
     from qsa_core.reference import select as ref
     from qsa_kernels import select as ker
 
+    from qsa_kernels import select_score
+
     monkeypatch.setattr(ker, "_SAMPLED_MIN_COLS", 1)
+    monkeypatch.setattr(select_score, "EARLY_LOADS", query_lens[0] == 1)  # (the decode kernel's early loads)
     monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
         (rows, cols), float("nan"), device=device))
     kw = dict(page_size=16, compress_ratio=R, block_topk=8)
@@ -143,14 +146,15 @@ def test_fused_short_select_through_the_plan(kind, monkeypatch):
     # it); rows of several spans, one span, < Kb and padding; groups and packed rows, twice.
     from test_kernel_select import make_problem
     from qsa_core.reference import select as ref
-    from qsa_core.reference.expand import qsa_expand
-    from qsa_kernels import select as ker
-
     import dataclasses
+
+    from qsa_core.reference.expand import qsa_expand
+    from qsa_kernels import select as ker, select_score
 
     tiles = ker.score_tiles
     monkeypatch.setattr(ker, "score_tiles", lambda *a: dataclasses.replace(tiles(*a), span=tiles(*a).block_g))
     monkeypatch.setattr(ker, "_FUSED_SHORT_MAX_ROWS", 4)  # (spans of one 16-column tile: 2 programs a row)
+    monkeypatch.setattr(select_score, "EARLY_LOADS", kind == "int")
     monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
         (rows, cols), float("nan"), device=device))
     kw = dict(page_size=16, compress_ratio=R, block_topk=8)

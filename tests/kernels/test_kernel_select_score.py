@@ -261,7 +261,7 @@ for decode, kdt, rows_per_request, sample in ((True, "bf16", 1, 0), (True, "fp8e
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, SAMPLE=sample, **{n: 1 for n, v in VALUES.items() if v == 1})
     if t.block_r == 1:
-        fn, const["HM"] = ss._scores_decode_kernel, 16
+        fn, const["HM"], const["EARLY"] = ss._scores_decode_kernel, 16, sample > 0  # (EARLY with the samples)
     else:
         fn = ss._scores_prefill_kernel
         const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m)
