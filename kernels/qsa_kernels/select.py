@@ -4,9 +4,11 @@ Contract: `qsa_core/reference/select.py`. A select call runs per chunk of rows (
 only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
 (`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
-`select_topk.py`, see `_topk_route`; for long prefill rows `select_prefill.py` from samples the
-score launch writes too, see `_prefill_route`) write each row's chosen groups in ascending
-order (or the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored.
+`select_topk.py`, see `_topk_route`; for few long decode rows `select_sampled.py` from samples
+the score launch writes, see `_sampled_route`; for long prefill rows `select_prefill.py` from
+samples too, see `_prefill_route`) write each row's chosen groups in ascending
+order (or the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored. A
+decode chunk of one short row runs scores and top-k in one launch (`select_fused.py`).
 
 `plan_select` fixes the schedule of a call (chunk, route, scratch views) when a step is
 planned; `SelectLaunch` binds all of a call's launches to that schedule, the compressed keys
@@ -46,13 +48,19 @@ _PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
 # Decode chunks of at most _SAMPLED_MAX_ROWS rows over at least _SAMPLED_MIN_COLS columns take
-# `select_sampled` (the score launch writes samples, one top-k launch).
+# `select_sampled` (the score launch writes samples; one top-k launch, two from 64 segments a
+# row). H200, 2026-12-01 W2 (select with packed rows, us, L2 flushed; main's route -> this;
+# bit-equal on random data and on 1000 tied keys a request): 32K B4 39.5 -> 27.4, 128K B4
+# 48.6 -> 36.7 (fp8 46.7 -> 34.0), 128K B16 92.6 -> 67.8, 1M B4 120.2 -> 107.0, 1M B4 x 4 rows
+# 171.1 -> 162.1 (fp8 1M B4: 106.5 -> 98.9 with the score's early loads, which were neutral
+# elsewhere). 128K B64 (64 rows) was not measured: it keeps `select_topk`.
 _SAMPLED_MIN_COLS = 4097
 _SAMPLED_MAX_ROWS = 16
 # Decode chunks of at most this many rows (one per request) over short rows (`select_topk`'s
-# short route) take `select_fused`: scores and top-k in one launch.
-_FUSED_SHORT_MAX_ROWS = 0  # (off until measured)
-_FUSED_SHORT_WARPS = 4
+# short route) take `select_fused`: scores and top-k in one launch (W2, 8K B1: 18.2 -> 17.0 us
+# with 8 warps, 18.4 with 4); more rows were not measured.
+_FUSED_SHORT_MAX_ROWS = 1
+_FUSED_SHORT_WARPS = 8
 
 
 def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:

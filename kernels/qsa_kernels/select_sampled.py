@@ -159,8 +159,10 @@ def sampled_tiles(num_cols: int, block_topk: int, block_g: int, small: bool) -> 
         return dict(t, seg=32, lcap=16, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, bound=0)
     seg = max(2048, triton.next_power_of_2(triton.cdiv(num_cols, 64)))
     segp = triton.next_power_of_2(triton.cdiv(max(num_cols, 1), seg))
+    # W2 (H200): the bound launch pays from 64 segments a row (1M B4 113.6 -> 107.0 us, 1M B4 x 4
+    # rows 205.3 -> 162.1), not at 16 (128K B4 36.7 -> 37.6, 128K B16 67.8 -> 70.3).
     return dict(t, seg=seg, lcap=min(seg, max(64, 4096 // segp)), cap=2048, block=min(seg, 4096), rblock=1024,
-                bits=2, lbits=16, warps=16, bound=0)
+                bits=2, lbits=16, warps=16, bound=8 if segp >= 64 else 0)
 
 
 @dataclass(frozen=True)
