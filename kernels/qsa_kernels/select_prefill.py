@@ -75,7 +75,7 @@ def _topk_prefill_kernel(
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -107,9 +107,17 @@ def _topk_prefill_kernel(
         ar = tl.arange(0, BLOCK)
         n = lo * 0
         start = lo
+        if PREFETCH:
+            nxt = _keys(s_row, lo + ar, lo + ar < hi)
+        else:
+            nxt = tl.full((BLOCK,), -1, tl.int32)
         while start < hi:  # (while: the interpreter cannot range over loaded values)
             cols = start + ar
-            key = _keys(s_row, cols, cols < hi)
+            if PREFETCH:  # the next step's keys in flight while this step compacts
+                key = nxt
+                nxt = _keys(s_row, cols + BLOCK, cols + BLOCK < hi)
+            else:
+                key = _keys(s_row, cols, cols < hi)
             keep = (key >= bound).to(tl.int32)
             pos = n + tl.cumsum(keep, 0) - keep
             ok = (keep > 0) & (pos < CAP)
@@ -274,7 +282,7 @@ class PrefillTopkLaunch(ChunkLaunches):
             free=("row0", "crow0", "out_ptr", "stride_or"),
             KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=sample_cols(t, score_block_g),
             SAMPP=triton.next_power_of_2(samples.shape[1]), BLOCK=t["block"], RBLOCK=t["rblock"],
-            DEFER=bool(t["defer"]), **common, num_warps=t["warps"], **({"maxnreg": t["regs"]} if t["regs"] else {}),
+            DEFER=bool(t["defer"]), PREFETCH=bool(t.get("pf", 0)), **common, num_warps=t["warps"], **({"maxnreg": t["regs"]} if t["regs"] else {}),
         )
         self._resolve = _prefill_resolve.bind(
             (self.group,), visible_blocks, cidx, ckey, scratch.counts, out, pos, row0, rows, num_cols,
