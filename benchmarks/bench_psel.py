@@ -3,7 +3,7 @@ alone, the deferred resolves alone, the top-k part, the whole select in one grap
 `select_prefill` route against this tree's variants, bit-exact first.
 
     python benchmarks/bench_psel.py [--contexts 128K,1M] [--rows 16384] [--variants plan] [--out F.json]
-    python benchmarks/bench_psel.py --ncu   # one select of 128 rows at 1M (for ncu, eager)
+    python benchmarks/bench_psel.py --ncu [--variants plan,skip]  # selects of 128 rows at 1M (for ncu, eager)
     TRITON_INTERPRET=1 python benchmarks/bench_psel.py --dry   # CPU: tiny shapes, checks only
 
 Problem and variants as `bench_select_prefill` (one request of `rows` rows at the end of its
@@ -59,12 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     stamp = lambda: f"[{time.time() - t0:6.1f}s]"  # noqa: E731
     if a.ncu:
         data = bsp.problem(1 << 20, 128)
-        bsp.configure("plan")
-        run = bsp.Select(data, 1 << 20)
-        run()
-        torch.cuda.synchronize()
-        run()
-        torch.cuda.synchronize()
+        for i, route in enumerate(a.variants.split(",")):
+            bsp.configure(route)
+            run = bsp.Select(data, 1 << 20)
+            for _ in range(1 if i else 2):  # (the first route twice: ncu skips its first call's launches)
+                run()
+                torch.cuda.synchronize()
         return
     if a.dry:
         a.contexts, a.rows = "dry1,dry2", 24
