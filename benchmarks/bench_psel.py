@@ -27,6 +27,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_select_prefill as bsp  # noqa: E402
 
 
+def tied_problem(context: int, rows: int, seed: int = 1):
+    """As `bench_select_prefill.problem` with integer queries and keys in [-2, 2]: exact integer
+    dot products, so scores tie in crowds (at the threshold too)."""
+    q, comp, table, to_req, vis, pos = bsp.problem(context, rows, seed)
+    g = torch.Generator(device=q.device).manual_seed(seed)
+    q = torch.randint(-2, 3, q.shape, generator=g, device=q.device).to(q.dtype)
+    comp = torch.randint(-2, 3, comp.shape, generator=g, device=q.device).to(comp.dtype)
+    return q, comp, table, to_req, vis, pos
+
+
+def check_ties(ctx: str, rows: int, routes: list[str]) -> list[dict]:
+    """Bitwise equality with the radix route and the reference on tied data (no timing)."""
+    context = bsp.CONTEXTS[ctx]
+    data = tied_problem(context, rows)
+    bsp.configure("radix")
+    want = bsp.Select(data, context)().clone()
+    out = []
+    for route in routes:
+        bsp.configure(route)
+        run = bsp.Select(data, context)
+        same = bool(torch.equal(run().clone(), want)) and bool(torch.equal(run().clone(), want))
+        cand = run.candidates()
+        out.append(dict(ctx=ctx, rows=rows, route=route, data="ties", exact=same and bsp.reference_rows(run, data),
+                        cand_max=cand[0], cand_mean=cand[1], overflow=cand[2]))
+    return out
+
+
 def parts(run: "bsp.Select") -> dict:
     """Callables of the candidate launches alone and the deferred resolves alone."""
     chunks = run.launch._chunks
@@ -54,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--dry", action="store_true")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--ties-rows", type=int, default=0, help="also check tied data with this many rows")
     a = ap.parse_args(argv)
     t0 = time.time()
     stamp = lambda: f"[{time.time() - t0:6.1f}s]"  # noqa: E731
@@ -74,6 +102,12 @@ def main(argv: list[str] | None = None) -> None:
 
         timer = GraphTimer(reps=10, budget_ms=300)
     results = []
+    for ctx in a.contexts.split(",") if a.ties_rows else []:
+        for line in check_ties(ctx, a.ties_rows, a.variants.split(",")):
+            results.append(line)
+            print(f"{stamp()} {ctx:4s} ties {line['rows']}r {line['route']:8s} "
+                  f"{'exact' if line['exact'] else 'DIFFERS'} cand {line['cand_max']}/{line['cand_mean']:.0f} "
+                  f"ovf {line['overflow']}", flush=True)
     for ctx in a.contexts.split(","):
         context = bsp.CONTEXTS[ctx]
         data = bsp.problem(context, a.rows)

@@ -107,7 +107,7 @@ def _topk_prefill_kernel(
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
-    BLOCK_W: tl.constexpr, PREFETCH: tl.constexpr = False, RUNS: tl.constexpr = 0,
+    BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -145,17 +145,9 @@ def _topk_prefill_kernel(
             ar = tl.arange(0, BLOCK)
             n = lo * 0
             start = lo
-            if PREFETCH:
-                nxt = _keys(s_row, lo + ar, lo + ar < hi)
-            else:
-                nxt = tl.full((BLOCK,), -1, tl.int32)
             while start < hi:  # (while: the interpreter cannot range over loaded values)
                 cols = start + ar
-                if PREFETCH:  # the next step's keys in flight while this step compacts
-                    key = nxt
-                    nxt = _keys(s_row, cols + BLOCK, cols + BLOCK < hi)
-                else:
-                    key = _keys(s_row, cols, cols < hi)
+                key = _keys(s_row, cols, cols < hi)
                 keep = (key >= bound).to(tl.int32)
                 pos = n + tl.cumsum(keep, 0) - keep
                 ok = (keep > 0) & (pos < CAP)
@@ -232,8 +224,11 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     if small:
         return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
                     rwarps=4, rregs=0)
+    # skip (2026-12-01 W2, select of 16K rows, ms): the candidate launch reads only the runs whose
+    # sample reaches the bound: 128K 6.47 -> 4.87 (its candidate launches 2.90 -> 1.27), 1M 57.5
+    # -> 40.7 (29.1 -> 12.3); not at 16K (1.12 vs 1.13), so from 32768 columns.
     return dict(sub=sub, seg=32768, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
-                rwarps=4, rregs=0)
+                rwarps=4, rregs=0, skip=int(num_cols >= 32768))
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
@@ -330,7 +325,7 @@ class PrefillTopkLaunch(ChunkLaunches):
             free=("row0", "crow0", "out_ptr", "stride_or"),
             KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=sample_cols(t, score_block_g),
             SAMPP=triton.next_power_of_2(samples.shape[1]), BLOCK=t["block"], RBLOCK=t["rblock"],
-            DEFER=bool(t["defer"]), PREFETCH=bool(t.get("pf", 0)), RUNS=seg_runs(num_cols, t, score_block_g), **common, num_warps=t["warps"], **({"maxnreg": t["regs"]} if t["regs"] else {}),
+            DEFER=bool(t["defer"]), RUNS=seg_runs(num_cols, t, score_block_g), **common, num_warps=t["warps"], **({"maxnreg": t["regs"]} if t["regs"] else {}),
         )
         self._resolve = _prefill_resolve.bind(
             (self.group,), visible_blocks, cidx, ckey, scratch.counts, out, pos, row0, rows, num_cols,
