@@ -53,6 +53,7 @@ VARIANTS = {
     "w1": dict(defer=0, warps=16, regs=0, cap=2048, block=4096),  # W1's: rows resolved by their last program
     "nodefer": dict(defer=0), "c2k": dict(cap=2048, block=4096, rregs=64), "w16": dict(warps=16, block=4096),
     "noregs": dict(regs=0), "s16k": dict(seg=16384), "l12": dict(lbits=12), "rw8": dict(rwarps=8),
+    "skip": dict(skip=1), "noskip": dict(skip=0),  # the candidate launch reads only runs reaching the bound
     "sub2": dict(sub=2), "sub4": dict(sub=4), "sub8": dict(sub=8), "sub16": dict(sub=16), "topk": None,
 }
 PREFILL_ROUTE, TOPK_ROUTE = sel._prefill_route, sel._topk_route

@@ -68,14 +68,46 @@ def _row_total(cnt_row, n_seg, SEGP: tl.constexpr):
     return tl.sum(tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg"), 0)
 
 
+@triton.jit
+def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, seg, hi, n_samp, S: tl.constexpr,
+                  RUNS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy the keys >= bound of segment seg's columns below hi (RUNS runs of S columns from
+    seg * RUNS * S) and their columns, ascending, to l_key / l_idx (the first CAP of them);
+    returns how many. A run whose sample (its largest key) is below bound holds none: only
+    the others are read, their ids first listed ascending at runs_row (int32 [RUNS], scratch)
+    and then swept BLOCK columns per step (flat position f: run f // S, column f % S)."""
+    r = tl.arange(0, RUNS)
+    run = seg * RUNS + r
+    live = (tl.load(samp_row + run, mask=run < n_samp, other=-1) >= bound).to(tl.int32)
+    tl.store(runs_row + tl.cumsum(live, 0) - live, run, mask=live > 0)
+    n_flat = tl.sum(live, 0) * S
+    tl.debug_barrier()  # the run list before its reads
+    f = tl.arange(0, BLOCK)
+    n = n_flat * 0
+    start = n_flat * 0
+    while start < n_flat:  # (while: the interpreter cannot range over loaded values)
+        fi = start + f
+        m = fi < n_flat
+        cols = tl.load(runs_row + fi // S, mask=m, other=0, cache_modifier=".cg") * S + fi % S
+        key = _keys(s_row, cols, m & (cols < hi))
+        keep = (key >= bound).to(tl.int32)
+        pos = n + tl.cumsum(keep, 0) - keep
+        ok = (keep > 0) & (pos < CAP)
+        tl.store(l_idx + pos, cols, mask=ok)
+        tl.store(l_key + pos, key, mask=ok)
+        n += tl.sum(keep, 0)
+        start += BLOCK
+    return n
+
+
 @triton.jit(do_not_specialize=["row0", "crow0", "n_cols", "stride_sr", "stride_pr", "stride_cr"])
 def _topk_prefill_kernel(
-    s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr,
+    s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr, runs_ptr,
     row0, crow0, n_cols, stride_sr, stride_pr, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -97,26 +129,32 @@ def _topk_prefill_kernel(
             _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     elif seg < n_seg:
         p = tl.arange(0, SAMPP)
-        samples = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr + p, mask=p < tl.cdiv(vis, S), other=-1)
+        samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
+        samples = tl.load(samp_row + p, mask=p < tl.cdiv(vis, S), other=-1)
         bound = _kth_key(samples, KB, BITS, LBITS)  # <= the row's KB-th largest key
         c_idx = cidx_ptr + (crow0 + lr).to(tl.int64) * stride_cr
         c_key = ckey_ptr + (crow0 + lr).to(tl.int64) * stride_cr
         cnt_row = cnt_ptr + (crow0 + lr).to(tl.int64) * SEGP
         lo = seg * SEG
         hi = tl.minimum(vis, lo + SEG)
-        ar = tl.arange(0, BLOCK)
-        n = lo * 0
-        start = lo
-        while start < hi:  # (while: the interpreter cannot range over loaded values)
-            cols = start + ar
-            key = _keys(s_row, cols, cols < hi)
-            keep = (key >= bound).to(tl.int32)
-            pos = n + tl.cumsum(keep, 0) - keep
-            ok = (keep > 0) & (pos < CAP)
-            tl.store(c_idx + seg * CAP + pos, cols, mask=ok)
-            tl.store(c_key + seg * CAP + pos, key, mask=ok)
-            n += tl.sum(keep, 0)
-            start += BLOCK
+        if RUNS:
+            runs_row = runs_ptr + lr.to(tl.int64) * (SEGP * RUNS) + seg * RUNS
+            n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound, seg, hi,
+                              tl.cdiv(vis, S), S, RUNS, CAP, BLOCK)
+        else:
+            ar = tl.arange(0, BLOCK)
+            n = lo * 0
+            start = lo
+            while start < hi:  # (while: the interpreter cannot range over loaded values)
+                cols = start + ar
+                key = _keys(s_row, cols, cols < hi)
+                keep = (key >= bound).to(tl.int32)
+                pos = n + tl.cumsum(keep, 0) - keep
+                ok = (keep > 0) & (pos < CAP)
+                tl.store(c_idx + seg * CAP + pos, cols, mask=ok)
+                tl.store(c_key + seg * CAP + pos, key, mask=ok)
+                n += tl.sum(keep, 0)
+                start += BLOCK
         tl.store(cnt_row + seg, n)
         tl.debug_barrier()  # this program's list and count before its arrival / its resolve
         last = n_seg == 1
@@ -186,8 +224,11 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     if small:
         return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
                     rwarps=4, rregs=0)
+    # skip (2026-12-01 W2, select of 16K rows, ms): the candidate launch reads only the runs whose
+    # sample reaches the bound: 128K 6.47 -> 4.87 (its candidate launches 2.90 -> 1.27), 1M 57.5
+    # -> 40.7 (29.1 -> 12.3); not at 16K (1.12 vs 1.13), so from 32768 columns.
     return dict(sub=sub, seg=32768, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
-                rwarps=4, rregs=0)
+                rwarps=4, rregs=0, skip=int(num_cols >= 32768))
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
@@ -199,6 +240,14 @@ def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: in
 def sample_cols(tiles: dict, score_block_g: int) -> int:
     """Columns per sample (S)."""
     return score_block_g // tiles["sub"]
+
+
+def seg_runs(num_cols: int, tiles: dict, score_block_g: int) -> int:
+    """Runs of S columns (samples) per segment program where the candidate launch reads only
+    the runs whose sample reaches the bound (tile skip), else 0."""
+    if not tiles.get("skip", 0):
+        return 0
+    return max(min(tiles["seg"], triton.next_power_of_2(num_cols)) // sample_cols(tiles, score_block_g), 1)
 
 
 def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: dict) -> int:
@@ -213,14 +262,16 @@ def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: dict) -> int:
 
 @dataclass(frozen=True)
 class PrefillScratch:
-    """Scratch of this route (flat; views per schedule): samples and arrival counters (zero
-    between calls) of a chunk, candidate indices, keys and list lengths of `defer_rows` rows."""
+    """Scratch of this route (flat; views per schedule): samples, arrival counters (zero
+    between calls) and the lists of runs to read (tile skip) of a chunk, candidate indices,
+    keys and list lengths of `defer_rows` rows."""
 
     samples: torch.Tensor
     cand_idx: torch.Tensor
     cand_key: torch.Tensor
     counts: torch.Tensor
     arrive: torch.Tensor
+    runs: torch.Tensor
 
 
 def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
@@ -231,7 +282,7 @@ def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
     group = defer_rows(chunk, num_rows, num_cols, tiles)
     return dict(samples=chunk * triton.cdiv(num_cols, sample_cols(tiles, score_block_g)),
                 cand_idx=group * segp * tiles["cap"], cand_key=group * segp * tiles["cap"], counts=group * segp,
-                arrive=chunk)
+                arrive=chunk, runs=max(chunk * segp * seg_runs(num_cols, tiles, score_block_g), 1))
 
 
 def prefill_scratch(elems: dict[str, int], device: torch.device | str) -> PrefillScratch:
@@ -270,11 +321,11 @@ class PrefillTopkLaunch(ChunkLaunches):
         common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], **write)
         self._topk = _prefill_topk.bind(
             (rows, segs), scores, visible_blocks, samples, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
-            row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0), out.stride(0), out.stride(1),
+            scratch.runs, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0), out.stride(0), out.stride(1),
             free=("row0", "crow0", "out_ptr", "stride_or"),
             KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=sample_cols(t, score_block_g),
             SAMPP=triton.next_power_of_2(samples.shape[1]), BLOCK=t["block"], RBLOCK=t["rblock"],
-            DEFER=bool(t["defer"]), **common, num_warps=t["warps"], **({"maxnreg": t["regs"]} if t["regs"] else {}),
+            DEFER=bool(t["defer"]), RUNS=seg_runs(num_cols, t, score_block_g), **common, num_warps=t["warps"], **({"maxnreg": t["regs"]} if t["regs"] else {}),
         )
         self._resolve = _prefill_resolve.bind(
             (self.group,), visible_blocks, cidx, ckey, scratch.counts, out, pos, row0, rows, num_cols,

@@ -58,10 +58,12 @@ def samples_of(scores: torch.Tensor, vis: list[int], S: int) -> torch.Tensor:
 
 
 def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0, calls: int = 1,
-             packed: bool = False, **tile_changes) -> torch.Tensor:
+             packed: bool = False, poison: tuple | None = None, **tile_changes) -> torch.Tensor:
     """Kernel top-k of score rows (row i: its visible scores) in one chunk, samples as the
     score launch writes them. The scratch beyond each row's visible columns is NaN; out has
-    row0 rows before the chunk (must stay -7). tile_changes: of the small tiles."""
+    row0 rows before the chunk (must stay -7). poison (row, columns): scores set to +inf after
+    the samples are taken (a kernel that reads them chooses them). tile_changes: of the small
+    tiles."""
     T = len(rows)
     vis = [r.numel() for r in rows]
     scores = torch.full((T, num_cols), float("nan"))
@@ -71,6 +73,8 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     scratch = sp.prefill_scratch(sp.prefill_scratch_elems(T, T, num_cols, tiles, BLOCK_G), DEV)
     samples = sp.samples_view(scratch, T, num_cols, tiles, BLOCK_G)
     samples.copy_(samples_of(scores, vis, sp.sample_cols(tiles, BLOCK_G)))
+    if poison is not None:
+        scores[poison] = float("inf")
     vis_t = torch.tensor([0] * row0 + vis, dtype=torch.int32, device=DEV)
     pos = torch.cat([torch.full((row0,), -1, dtype=torch.int64), positions_of(vis)]).to(DEV) if packed else None
     width = kb * R + R if packed else kb
@@ -196,6 +200,25 @@ def test_batch_invariance_rows_of_different_lengths():
     assert torch.equal(together, reference(rows, num_cols, 8))
     for i, r in enumerate(rows):
         assert torch.equal(together[i], run_topk([r], num_cols, 8)[0]), f"row {i} depends on the batch"
+
+
+@pytest.mark.parametrize("num_cols, kb, packed, defer", [(300, 8, False, 0), (300, 16, True, 1)])
+def test_skip_reads_only_the_runs_that_reach_the_bound(num_cols, kb, packed, defer):
+    # Tile skip: the candidate launch reads only runs whose sample reaches the bound. Row 0's
+    # scores below 0.01 in columns [8, 48) (runs of at most 8 columns: whole runs far below the
+    # Kb-th sample; the row does not overflow to the whole-row resolve, which reads every column)
+    # turn +inf after sampling: read, they would be chosen. Ties and a crowded row too.
+    assert sp.sample_cols(sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), BLOCK_G) <= 8
+    g = torch.Generator().manual_seed(7)
+    rows = [distinct(num_cols, 1), torch.randint(0, 3, (num_cols,), generator=g).float(), distinct(num_cols - 5, 2),
+            torch.randint(0, 4, (num_cols,), generator=g).float()]
+    rows[0][8:48] *= 1e-3
+    rows[3][-40:] = 7.0  # crowded: the whole-row resolve
+    got = run_topk(rows, num_cols, kb, calls=2, packed=packed, defer=defer, skip=1, poison=(0, slice(8, 48)))
+    assert torch.equal(got, reference(rows, num_cols, kb, packed))
+    with pytest.raises(AssertionError):  # (the test can fail: the route that reads every column)
+        assert torch.equal(run_topk(rows[:1], num_cols, kb, skip=0, poison=(0, slice(8, 48))),
+                           reference(rows[:1], num_cols, kb))
 
 
 # -- through the plan: the score launch writes the samples ------------------------------------
