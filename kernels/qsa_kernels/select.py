@@ -4,11 +4,9 @@ Contract: `qsa_core/reference/select.py`. A select call runs per chunk of rows (
 only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
 (`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
-`select_topk.py`, see `_topk_route`; for few long decode rows `select_sampled.py` from samples
-the score launch writes, see `_sampled_route`; for long prefill rows `select_prefill.py` from
-samples too, see `_prefill_route`) write each row's chosen groups in ascending
-order (or the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored. A
-decode chunk of one short row runs scores and top-k in one launch (`select_fused.py`).
+`select_topk.py`, see `_topk_route`; for long prefill rows `select_prefill.py` from samples the
+score launch writes too, see `_prefill_route`) write each row's chosen groups in ascending
+order (or the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored.
 
 `plan_select` fixes the schedule of a call (chunk, route, scratch views) when a step is
 planned; `SelectLaunch` binds all of a call's launches to that schedule, the compressed keys
@@ -26,7 +24,7 @@ import triton
 from .select_radix import BINS as _BINS
 from .select_radix import ChunkLaunches, TopkLaunch
 from .select_score import ScoreLaunch, score_tiles
-from . import select_fused, select_prefill, select_sampled, select_topk
+from . import select_prefill, select_topk
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
@@ -47,20 +45,6 @@ _TOPK_SHORT_MAX_ROWS = 64
 _PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
-# Decode chunks of at most _SAMPLED_MAX_ROWS rows over at least _SAMPLED_MIN_COLS columns take
-# `select_sampled` (the score launch writes samples; one top-k launch, two from 64 segments a
-# row). H200, 2026-12-01 W2 (select with packed rows, us, L2 flushed; main's route -> this;
-# bit-equal on random data and on 1000 tied keys a request): 32K B4 39.5 -> 27.4, 128K B4
-# 48.6 -> 36.7 (fp8 46.7 -> 34.0), 128K B16 92.6 -> 67.8, 1M B4 120.2 -> 107.0, 1M B4 x 4 rows
-# 171.1 -> 162.1 (fp8 1M B4: 106.5 -> 98.9 with the score's early loads, which were neutral
-# elsewhere). 128K B64 (64 rows) was not measured: it keeps `select_topk`.
-_SAMPLED_MIN_COLS = 4097
-_SAMPLED_MAX_ROWS = 16
-# Decode chunks of at most this many rows (one per request) over short rows (`select_topk`'s
-# short route) take `select_fused`: scores and top-k in one launch (W2, 8K B1: 18.2 -> 17.0 us
-# with 8 warps, 18.4 with 4); more rows were not measured.
-_FUSED_SHORT_MAX_ROWS = 1
-_FUSED_SHORT_WARPS = 8
 
 
 def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:
@@ -70,21 +54,6 @@ def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:
     if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, small=_interpreting())):
         return fused and chunk <= _TOPK_SHORT_MAX_ROWS
     return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
-
-
-def _sampled_route(n_cols: int, block_topk: int, chunk: int, decode: bool, rows_per_request: int) -> dict | None:
-    """The `select_sampled` tiles where a decode chunk of `chunk` rows x n_cols columns takes
-    it, else None."""
-    if not decode or n_cols < _SAMPLED_MIN_COLS or n_cols <= block_topk or chunk > _SAMPLED_MAX_ROWS:
-        return None
-    block_g = score_tiles(True, dict(_tiles(True), rows_per_request=rows_per_request), _interpreting()).block_g
-    return select_sampled.sampled_tiles(n_cols, block_topk, block_g, small=_interpreting())
-
-
-def _fused_short_route(n_cols: int, block_topk: int, chunk: int, decode: bool, rows_per_request: int) -> bool:
-    """Whether a decode chunk takes `select_fused` (one launch for scores and top-k)."""
-    return (decode and rows_per_request == 1 and block_topk < n_cols and chunk <= _FUSED_SHORT_MAX_ROWS
-            and select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, small=_interpreting())))
 
 
 def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int) -> dict | None:
@@ -135,7 +104,6 @@ class SelectWorkspace:
     counts: torch.Tensor
     topk: select_topk.TopkScratch | None = None
     prefill: select_prefill.PrefillScratch | None = None
-    sampled: select_sampled.SampledScratch | None = None
 
 
 def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str) -> SelectWorkspace:
@@ -158,7 +126,6 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
         topk=_topk_scratch(max_rows, cols, block_topk, dev),
         prefill=_prefill_scratch(max_rows, cols, block_topk, dev),
-        sampled=_sampled_scratch(max_rows, cols, block_topk, dev),
     )
 
 
@@ -181,23 +148,6 @@ def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.devi
         c *= 2
     return select_topk.TopkScratch(**{k: (torch.zeros if k == "arrive" else torch.empty)(
         v, dtype=torch.int32, device=dev) for k, v in need.items()})
-
-
-def _sampled_scratch(max_rows: int, max_cols: int, block_topk: int,
-                     dev: torch.device) -> select_sampled.SampledScratch | None:
-    """`select_sampled` scratch for every decode plan up to max_rows x max_cols (num_cols are
-    powers of two, or max_cols; any rows per request): the largest need of any column bound
-    that takes the route."""
-    need: dict[str, int] = {}
-    bounds = {max_cols} | {1 << i for i in range(block_topk.bit_length(), max_cols.bit_length())}
-    for c in sorted(bounds):
-        chunk = min(_scored_chunk(max_rows, c), _SAMPLED_MAX_ROWS)  # the largest chunk the route takes
-        for rpr in (1, 2):  # (the score tiles of one and of several rows per request)
-            tiles = _sampled_route(c, block_topk, chunk, True, rpr)
-            if tiles is not None:
-                elems = select_sampled.sampled_scratch_elems(chunk, c, tiles)
-                need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
-    return select_sampled.sampled_scratch(need, dev) if need else None
 
 
 def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
@@ -246,9 +196,6 @@ class SelectSchedule:
     topk_tiles: dict | None = None
     prefill: select_prefill.PrefillScratch | None = None
     prefill_tiles: dict | None = None
-    sampled: select_sampled.SampledScratch | None = None
-    sampled_tiles: dict | None = None
-    fused_short: bool = False
 
 
 def plan_select(
@@ -280,7 +227,7 @@ def plan_select(
         workspace = SelectWorkspace(
             scores=_score_scratch(chunk, n_cols, torch.device(device)).view(-1),
             hist=torch.zeros(triton.cdiv(chunk, rows) * rows * _BINS, dtype=torch.int32, device=device),
-            arrive=torch.zeros(triton.cdiv(chunk, rows) * rows, dtype=torch.int32, device=device),
+            arrive=torch.zeros(triton.cdiv(chunk, rows), dtype=torch.int32, device=device),
             state=torch.empty(chunk * 4, dtype=torch.int32, device=device),
             counts=torch.empty(chunk * n_tiles * 2, dtype=torch.int32, device=device),
         )
@@ -292,28 +239,13 @@ def plan_select(
                 raise ValueError(f"select workspace.{name} holds {getattr(workspace, name).numel()} < {n} elements")
         scores = workspace.scores[: chunk * n_cols].view(chunk, n_cols)
         hist = workspace.hist[: need["hist"]].view(-1, _BINS)
-        fused_short = _fused_short_route(n_cols, Kb, chunk, decode, rows_per_request)
-        if fused_short:  # one arrival counter per row (zero between calls, as the radix passes leave it)
-            need["arrive"] = chunk
-            if workspace.arrive.numel() < chunk:
-                raise ValueError(f"select workspace.arrive holds {workspace.arrive.numel()} < {chunk} elements")
         arrive = workspace.arrive[: need["arrive"]]
         state = workspace.state[: chunk * 4].view(chunk, 4)
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
-        fused_short = False
-    topk = topk_tiles = sampled = None
-    sampled_tiles = _sampled_route(n_cols, Kb, chunk, decode, rows_per_request) if scored and not fused_short else None
-    if sampled_tiles is not None:
-        need = select_sampled.sampled_scratch_elems(chunk, n_cols, sampled_tiles)
-        sampled = workspace.sampled if workspace is not None and workspace.sampled is not None else None
-        if sampled is None:
-            sampled = select_sampled.sampled_scratch(need, device)
-        for name, n in need.items():
-            if getattr(sampled, name).numel() < n:
-                raise ValueError(f"select workspace.sampled.{name} holds {getattr(sampled, name).numel()} < {n} elements")
-    elif _topk_route(n_cols, chunk, decode, fused) and not fused_short:
+    topk = topk_tiles = None
+    if _topk_route(n_cols, chunk, decode, fused):
         topk_tiles = select_topk.topk_tiles(n_cols, small=_interpreting())
         need = select_topk.topk_scratch_elems(chunk, n_cols, topk_tiles)
         have = workspace.topk if workspace is not None and workspace.topk is not None else None
@@ -338,8 +270,7 @@ def plan_select(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
         scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
-        prefill=prefill, prefill_tiles=prefill_tiles, sampled=sampled, sampled_tiles=sampled_tiles,
-        fused_short=fused_short,
+        prefill=prefill, prefill_tiles=prefill_tiles,
     )
 
 
@@ -366,35 +297,16 @@ class SelectLaunch:
         self._chunks: list[tuple[int, ScoreLaunch | None, ChunkLaunches]] = []
         for row0 in range(first_row, self.rows, s.chunk):
             n = min(s.chunk, self.rows - row0)
-            if n not in bound and s.fused_short:
-                t = score_tiles(True, s.tiles, s.interpret, compressed.element_size())
-                bound[n] = (select_fused.FusedShortLaunch(
-                    q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, s.arrive, out, row0=row0,
-                    rows=n, num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio,
-                    block_topk=block_topk, block_g=t.block_g, span=t.span, stages=t.stages,
-                    bits=select_topk.topk_tiles(s.num_cols, small=s.interpret)["bits"], warps=_FUSED_SHORT_WARPS,
-                    interpret=s.interpret, positions=positions), None)
             if n not in bound:
-                samples, sample_sub = None, 0
-                if s.prefill is not None:
-                    samples = select_prefill.samples_view(s.prefill, s.chunk, s.num_cols, s.prefill_tiles,
-                                                          _score_block_g())
-                    sample_sub = s.prefill_tiles["sub"]
-                elif s.sampled is not None:
-                    samples = select_sampled.samples_view(s.sampled, s.chunk, s.sampled_tiles)
-                    sample_sub = s.sampled_tiles["sub"]
+                samples = None if s.prefill is None else select_prefill.samples_view(
+                    s.prefill, s.chunk, s.num_cols, s.prefill_tiles, _score_block_g())
                 score = ScoreLaunch(
                     q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, row0=row0, rows=n,
                     num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio, block_topk=block_topk,
-                    decode=s.decode, tiles=s.tiles, interpret=s.interpret, samples=samples, sample_sub=sample_sub,
+                    decode=s.decode, tiles=s.tiles, interpret=s.interpret, samples=samples,
+                    sample_sub=0 if s.prefill is None else s.prefill_tiles["sub"],
                 ) if s.scored else None
-                if s.sampled is not None:
-                    topk = select_sampled.SampledTopkLaunch(
-                        s.scores, visible_blocks, out, s.sampled, row0=row0, rows=n, num_cols=s.num_cols,
-                        block_topk=block_topk, tiles=s.sampled_tiles, positions=positions,
-                        compress_ratio=compress_ratio,
-                    )
-                elif s.prefill is not None:
+                if s.prefill is not None:
                     topk = select_prefill.PrefillTopkLaunch(
                         s.scores, samples, visible_blocks, out, s.prefill, row0=row0, rows=n, num_cols=s.num_cols,
                         block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=_score_block_g(),
@@ -423,9 +335,6 @@ class SelectLaunch:
             raise ValueError(f"select out must be int32 {tuple(self.out_shape)}, got {out.dtype} {tuple(out.shape)}")
         out_stride = out.stride()[0]
         for row0, score, topk in self._chunks:
-            if topk is None:  # scores and top-k in one launch
-                score(q_idx, block_table, row0, out, out_stride)
-                continue
             if score is not None:
                 score(q_idx, block_table, row0)
             topk(row0, out, out_stride)

@@ -37,9 +37,6 @@ from .launch import Launcher
 # division is exact there only when compiled: its interpreter runs take the IEEE division.
 INTERPRETER_FMA_FUSED = not triton.__version__.startswith("3.6.")
 _EXACT_DOT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
-# The decode kernel's request and q load with the visible count (EARLY). Off: W2 (H200) measured
-# it neutral (scores 1M B4 80.4 -> 81.5 us, 128K B4 18.8 -> 19.0, 8K B1 7.9 -> 7.7).
-EARLY_LOADS = False
 
 
 @triton.jit
@@ -82,82 +79,40 @@ def _relu_dot(q, keys):
     return tl.maximum(tl.dot(q, tl.trans(keys), input_precision="ieee"), 0.0)
 
 
-@triton.jit
-def _q_row(q_ptr, row, stride_qt, stride_qh, stride_qd, HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr,
-           DP: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """q [HM, DP] of one row, heads padded to HM and dims to DP with zeros."""
-    h = tl.arange(0, HM)
-    d = tl.arange(0, DP)
-    return tl.load(q_ptr + row.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
-                   mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
-
-
-@triton.jit
-def _score_span(q, k_ptr, bt_ptr, s_row, req, col0, g_end, norm, stride_kp, stride_kr, stride_kd, stride_btr,
-                stride_btp, DI: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr,
-                R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                SPAN_TILES: tl.constexpr, samp_row, SAMPLE: tl.constexpr):
-    """Scores of one row (q [HM, DP], `_q_row`; keys of request req) at groups [col0, g_end)
-    in BLOCK_G tiles into s_row (fp32, by group): its heads (padded to HM >= 16) are the dot's M.
-    SPAN_TILES > 0 (the interpreter only): the tile loop runs over SPAN_TILES constant tiles
-    (triton 3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
-    SAMPLE > 0: also each tile's SAMPLE run maxima into samp_row (`_store_row_samples`)."""
-    d = tl.arange(0, DP)
-    for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
-                        num_stages=STAGES):
-        g0 = col0 + off if SPAN_TILES else off
-        g = g0 + tl.arange(0, BLOCK_G)
-        g_mask = g < g_end
-        keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
-                          stride_btp, DI, PAGE, R, DOT_DTYPE)
-        s = _finish(tl.sum(_relu_dot(q, keys), 0), norm)  # fp32 [BLOCK_G]
-        tl.store(s_row + g, s, mask=g_mask)
-        if SAMPLE:
-            _store_row_samples(samp_row, g0, s, g_mask, g_end, BLOCK_G, SAMPLE)
-
-
-@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr"])
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
 def _scores_decode_kernel(
-    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr,
+    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
     row0, n_cols, span, norm,
     stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
-    stride_pr,
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
-    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr,
-    EARLY: tl.constexpr,
+    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr,
 ):
-    """Scores of one row x groups [pid1*span, +span) (`_score_span`) -> s fp32 [chunk rows,
-    n_cols]. SAMPLE > 0: also each tile's SAMPLE subset maxima (`_store_row_samples`) into samp
-    int32 [chunk rows, cdiv(n_cols, BLOCK_G / SAMPLE)]. EARLY: the row's request and q load with
-    its visible count (one dependent memory round trip less; programs past visible load them too)."""
+    """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
+    to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols].
+    SPAN_TILES > 0 (the interpreter only): the tile loop runs over constant bounds (triton
+    3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds."""
     lr = tl.program_id(0)
     row = row0 + lr
     col0 = tl.program_id(1) * span
     vis = tl.load(vis_ptr + row)
-    if EARLY:
-        req = tl.load(req_ptr + row)
-        q = _q_row(q_ptr, row, stride_qt, stride_qh, stride_qd, HI, DI, HM, DP, DOT_DTYPE)
     vis = tl.where(vis > KB, tl.minimum(vis, n_cols), 0)  # <= Kb: chosen without scores
     if col0 < vis:
-        if not EARLY:
-            req = tl.load(req_ptr + row)
-            q = _q_row(q_ptr, row, stride_qt, stride_qh, stride_qd, HI, DI, HM, DP, DOT_DTYPE)
-        _score_span(q, k_ptr, bt_ptr, s_ptr + lr.to(tl.int64) * stride_sr, req, col0, tl.minimum(vis, col0 + span),
-                    norm, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, DI, DP, PAGE, R, BLOCK_G, STAGES,
-                    DOT_DTYPE, SPAN_TILES, samp_ptr + lr.to(tl.int64) * stride_pr, SAMPLE)
-
-
-@triton.jit
-def _store_row_samples(samp_row, g0, s, g_mask, g_end, BLOCK_G: tl.constexpr, SUB: tl.constexpr):
-    """One row's samples of a score tile s fp32 [BLOCK_G] (columns g0 + i, g0 a multiple of
-    BLOCK_G; g_mask: the columns written, all below g_end): for each of its SUB runs of
-    S = BLOCK_G / SUB columns, samp_row[g0 / S + run] = the largest key (score bits) of the
-    run, written where the run holds a column below g_end."""
-    key = tl.where(g_mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
-    m = tl.max(tl.reshape(key, (SUB, BLOCK_G // SUB)), 1)  # [SUB]
-    i = tl.arange(0, SUB)
-    tl.store(samp_row + g0 // (BLOCK_G // SUB) + i, m, mask=(g0 + i * (BLOCK_G // SUB)) < g_end)
+        req = tl.load(req_ptr + row)
+        h = tl.arange(0, HM)
+        d = tl.arange(0, DP)
+        q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd,
+                    mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
+        g_end = tl.minimum(vis, col0 + span)
+        s_row = s_ptr + lr.to(tl.int64) * stride_sr
+        for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
+                            num_stages=STAGES):
+            g = (col0 + off if SPAN_TILES else off) + tl.arange(0, BLOCK_G)
+            g_mask = g < g_end
+            keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
+                              stride_btp, DI, PAGE, R, DOT_DTYPE)
+            s = _finish(tl.sum(_relu_dot(q, keys), 0), norm)  # fp32 [BLOCK_G]
+            tl.store(s_row + g, s, mask=g_mask)
 
 
 @triton.jit
@@ -348,8 +303,8 @@ class ScoreLaunch:
     and the score scratch fp32 [>= rows, num_cols]; `__call__(q_idx [T, Hi, Di], block_table
     int32 [R, P], row0)` launches it. q_idx's dtype is fixed at binding. `score` overrides
     the tiles (`score_tiles`; benchmarks). samples int32 [>= rows, cdiv(num_cols, block_g /
-    sample_sub)]: the launch also writes the top-k's samples there (`select_prefill`,
-    `select_sampled`: sample_sub per score tile of block_g columns)."""
+    sample_sub)] (prefill only): the launch also writes the top-k's samples there
+    (`select_prefill`: sample_sub per score tile of block_g columns)."""
 
     def __init__(self, q_idx: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor, visible_blocks: torch.Tensor, scores: torch.Tensor, *, row0: int,
@@ -369,23 +324,23 @@ class ScoreLaunch:
                       BLOCK_G=t.block_g, STAGES=t.stages, SPAN_TILES=span // t.block_g if interpret else 0,
                       DOT_DTYPE=tl.bfloat16 if exact_dot(q_idx, compressed, interpret) else tl.float32)
         spans = triton.cdiv(num_cols, span)
-        if samples is not None and (sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
+        if samples is not None and (per_row or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
                                     or samples.shape[1] < triton.cdiv(num_cols, t.block_g // sample_sub)):
-            raise ValueError(f"score samples need sample_sub a power of two dividing block_g and >= "
+            raise ValueError(f"score samples need the prefill kernel, sample_sub a power of two and >= "
                              f"cdiv(num_cols, block_g {t.block_g} / sample_sub) columns, got {sample_sub} and "
                              f"{tuple(samples.shape)}")
         sampled = samples if samples is not None else scores  # (unread without samples)
         args = (
-            q_idx, compressed, block_table, token_to_req, visible_blocks, scores, sampled,
+            q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
+            *(() if per_row else (sampled,)),
             row0, *(() if per_row else (rows,)), num_cols, span, math.sqrt(Di),
             *(() if per_row else (float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),)),
-            *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0), sampled.stride(0),
+            *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0),
+            *(() if per_row else (sampled.stride(0),)),
         )
         if per_row:
             self._launch = _decode.bind((rows, spans), *args, free=_FREE,
-                                        HM=max(16, triton.next_power_of_2(Hi)), **common,
-                                        SAMPLE=sample_sub if samples is not None else 0, EARLY=EARLY_LOADS,
-                                        num_warps=t.num_warps)
+                                        HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)
         else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,

@@ -254,17 +254,16 @@ from qsa_kernels import select_score as ss
 # Runtime ints as Triton's launcher specializes them: == 1 -> constant, % 16 == 0 -> divisibility.
 VALUES = dict(stride_qt=512, stride_qh=128, stride_qd=1, stride_kp=4096, stride_kr=128, stride_kd=1,
               stride_btr=2048, stride_btp=1, span=256)
-# (the decode kernel also with the samples of select_sampled: 8 per tile at 128K context)
-for decode, kdt, rows_per_request, sample in ((True, "bf16", 1, 0), (True, "fp8e4nv", 1, 0), (True, "bf16", 1, 8),
-                                              (True, "bf16", 4, 1), (False, "bf16", 1, 0)):
+for decode, kdt, rows_per_request in ((True, "bf16", 1), (True, "fp8e4nv", 1), (True, "bf16", 4),
+                                      (False, "bf16", 1)):
     t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request), False, 1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
-                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, SAMPLE=sample, **{n: 1 for n, v in VALUES.items() if v == 1})
+                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, **{n: 1 for n, v in VALUES.items() if v == 1})
     if t.block_r == 1:
-        fn, const["HM"], const["EARLY"] = ss._scores_decode_kernel, 16, sample > 0  # (EARLY with the samples)
+        fn, const["HM"] = ss._scores_decode_kernel, 16
     else:
         fn = ss._scores_prefill_kernel
-        const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m)
+        const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m, SAMPLE=0)
     types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, bt_ptr="*i32", req_ptr="*i32", vis_ptr="*i32", s_ptr="*fp32",
                  samp_ptr="*i32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
@@ -287,7 +286,7 @@ def test_production_tiles_compile_for_sm90_on_tensor_cores():
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 5, run.stdout
+    assert len(lines) == 4, run.stdout
     for small_m, wgmma, mma, cp_async, shared in lines:
         assert int(mma if small_m == "True" else wgmma) > 0 and int(cp_async) > 0, lines
         assert int(shared) <= 227 * 1024, lines
