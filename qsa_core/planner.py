@@ -225,7 +225,6 @@ class QSAPlanner:
         self.guard = torch.zeros(1, **i32)
         self._arrive = torch.zeros(2, **i32)  # the metadata build's arrival counter (left zero)
         self._request_flags = torch.zeros(max(max_num_reqs or 0, n), **i32)
-        self._max_reqs = self._request_flags.shape[0]
         self._blocks = torch.empty(n, cfg.block_topk, **i32)
         self._selection = torch.empty(n, cfg.packed_width, **i32)
         self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
@@ -359,10 +358,10 @@ class QSAPlanner:
     def _check_capacity(self, inputs: QSAStepInputs) -> None:
         """The step fits the workspace (host ints only)."""
         T = inputs.num_tokens
-        if inputs.num_reqs > self._max_reqs:
+        if inputs.num_reqs > self._request_flags.shape[0]:
             raise ValueError(
                 f"num_reqs ({inputs.num_reqs}) exceeds the planner's max_num_reqs / max_num_tokens "
-                f"({self._max_reqs})"
+                f"({self._request_flags.shape[0]})"
             )
         if T > self.max_num_tokens:
             raise ValueError(f"num_tokens ({T}) exceeds the planner's max_num_tokens ({self.max_num_tokens})")
@@ -377,15 +376,13 @@ class QSAPlanner:
         max_seq_len bucket => the same schedule).
         """
         inputs.validate(self.device)
+        self._check_capacity(inputs)
         T, max_seq_len = inputs.num_tokens, inputs.max_seq_len
-        if inputs.num_reqs > self._max_reqs or T > self.max_num_tokens or max_seq_len > self.max_model_len:
-            self._check_capacity(inputs)  # raises, naming the bound
         if self._read_values:
             inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         cfg = self.config
-        dq = inputs.decode_query_len
-        schedule = self._schedule(T, inputs.num_decodes * dq, column_bucket(max_seq_len // cfg.compress_ratio), dq,
-                                  ring_store_fuses(inputs.max_query_len, self.ring_capacity))
+        schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(max_seq_len // cfg.compress_ratio),
+                                  inputs.decode_query_len, ring_store_fuses(inputs.max_query_len, self.ring_capacity))
         if static:
             qsl, seq, table, slots, ring, rope = self._stage(inputs)
         else:

@@ -201,8 +201,9 @@ def _metadata_kernel(
 
 
 _build = Launcher(_metadata_kernel)
-_BUILD_FREE = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "slot_ptr", "bt_ptr", "stride_bt0", "stride_bt1", "P",
-               "max_seq_len", "max_query_len", "num_live", "stray_end")
+_BUILD_INPUTS = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "slot_ptr", "bt_ptr")  # the step's tensors
+_BUILD_FREE = _BUILD_INPUTS + ("stride_bt0", "stride_bt1", "P", "max_seq_len", "max_query_len", "num_live",
+                               "stray_end")
 
 
 class MetadataBuild:
@@ -225,7 +226,7 @@ class MetadataBuild:
         inputs_checked: bool = False,
     ) -> None:
         self.outputs = (token_to_req, positions, visible_blocks, ring_slot, compressed_slot, kv_slot)
-        self._checked = _BUILD_FREE[:5] if inputs_checked else ()
+        self._checked = _BUILD_INPUTS if inputs_checked else ()
         self.request_flags, self.arrive, self.guard = request_flags, arrive, guard
         self.r, self.C, self.page_size = compress_ratio, ring_capacity, page_size
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
