@@ -232,7 +232,7 @@ class QSAPlanner:
         self._select_ws = self._partials = self._attn_prefill_ws = None
         if self.backend == "triton":
             from qsa_kernels import attention
-            from qsa_kernels.attention import partials_size
+            from qsa_kernels.attention import arrivals_size, partials_size
             from qsa_kernels.select import select_workspace
 
             self._q_idx = torch.empty(n, cfg.index_n_heads, cfg.index_head_dim, dtype=self.index_dtype, device=dev)
@@ -241,7 +241,8 @@ class QSAPlanner:
             self._select_ws = select_workspace(n, max_cols, cfg.block_topk, dev)
             acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
             self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
-                              torch.empty(acc, dtype=torch.float32, device=dev))
+                              torch.empty(acc, dtype=torch.float32, device=dev),
+                              torch.zeros(arrivals_size(n, cfg.num_kv_heads), **i32))  # left zero by each launch
             self._shared_prefill = attention.shared_prefill_enabled()  # QSA_SHARED_PREFILL, read once
             if n >= attention._PREFILL_MIN_ROWS and self._shared_prefill:
                 from qsa_kernels.attention_prefill import workspace_size
