@@ -6,10 +6,11 @@ and with itself after a second call and after the CUDA-graph replays (the arriva
 are left zero). Timing: `bench_qsa.GraphTimer` (median of CUDA-graph replays, L2 flushed),
 main and this tree alternately, twice. --whole also times prepare + select + attention of a
 step, this tree's attention against main's (main's patched into the planner / layer).
---splits N,...: this tree with the split count capped at N; --warps W: its kernel with W warps
+--splits N,...: this tree with the split count capped at N; --unroll U,...: the merge loading U
+splits at once; --warps W: its kernel with W warps
 (time, and the error against main's output).
 
-    python benchmarks/bench_datt.py --main-attention PATH/attention.py [--whole] [--splits 16,8] [--warps 4]
+    python benchmarks/bench_datt.py --main-attention PATH/attention.py [--whole] [--splits 16,8] [--unroll 1,4] [--warps 4]
         [--budget-s 80] [--out FILE]
 """
 
@@ -110,6 +111,7 @@ def main() -> None:
     ap.add_argument("--main-attention", required=True)
     ap.add_argument("--whole", action="store_true")
     ap.add_argument("--splits", default="", help="split caps to try at <= 16 rows, e.g. 16,8")
+    ap.add_argument("--unroll", default="", help="merge unrolls to try at <= 16 rows, e.g. 1,4")
     ap.add_argument("--warps", type=int, default=0, help="also try the split route with this many warps")
     ap.add_argument("--budget-s", type=float, default=80.0)
     ap.add_argument("--out", default=None)
@@ -127,14 +129,19 @@ def main() -> None:
             if label not in steps:
                 steps[label] = Step(case, torch.device("cuda"))
                 steps[label].select()
-            fn(steps[label], label)
+            try:
+                fn(steps[label], label)
+            except Exception as e:  # noqa: BLE001 - one stage's failure is logged, the rest still run
+                log(f"{label:9} {name} error {type(e).__name__}: {str(e)[:300]}")
 
     stage("attention", lambda st, lb: attention_only(old, st, timer, log, lb), SHAPES)
+    if args.whole:
+        stage("whole step", lambda st, lb: whole_step(old, st, timer, log, lb), SHAPES)
     small = [x for x in SHAPES if x[1].batch * x[1].rows <= 16]
     for cap in [int(x) for x in args.splits.split(",") if x]:
         stage(f"cap {cap}", lambda st, lb: variant(old, st, timer, log, lb, f"cap {cap}", _MAX_SPLITS=cap), small)
-    if args.whole:
-        stage("whole step", lambda st, lb: whole_step(old, st, timer, log, lb), SHAPES)
+    for u in [int(x) for x in args.unroll.split(",") if x]:
+        stage(f"unroll {u}", lambda st, lb: variant(old, st, timer, log, lb, f"unroll {u}", _MERGE_UNROLL=u), small)
     if args.warps:
         cfg = (64, args.warps, 1)
         stage(f"warps {args.warps}", lambda st, lb: variant(old, st, timer, log, lb, f"warps {args.warps}",

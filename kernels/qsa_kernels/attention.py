@@ -29,6 +29,8 @@ _MAX_SPLITS = 64
 # 3 against 2 cut 128K B64 from 91.1 to 86.3 us and 1M B4 with 4 rows per request from 40.6 to 37.6
 # (L2 flushed); 4 was slower at B64 (105 us); rows <= 4 stay at the 33-split cap either way.
 _PROGRAMS_PER_SM = 3
+# Splits whose partials the merging program loads at once (each a [GP, DP] fp32 tile).
+_MERGE_UNROLL = 2
 # Rows above which the one-pass kernel already fills the GPU.
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
@@ -162,7 +164,7 @@ def _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask):
 def _merge_group(
     gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, row, kvh, n_splits, v_scale, stride_gt, stride_gh, stride_ot,
     HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    UNROLL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Merge the n_splits (m, l, acc) partials of one row's head group, normalise, gate, store.
 
@@ -195,9 +197,9 @@ def _merge_group(
             o = _merge_split(o, part_ml_ptr, part_acc_ptr, base, s, n_splits, shift, g < G, mask, d, D)
             s += 1
     else:
-        for s in range(0, n_splits, 2):  # two splits' loads in flight
-            o = _merge_split(o, part_ml_ptr, part_acc_ptr, base, s, n_splits, shift, g < G, mask, d, D)
-            o = _merge_split(o, part_ml_ptr, part_acc_ptr, base, s + 1, n_splits, shift, g < G, mask, d, D)
+        for s in range(0, n_splits, UNROLL):  # UNROLL splits' loads in flight
+            for u in tl.static_range(UNROLL):
+                o = _merge_split(o, part_ml_ptr, part_acc_ptr, base, s + u, n_splits, shift, g < G, mask, d, D)
     has_any = (l_all > 0.0)[:, None]
     o = o / tl.where(has_any, l_all[:, None], 1.0) * v_scale
     g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
@@ -225,7 +227,7 @@ def _attn_kernel(
     stride_btr, stride_btp, stride_st, stride_sc,
     HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    UNROLL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Grid (rows, KV heads, splits). SPLIT off: out [T, HQ*D] directly. SPLIT on: partials
     ml fp32 [T, HQ, n_splits, 2] (m, l) and acc fp32 [T, HQ, n_splits, D]; each program counts
@@ -254,7 +256,7 @@ def _attn_kernel(
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
             tl.store(counter, 0)  # zero for the next launch (or graph replay)
             _merge_group(gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, row, kvh, n_splits, v_scale, stride_gt,
-                         stride_gh, stride_ot, HQ, G, GP, D, DP, SP, INTERPRET)
+                         stride_gh, stride_ot, HQ, G, GP, D, DP, SP, UNROLL, INTERPRET)
     else:
         has_any = (l > 0.0)[:, None]
         o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
@@ -420,7 +422,7 @@ class AttentionLaunch:
         self._launch = _per_row.bind(
             (T, Hkv, n_splits), *tensors, part_ml, part_acc, arrive, n_splits, W, qk_scale, v_scale, *strides,
             free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split, SP=max(2, triton.next_power_of_2(n_splits)),
-            num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
+            UNROLL=_MERGE_UNROLL, num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
         )
 
     def __call__(self, q: torch.Tensor, gate: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,

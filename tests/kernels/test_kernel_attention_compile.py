@@ -46,7 +46,7 @@ def compile_all() -> list[str]:
                                 ("one pass fp8", 256, False, "*fp8e5")]:
         bn, warps, stages = ker._launch_config(dp)
         consts = dict(HQ=24, G=12, GP=16, D=dp, DP=dp, PAGE=64, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, SPLIT=split,
-                      SP=64, INTERPRET=False)
+                      SP=64, UNROLL=ker._MERGE_UNROLL, INTERPRET=False)
         ptrs = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr=kv, v_ptr=kv, bt_ptr="*i32", req_ptr="*i32",
                     seq_ptr="*i32", sel_ptr="*i32", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32",
                     arrive_ptr="*i32")
