@@ -4,10 +4,12 @@ Contract: `qsa_core/reference/attention.py`. One program per (row, KV head[, spl
 the head group's queries as a [GP, D] tile (GP = group size padded to a power of two >= 16
 for tl.dot) and runs an online softmax (fp32, exp2) over blocks of selection columns,
 gathering K/V rows through the block table. Many rows: one pass (`_attn_kernel`, SPLIT off)
-that also applies the gate. Few rows (decode): flash-decoding in one launch, each split writes
-(m, l, acc) partials and the last split of a (row, KV head) to finish merges them and applies
-the gate (an arrival counter per (row, KV head), left zero). Entries < 0, >= the
-request's seq_len or at columns >= the count column are ignored; rows with none left are 0.
+that also applies the gate. Few rows (decode): flash-decoding, each split writes (m, l, acc)
+partials and `_combine_kernel` merges them and applies the gate; with the one-launch merge
+(QSA_ONE_LAUNCH_MERGE=1, off by default: not yet measured on the H200) the last split of a
+(row, KV head) to finish merges them instead, in the same launch, to the same bits. Entries
+< 0, >= the request's seq_len or at columns >= the count column are ignored; rows with none
+left are 0.
 `AttentionLaunch` binds the launches once per (schedule, layer cache) (`launch.py`).
 """
 
@@ -45,6 +47,13 @@ def shared_prefill_enabled() -> bool:
     """QSA_SHARED_PREFILL=1: planners made now plan the shared-tile prefill kernels (read once,
     when a `QSAPlanner` is made)."""
     return os.environ.get("QSA_SHARED_PREFILL", "0") == "1"
+
+
+def one_launch_merge_enabled() -> bool:
+    """QSA_ONE_LAUNCH_MERGE=1: planners made now plan the decode split programs to merge their
+    partials themselves (the last to arrive), not a combine launch (read once, when a
+    `QSAPlanner` is made). Off by default until measured on the H200 (benchmarks/bench_datt.py)."""
+    return os.environ.get("QSA_ONE_LAUNCH_MERGE", "0") == "1"
 
 
 def _interpreting() -> bool:
@@ -168,21 +177,25 @@ def _merge_group(
 ):
     """Merge the n_splits (m, l, acc) partials of one row's head group, normalise, gate, store.
 
-    The bits of the separate combine launch this replaced (one program per head over [SP] and
-    [SP, DP] tiles; tests/kernels/test_kernel_attention_decode.py keeps it): per head
-    m_all = max(m), w = exp2(m - m_all) and l_all = sum(w * l) over the same [SP] tile (the
-    same reduction tree), and o = the sum over splits of w * acc in split order, one multiply-
-    add per split (that kernel's in-thread chain). Partials are read from L2 (.cg): other
-    programs wrote them."""
+    The bits of `_combine_kernel` (one program per head over [SP] and [SP, DP] tiles): per head
+    m_all = max(m), w = exp2(m - m_all) and l_all = sum(w * l) over an [SP] tensor (on sm_90
+    the same PTX: a multiply, butterfly shuffles 16..1 with the first add fused, then across
+    warps), and o = the sum over splits of w * acc in split order, one multiply-add per split
+    (that kernel's in-thread chain). Partials are read from L2 (.cg): other programs wrote them."""
     g = tl.arange(0, GP)
     d = tl.arange(0, DP)
     sp = tl.arange(0, SP)
     shift = tl.zeros((GP,), tl.float32)
     l_all = tl.zeros((GP,), tl.float32)
+    # Every head's (m, l) in one [SP, GP] load (a load per head would wait out each head's
+    # reduction barriers); head h's [SP] column is taken exactly (max / sum with one term).
+    slots = (row.to(tl.int64) * HQ + kvh * G + g)[None, :] * n_splits + sp[:, None]
+    live = (g < G)[None, :] & (sp < n_splits)[:, None]
+    m_sg = tl.load(part_ml_ptr + slots * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
+    l_sg = tl.load(part_ml_ptr + slots * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
     for h in tl.static_range(G):
-        slot = (row.to(tl.int64) * HQ + kvh * G + h) * n_splits + sp
-        m = tl.load(part_ml_ptr + slot * 2, mask=sp < n_splits, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(part_ml_ptr + slot * 2 + 1, mask=sp < n_splits, other=0.0, cache_modifier=".cg")
+        m = tl.max(tl.where((g == h)[None, :], m_sg, float("-inf")), 1)
+        l = tl.sum(tl.where((g == h)[None, :], l_sg, 0.0), 1)
         m_all = tl.max(m, 0)
         m_shift = tl.where(m_all == float("-inf"), 0.0, m_all)  # empty splits: weight 0
         shift = tl.where(g == h, m_shift, shift)
@@ -226,13 +239,14 @@ def _attn_kernel(
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btr, stride_btp, stride_st, stride_sc,
     HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, SP: tl.constexpr,
-    UNROLL: tl.constexpr, INTERPRET: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
+    SP: tl.constexpr, UNROLL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Grid (rows, KV heads, splits). SPLIT off: out [T, HQ*D] directly. SPLIT on: partials
-    ml fp32 [T, HQ, n_splits, 2] (m, l) and acc fp32 [T, HQ, n_splits, D]; each program counts
-    its arrival in arrive int32 [T, KV heads] (zero between launches) and the last of a (row,
-    KV head)'s n_splits programs merges them (`_merge_group`) and zeroes the count again."""
+    ml fp32 [T, HQ, n_splits, 2] (m, l) and acc fp32 [T, HQ, n_splits, D], merged by
+    `_combine_kernel`; with MERGE each program also counts its arrival in arrive int32
+    [T, KV heads] (zero between launches) and the last of a (row, KV head)'s n_splits programs
+    merges them (`_merge_group`) and zeroes the count again."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -251,18 +265,45 @@ def _attn_kernel(
         tl.store(part_ml_ptr + slot * 2, m, mask=g < G)
         tl.store(part_ml_ptr + slot * 2 + 1, l, mask=g < G)
         tl.store(part_acc_ptr + slot[:, None] * D + d[None, :], acc, mask=mask)
-        tl.debug_barrier()  # this program's partials before its arrival
-        counter = arrive_ptr + row * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            tl.store(counter, 0)  # zero for the next launch (or graph replay)
-            _merge_group(gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, row, kvh, n_splits, v_scale, stride_gt,
-                         stride_gh, stride_ot, HQ, G, GP, D, DP, SP, UNROLL, INTERPRET)
+        if MERGE:
+            tl.debug_barrier()  # this program's partials before its arrival
+            counter = arrive_ptr + row * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
+                tl.store(counter, 0)  # zero for the next launch (or graph replay)
+                _merge_group(gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, row, kvh, n_splits, v_scale, stride_gt,
+                             stride_gh, stride_ot, HQ, G, GP, D, DP, SP, UNROLL, INTERPRET)
     else:
         has_any = (l > 0.0)[:, None]
         o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
         g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
         o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
         _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+
+
+@triton.jit(do_not_specialize=["n_splits"])
+def _combine_kernel(
+    gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, n_splits, v_scale, stride_gt, stride_gh, stride_ot,
+    HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+):
+    """Grid (rows, HQ): merge the splits' (m, l, acc) of one head, normalise, gate, store."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SP)
+    d = tl.arange(0, DP)
+    slot = (row.to(tl.int64) * HQ + head) * n_splits + sp
+    m = tl.load(part_ml_ptr + slot * 2, mask=sp < n_splits, other=float("-inf"))
+    l = tl.load(part_ml_ptr + slot * 2 + 1, mask=sp < n_splits, other=0.0)
+    acc = tl.load(part_acc_ptr + slot[:, None] * D + d[None, :], mask=(sp < n_splits)[:, None] & (d < D)[None, :],
+                  other=0.0)
+    m_all = tl.max(m, 0)
+    w = tl.math.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all))  # empty splits: weight 0
+    l_all = tl.sum(w * l, 0)
+    has_any = l_all > 0.0
+    o = tl.sum(w[:, None] * acc, 0) / tl.where(has_any, l_all, 1.0) * v_scale
+    mask = d < D
+    g_off = row.to(tl.int64) * stride_gt + head * stride_gh + d
+    o_off = row.to(tl.int64) * stride_ot + head * D + d
+    _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
 
 
 def _num_splits(rows: int, kv_heads: int, width: int, block_n: int, device: torch.device) -> int:
@@ -294,8 +335,9 @@ class AttentionSchedule:
     """How one sparse-attention call runs, fixed when the step is planned.
 
     n_splits > 1: flash-decoding partials part_ml fp32 [T, Hq, n_splits, 2] and part_acc
-    fp32 [T, Hq, n_splits, D] (views), merged by the last split of each (row, KV head) to
-    arrive, counted in arrive int32 [T, Hkv] (a view, zero between launches); else one pass.
+    fp32 [T, Hq, n_splits, D] (views), merged by the combine kernel, or with one_launch by the
+    last split of each (row, KV head) to arrive, counted in arrive int32 [T, Hkv] (a view,
+    zero between launches); else one pass.
     """
 
     num_rows: int
@@ -307,6 +349,7 @@ class AttentionSchedule:
     part_ml: torch.Tensor | None
     part_acc: torch.Tensor | None
     arrive: torch.Tensor | None
+    one_launch: bool = False
     prefill: Any = None  # an attention_prefill.PrefillSchedule: its kernels run instead
 
 
@@ -339,11 +382,13 @@ def plan_attention(
     compress_ratio: int | None = None,
     shared_prefill: bool = False,
     prefill_workspace: torch.Tensor | None = None,
+    one_launch_merge: bool = False,
 ) -> AttentionSchedule:
     """Schedule of a sparse attention over num_rows rows of W = width selection columns.
 
     partials: flat (ml, acc) fp32 buffers (`partials_size`) and int32 arrival counters, zero
-    (`arrivals_size`), of a workspace, else allocated.
+    (`arrivals_size`), of a workspace, else allocated. one_launch_merge: the split programs
+    merge (the last to arrive), no combine launch; the same bits.
     shared_prefill with compress_ratio given and at least _PREFILL_MIN_ROWS rows: the
     shared-tile prefill kernels (`attention_prefill.plan_prefill_attention`, on prefill_workspace
     if given).
@@ -373,11 +418,12 @@ def plan_attention(
         prefill = plan_prefill_attention(num_rows, num_heads, num_kv_heads, head_dim, width, compress_ratio,
                                          device=dev, workspace=prefill_workspace)
     return AttentionSchedule(num_rows, n_splits, block_n, num_warps, num_stages, _interpreting(), part_ml, part_acc,
-                             arrive, prefill)
+                             arrive, one_launch_merge and n_splits > 1, prefill)
 
 
 _FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "stride_qt", "stride_qh",
          "stride_gt", "stride_gh", "stride_ot", "stride_btr", "stride_btp", "stride_st", "stride_sc")
+_COMBINE_FREE = ("gate_ptr", "out_ptr", "stride_gt", "stride_gh", "stride_ot")
 
 
 class AttentionLaunch:
@@ -395,7 +441,7 @@ class AttentionLaunch:
         if T != schedule.num_rows:
             raise ValueError(f"the attention schedule was planned for {schedule.num_rows} rows, got {T}")
         self.num_rows = T
-        self._launch: BoundLaunch | None = None
+        self._launches: list[tuple[BoundLaunch, bool]] = []  # (launch, combine: fewer free args)
         self._prefill = None
         if T == 0:
             return
@@ -419,11 +465,17 @@ class AttentionLaunch:
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                    block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1))
-        self._launch = _per_row.bind(
+        sp = max(2, triton.next_power_of_2(n_splits))
+        self._launches.append((_per_row.bind(
             (T, Hkv, n_splits), *tensors, part_ml, part_acc, arrive, n_splits, W, qk_scale, v_scale, *strides,
-            free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split, SP=max(2, triton.next_power_of_2(n_splits)),
+            free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split, MERGE=schedule.one_launch, SP=sp,
             UNROLL=_MERGE_UNROLL, num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
-        )
+        ), False))
+        if split and not schedule.one_launch:
+            self._launches.append((_combine.bind(
+                (T, Hq), gate, out, part_ml, part_acc, n_splits, v_scale, gate.stride(0), gate.stride(1),
+                out.stride(0), free=_COMBINE_FREE, HQ=Hq, D=D, DP=DP, SP=sp,
+            ), True))
 
     def __call__(self, q: torch.Tensor, gate: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,
                  seq_lens: torch.Tensor, selection: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -431,10 +483,13 @@ class AttentionLaunch:
             raise ValueError(f"attention bound for {self.num_rows} rows, got q {tuple(q.shape)}, out {tuple(out.shape)}")
         if self._prefill is not None:
             return self._prefill(q, gate, block_table, token_to_req, seq_lens, selection, out)
-        if self._launch is not None:
-            qs, gs, bs, ss, os = q.stride(), gate.stride(), block_table.stride(), selection.stride(), out.stride()
-            self._launch(q, gate, block_table, token_to_req, seq_lens, selection, out, qs[0], qs[1], gs[0], gs[1],
-                         os[0], bs[0], bs[1], ss[0], ss[1])
+        qs, gs, bs, ss, os = q.stride(), gate.stride(), block_table.stride(), selection.stride(), out.stride()
+        for launch, combine in self._launches:
+            if combine:
+                launch(gate, out, gs[0], gs[1], os[0])
+            else:
+                launch(q, gate, block_table, token_to_req, seq_lens, selection, out, qs[0], qs[1], gs[0], gs[1], os[0],
+                       bs[0], bs[1], ss[0], ss[1])
         return out
 
 
@@ -470,3 +525,4 @@ def qsa_sparse_attention(
 
 
 _per_row = Launcher(_attn_kernel)
+_combine = Launcher(_combine_kernel)
