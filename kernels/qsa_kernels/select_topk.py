@@ -12,7 +12,9 @@ keys >= each of 2^BITS candidate prefixes are counted at once (`_kth_key`), 31 k
 ceil(31 / BITS) block reductions; no histogram. Then keys above it and the lowest-index
 keys equal to it are written at their ascending positions (one scan).
 
-- Short (`_topk_short_kernel`, grid: rows): num_cols <= CAP; the whole row in registers.
+- Short (`_topk_short_kernel`, grid: rows): num_cols <= CAP; the whole row in registers;
+  the threshold by a bracket search (`_kth_bound`) that stops once the bracket isolates it
+  (2^SBITS counts per step: ~4 steps on random scores, not 31 / BITS).
 - Long (`_topk_seg_kernel`, grid: rows x segments of SEG columns): a lower bound L of the
   row's threshold from samples (the maxima of disjoint column subsets are real keys, so the
   row has at least Kb keys >= their Kb-th largest); each segment compacts its keys >= L
@@ -111,13 +113,46 @@ def _write_tail(out_row, pos_ptr, row, vis, KB: tl.constexpr, PACKED: tl.constex
         _packed_tail(out_row, tl.minimum(vis, KB), vis, tl.load(pos_ptr + row), True, R, W, BLOCK_W)
 
 
+@triton.jit
+def _bracket_step(key, t, lo, hi, c_lo, KB: tl.constexpr):
+    """One counting step of `_kth_bound`: keys [N] >= each candidate t [M] (one block
+    reduction); candidates strictly inside (lo, hi) narrow the bracket. Returns (lo, hi,
+    c_lo): c_lo = keys >= lo (>= KB), fewer than KB keys >= hi."""
+    cnt = tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
+    inside = (t > lo) & (t < hi)
+    ok = inside & (cnt >= KB)
+    return (tl.max(tl.where(ok, t, lo), 0), tl.min(tl.where(inside & (cnt < KB), t, hi), 0),
+            tl.min(tl.where(ok, cnt, c_lo), 0))
+
+
+@triton.jit
+def _kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
+    """A threshold for `_emit` of keys [N] (int32 in [0, 2^31), -1 masked; vis > KB valid):
+    the KB-th largest key, or thr with exactly KB keys > thr. A bracket [lo, hi) with >= KB
+    keys >= lo and < KB keys >= hi narrows by 2^BITS counts per step (`_bracket_step`) until
+    hi = lo + 1 (thr = lo) or exactly KB keys are >= lo (thr = lo - 1): the first step's
+    candidates are spread linearly in value below the largest key, later ones linearly in
+    key bits over the bracket; candidate lo + 1 ends a search whose KB-th key is lo (ties)."""
+    j = tl.arange(0, 1 << BITS)
+    top = tl.max(key, 0)
+    frac = j.to(tl.float32) * (1.0 / (1 << BITS))
+    t = tl.where(j == 0, 1, (top.to(tl.float32, bitcast=True) * frac).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    lo, hi, c_lo = _bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, KB)
+    while (lo + 1 < hi) & (c_lo != KB):  # (while: the interpreter cannot range over loaded values)
+        w = hi - lo
+        t = tl.where(j == 0, lo + 1, lo + (w * j >> BITS)).to(tl.int32)
+        lo, hi, c_lo = _bracket_step(key, t, lo, hi, c_lo, KB)
+    return tl.where(c_lo == KB, lo - 1, lo).to(tl.int32)
+
+
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
 def _topk_short_kernel(
     s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, BITS: tl.constexpr,
     PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
-    """Top-k of one row of at most CAP columns, all in registers (PACKED: the packed row)."""
+    """Top-k of one row of at most CAP columns, all in registers, the threshold by
+    `_kth_bound` (PACKED: the packed row)."""
     lr = tl.program_id(0)
     row = row0 + lr
     vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
@@ -128,7 +163,7 @@ def _topk_short_kernel(
     else:
         cols = tl.arange(0, CAP)
         key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
-        _emit(key, cols, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+        _emit(key, cols, _kth_bound(key, vis, KB, BITS), out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
@@ -301,12 +336,14 @@ def topk_tiles(num_cols: int, small: bool) -> dict[str, int]:
     row's samples number samp x segments, >= 4 Kb keeps the bound tight); cap: candidates of
     a row (and of a segment's list); lcap: candidates per list the resolve packs in one
     step; block / rblock: columns per sweep step (compaction / the whole-row resolve); bits:
-    key bits per search step; lbits: high key bits of the bound; warps per program. small:
+    key bits per search step; sbits: log2 of the counts per step of the short route's
+    search; lbits: high key bits of the bound; warps per program. small:
     the interpreter's tiles (tests cross every border and route with few columns)."""
     if small:
-        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, lbits=31, warps=4)
-    t = dict(short=4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024, bits=2, lbits=31,
-             warps=16)
+        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, sbits=2, lbits=31,
+                    warps=4)
+    t = dict(short=4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024, bits=2, sbits=4,
+             lbits=31, warps=16)
     segs = triton.cdiv(max(num_cols, 1), t["seg"])
     if segs > 1:
         segp = triton.next_power_of_2(segs)
@@ -367,7 +404,7 @@ class TopkLaunch(ChunkLaunches):
         if short_route(num_cols, t):
             self._launches.append((_short.bind(
                 (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, *outs, free=out_free,
-                KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), BITS=t["bits"], **write,
+                KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), BITS=t["sbits"], **write,
                 num_warps=t["warps"],
             ), True))
             return

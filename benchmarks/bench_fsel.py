@@ -1,0 +1,184 @@
+"""Decode selection of short rows (issue 12): the short top-k (`select_topk._topk_short_kernel`,
+rows of <= `short` columns, whole row in registers) against main's, bit-exact first, then
+timed (CUDA-graph replays, L2 flushed before each).
+
+    python benchmarks/bench_fsel.py [--shapes 8k-b1,...] [--variants b4,...]
+
+Per shape: "main" = main's short kernel (a copy below: the fixed 2-bit radix search of
+`_kth_key`, 16 block reductions), then this tree's kernel with each variant's tile overrides.
+Columns: "select" = score + top-k writing the packed rows (as the plan launches them), "topk"
+= the top-k launch alone over the same score scratch. Before timing, each variant's packed
+rows must equal main's bit for bit on the Step's scores, twice, and on two tied scratches
+(scores rounded to crowds; 80 % zeros, so the threshold is a ReLU zero); "mixed" rows: one
+row at the plan's column bound and three shorter (top-k alone). Shapes past `short` columns
+force the short route (an experiment: main routes them to the radix passes, timed as "radix").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_qsa import GraphTimer, Step  # noqa: E402
+from bench_report import Case  # noqa: E402
+
+import qsa_kernels.select as sel  # noqa: E402
+from qsa_core.reference.expand import qsa_expand  # noqa: E402
+from qsa_core.reference.select import topk_groups  # noqa: E402
+from qsa_kernels import select_topk as stk  # noqa: E402
+from qsa_kernels.launch import Launcher  # noqa: E402
+
+
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
+def _main_short_kernel(
+    s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
+    KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, BITS: tl.constexpr,
+    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """main's `_topk_short_kernel` (3e8fa19): the threshold by `_kth_key` (31 bits, BITS per step)."""
+    lr = tl.program_id(0)
+    row = row0 + lr
+    vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
+    out_row = out_ptr + row.to(tl.int64) * stride_or
+    stk._write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+    if vis <= KB:
+        stk._write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
+    else:
+        cols = tl.arange(0, CAP)
+        key = stk._keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
+        stk._emit(key, cols, stk._kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+
+
+SHAPES = {
+    "8k-b1": Case("decode", 8192, 1, 1),
+    "8k-b4": Case("decode", 8192, 4, 1),
+    "16k-b4": Case("decode", 16384, 4, 1),
+    "8k-b64": Case("decode", 8192, 64, 1),
+    "32k-b4": Case("decode", 32768, 4, 1),
+    "128k-b4": Case("decode", 131072, 4, 1),
+}
+# Overrides of `topk_tiles` for this tree's short kernel ("short": force the route up to it).
+VARIANTS = {"b4": {}, "b3": dict(sbits=3), "b2": dict(sbits=2), "b4w8": dict(warps=8), "b3w8": dict(sbits=3, warps=8),
+            "s8k": dict(short=8192, sbits=2), "s8kb3": dict(short=8192, sbits=3)}
+NEW_SHORT, MAIN_SHORT, ROUTE, TILES = stk._short, Launcher(_main_short_kernel), sel._topk_route, stk.topk_tiles
+
+
+def configure(kernel: str, variant: dict | None = None) -> None:
+    """kernel: "main" (main's short kernel, main's tiles and routes) or "new" (this tree's, with
+    the variant's tile overrides; a larger "short" forces the short route up to it)."""
+    v = variant or {}
+    stk._short = MAIN_SHORT if kernel == "main" else NEW_SHORT
+    stk.topk_tiles = (lambda n, small: {**TILES(n, small), **v}) if kernel == "new" else TILES
+    forced = kernel == "new" and "short" in v
+    sel._topk_route = (lambda n, chunk, decode, fused: decode and n <= v["short"]) if forced else ROUTE
+
+
+def bind_topk(step: Step, scores: torch.Tensor, vis: torch.Tensor, pos: torch.Tensor, out: torch.Tensor):
+    """The short top-k launch alone over a scratch fp32 [rows, num_cols] (current configuration)."""
+    s = step.plan.schedule.select_decode
+    tiles = stk.topk_tiles(s.num_cols, False)
+    rows = scores.shape[0]
+    launch = stk.TopkLaunch(scores, vis, out, stk.topk_scratch(rows, s.num_cols, tiles, scores.device), row0=0,
+                            rows=rows, num_cols=s.num_cols, block_topk=step.cfg.block_topk, tiles=tiles,
+                            positions=pos, compress_ratio=step.cfg.compress_ratio)
+    return lambda: launch(0, out, out.stride(0))
+
+
+def scratches(step: Step, T: int) -> dict[str, tuple]:
+    """Named (scores, visible, positions) of the checks: the step's own scores, two tied
+    versions, and mixed rows (one at the column bound, three shorter)."""
+    s, meta = step.plan.schedule.select_decode, step.meta
+    base = s.scores[:T].clone()
+    vis, pos = meta.visible_blocks[:T].clone(), meta.positions[:T].clone()
+    crowd = (base * 2).round() / 2
+    zeros = torch.where(base < base.quantile(0.8, dim=1, keepdim=True), 0.0, base)
+    n = s.num_cols
+    mvis = torch.tensor([n, max(n // 4, 513), n // 2 + 3, 3 * n // 4 + 1], dtype=torch.int32, device=base.device)
+    mixed = base[:1].expand(4, -1).contiguous()
+    return dict(scores=(base, vis, pos), crowd=(crowd, vis, pos), zeros=(zeros, vis, pos),
+                mixed=(mixed, mvis, mvis.long() * 4 + 2))
+
+
+def run_shape(key: str, variants: list[str], timer, stamp) -> None:
+    case = SHAPES[key]
+    T = case.batch * case.rows
+    configure("main")
+    step = Step(case, torch.device("cuda"))
+    s = step.plan.schedule.select_decode
+    main_short = s.topk is not None and stk.short_route(s.num_cols, stk.topk_tiles(s.num_cols, False))
+    want = step.select()[:T].clone()
+    data = scratches(step, T)
+    main_out = {}
+    line = {"select": timer(step.select)}
+    for name, (sc, vis, pos) in data.items():
+        out = torch.empty(sc.shape[0], step.selection.shape[1], dtype=torch.int32, device=sc.device)
+        if main_short:
+            fn = bind_topk(step, sc, vis, pos, out)
+            fn()
+            main_out[name] = out.clone()
+            if name in ("scores", "mixed"):
+                line[f"topk {name}"] = timer(fn)
+        else:  # main's radix route: the reference top-k of the same scratch
+            main_out[name] = qsa_expand(topk_groups(sc, vis, step.cfg.block_topk), pos, vis,
+                                        compress_ratio=step.cfg.compress_ratio, out=out)
+    label = "main" if main_short else "radix"
+    print(f"{stamp()} {key:8s} {label:6s} " + " ".join(f"{k} {v:6.1f}" for k, v in line.items()), flush=True)
+    del step
+    for vname in variants:
+        v = VARIANTS[vname]
+        if not main_short and "short" not in v or "short" in v and s.num_cols > v["short"]:
+            continue
+        if main_short and "short" in v:
+            continue
+        configure("new", v)
+        try:
+            step = Step(case, torch.device("cuda"))
+            got = step.select()[:T].clone()
+            again = step.select()[:T].clone()
+            same = {"select": torch.equal(got, want) and torch.equal(again, want)}
+            line, fns = {}, {}
+            for name, (sc, vis, pos) in data.items():
+                out = torch.empty(sc.shape[0], step.selection.shape[1], dtype=torch.int32, device=sc.device)
+                fn = bind_topk(step, sc, vis, pos, out)
+                fn()
+                if name in main_out:
+                    same[name] = torch.equal(out, main_out[name])
+                fns[name] = fn
+            exact = all(same.values())
+            if exact:
+                line["select"] = timer(step.select)
+                for name in ("scores", "mixed"):
+                    line[f"topk {name}"] = timer(fns[name])
+            bad = [k for k, ok in same.items() if not ok]
+            print(f"{stamp()} {key:8s} {vname:6s} " + " ".join(f"{k} {x:6.1f}" for k, x in line.items())
+                  + (" exact" if exact else f" DIFFERS {bad}"), flush=True)
+            del step
+        except Exception as exc:  # keep the other variants' figures
+            print(f"{stamp()} {key:8s} {vname:6s} failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    configure("main")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    stamp = lambda: f"[{time.time() - t0:6.1f}s]"  # noqa: E731
+    timer = GraphTimer(flush_l2=True, reps=15, budget_ms=200)
+    print("us, CUDA-graph median, L2 flushed: select = score + top-k (packed rows), topk = the top-k alone",
+          flush=True)
+    for key in args.shapes.split(","):
+        run_shape(key, args.variants.split(","), timer, stamp)
+    print(f"{stamp()} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
