@@ -87,6 +87,28 @@ def test_random_scores(num_cols, kb, packed, lbits):
     assert torch.equal(got, reference(rows, num_cols, kb, packed))
 
 
+def _search_rows(kind: str, n: int) -> list[torch.Tensor]:
+    """Score rows of n columns whose threshold the short route's search meets in different
+    ways: isolated keys (the count reaches Kb), crowds of ties, a ReLU-zero threshold
+    (candidate lo + 1), subnormal and huge scores, one value, and a row one past Kb."""
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(4, 16, n, generator=g).relu().sum(1)
+    rows = {"random": base, "crowd": (base * 2).round() / 2,
+            "zeros": torch.where(base < base.quantile(0.8, dim=1, keepdim=True), 0.0, base),
+            "ints": torch.randint(0, 4, base.shape, generator=g).float(), "tiny": base * 1e-40,
+            "huge": base * 1e37, "equal": torch.full_like(base, 1.5)}[kind]
+    return [rows[0], rows[1], rows[2, : n - 3], rows[3, :9]]
+
+
+@pytest.mark.parametrize("kind", ["random", "crowd", "zeros", "ints", "tiny", "huge", "equal"])
+@pytest.mark.parametrize("sbits", [2, 3, 4])
+def test_short_route_search_meets_every_threshold(kind, sbits):
+    # 256 columns on the short route: the search runs several steps at every sbits.
+    rows = _search_rows(kind, 256)
+    got = run_topk(rows, 256, 8, calls=2, short=256, sbits=sbits)
+    assert torch.equal(got, reference(rows, 256, 8))
+
+
 @pytest.mark.parametrize("num_cols", COLS)
 def test_all_equal_scores_take_the_lowest_groups(num_cols):
     # Every key equals the bound: each segment's 64 candidates overflow its 32 slots.
