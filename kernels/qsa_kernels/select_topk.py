@@ -74,11 +74,18 @@ def _emit(key, idx, thr, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.conste
     """Write the chosen of keys/idx [N] (ascending idx; masked keys -1): keys above thr and
     the lowest-index keys equal to it, KB in all, at their ascending positions of out_row
     (PACKED: each group's R tokens at R x its position)."""
+    _emit_above(key, idx, thr, tl.sum((key > thr).to(tl.int32), 0), out_row, stride_oc, KB, PACKED, R)
+
+
+@triton.jit
+def _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr,
+                R: tl.constexpr):
+    """`_emit` with n_above = the number of keys > thr (<= KB) already known."""
     above = (key > thr).to(tl.int32)
     equal = (key == thr).to(tl.int32)
     packed = (above << 16) | equal  # one scan for both ranks (N < 2^15)
     excl = tl.cumsum(packed, 0) - packed
-    need = KB - (tl.sum(packed, 0) >> 16)
+    need = KB - n_above
     ties_before = excl & 0xFFFF
     chosen = (above > 0) | ((equal > 0) & (ties_before < need))
     pos = (excl >> 16) + tl.minimum(ties_before, need)
@@ -114,35 +121,37 @@ def _write_tail(out_row, pos_ptr, row, vis, KB: tl.constexpr, PACKED: tl.constex
 
 
 @triton.jit
-def _bracket_step(key, t, lo, hi, c_lo, KB: tl.constexpr):
+def _bracket_step(key, t, lo, hi, c_lo, c_hi, KB: tl.constexpr):
     """One counting step of `_kth_bound`: keys [N] >= each candidate t [M] (one block
     reduction); candidates strictly inside (lo, hi) narrow the bracket. Returns (lo, hi,
-    c_lo): c_lo = keys >= lo (>= KB), fewer than KB keys >= hi."""
+    c_lo, c_hi): c_lo = keys >= lo (>= KB), c_hi = keys >= hi (< KB)."""
     cnt = tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
     inside = (t > lo) & (t < hi)
     ok = inside & (cnt >= KB)
-    return (tl.max(tl.where(ok, t, lo), 0), tl.min(tl.where(inside & (cnt < KB), t, hi), 0),
-            tl.min(tl.where(ok, cnt, c_lo), 0))
+    low = inside & (cnt < KB)
+    return (tl.max(tl.where(ok, t, lo), 0), tl.min(tl.where(low, t, hi), 0), tl.min(tl.where(ok, cnt, c_lo), 0),
+            tl.max(tl.where(low, cnt, c_hi), 0))
 
 
 @triton.jit
 def _kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
-    """A threshold for `_emit` of keys [N] (int32 in [0, 2^31), -1 masked; vis > KB valid):
-    the KB-th largest key, or thr with exactly KB keys > thr. A bracket [lo, hi) with >= KB
-    keys >= lo and < KB keys >= hi narrows by 2^BITS counts per step (`_bracket_step`) until
-    hi = lo + 1 (thr = lo) or exactly KB keys are >= lo (thr = lo - 1): the first step's
-    candidates are spread linearly in value below the largest key, later ones linearly in
-    key bits over the bracket; candidate lo + 1 ends a search whose KB-th key is lo (ties)."""
+    """(thr, keys > thr) for `_emit_above` of keys [N] (int32 in [0, 2^31), -1 masked;
+    vis > KB valid): thr = the KB-th largest key, or one with exactly KB keys > thr. A
+    bracket [lo, hi) with >= KB keys >= lo and < KB keys >= hi narrows by 2^BITS counts per
+    step (`_bracket_step`) until hi = lo + 1 (thr = lo) or exactly KB keys are >= lo (thr =
+    lo - 1): the first step's candidates are spread linearly in value below the largest key,
+    later ones linearly in key bits over the bracket; candidate lo + 1 ends a search whose
+    KB-th key is lo (ties)."""
     j = tl.arange(0, 1 << BITS)
     top = tl.max(key, 0)
     frac = j.to(tl.float32) * (1.0 / (1 << BITS))
     t = tl.where(j == 0, 1, (top.to(tl.float32, bitcast=True) * frac).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    lo, hi, c_lo = _bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, KB)
+    lo, hi, c_lo, c_hi = _bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, vis * 0, KB)
     while (lo + 1 < hi) & (c_lo != KB):  # (while: the interpreter cannot range over loaded values)
-        w = hi - lo
-        t = tl.where(j == 0, lo + 1, lo + (w * j >> BITS)).to(tl.int32)
-        lo, hi, c_lo = _bracket_step(key, t, lo, hi, c_lo, KB)
-    return tl.where(c_lo == KB, lo - 1, lo).to(tl.int32)
+        t = tl.where(j == 0, lo + 1, lo + ((hi - lo) * j >> BITS)).to(tl.int32)
+        lo, hi, c_lo, c_hi = _bracket_step(key, t, lo, hi, c_lo, c_hi, KB)
+    exact = c_lo == KB
+    return tl.where(exact, lo - 1, lo).to(tl.int32), tl.where(exact, KB, c_hi)
 
 
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
@@ -163,7 +172,8 @@ def _topk_short_kernel(
     else:
         cols = tl.arange(0, CAP)
         key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
-        _emit(key, cols, _kth_bound(key, vis, KB, BITS), out_row, stride_oc, KB, PACKED, R)
+        thr, n_above = _kth_bound(key, vis, KB, BITS)
+        _emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
