@@ -3,6 +3,7 @@ rows of <= `short` columns, whole row in registers) against main's, bit-exact fi
 timed (CUDA-graph replays, L2 flushed before each).
 
     python benchmarks/bench_fsel.py [--shapes 8k-b1,...] [--variants b4,...]
+    TRITON_INTERPRET=1 python benchmarks/bench_fsel.py --dry --shapes 8k-b1   # CPU: checks only
 
 Per shape: "main" = main's short kernel (a copy below: the fixed 2-bit radix search of
 `_kth_key`, 16 block reductions), then this tree's kernel with each variant's tile overrides.
@@ -67,6 +68,7 @@ SHAPES = {
 # Overrides of `topk_tiles` for this tree's short kernel ("short": force the route up to it).
 VARIANTS = {"b4": {}, "b3": dict(sbits=3), "b2": dict(sbits=2), "b4w8": dict(warps=8), "b3w8": dict(sbits=3, warps=8),
             "s8k": dict(short=8192, sbits=2), "s8kb3": dict(short=8192, sbits=3)}
+DRY = False  # --dry: the H200's tiles under the interpreter too
 NEW_SHORT, MAIN_SHORT, ROUTE, TILES = stk._short, Launcher(_main_short_kernel), sel._topk_route, stk.topk_tiles
 
 
@@ -75,7 +77,7 @@ def configure(kernel: str, variant: dict | None = None) -> None:
     the variant's tile overrides; a larger "short" forces the short route up to it)."""
     v = variant or {}
     stk._short = MAIN_SHORT if kernel == "main" else NEW_SHORT
-    stk.topk_tiles = (lambda n, small: {**TILES(n, small), **v}) if kernel == "new" else TILES
+    stk.topk_tiles = lambda n, small: {**TILES(n, small and not DRY), **(v if kernel == "new" else {})}
     forced = kernel == "new" and "short" in v
     sel._topk_route = (lambda n, chunk, decode, fused: decode and n <= v["short"]) if forced else ROUTE
 
@@ -106,11 +108,11 @@ def scratches(step: Step, T: int) -> dict[str, tuple]:
                 mixed=(mixed, mvis, mvis.long() * 4 + 2))
 
 
-def run_shape(key: str, variants: list[str], timer, stamp) -> None:
+def run_shape(key: str, variants: list[str], timer, stamp, dev: torch.device) -> None:
     case = SHAPES[key]
     T = case.batch * case.rows
     configure("main")
-    step = Step(case, torch.device("cuda"))
+    step = Step(case, dev)
     s = step.plan.schedule.select_decode
     main_short = s.topk is not None and stk.short_route(s.num_cols, stk.topk_tiles(s.num_cols, False))
     want = step.select()[:T].clone()
@@ -139,7 +141,7 @@ def run_shape(key: str, variants: list[str], timer, stamp) -> None:
             continue
         configure("new", v)
         try:
-            step = Step(case, torch.device("cuda"))
+            step = Step(case, dev)
             got = step.select()[:T].clone()
             again = step.select()[:T].clone()
             same = {"select": torch.equal(got, want) and torch.equal(again, want)}
@@ -169,14 +171,25 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--dry", action="store_true", help="CPU, TRITON_INTERPRET=1: checks only, no timing")
     args = ap.parse_args(argv)
     t0 = time.time()
     stamp = lambda: f"[{time.time() - t0:6.1f}s]"  # noqa: E731
-    timer = GraphTimer(flush_l2=True, reps=15, budget_ms=200)
+    dev = torch.device("cpu" if args.dry else "cuda")
+    if args.dry:  # the planner's Triton backend on the CPU (the interpreter)
+        import bench_qsa
+
+        global DRY
+        DRY = True
+        planner = bench_qsa.QSAPlanner
+        bench_qsa.QSAPlanner = lambda *a, **kw: planner(*a, **{**kw, "backend": "triton"})
+        timer = lambda fn: (fn(), float("nan"))[1]  # noqa: E731
+    else:
+        timer = GraphTimer(flush_l2=True, reps=15, budget_ms=200)
     print("us, CUDA-graph median, L2 flushed: select = score + top-k (packed rows), topk = the top-k alone",
           flush=True)
     for key in args.shapes.split(","):
-        run_shape(key, args.variants.split(","), timer, stamp)
+        run_shape(key, args.variants.split(","), timer, stamp, dev)
     print(f"{stamp()} done", flush=True)
 
 
