@@ -66,7 +66,7 @@ SHAPES = {
     "128k-b4": Case("decode", 131072, 4, 1),
 }
 # Overrides of `topk_tiles` for this tree's short kernel ("short": force the route up to it).
-VARIANTS = {"b4": {}, "b3": dict(sbits=3), "b2": dict(sbits=2), "b4w8": dict(warps=8), "b3w8": dict(sbits=3, warps=8),
+VARIANTS = {"b4": {}, "b4e": dict(early=1), "b3e": dict(sbits=3, early=1), "b3": dict(sbits=3), "b2": dict(sbits=2), "b4w8": dict(warps=8), "b3w8": dict(sbits=3, warps=8),
             "s8k": dict(short=8192, sbits=2), "s8kb3": dict(short=8192, sbits=3)}
 DRY = False  # --dry: the H200's tiles under the interpreter too
 NEW_SHORT, MAIN_SHORT, ROUTE, TILES = stk._short, Launcher(_main_short_kernel), sel._topk_route, stk.topk_tiles

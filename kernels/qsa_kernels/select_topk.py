@@ -158,20 +158,27 @@ def _kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
 def _topk_short_kernel(
     s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, BITS: tl.constexpr,
-    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Top-k of one row of at most CAP columns, all in registers, the threshold by
-    `_kth_bound` (PACKED: the packed row)."""
+    `_kth_bound` (PACKED: the packed row). EARLY: the row's scores load with its visible
+    count (all n_cols columns, masked after), not after it."""
     lr = tl.program_id(0)
     row = row0 + lr
+    cols = tl.arange(0, CAP)
+    s_row = s_ptr + lr.to(tl.int64) * stride_sr
+    if EARLY:
+        s = tl.load(s_row + cols, mask=cols < n_cols, other=0.0)
     vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
     out_row = out_ptr + row.to(tl.int64) * stride_or
     _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
     if vis <= KB:
         _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     else:
-        cols = tl.arange(0, CAP)
-        key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
+        if EARLY:
+            key = tl.where(cols < vis, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
+        else:
+            key = _keys(s_row, cols, cols < vis)
         thr, n_above = _kth_bound(key, vis, KB, BITS)
         _emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
 
@@ -347,13 +354,14 @@ def topk_tiles(num_cols: int, small: bool) -> dict[str, int]:
     a row (and of a segment's list); lcap: candidates per list the resolve packs in one
     step; block / rblock: columns per sweep step (compaction / the whole-row resolve); bits:
     key bits per search step; sbits: log2 of the counts per step of the short route's
-    search; lbits: high key bits of the bound; warps per program. small:
-    the interpreter's tiles (tests cross every border and route with few columns)."""
+    search; early: the short route loads scores with the visible count; lbits: high key
+    bits of the bound; warps per program. small: the interpreter's tiles (tests cross every
+    border and route with few columns)."""
     if small:
-        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, sbits=2, lbits=31,
-                    warps=4)
+        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, sbits=2, early=0,
+                    lbits=31, warps=4)
     t = dict(short=4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024, bits=2, sbits=4,
-             lbits=31, warps=16)
+             early=0, lbits=31, warps=16)
     segs = triton.cdiv(max(num_cols, 1), t["seg"])
     if segs > 1:
         segp = triton.next_power_of_2(segs)
@@ -415,7 +423,7 @@ class TopkLaunch(ChunkLaunches):
             self._launches.append((_short.bind(
                 (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, *outs, free=out_free,
                 KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), BITS=t["sbits"], **write,
-                num_warps=t["warps"],
+                EARLY=t["early"], num_warps=t["warps"],
             ), True))
             return
         segs = triton.cdiv(num_cols, t["seg"])

@@ -101,11 +101,12 @@ def _search_rows(kind: str, n: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["random", "crowd", "zeros", "ints", "tiny", "huge", "equal"])
-@pytest.mark.parametrize("sbits", [2, 3, 4])
-def test_short_route_search_meets_every_threshold(kind, sbits):
-    # 256 columns on the short route: the search runs several steps at every sbits.
+@pytest.mark.parametrize("sbits, early", [(2, 0), (3, 1), (4, 0)])
+def test_short_route_search_meets_every_threshold(kind, sbits, early):
+    # 256 columns on the short route: the search runs several steps at every sbits; early:
+    # the NaN columns past a row's visible count load too (masked after).
     rows = _search_rows(kind, 256)
-    got = run_topk(rows, 256, 8, calls=2, short=256, sbits=sbits)
+    got = run_topk(rows, 256, 8, calls=2, short=256, sbits=sbits, early=early)
     assert torch.equal(got, reference(rows, 256, 8))
 
 
