@@ -62,12 +62,18 @@ SHAPES = {
     "8k-b4": Case("decode", 8192, 4, 1),
     "16k-b4": Case("decode", 16384, 4, 1),
     "8k-b64": Case("decode", 8192, 64, 1),
+    "8k-b128": Case("decode", 8192, 128, 1),
+    "8k-b256": Case("decode", 8192, 256, 1),
+    "16k-b256": Case("decode", 16384, 256, 1),
     "32k-b4": Case("decode", 32768, 4, 1),
     "128k-b4": Case("decode", 131072, 4, 1),
 }
 # Overrides of `topk_tiles` for this tree's short kernel ("short": force the route up to it).
-VARIANTS = {"b4": {}, "b4e": dict(early=1), "b3e": dict(sbits=3, early=1), "b3": dict(sbits=3), "b2": dict(sbits=2), "b4w8": dict(warps=8), "b3w8": dict(sbits=3, warps=8),
-            "s8k": dict(short=8192, sbits=2), "s8kb3": dict(short=8192, sbits=3)}
+VARIANTS = {
+    "b4": {}, "b3": dict(sbits=3), "b2": dict(sbits=2), "b4e": dict(early=1), "b3e": dict(sbits=3, early=1),
+    "b4w8": dict(warps=8), "b3w8": dict(sbits=3, warps=8),
+    "f4k": dict(short=4096), "f4kb3": dict(short=4096, sbits=3), "s8k": dict(short=8192, sbits=2),
+}
 DRY = False  # --dry: the H200's tiles under the interpreter too
 NEW_SHORT, MAIN_SHORT, ROUTE, TILES = stk._short, Launcher(_main_short_kernel), sel._topk_route, stk.topk_tiles
 
