@@ -5,14 +5,16 @@ timed (CUDA-graph replays, L2 flushed before each).
     python benchmarks/bench_fsel.py [--shapes 8k-b1,...] [--variants b4,...]
     TRITON_INTERPRET=1 python benchmarks/bench_fsel.py --dry --shapes 8k-b1   # CPU: checks only
 
-Per shape: "main" = main's short kernel (a copy below: the fixed 2-bit radix search of
-`_kth_key`, 16 block reductions), then this tree's kernel with each variant's tile overrides.
+Per shape: "main" = main's short route (bracket=0: the fixed 2-bit radix search of `_kth_key`,
+16 block reductions; its compiled code is main's), then bracket=1 (`_kth_bound`,
+`QSA_SHORT_BRACKET=1`) with each variant's tile overrides.
 Columns: "select" = score + top-k writing the packed rows (as the plan launches them), "topk"
 = the top-k launch alone over the same score scratch. Before timing, each variant's packed
 rows must equal main's bit for bit on the Step's scores, twice, and on two tied scratches
 (scores rounded to crowds; 80 % zeros, so the threshold is a ReLU zero); "mixed" rows: one
-row at the plan's column bound and three shorter (top-k alone). Shapes past `short` columns
-force the short route (an experiment: main routes them to the radix passes, timed as "radix").
+row at the plan's column bound and three shorter (top-k alone). Variants with "short" force
+the short route on every chunk up to that many columns (main takes the radix passes or the
+fused radix row kernel there, timed as "radix", checked against the reference top-k).
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qsa import GraphTimer, Step  # noqa: E402
@@ -34,27 +34,6 @@ import qsa_kernels.select as sel  # noqa: E402
 from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_core.reference.select import topk_groups  # noqa: E402
 from qsa_kernels import select_topk as stk  # noqa: E402
-from qsa_kernels.launch import Launcher  # noqa: E402
-
-
-@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
-def _main_short_kernel(
-    s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
-    KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, BITS: tl.constexpr,
-    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    """main's `_topk_short_kernel` (3e8fa19): the threshold by `_kth_key` (31 bits, BITS per step)."""
-    lr = tl.program_id(0)
-    row = row0 + lr
-    vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
-    out_row = out_ptr + row.to(tl.int64) * stride_or
-    stk._write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-    if vis <= KB:
-        stk._write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
-    else:
-        cols = tl.arange(0, CAP)
-        key = stk._keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
-        stk._emit(key, cols, stk._kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
 
 
 SHAPES = {
@@ -69,21 +48,20 @@ SHAPES = {
     "128k-b4": Case("decode", 131072, 4, 1),
 }
 # Overrides of `topk_tiles` for this tree's short kernel ("short": force the route up to it).
-VARIANTS = {
+VARIANTS = {  # (every one with bracket=1: `_kth_bound`)
     "b4": {}, "b3": dict(sbits=3), "b2": dict(sbits=2), "b4e": dict(early=1), "b3e": dict(sbits=3, early=1),
     "b4w8": dict(warps=8), "b3w8": dict(sbits=3, warps=8),
     "f4k": dict(short=4096), "f4kb3": dict(short=4096, sbits=3), "s8k": dict(short=8192, sbits=2),
 }
 DRY = False  # --dry: the H200's tiles under the interpreter too
-NEW_SHORT, MAIN_SHORT, ROUTE, TILES = stk._short, Launcher(_main_short_kernel), sel._topk_route, stk.topk_tiles
+ROUTE, TILES = sel._topk_route, stk.topk_tiles
 
 
 def configure(kernel: str, variant: dict | None = None) -> None:
-    """kernel: "main" (main's short kernel, main's tiles and routes) or "new" (this tree's, with
-    the variant's tile overrides; a larger "short" forces the short route up to it)."""
-    v = variant or {}
-    stk._short = MAIN_SHORT if kernel == "main" else NEW_SHORT
-    stk.topk_tiles = lambda n, small: {**TILES(n, small and not DRY), **(v if kernel == "new" else {})}
+    """kernel: "main" (main's search `_kth_key`, main's tiles and routes) or "new" (`_kth_bound`,
+    with the variant's tile overrides; a larger "short" forces the short route up to it)."""
+    v = dict(bracket=1, **(variant or {})) if kernel == "new" else dict(bracket=0)
+    stk.topk_tiles = lambda n, small: {**TILES(n, small and not DRY), **v}
     forced = kernel == "new" and "short" in v
     sel._topk_route = (lambda n, chunk, decode, fused: decode and n <= v["short"]) if forced else ROUTE
 

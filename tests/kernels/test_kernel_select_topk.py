@@ -101,13 +101,27 @@ def _search_rows(kind: str, n: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["random", "crowd", "zeros", "ints", "tiny", "huge", "equal"])
-@pytest.mark.parametrize("sbits, early", [(2, 0), (3, 1), (4, 0)])
-def test_short_route_search_meets_every_threshold(kind, sbits, early):
-    # 256 columns on the short route: the search runs several steps at every sbits; early:
-    # the NaN columns past a row's visible count load too (masked after).
+@pytest.mark.parametrize("bracket, sbits, early", [(0, 2, 1), (1, 2, 0), (1, 3, 1), (1, 4, 0)])
+def test_short_route_search_meets_every_threshold(kind, bracket, sbits, early):
+    # 256 columns on the short route, main's search or the bracket search (QSA_SHORT_BRACKET)
+    # over several steps at every sbits; early: the NaN columns past a row's visible count
+    # load too (masked after).
     rows = _search_rows(kind, 256)
-    got = run_topk(rows, 256, 8, calls=2, short=256, sbits=sbits, early=early)
+    got = run_topk(rows, 256, 8, calls=2, short=256, bracket=bracket, sbits=sbits, early=early)
     assert torch.equal(got, reference(rows, 256, 8))
+
+
+def test_short_route_bracket_search_is_batch_invariant():
+    # Rows of different lengths (padding, <= Kb, crowds of ties in one row) in one chunk.
+    g = torch.Generator().manual_seed(13)
+    rows = [torch.rand(n, generator=g) for n in (256, 9, 61, 0, 130, 8, 200)]
+    rows[4][::3] = 0.5
+    tiles = dict(short=256, bracket=1, sbits=3)
+    assert torch.equal(run_topk(rows, 256, 8, row0=2, packed=True, **tiles), reference(rows, 256, 8, True))
+    together = run_topk(rows, 256, 8, row0=2, **tiles)
+    assert torch.equal(together, reference(rows, 256, 8))
+    for i, r in enumerate(rows):
+        assert torch.equal(together[i], run_topk([r], 256, 8, **tiles)[0]), f"row {i} depends on the batch"
 
 
 @pytest.mark.parametrize("num_cols", COLS)
