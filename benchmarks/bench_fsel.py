@@ -48,10 +48,10 @@ SHAPES = {
     "128k-b4": Case("decode", 131072, 4, 1),
 }
 # Overrides of `topk_tiles` for this tree's short kernel ("short": force the route up to it).
-VARIANTS = {  # (every one with bracket=1: `_kth_bound`)
-    "b4": {}, "b3": dict(sbits=3), "b2": dict(sbits=2), "b4e": dict(early=1), "b3e": dict(sbits=3, early=1),
-    "b4w8": dict(warps=8), "b3w8": dict(sbits=3, warps=8),
-    "f4k": dict(short=4096), "f4kb3": dict(short=4096, sbits=3), "s8k": dict(short=8192, sbits=2),
+VARIANTS = {  # (every one with bracket=1: `_kth_bound`; "tiles": topk_tiles' own sbits)
+    "tiles": {}, "b2": dict(sbits=2), "b3": dict(sbits=3), "b4": dict(sbits=4), "early": dict(early=1),
+    "b3e": dict(sbits=3, early=1), "w8": dict(warps=8),
+    "f4k": dict(short=4096), "f4ke": dict(short=4096, early=1), "s8k": dict(short=8192),
 }
 DRY = False  # --dry: the H200's tiles under the interpreter too
 ROUTE, TILES = sel._topk_route, stk.topk_tiles
@@ -154,7 +154,7 @@ def run_shape(key: str, variants: list[str], timer, stamp, dev: torch.device) ->
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="tiles,b2,b3,early,w8,f4k,s8k")
     ap.add_argument("--dry", action="store_true", help="CPU, TRITON_INTERPRET=1: checks only, no timing")
     args = ap.parse_args(argv)
     t0 = time.time()

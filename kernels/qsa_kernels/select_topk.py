@@ -383,8 +383,10 @@ def topk_tiles(num_cols: int, small: bool) -> dict[str, int]:
     if small:
         return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, bracket=int(SHORT_BRACKET),
                     sbits=2, early=0, lbits=31, warps=4)
+    # sbits: the search's compare [row, 2^sbits] holds at most 64 keys a thread (16 warps): no spill.
+    cap_bits = triton.next_power_of_2(max(num_cols, 1)).bit_length() - 1
     t = dict(short=4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024, bits=2,
-             bracket=int(SHORT_BRACKET), sbits=4, early=0, lbits=31, warps=16)
+             bracket=int(SHORT_BRACKET), sbits=min(4, max(2, 15 - cap_bits)), early=0, lbits=31, warps=16)
     segs = triton.cdiv(max(num_cols, 1), t["seg"])
     if segs > 1:
         segp = triton.next_power_of_2(segs)
