@@ -164,7 +164,7 @@ def _kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
     frac = j.to(tl.float32) * (1.0 / (1 << BITS))
     t = tl.where(j == 0, 1, (top.to(tl.float32, bitcast=True) * frac).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     lo, hi, c_lo, c_hi = _bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, vis * 0, KB)
-    while (lo + 1 < hi) & (c_lo != KB):  # (while: the interpreter cannot range over loaded values)
+    while (lo + 1 < hi) & (c_lo != KB):  # the same trip count in every thread of the program
         t = tl.where(j == 0, lo + 1, lo + ((hi - lo) * j >> BITS)).to(tl.int32)
         lo, hi, c_lo, c_hi = _bracket_step(key, t, lo, hi, c_lo, c_hi, KB)
     exact = c_lo == KB
