@@ -13,6 +13,9 @@ ceil(31 / BITS) block reductions; no histogram. Then keys above it and the lowes
 keys equal to it are written at their ascending positions (one scan).
 
 - Short (`_topk_short_kernel`, grid: rows): num_cols <= CAP; the whole row in registers.
+  With `SHORT_BRACKET` (off until measured) the threshold comes from a bracket search
+  (`_kth_bound`) that stops once the bracket isolates it (2^SBITS counts per step: ~4 steps
+  on random scores, not 31 / BITS), and the emit skips its count of keys above it.
 - Long (`_topk_seg_kernel`, grid: rows x segments of SEG columns): a lower bound L of the
   row's threshold from samples (the maxima of disjoint column subsets are real keys, so the
   row has at least Kb keys >= their Kb-th largest); each segment compacts its keys >= L
@@ -31,6 +34,7 @@ sit at fixed offsets, and no row reads another's state. `TopkLaunch` binds one c
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,11 @@ import triton.language as tl
 from .expand import _packed_groups, _packed_tail
 from .launch import BoundLaunch, Launcher
 from .select_radix import ChunkLaunches, packed_write
+
+# QSA_SHORT_BRACKET=1 (read at import): the short route's threshold by `_kth_bound` instead of
+# `_kth_key`. Off until measured on the H200 (benchmarks/device/fsel_measure.sh): the same
+# selection bit for bit, ~4 block reductions per row on random scores instead of 16.
+SHORT_BRACKET = os.environ.get("QSA_SHORT_BRACKET", "0") == "1"
 
 
 @triton.jit
@@ -76,7 +85,24 @@ def _emit(key, idx, thr, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.conste
     equal = (key == thr).to(tl.int32)
     packed = (above << 16) | equal  # one scan for both ranks (N < 2^15)
     excl = tl.cumsum(packed, 0) - packed
-    need = KB - (tl.sum(packed, 0) >> 16)
+    _emit_ranked(idx, above, equal, excl, KB - (tl.sum(packed, 0) >> 16), out_row, stride_oc, PACKED, R)
+
+
+@triton.jit
+def _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr,
+                R: tl.constexpr):
+    """`_emit` with n_above, the number of keys > thr (<= KB), known: no count of them."""
+    above = (key > thr).to(tl.int32)
+    equal = (key == thr).to(tl.int32)
+    packed = (above << 16) | equal
+    excl = tl.cumsum(packed, 0) - packed
+    _emit_ranked(idx, above, equal, excl, KB - n_above, out_row, stride_oc, PACKED, R)
+
+
+@triton.jit
+def _emit_ranked(idx, above, equal, excl, need, out_row, stride_oc, PACKED: tl.constexpr, R: tl.constexpr):
+    """`_emit`'s writes from the exclusive scan excl of (above << 16) | equal and need, the
+    ties to take: every key above, the first need ties."""
     ties_before = excl & 0xFFFF
     chosen = (above > 0) | ((equal > 0) & (ties_before < need))
     pos = (excl >> 16) + tl.minimum(ties_before, need)
@@ -111,15 +137,56 @@ def _write_tail(out_row, pos_ptr, row, vis, KB: tl.constexpr, PACKED: tl.constex
         _packed_tail(out_row, tl.minimum(vis, KB), vis, tl.load(pos_ptr + row), True, R, W, BLOCK_W)
 
 
+@triton.jit
+def _bracket_step(key, t, lo, hi, c_lo, c_hi, KB: tl.constexpr):
+    """One counting step of `_kth_bound`: keys [N] >= each candidate t [M] (one block
+    reduction); candidates strictly inside (lo, hi) narrow the bracket. Returns (lo, hi,
+    c_lo, c_hi): c_lo = keys >= lo (>= KB), c_hi = keys >= hi (< KB)."""
+    cnt = tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
+    inside = (t > lo) & (t < hi)
+    ok = inside & (cnt >= KB)
+    low = inside & (cnt < KB)
+    return (tl.max(tl.where(ok, t, lo), 0), tl.min(tl.where(low, t, hi), 0), tl.min(tl.where(ok, cnt, c_lo), 0),
+            tl.max(tl.where(low, cnt, c_hi), 0))
+
+
+@triton.jit
+def _kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
+    """(thr, keys > thr) for `_emit_above` of keys [N] (int32 in [0, 2^31), -1 masked;
+    vis > KB valid): thr = the KB-th largest key, or one with exactly KB keys > thr. A
+    bracket [lo, hi) with >= KB keys >= lo and < KB keys >= hi narrows by 2^BITS counts per
+    step (`_bracket_step`) until hi = lo + 1 (thr = lo) or exactly KB keys are >= lo (thr =
+    lo - 1): the first step's candidates are spread linearly in value below the largest key,
+    later ones linearly in key bits over the bracket; candidate lo + 1 ends a search whose
+    KB-th key is lo (ties)."""
+    j = tl.arange(0, 1 << BITS)
+    top = tl.max(key, 0)
+    frac = j.to(tl.float32) * (1.0 / (1 << BITS))
+    t = tl.where(j == 0, 1, (top.to(tl.float32, bitcast=True) * frac).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    lo, hi, c_lo, c_hi = _bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, vis * 0, KB)
+    while (lo + 1 < hi) & (c_lo != KB):  # the same trip count in every thread of the program
+        t = tl.where(j == 0, lo + 1, lo + ((hi - lo) * j >> BITS)).to(tl.int32)
+        lo, hi, c_lo, c_hi = _bracket_step(key, t, lo, hi, c_lo, c_hi, KB)
+    exact = c_lo == KB
+    return tl.where(exact, lo - 1, lo).to(tl.int32), tl.where(exact, KB, c_hi)
+
+
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
 def _topk_short_kernel(
     s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
-    KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, BITS: tl.constexpr,
-    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, BITS: tl.constexpr, BRACKET: tl.constexpr,
+    SBITS: tl.constexpr, EARLY: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
-    """Top-k of one row of at most CAP columns, all in registers (PACKED: the packed row)."""
+    """Top-k of one row of at most CAP columns, all in registers (PACKED: the packed row).
+    The threshold: `_kth_key` (31 bits, BITS a step), or BRACKET: `_kth_bound` (2^SBITS counts
+    a step, until isolated). EARLY: the row's scores load with its visible count (all n_cols
+    columns, masked after), not after it."""
     lr = tl.program_id(0)
     row = row0 + lr
+    if EARLY:
+        s = tl.load(s_ptr + lr.to(tl.int64) * stride_sr + tl.arange(0, CAP), mask=tl.arange(0, CAP) < n_cols,
+                    other=0.0)
     vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
     out_row = out_ptr + row.to(tl.int64) * stride_or
     _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
@@ -127,8 +194,15 @@ def _topk_short_kernel(
         _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     else:
         cols = tl.arange(0, CAP)
-        key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
-        _emit(key, cols, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+        if EARLY:
+            key = tl.where(cols < vis, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
+        else:
+            key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
+        if BRACKET:
+            thr, n_above = _kth_bound(key, vis, KB, SBITS)
+            _emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
+        else:
+            _emit(key, cols, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
@@ -301,12 +375,18 @@ def topk_tiles(num_cols: int, small: bool) -> dict[str, int]:
     row's samples number samp x segments, >= 4 Kb keeps the bound tight); cap: candidates of
     a row (and of a segment's list); lcap: candidates per list the resolve packs in one
     step; block / rblock: columns per sweep step (compaction / the whole-row resolve); bits:
-    key bits per search step; lbits: high key bits of the bound; warps per program. small:
-    the interpreter's tiles (tests cross every border and route with few columns)."""
+    key bits per search step; bracket: the short route's search is `_kth_bound`
+    (`SHORT_BRACKET`), with sbits: log2 of its counts per step; early: the short route
+    loads scores with the visible count; lbits: high key
+    bits of the bound; warps per program. small: the interpreter's tiles (tests cross every
+    border and route with few columns)."""
     if small:
-        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, lbits=31, warps=4)
-    t = dict(short=4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024, bits=2, lbits=31,
-             warps=16)
+        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, bracket=int(SHORT_BRACKET),
+                    sbits=2, early=0, lbits=31, warps=4)
+    # sbits: the search's compare [row, 2^sbits] holds at most 64 keys a thread (16 warps): no spill.
+    cap_bits = triton.next_power_of_2(max(num_cols, 1)).bit_length() - 1
+    t = dict(short=4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024, bits=2,
+             bracket=int(SHORT_BRACKET), sbits=min(4, max(2, 15 - cap_bits)), early=0, lbits=31, warps=16)
     segs = triton.cdiv(max(num_cols, 1), t["seg"])
     if segs > 1:
         segp = triton.next_power_of_2(segs)
@@ -367,8 +447,8 @@ class TopkLaunch(ChunkLaunches):
         if short_route(num_cols, t):
             self._launches.append((_short.bind(
                 (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, *outs, free=out_free,
-                KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), BITS=t["bits"], **write,
-                num_warps=t["warps"],
+                KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), BITS=t["bits"], BRACKET=t["bracket"],
+                SBITS=t["sbits"], EARLY=t["early"], **write, num_warps=t["warps"],
             ), True))
             return
         segs = triton.cdiv(num_cols, t["seg"])

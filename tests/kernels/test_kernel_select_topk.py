@@ -87,6 +87,43 @@ def test_random_scores(num_cols, kb, packed, lbits):
     assert torch.equal(got, reference(rows, num_cols, kb, packed))
 
 
+def _search_rows(kind: str, n: int) -> list[torch.Tensor]:
+    """Score rows of n columns whose threshold the short route's search meets in different
+    ways: isolated keys (the count reaches Kb), crowds of ties, a ReLU-zero threshold
+    (candidate lo + 1), subnormal and huge scores, one value, and a row one past Kb."""
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(4, 16, n, generator=g).relu().sum(1)
+    rows = {"random": base, "crowd": (base * 2).round() / 2,
+            "zeros": torch.where(base < base.quantile(0.8, dim=1, keepdim=True), 0.0, base),
+            "ints": torch.randint(0, 4, base.shape, generator=g).float(), "tiny": base * 1e-40,
+            "huge": base * 1e37, "equal": torch.full_like(base, 1.5)}[kind]
+    return [rows[0], rows[1], rows[2, : n - 3], rows[3, :9]]
+
+
+@pytest.mark.parametrize("kind", ["random", "crowd", "zeros", "ints", "tiny", "huge", "equal"])
+@pytest.mark.parametrize("bracket, sbits, early", [(0, 2, 1), (1, 2, 0), (1, 3, 1), (1, 4, 0)])
+def test_short_route_search_meets_every_threshold(kind, bracket, sbits, early):
+    # 256 columns on the short route, main's search or the bracket search (QSA_SHORT_BRACKET)
+    # over several steps at every sbits; early: the NaN columns past a row's visible count
+    # load too (masked after).
+    rows = _search_rows(kind, 256)
+    got = run_topk(rows, 256, 8, calls=2, short=256, bracket=bracket, sbits=sbits, early=early)
+    assert torch.equal(got, reference(rows, 256, 8))
+
+
+def test_short_route_bracket_search_is_batch_invariant():
+    # Rows of different lengths (padding, <= Kb, crowds of ties in one row) in one chunk.
+    g = torch.Generator().manual_seed(13)
+    rows = [torch.rand(n, generator=g) for n in (256, 9, 61, 0, 130, 8, 200)]
+    rows[4][::3] = 0.5
+    tiles = dict(short=256, bracket=1, sbits=3)
+    assert torch.equal(run_topk(rows, 256, 8, row0=2, packed=True, **tiles), reference(rows, 256, 8, True))
+    together = run_topk(rows, 256, 8, row0=2, **tiles)
+    assert torch.equal(together, reference(rows, 256, 8))
+    for i, r in enumerate(rows):
+        assert torch.equal(together[i], run_topk([r], 256, 8, **tiles)[0]), f"row {i} depends on the batch"
+
+
 @pytest.mark.parametrize("num_cols", COLS)
 def test_all_equal_scores_take_the_lowest_groups(num_cols):
     # Every key equals the bound: each segment's 64 candidates overflow its 32 slots.
@@ -180,3 +217,49 @@ def test_the_select_workspace_holds_every_decode_plan_of_this_route():
         for cols in (32, 64, 128, 300):
             s = ker.plan_select(rows, cols, 8, decode=True, device=DEV, workspace=ws)
             assert s.topk is None or s.topk is ws.topk
+
+
+SM90_COMPILE = """
+import re, subprocess, sys, tempfile, os
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qsa_kernels import select_topk as stk
+fn = stk._topk_short_kernel
+dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+for cols, bracket, early, packed in ((2048, 0, 0, True), (2048, 1, 0, True), (2048, 1, 1, False), (4096, 1, 0, True),
+                                     (4096, 0, 0, True), (1024, 1, 0, True)):
+    t = {**stk.topk_tiles(cols, small=False), "bracket": bracket, "early": early}
+    const = dict(KB=512, KBP=512, CAP=triton.next_power_of_2(cols), BITS=t["bits"], BRACKET=bracket, SBITS=t["sbits"],
+                 EARLY=early, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1, BLOCK_W=1024 if packed else 1)
+    types = dict(s_ptr="*fp32", pos_ptr="*i64")
+    sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=t["warps"]))
+    usage = "-1 -1"
+    if os.path.exists(dump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            out = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\\d+) STACK:(\\d+)", out)
+        usage = f"{m.group(1)} {m.group(2)}" if m else usage
+    print(cols, bracket, early, packed, t["sbits"], usage)
+"""
+
+
+def test_short_route_compiles_for_sm90_without_spills():
+    """The short route's H200 tiles (main's search and the bracket search; early loads at 2048
+    columns: at 4096 they spill 8 bytes under triton 3.9, none under 3.6) compile here
+    without a GPU; the bracket search's sbits keep its compare's keys in registers (no spill
+    stack), as main's kernel."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line.split() for line in run.stdout.strip().splitlines()]
+    assert len(lines) == 6, run.stdout
+    for *_, regs, stack in lines:
+        assert int(stack) <= 0, lines  # (-1: no cuobjdump to read it)
