@@ -233,7 +233,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-rows", default="64,1024", help="chunk rows of the sweep")
     ap.add_argument("--warm-only", action="store_true", help="with --sweep: compile its variants in parallel")
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--scratch-mib", type=int, default=0, help="score scratch cap (MiB; chunk rows), else the plan's")
     a = ap.parse_args(argv)
+    if a.scratch_mib:
+        from qsa_kernels import select as sel
+
+        sel.SCORE_SCRATCH_BYTES = a.scratch_mib << 20
     t0 = time.time()
     stamp = lambda: f"[{time.time() - t0:6.1f}s]"  # noqa: E731
     if a.sweep:
@@ -296,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
                 exact = same and bsp.reference_rows(run, data, want_scores)
                 cand = run.candidates()
                 line = dict(ctx=ctx, rows=a.rows, route=route, exact=exact, chunks=len(run.launch._chunks),
+                            scratch_mib=a.scratch_mib or 64,
                             group=run.launch._chunks[0][2].group, cand_max=cand[0], cand_mean=cand[1],
                             overflow=cand[2], tiles=run.s.prefill_tiles)
                 if exact:
