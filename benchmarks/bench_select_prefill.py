@@ -56,6 +56,7 @@ VARIANTS = {
     "skip": dict(skip=1), "noskip": dict(skip=0),  # the candidate launch reads only runs reaching the bound
     "sub2": dict(sub=2), "sub4": dict(sub=4), "sub8": dict(sub=8), "sub16": dict(sub=16), "topk": None,
     "tp": dict(skip=1, two_pass=1),  # two passes of scores: samples, then only the runs reaching the bound
+    "tp2": dict(skip=1, two_pass=1, sub=2), "tp4": dict(skip=1, two_pass=1, sub=4),  # (shorter runs)
 }
 PREFILL_ROUTE, TOPK_ROUTE = sel._prefill_route, sel._topk_route
 
