@@ -84,14 +84,16 @@ def parts(run: "bsp.Select") -> dict:
     return dict(cand=cand, resolve=resolve, **passes)
 
 
-# Score-launch sweep (issue 12's profile): name -> (ScoreTiles changes, store, samples). store 1:
-# the scores (main), 0: samples only (two-pass's first pass), 2: only runs reaching the bound.
+# Score-launch sweep (issue 12's profile): name -> (ScoreTiles changes, store, split). store 1:
+# the scores (main), 0: samples only (two-pass's first pass), 2: only runs reaching the bound;
+# split: 0 no samples, 1 runs of the planned S columns, k runs of S / k (checked: k-run maxima).
 SWEEP = {
-    "main": ({}, 1, True), "nosamp": ({}, 1, False), "pass1": ({}, 0, True), "pass2": ({}, 2, True),
-    "p1_w8": (dict(num_warps=8), 0, True), "p1_g128": (dict(block_g=128), 0, True),
-    "p1_r64": (dict(block_r=64), 0, True), "p1_st2": (dict(stages=2), 0, True), "p1_st4": (dict(stages=4), 0, True),
-    "p1_sp2k": (dict(span=2048), 0, True), "main_sp2k": (dict(span=2048), 1, True),
-    "main_w8": (dict(num_warps=8), 1, True), "main_g128": (dict(block_g=128), 1, True),
+    "main": ({}, 1, 1), "nosamp": ({}, 1, 0), "pass1": ({}, 0, 1), "pass2": ({}, 2, 1),
+    "p1_w8": (dict(num_warps=8), 0, 1), "p1_g128": (dict(block_g=128), 0, 1),
+    "p1_r64": (dict(block_r=64), 0, 1), "p1_st2": (dict(stages=2), 0, 1), "p1_st4": (dict(stages=4), 0, 1),
+    "p1_sp2k": (dict(span=2048), 0, 1), "main_sp2k": (dict(span=2048), 1, 1),
+    "main_w8": (dict(num_warps=8), 1, 1), "main_g128": (dict(block_g=128), 1, 1),
+    "p1_s4": ({}, 0, 4), "main_s4": ({}, 1, 4),
 }
 
 
@@ -103,7 +105,7 @@ def sweep_launch(name: str, ctx: str, rows: int, data, bufs: dict):
     from qsa_kernels import select as sel
     from qsa_kernels.select_score import ScoreLaunch, score_tiles
 
-    changes, store, sampled = SWEEP[name]
+    changes, store, split = SWEEP[name]
     q, comp, table, to_req, vis, _ = data
     cols = bsp.CONTEXTS[ctx] // bsp.R
     base = score_tiles(False, sel._tiles(False), bsp.DRY)
@@ -113,9 +115,10 @@ def sweep_launch(name: str, ctx: str, rows: int, data, bufs: dict):
     launch = ScoreLaunch(q, comp, table, to_req, vis, bufs["scores"], row0=row0, rows=rows, num_cols=cols,
                          page_size=bsp.PAGE, compress_ratio=bsp.R, block_topk=bsp.KB, decode=False,
                          tiles=sel._tiles(False), interpret=bsp.DRY, score=t,
-                         samples=bufs["samples"] if sampled else None, sample_sub=t.block_g // S if sampled else 0,
+                         samples=bufs[f"samples{split}"] if split else None,
+                         sample_sub=t.block_g * split // S if split else 0,
                          store=store, bounds=bufs["bounds"] if store == 2 else None)
-    bound = sp.RowBoundLaunch(bufs["samples"], vis, SimpleNamespace(bound=bufs["bounds"]), row0=row0, rows=rows,
+    bound = sp.RowBoundLaunch(bufs["samples1"], vis, SimpleNamespace(bound=bufs["bounds"]), row0=row0, rows=rows,
                               num_cols=cols, block_topk=bsp.KB,
                               tiles=sp.prefill_tiles(cols, bsp.KB, base.block_g, small=bsp.DRY),
                               score_block_g=base.block_g)
@@ -146,7 +149,7 @@ def sweep_bufs(ctx: str, rows: int) -> dict:
     g = sel._score_block_g()
     n = -(-cols // sp.sample_cols(sp.prefill_tiles(cols, bsp.KB, g, small=bsp.DRY), g))
     return dict(scores=torch.empty(rows, cols, dtype=torch.float32, device=bsp.DEV),
-                samples=torch.full((rows, n), -1, dtype=torch.int32, device=bsp.DEV),
+                **{f"samples{k}": torch.full((rows, n * k), -1, dtype=torch.int32, device=bsp.DEV) for k in (1, 4)},
                 bounds=torch.zeros(rows, dtype=torch.int32, device=bsp.DEV))
 
 
@@ -175,20 +178,22 @@ def score_sweep(ctxs: list[str], names: list[str], rows_list: list[int], timer, 
             fn, bound, _ = sweep_launch("main", ctx, rows, data, bufs)
             bufs["scores"].fill_(float("nan"))  # (cells no launch writes compare equal)
             fn()
-            want_s, want_p = bufs["scores"].clone(), bufs["samples"].clone()
+            want_s, want_p = bufs["scores"].clone(), bufs["samples1"].clone()
             bound()
             for name in names:
                 if SWEEP[name][1] == 1 and rows * cols * 4 > (4 << 30):
                     continue
                 bufs["scores"].fill_(float("nan"))
-                bufs["samples"].fill_(-1)
+                for k in (1, 4):
+                    bufs[f"samples{k}"].fill_(-1)
                 if SWEEP[name][1] == 2:
-                    bufs["samples"].copy_(want_p)
+                    bufs["samples1"].copy_(want_p)
                 try:
                     fn, _, launch = sweep_launch(name, ctx, rows, data, bufs)
                     fn()
-                    store, sampled = SWEEP[name][1], SWEEP[name][2]
-                    exact = not sampled or bool(torch.equal(bufs["samples"], want_p))
+                    store, split = SWEEP[name][1], SWEEP[name][2]
+                    exact = not split or bool(torch.equal(
+                        bufs[f"samples{split}"].view(rows, -1, split).amax(-1), want_p))
                     if store == 1:
                         same = bool(torch.equal(bufs["scores"].view(torch.int32), want_s.view(torch.int32)))
                         if not same:
