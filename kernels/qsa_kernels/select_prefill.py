@@ -69,6 +69,33 @@ def _row_total(cnt_row, n_seg, SEGP: tl.constexpr):
 
 
 @triton.jit
+def _compact_step(cols, key, bound, n, l_idx, l_key, CAP: tl.constexpr):
+    """One step of a candidate list's compaction: keys [BLOCK] (ascending cols) >= bound go
+    to l_key / l_idx after the n already there (the first CAP in all); returns the new n."""
+    keep = (key >= bound).to(tl.int32)
+    pos = n + tl.cumsum(keep, 0) - keep
+    ok = (keep > 0) & (pos < CAP)
+    tl.store(l_idx + pos, cols, mask=ok)
+    tl.store(l_key + pos, key, mask=ok)
+    return n + tl.sum(keep, 0)
+
+
+@triton.jit
+def _compact_segment(s_row, lo, hi, bound, l_idx, l_key, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy the keys >= bound of columns [lo, hi) of a score row and their columns, ascending,
+    to l_key / l_idx (the first CAP of them), BLOCK columns per step; returns how many (also
+    `select_topk`'s segment loop)."""
+    ar = tl.arange(0, BLOCK)
+    n = lo * 0
+    start = lo
+    while start < hi:  # (while: the interpreter cannot range over loaded values)
+        cols = start + ar
+        n = _compact_step(cols, _keys(s_row, cols, cols < hi), bound, n, l_idx, l_key, CAP)
+        start += BLOCK
+    return n
+
+
+@triton.jit
 def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, seg, hi, n_samp, S: tl.constexpr,
                   RUNS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Copy the keys >= bound of segment seg's columns below hi (RUNS runs of S columns from
@@ -89,13 +116,7 @@ def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, seg, hi, n_sam
         fi = start + f
         m = fi < n_flat
         cols = tl.load(runs_row + fi // S, mask=m, other=0, cache_modifier=".cg") * S + fi % S
-        key = _keys(s_row, cols, m & (cols < hi))
-        keep = (key >= bound).to(tl.int32)
-        pos = n + tl.cumsum(keep, 0) - keep
-        ok = (keep > 0) & (pos < CAP)
-        tl.store(l_idx + pos, cols, mask=ok)
-        tl.store(l_key + pos, key, mask=ok)
-        n += tl.sum(keep, 0)
+        n = _compact_step(cols, _keys(s_row, cols, m & (cols < hi)), bound, n, l_idx, l_key, CAP)
         start += BLOCK
     return n
 
@@ -219,19 +240,7 @@ def _topk_prefill_kernel(
             n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound, seg, hi,
                               tl.cdiv(vis, S), S, RUNS, CAP, BLOCK)
         else:
-            ar = tl.arange(0, BLOCK)
-            n = lo * 0
-            start = lo
-            while start < hi:  # (while: the interpreter cannot range over loaded values)
-                cols = start + ar
-                key = _keys(s_row, cols, cols < hi)
-                keep = (key >= bound).to(tl.int32)
-                pos = n + tl.cumsum(keep, 0) - keep
-                ok = (keep > 0) & (pos < CAP)
-                tl.store(c_idx + seg * CAP + pos, cols, mask=ok)
-                tl.store(c_key + seg * CAP + pos, key, mask=ok)
-                n += tl.sum(keep, 0)
-                start += BLOCK
+            n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
         tl.store(cnt_row + seg, n)
         tl.debug_barrier()  # this program's list and count before its arrival / its resolve
         last = n_seg == 1
