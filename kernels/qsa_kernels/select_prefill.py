@@ -30,6 +30,7 @@ chunk's launches; `prefill_tiles` / `prefill_route` say when and with which shap
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -292,6 +293,10 @@ _prefill_bound = Launcher(_bound_kernel)
 
 # Cap on the candidate lists kept for a deferred resolve (bytes): rows of several chunks.
 CAND_BYTES = 64 << 20
+# Two-pass scores (`TwoPassScores`) wherever tile skip is on: exact (interpreter tests) but not
+# yet measured on the H200, so off unless QSA_PREFILL_TWO_PASS=1 when this module is imported
+# (benchmarks/device/psel2_measure.sh times both).
+TWO_PASS = os.environ.get("QSA_PREFILL_TWO_PASS", "0") == "1"
 
 
 def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
@@ -308,8 +313,8 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     1.13, 128K 14.95 -> 6.52, 1M 120.8 -> 58.4; the top-k part is bound by latency, so 8 warps
     at 64 registers (4 programs per SM), 1024 candidates and the deferred resolve won; the
     whole-row programs of 16 warps and 2048 candidates (W1) took 6.9 / 50.6 ms of top-k at
-    128K / 1M). two_pass (with skip): the score launch runs twice, samples first and then only
-    the scores of runs reaching each row's bound (`TwoPassScores`)."""
+    128K / 1M). two_pass (with skip; `TWO_PASS`): the score launch runs twice, samples first and
+    then only the scores of runs reaching each row's bound (`TwoPassScores`)."""
     sub = 1
     while 4 * sub < score_block_g and num_cols * sub < 4 * block_topk * score_block_g:
         sub *= 2
@@ -320,7 +325,7 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     # sample reaches the bound: 128K 6.47 -> 4.87 (its candidate launches 2.90 -> 1.27), 1M 57.5
     # -> 40.7 (29.1 -> 12.3); not at 16K (1.12 vs 1.13), so from 32768 columns.
     return dict(sub=sub, seg=32768, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
-                rwarps=4, rregs=0, skip=int(num_cols >= 32768), two_pass=0)
+                rwarps=4, rregs=0, skip=int(num_cols >= 32768), two_pass=int(TWO_PASS and num_cols >= 32768))
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:

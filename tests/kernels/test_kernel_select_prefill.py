@@ -258,6 +258,19 @@ def test_two_pass_reads_only_the_runs_reaching_the_bound(num_cols, kb, packed, d
         assert torch.equal(run(0), want)
 
 
+def test_two_pass_is_a_switch_off_by_default(monkeypatch):
+    # Unmeasured on the H200: only QSA_PREFILL_TWO_PASS=1 (the module's TWO_PASS) turns it on,
+    # and only where tile skip is on (from 32768 columns).
+    if os.environ.get("QSA_PREFILL_TWO_PASS", "0") != "1":
+        assert not sp.TWO_PASS
+    monkeypatch.setattr(sp, "TWO_PASS", False)
+    assert not sp.two_pass(sp.prefill_tiles(1 << 18, 512, 64, small=False))
+    monkeypatch.setattr(sp, "TWO_PASS", True)
+    assert sp.two_pass(sp.prefill_tiles(1 << 18, 512, 64, small=False))
+    assert sp.two_pass(sp.prefill_tiles(1 << 15, 512, 64, small=False))
+    assert not sp.two_pass(sp.prefill_tiles(1 << 12, 512, 64, small=False))  # no tile skip at 16K context
+
+
 def test_bound_launch_is_the_kth_largest_sample():
     num_cols, kb = 300, 8
     rows = [distinct(num_cols, 5), distinct(100, 6), distinct(8, 7), torch.zeros(0)]
