@@ -116,17 +116,43 @@ def _scores_decode_kernel(
 
 
 @triton.jit
+def _run_max(s, mask, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, SUB: tl.constexpr):
+    """The largest key (bits of fp32 s >= 0 or NaN, sign cleared; -1: none) of each of SUB runs
+    of BLOCK_G / SUB columns of a tile s [BLOCK_G, BLOCK_R] over its cells `mask` -> [SUB, BLOCK_R]."""
+    key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
+    return tl.max(tl.reshape(key, (SUB, BLOCK_G // SUB, BLOCK_R)), 1)
+
+
+@triton.jit
 def _store_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
                    SUB: tl.constexpr):
     """The selection's samples of a score tile s fp32 [BLOCK_G, BLOCK_R] (columns g0 + i, rows
     lr; mask: the cells written): for each of its SUB subsets of S = BLOCK_G / SUB columns,
     samples int32 [chunk rows, cdiv(n_cols, S)] at (row, g0 / S + subset) = the largest key
     (score bits) among the subset's columns below the row's visible (-1: none)."""
-    key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
-    m = tl.max(tl.reshape(key, (SUB, BLOCK_G // SUB, BLOCK_R)), 1)  # [SUB, BLOCK_R]
+    _store_run_keys(samp_ptr, lr, g0, _run_max(s, mask, BLOCK_G, BLOCK_R, SUB), vis, stride_pr, BLOCK_G, SUB)
+
+
+@triton.jit
+def _store_run_keys(samp_ptr, lr, g0, m, vis, stride_pr, BLOCK_G: tl.constexpr, SUB: tl.constexpr):
+    """Samples m int32 [SUB, BLOCK_R] of a tile's runs at (row lr, g0 / S + run), runs below vis."""
     i = tl.arange(0, SUB)[:, None]
     tl.store(samp_ptr + lr.to(tl.int64)[None, :] * stride_pr + g0 // (BLOCK_G // SUB) + i, m,
              mask=(g0 + i * (BLOCK_G // SUB)) < vis[None, :])
+
+
+@triton.jit
+def _store_raw_samples(samp_ptr, lr, g0, acc, mask, vis, stride_pr, norm, rcp, FAST_DIV: tl.constexpr,
+                       BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, SUB: tl.constexpr):
+    """`_store_samples` of the scores of relu sums acc fp32 [BLOCK_G, BLOCK_R] with one division
+    per run: the division by sqrt(Di) (`_finish` / `_finish_fast`) is monotone (non-decreasing)
+    on acc >= 0, keys order like the values (NaN's bits above every number's), so the largest
+    key of a run's scores is the key of its largest sum's score, bit for bit."""
+    m = _run_max(acc, mask, BLOCK_G, BLOCK_R, SUB)
+    x = m.to(tl.float32, bitcast=True)
+    s = _finish_fast(x, norm, rcp) if FAST_DIV else _finish(x, norm)
+    _store_run_keys(samp_ptr, lr, g0, tl.where(m >= 0, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1), vis,
+                    stride_pr, BLOCK_G, SUB)
 
 
 @triton.jit
@@ -181,7 +207,8 @@ def _scores_prefill_kernel(
     per tile). A row tile may span requests: each request in it streams its own keys.
     SPAN_TILES: as the decode kernel. SAMPLE > 0: also the top-k's samples of each tile
     (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]. STORE (with
-    SAMPLE; `select_prefill`'s two passes): 0, the samples only, no score; 2, no sample, only the
+    SAMPLE; `select_prefill`'s two passes): 0, the samples only, no score (KEYS_M: one division
+    per run, `_store_raw_samples`); 2, no sample, only the
     scores of the runs whose sample (the first pass's, read) reaches the row's bound int32
     [chunk rows] (`_live`)."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -223,14 +250,18 @@ def _scores_prefill_kernel(
                     if KEYS_M:  # keys on M, rows x heads on N: s^T tile [BLOCK_G, BLOCK_R]
                         dots = tl.dot(keys, tl.trans(qa), input_precision="ieee")
                         acc = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (BLOCK_G, HP, BLOCK_R)), 1)
-                        s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
                         written = mine[None, :] & (g[:, None] < vis[None, :])
+                        if STORE == 0:  # samples only: a division per run, not per score
+                            _store_raw_samples(samp_ptr, lr, g0, acc, written, tl.where(mine, vis, 0), stride_pr,
+                                               norm, rcp, FAST_DIV, BLOCK_G, BLOCK_R, SAMPLE)
+                        else:
+                            s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
                         if STORE:
                             tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s,
                                      mask=_live(samp_ptr, lr, g0, written, tl.where(mine, vis, 0), bound,
                                                 stride_pr, BLOCK_G, BLOCK_R, SAMPLE) if STORE == 2
                                      else written)
-                        if SAMPLE and STORE != 2:
+                        if SAMPLE and STORE == 1:
                             _store_samples(samp_ptr, lr, g0, s, written, tl.where(mine, vis, 0), stride_pr,
                                            BLOCK_G, BLOCK_R, SAMPLE)
                     else:

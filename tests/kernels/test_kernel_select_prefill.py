@@ -328,6 +328,51 @@ def test_prefill_select_takes_this_route(nan_scratch, kind):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("Hi, kind, scale", [(4, "int", 1.0), (8, "int", 1.0), (4, "bf16", 2.0 ** -66)])
+def test_score_launch_two_passes(nan_scratch, Hi, kind, scale):
+    # Hi 4: rows x heads on one dot (pass 1 divides each run's largest relu sum only); 8: one dot
+    # per head. Scale 2^-66: scores below 2^-100 and subnormal (the fast division's scaled path).
+    # Pass 1 (store 0) writes the samples only, bit for bit as one pass; pass 2 (store 2) writes,
+    # bit for bit as one pass, exactly the cells of the runs whose sample reaches their row's
+    # bound (here: the median sample), nothing else.
+    from qsa_kernels.select_score import ScoreLaunch
+
+    q, comp, table, to_req, vis, max_seq = make_problem([300, 520], [40, 24], Hi=Hi, kind=kind, pad_rows=2, seed=6)
+    q, comp = (q * scale).to(q.dtype), (comp * scale).to(comp.dtype)
+    T, cols = q.shape[0], max_seq // R
+    s = ker.plan_select(T, cols, 8, decode=False, device=DEV)
+    t, g = s.prefill_tiles, ker._score_block_g()
+    S = sp.sample_cols(t, g)
+    samples = sp.samples_view(s.prefill, T, cols, t, g)
+
+    def launch(scores, **kw):
+        ScoreLaunch(q, comp, table, to_req, vis, scores, row0=0, rows=T, num_cols=cols, page_size=16,
+                    compress_ratio=R, block_topk=8, decode=False, tiles=s.tiles, interpret=s.interpret,
+                    samples=samples, sample_sub=t["sub"], **kw)(q, table, 0)
+
+    one = torch.full((T, cols), float("nan"), device=DEV)
+    samples.fill_(-7)  # (samples no launch writes compare equal)
+    launch(one)
+    want = samples.clone()
+    samples.fill_(-7)
+    two = torch.full((T, cols), float("nan"), device=DEV)
+    launch(two, store=0)
+    assert torch.isnan(two).all() and torch.equal(samples, want)
+    scored = (vis > 8).to(DEV)
+    n = -(-vis.clamp(max=cols) // S)
+    bound = torch.stack([want[i, : max(int(n[i]), 1)].median() if scored[i] else want.new_zeros(()) for i in range(T)])
+    bounds = bound.int().to(DEV)
+    launch(two, store=2, bounds=bounds)
+    assert torch.equal(samples, want), "the second pass wrote samples"
+    col = torch.arange(cols, device=DEV)
+    live = (want[:, col // S] >= bounds[:, None]) & (col[None, :] < vis.to(DEV)[:, None]) & scored[:, None]
+    assert live.any() and (~live & scored[:, None] & (col[None, :] < vis.to(DEV)[:, None])).any()
+    assert torch.equal(~torch.isnan(two), live)
+    assert torch.equal(two[live].view(torch.int32), one[live].view(torch.int32))
+    if scale < 1:  # (the scaled path was taken)
+        assert (one[scored] < 2.0 ** -100).float().mean() > 0.5 and (one[scored] < 2.0 ** -126).any()
+
+
 @pytest.mark.parametrize("kind", ["int", "bf16"])
 def test_two_pass_prefill_select(nan_scratch, monkeypatch, kind):
     # The score launch twice (samples; then the runs reaching each row's bound): the runs it
@@ -349,12 +394,14 @@ def test_two_pass_prefill_select(nan_scratch, monkeypatch, kind):
         assert torch.equal(out, run_both(problem, decode=False)[1])
 
 
-@pytest.mark.parametrize("defer", [0, 1])
-def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkeypatch, defer):
+@pytest.mark.parametrize("defer, two_pass", [(0, 0), (1, 0), (1, 1)])
+def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkeypatch, defer, two_pass):
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 4 * 128 * 7)  # 7 rows per chunk
     # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
+    # two_pass: each chunk's bounds in the workspace, its second pass storing only live runs.
     tiles = sp.prefill_tiles
-    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer})
+    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer,
+                                                              **({"skip": 1, "two_pass": 1} if two_pass else {})})
     t = sp.prefill_tiles(128, 8, ker._score_block_g(), small=DEV == "cpu")
     monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t["seg"]) * t["cap"] * 8)
     problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
@@ -395,16 +442,18 @@ for fn, const, warps in (  # the candidate launch without and with tile skip (ro
     print("topk", k.metadata.shared)
 st = ss.score_tiles(False, {}, False)
 fn = ss._scores_prefill_kernel
-for sub, store in ((1, 1), (4, 1), (16, 1), (1, 0), (4, 2)):  # (two-pass: samples only, then live runs only)
-    const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
-                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
+# (two-pass: samples only, then live runs only; 8 heads: a dot per head)
+for sub, store, hi in ((1, 1, 4), (4, 1, 4), (16, 1, 4), (1, 0, 4), (4, 2, 4), (4, 2, 8)):
+    const = dict(HI=hi, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
+                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack and hi <= 4, HP=hi,
+                 FAST_DIV=st.fast_div,
                  KEYS_M=st.keys_m, SAMPLE=sub, STORE=store, stride_qd=1, stride_kd=1, stride_btp=1)
     types = dict(q_ptr="*bf16", k_ptr="*bf16", s_ptr="*fp32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=st.num_warps, num_stages=st.stages))
-    print("score", sub, k.asm["ptx"].count("wgmma.mma_async"), k.metadata.shared)
+    print("score", hi, k.asm["ptx"].count("wgmma.mma_async"), k.metadata.shared)
 """
 
 
@@ -412,12 +461,12 @@ def test_production_tiles_compile_for_sm90():
     """The H200 shapes of the top-k (and two-pass's bound launch) and of the sampling score
     kernel (and its two passes) compile here without a GPU
     (what the interpreter accepts and the compiler rejects shows in CI); the score kernel keeps
-    its wgmma, shared memory within the H200's 227 KiB per program."""
+    its wgmma (4 heads), shared memory within the H200's 227 KiB per program."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 10 and all(line[0] == "topk" for line in lines[:5]), run.stdout
+    assert len(lines) == 11 and all(line[0] == "topk" for line in lines[:5]), run.stdout
     assert all(int(line[1]) <= 227 * 1024 for line in lines[:5])
-    for _, _, wgmma, shared in lines[5:]:
-        assert int(wgmma) > 0 and int(shared) <= 227 * 1024, lines
+    for _, hi, wgmma, shared in lines[5:]:  # (8 heads: a dot of 32 rows per head, not a wgmma)
+        assert (int(wgmma) > 0 or hi == "8") and int(shared) <= 227 * 1024, lines
