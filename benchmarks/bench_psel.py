@@ -4,10 +4,14 @@ alone, the deferred resolves alone, the top-k part, the whole select in one grap
 
     python benchmarks/bench_psel.py [--contexts 128K,1M] [--rows 16384] [--variants plan] [--out F.json]
     python benchmarks/bench_psel.py --ncu [--variants plan,skip]  # selects of 128 rows at 1M (for ncu, eager)
-    TRITON_INTERPRET=1 python benchmarks/bench_psel.py --dry   # CPU: tiny shapes, checks only
+    python benchmarks/bench_psel.py --sweep all [--sweep-rows 64,256,1024] [--warm-only]  # score launches alone
+    python benchmarks/bench_psel.py --scratch-mib 256 ...   # chunks of more rows (a larger score scratch)
+    TRITON_INTERPRET=1 python benchmarks/bench_psel.py --dry [--sweep ...]   # CPU: tiny shapes, checks only
 
 Problem and variants as `bench_select_prefill` (one request of `rows` rows at the end of its
-context, packed rows). Before timing, a variant's packed rows must equal the radix route's
+context, packed rows; "tp": two-pass scores, whose parts pass1 / bound / pass2 are also timed).
+The sweep (`SWEEP`) times one chunk's score launch per variant (what the fp32 store, the samples,
+the tiles and the chunk rows cost), its samples and scores checked bit for bit against main's. Before timing, a variant's packed rows must equal the radix route's
 bit for bit and the last chunk's the reference. Times: median us of CUDA-graph replays, L2
 flushed before each.
 """

@@ -23,6 +23,13 @@ chunk resolves them, many rows at once (a chunk has few rows at long contexts); 
 overflowing rows resolve in the chunk's launch, while their scores are there. The scores make
 one trip through memory after the score launch; no histogram.
 
+Two-pass scores (`TwoPassScores`, `TWO_PASS`, with tile skip only): the score launch runs first
+for the samples alone (no fp32 score is written), a bound launch (`_bound_kernel`) keeps each
+row's bound, and the score launch runs again storing only the runs whose sample reaches it, the
+only runs the candidate launch reads; a score depends on its row's q and its key alone, so both
+passes compute the same bits, and the overflow resolve reads the live runs only
+(`_resolve_live_row`). It trades the scratch's full write for a second pass of the dots.
+
 Deterministic and batch-invariant: samples, counts and positions depend on the row's scores
 only, lists sit at fixed offsets, no row reads another's state. `PrefillTopkLaunch` binds a
 chunk's launches; `prefill_tiles` / `prefill_route` say when and with which shapes `plan_select` takes it.

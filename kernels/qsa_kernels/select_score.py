@@ -208,9 +208,8 @@ def _scores_prefill_kernel(
     SPAN_TILES: as the decode kernel. SAMPLE > 0: also the top-k's samples of each tile
     (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]. STORE (with
     SAMPLE; `select_prefill`'s two passes): 0, the samples only, no score (KEYS_M: one division
-    per run, `_store_raw_samples`); 2, no sample, only the
-    scores of the runs whose sample (the first pass's, read) reaches the row's bound int32
-    [chunk rows] (`_live`)."""
+    per run, `_store_raw_samples`); 2, no sample, only the scores of the runs whose sample (the
+    first pass's, read) reaches the row's bound int32 [chunk rows] (`_live`)."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * span
     in_chunk = lr < n_rows
