@@ -28,7 +28,7 @@ for the samples alone (no fp32 score is written), a bound launch (`_bound_kernel
 row's bound, and the score launch runs again storing only the runs whose sample reaches it, the
 only runs the candidate launch reads; a score depends on its row's q and its key alone, so both
 passes compute the same bits, and the overflow resolve reads the live runs only
-(`_resolve_live_row`). It trades the scratch's full write for a second pass of the dots.
+(`select_topk._resolve_row` given S). It trades the scratch's full write for a second pass of the dots.
 
 Deterministic and batch-invariant: samples, counts and positions depend on the row's scores
 only, lists sit at fixed offsets, no row reads another's state. `PrefillTopkLaunch` binds a
@@ -130,59 +130,6 @@ def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, seg, hi, n_sam
 
 
 @triton.jit
-def _live_keys(s_row, samp_row, bound, cols, mask, S: tl.constexpr):
-    """`_keys` of cols where their run's sample reaches bound, else -1 (two-pass: the score
-    scratch holds only those runs; the others hold no key >= bound)."""
-    live = mask & (tl.load(samp_row + cols // S, mask=mask, other=-1, cache_modifier=".cg") >= bound)
-    return _keys(s_row, cols, live)
-
-
-@triton.jit
-def _resolve_live_row(s_row, samp_row, bound, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr,
-                      BLOCK: tl.constexpr, S: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
-    """`select_topk._resolve_row` (the overflow route) over the keys of the live runs only
-    (`_live_keys`): the row's KB-th key is >= bound, so the keys of the other runs (all below
-    it) change no count at or above it, and none of them is chosen."""
-    ar = tl.arange(0, BLOCK)
-    j = tl.arange(0, 1 << BITS)
-    prefix = vis * 0
-    for s in tl.static_range((31 + BITS - 1) // BITS):
-        hi = 31 - BITS * s
-        shift = hi - BITS if hi > BITS else 0
-        jmax = 1 << (hi - shift)
-        t = prefix + (tl.minimum(j, jmax - 1) << shift)
-        cnt = tl.zeros((1 << BITS,), tl.int32)
-        start = vis * 0
-        while start < vis:
-            key = _live_keys(s_row, samp_row, bound, start + ar, start + ar < vis, S)
-            cnt += tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
-            start += BLOCK
-        ok = (cnt >= KB) & (j < jmax)
-        prefix += tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0) << shift
-    above_all = vis * 0
-    start = vis * 0
-    while start < vis:
-        key = _live_keys(s_row, samp_row, bound, start + ar, start + ar < vis, S)
-        above_all += tl.sum((key > prefix).to(tl.int32), 0)
-        start += BLOCK
-    need = KB - above_all
-    taken = vis * 0
-    ties = vis * 0
-    start = vis * 0
-    while start < vis:
-        cols = start + ar
-        key = _live_keys(s_row, samp_row, bound, cols, cols < vis, S)
-        above = (key > prefix).to(tl.int32)
-        equal = (key == prefix).to(tl.int32)
-        rank = ties + tl.cumsum(equal, 0) - equal
-        chosen = above + equal * (rank < need).to(tl.int32)
-        _store_groups(out_row, stride_oc, cols, taken + tl.cumsum(chosen, 0) - chosen, chosen > 0, PACKED, R)
-        taken += tl.sum(chosen, 0)
-        ties += tl.sum(equal, 0)
-        start += BLOCK
-
-
-@triton.jit
 def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
                SAMPP: tl.constexpr):
     """The KB-th largest of a row's samples to its LBITS high bits: <= the row's KB-th key."""
@@ -220,7 +167,7 @@ def _topk_prefill_kernel(
     candidates) from its scores; DEFER: only the latter, `_resolve_prefill_kernel` does the
     rest after the chunk's scores are gone. TWO_PASS (with RUNS): the score scratch holds only
     the runs whose sample reaches the row's bound, which `_bound_kernel` left in bound int32
-    [chunk rows]; the whole-row resolve reads only those (`_resolve_live_row`)."""
+    [chunk rows]; the whole-row resolve reads only those (`select_topk._resolve_row` given S)."""
     lr = tl.program_id(0)
     seg = tl.program_id(1)
     row = row0 + lr
@@ -263,11 +210,9 @@ def _topk_prefill_kernel(
                     _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
             else:
                 _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-                if TWO_PASS:
-                    _resolve_live_row(s_row, samp_row, bound, vis, out_row, stride_oc, KB, BITS, RBLOCK, S,
-                                      PACKED, R)
-                else:
-                    _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+                # two-pass (S given): the scratch holds only the runs whose sample reaches the bound
+                _resolve_row(s_row, samp_row, bound, vis, out_row, stride_oc, KB, BITS, RBLOCK, S * TWO_PASS,
+                             PACKED, R)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_cr"])
