@@ -44,9 +44,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import BoundLaunch, Launcher
+from .launch import Launcher
 from .select_radix import ChunkLaunches, packed_write
-from .select_topk import _emit, _keys, _kth_key, _resolve_row, _store_groups, _write_short, _write_tail
+from .select_topk import (_compact_segment, _compact_step, _emit, _keys, _kth_key, _resolve_row, _write_short,
+                          _write_tail)
 
 
 @triton.jit
@@ -74,33 +75,6 @@ def _row_total(cnt_row, n_seg, SEGP: tl.constexpr):
     """Candidates of a row in all (its n_seg list lengths)."""
     segs = tl.arange(0, SEGP)
     return tl.sum(tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg"), 0)
-
-
-@triton.jit
-def _compact_step(cols, key, bound, n, l_idx, l_key, CAP: tl.constexpr):
-    """One step of a candidate list's compaction: keys [BLOCK] (ascending cols) >= bound go
-    to l_key / l_idx after the n already there (the first CAP in all); returns the new n."""
-    keep = (key >= bound).to(tl.int32)
-    pos = n + tl.cumsum(keep, 0) - keep
-    ok = (keep > 0) & (pos < CAP)
-    tl.store(l_idx + pos, cols, mask=ok)
-    tl.store(l_key + pos, key, mask=ok)
-    return n + tl.sum(keep, 0)
-
-
-@triton.jit
-def _compact_segment(s_row, lo, hi, bound, l_idx, l_key, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy the keys >= bound of columns [lo, hi) of a score row and their columns, ascending,
-    to l_key / l_idx (the first CAP of them), BLOCK columns per step; returns how many (also
-    `select_topk`'s segment loop)."""
-    ar = tl.arange(0, BLOCK)
-    n = lo * 0
-    start = lo
-    while start < hi:  # (while: the interpreter cannot range over loaded values)
-        cols = start + ar
-        n = _compact_step(cols, _keys(s_row, cols, cols < hi), bound, n, l_idx, l_key, CAP)
-        start += BLOCK
-    return n
 
 
 @triton.jit
@@ -379,11 +353,13 @@ class PrefillTopkLaunch(ChunkLaunches):
             raise ValueError("the two-pass prefill top-k needs tile skip (skip=1)")
         self._topk = _prefill_topk.bind(
             (rows, segs), scores, visible_blocks, samples, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
-            scratch.runs, scratch.bound, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0), out.stride(0), out.stride(1),
+            scratch.runs, scratch.bound, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
+            out.stride(0), out.stride(1),
             free=("row0", "crow0", "out_ptr", "stride_or"),
             KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=sample_cols(t, score_block_g),
             SAMPP=triton.next_power_of_2(samples.shape[1]), BLOCK=t["block"], RBLOCK=t["rblock"],
-            DEFER=bool(t["defer"]), RUNS=runs, TWO_PASS=two_pass(t), **common, num_warps=t["warps"], **({"maxnreg": t["regs"]} if t["regs"] else {}),
+            DEFER=bool(t["defer"]), RUNS=runs, TWO_PASS=two_pass(t), **common, num_warps=t["warps"],
+            **({"maxnreg": t["regs"]} if t["regs"] else {}),
         )
         self._resolve = _prefill_resolve.bind(
             (self.group,), visible_blocks, cidx, ckey, scratch.counts, out, pos, row0, rows, num_cols,

@@ -59,6 +59,33 @@ def _keys(s_row, cols, mask):
 
 
 @triton.jit
+def _compact_step(cols, key, bound, n, l_idx, l_key, CAP: tl.constexpr):
+    """One step of a candidate list's compaction: keys [BLOCK] (ascending cols) >= bound go
+    to l_key / l_idx after the n already there (the first CAP in all); returns the new n."""
+    keep = (key >= bound).to(tl.int32)
+    pos = n + tl.cumsum(keep, 0) - keep
+    ok = (keep > 0) & (pos < CAP)
+    tl.store(l_idx + pos, cols, mask=ok)
+    tl.store(l_key + pos, key, mask=ok)
+    return n + tl.sum(keep, 0)
+
+
+@triton.jit
+def _compact_segment(s_row, lo, hi, bound, l_idx, l_key, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy the keys >= bound of columns [lo, hi) of a score row and their columns, ascending,
+    to l_key / l_idx (the first CAP of them), BLOCK columns per step; returns how many (the
+    segment programs of this module and of `select_prefill`)."""
+    ar = tl.arange(0, BLOCK)
+    n = lo * 0
+    start = lo
+    while start < hi:  # (while: the interpreter cannot range over loaded values)
+        cols = start + ar
+        n = _compact_step(cols, _keys(s_row, cols, cols < hi), bound, n, l_idx, l_key, CAP)
+        start += BLOCK
+    return n
+
+
+@triton.jit
 def _kth_key(key, KB: tl.constexpr, BITS: tl.constexpr, TOP: tl.constexpr):
     """The KB-th largest of keys [N] (int32 in [0, 2^31) or -1 for none) resolved to its TOP
     high bits (31: exact), lower bits 0: the largest such t with at least KB keys >= t; 0
@@ -330,19 +357,7 @@ def _topk_seg_kernel(
         bound = _kth_key(samples, KB, BITS, LBITS)  # <= the row's KB-th largest key
         c_idx = cidx_ptr + lr.to(tl.int64) * stride_cr
         c_key = ckey_ptr + lr.to(tl.int64) * stride_cr
-        ar = tl.arange(0, BLOCK)
-        n = lo * 0
-        start = lo
-        while start < hi:
-            cols = start + ar
-            key = _keys(s_row, cols, cols < hi)
-            keep = (key >= bound).to(tl.int32)
-            pos = n + tl.cumsum(keep, 0) - keep
-            ok = (keep > 0) & (pos < CAP)
-            tl.store(c_idx + seg * CAP + pos, cols, mask=ok)
-            tl.store(c_key + seg * CAP + pos, key, mask=ok)
-            n += tl.sum(keep, 0)
-            start += BLOCK
+        n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
         tl.store(cnt_ptr + lr.to(tl.int64) * SEGP + seg, n)
         last = n_seg == 1
         if SEGP > 1:
