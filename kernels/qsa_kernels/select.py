@@ -28,6 +28,11 @@ from . import select_prefill, select_topk
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
+# A prefill chunk scores at least this many rows (or all of them), past the cap where rows
+# are long: 256 MiB at 1M context. H200, session 8, 16K rows at 1M: select 40.9 ms in
+# 64-row chunks, 35.7 in 256-row chunks (the score kernel's per-chunk tail and the candidate
+# launches amortise). Shorter contexts already chunk >= 256 rows under the cap (512 at 128K).
+PREFILL_MIN_CHUNK_ROWS = 256
 # Fused per-row top-k only for few rows over few columns, where the ten launches of the
 # radix passes dominate (H200, 8K context: 4 rows 33 -> 24 us, 256 rows 78 -> 64 us); one
 # program per row is slower than the passes beyond ~4K columns (4 rows at 128K: 135 vs
@@ -35,11 +40,14 @@ SCORE_SCRATCH_BYTES = 64 << 20
 _FUSED_MAX_COLS = 4096
 _FUSED_MAX_ROWS = 256
 # Decode chunks take the histogram-free top-k (`select_topk`) where it measured faster on the
-# H200 (2026-12-01 W2, select with packed rows, us, radix -> topk): rows of <= 4096 columns
-# where the fused kernel would run (8K B1: 29.3 -> 18.4), and chunks of 16..64 long rows
-# (128K B64: 210 -> 192; 1M B4 x 4 rows: 330 -> 284); not few long rows (128K B4: 48.7 vs
-# 62.3; 1M B4: 124.7 vs 144.4). Chunk bounds are the measured range (1, 16 and 64 rows).
-_TOPK_SHORT_MAX_ROWS = 64
+# H200 (select with packed rows, us, radix -> topk): its short route for rows of <= 4096
+# columns in chunks of <= 256 rows (2026-12-01 W2: 8K B1 29.3 -> 18.4; session 8, with its
+# bracket search: 8K B128 57.1 -> 39.6, 8K B256 75.7 -> 68.7, 16K B256 110.3 -> 103.6) and
+# of <= 8192 columns in chunks of < 16 rows (32K B4: 40.6 -> 26.0; `topk_tiles`), its
+# segment route for chunks of 16..64 long rows (128K B64: 210 -> 192; 1M B4 x 4 rows:
+# 330 -> 284); not few long rows (128K B4: 48.7 vs 62.3; 1M B4: 124.7 vs 144.4). Chunk
+# bounds are the measured range.
+_TOPK_SHORT_MAX_ROWS = 256
 # Prefill chunks of this many rows or more take `select_prefill` (H200, 2026-12-01 W1 / W2: chunks of
 # 64, 512 and 4096 rows, 16K rows at 1M / 128K / 16K context); the interpreter's tests take it from one row.
 _PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
@@ -47,12 +55,12 @@ _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
 
 
-def _topk_route(n_cols: int, chunk: int, decode: bool, fused: bool) -> bool:
+def _topk_route(n_cols: int, chunk: int, decode: bool) -> bool:
     """Whether a chunk of rows takes `select_topk` (else `select_radix`)."""
     if not decode:
         return False
-    if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, small=_interpreting())):
-        return fused and chunk <= _TOPK_SHORT_MAX_ROWS
+    if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, _interpreting(), chunk)):
+        return chunk <= _TOPK_SHORT_MAX_ROWS
     return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
 
 
@@ -114,7 +122,7 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         return SelectWorkspace(*(torch.empty(0, dtype=dt, device=dev) for dt in (torch.float32,) + (torch.int32,) * 4))
     tiles = _tiles(decode=True)  # both kinds share the radix tiles
     max_chunk = min(max_rows, max(1, SCORE_SCRATCH_BYTES // (4 * (block_topk + 1))))
-    score_elems = max(min(max_chunk * cols, SCORE_SCRATCH_BYTES // 4), cols)
+    score_elems = max(min(max_chunk * cols, SCORE_SCRATCH_BYTES // 4), _scored_chunk(max_rows, cols, False) * cols)
     hist_rows = triton.cdiv(max_chunk, tiles["rows"]) * tiles["rows"]
     # chunk * n_tiles <= chunk + chunk * cols / scan, and chunk * cols <= score_elems.
     count_slots = max_chunk + score_elems // tiles["scan"] + 1
@@ -129,9 +137,11 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
     )
 
 
-def _scored_chunk(num_rows: int, n_cols: int) -> int:
-    """Rows per scratch pass of scored rows of n_cols columns (the score scratch cap)."""
-    return max(1, min(num_rows, max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))))
+def _scored_chunk(num_rows: int, n_cols: int, decode: bool) -> int:
+    """Rows per scratch pass of scored rows of n_cols columns (the score scratch cap; prefill:
+    at least PREFILL_MIN_CHUNK_ROWS)."""
+    rows = max(1, SCORE_SCRATCH_BYTES // (4 * n_cols))
+    return max(1, min(num_rows, rows if decode else max(rows, PREFILL_MIN_CHUNK_ROWS)))
 
 
 def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device) -> select_topk.TopkScratch:
@@ -140,9 +150,9 @@ def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.devi
     need = dict.fromkeys(select_topk.TopkScratch.__dataclass_fields__, 1)
     c = triton.next_power_of_2(block_topk + 1)
     while c <= triton.next_power_of_2(max_cols):
-        chunk = min(_scored_chunk(max_rows, c), _TOPK_MAX_ROWS)  # the largest chunk the route takes
-        tiles = select_topk.topk_tiles(c, small=_interpreting())
-        if _topk_route(c, chunk, True, c <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS):
+        chunk = min(_scored_chunk(max_rows, c, True), _TOPK_MAX_ROWS)  # the largest chunk the route takes
+        tiles = select_topk.topk_tiles(c, _interpreting(), chunk)
+        if _topk_route(c, chunk, True):
             for k, v in select_topk.topk_scratch_elems(chunk, c, tiles).items():
                 need[k] = max(need[k], v)
         c *= 2
@@ -157,7 +167,7 @@ def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
     need: dict[str, int] = {}
     bounds = {max_cols} | {1 << i for i in range(block_topk.bit_length(), max_cols.bit_length())}
     for c in sorted(bounds):
-        chunk = _scored_chunk(max_rows, c)
+        chunk = _scored_chunk(max_rows, c, False)
         tiles = _prefill_route(c, block_topk, False, chunk)
         if tiles is not None:
             elems = select_prefill.prefill_scratch_elems(chunk, max_rows, c, tiles, _score_block_g())
@@ -220,7 +230,7 @@ def plan_select(
     scan = tiles["scan"]
     n_tiles = triton.cdiv(n_cols, scan)
     scored = n_cols > Kb
-    chunk = _scored_chunk(num_rows, n_cols) if scored else max(num_rows, 1)
+    chunk = _scored_chunk(num_rows, n_cols, decode) if scored else max(num_rows, 1)
     fused = n_cols <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS
     rows = tiles["rows"]
     if workspace is None and scored:
@@ -245,8 +255,8 @@ def plan_select(
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
     topk = topk_tiles = None
-    if _topk_route(n_cols, chunk, decode, fused):
-        topk_tiles = select_topk.topk_tiles(n_cols, small=_interpreting())
+    if _topk_route(n_cols, chunk, decode):
+        topk_tiles = select_topk.topk_tiles(n_cols, _interpreting(), chunk)
         need = select_topk.topk_scratch_elems(chunk, n_cols, topk_tiles)
         have = workspace.topk if workspace is not None and workspace.topk is not None else None
         if have is None:

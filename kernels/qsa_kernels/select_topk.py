@@ -13,9 +13,10 @@ ceil(31 / BITS) block reductions; no histogram. Then keys above it and the lowes
 keys equal to it are written at their ascending positions (one scan).
 
 - Short (`_topk_short_kernel`, grid: rows): num_cols <= CAP; the whole row in registers.
-  With `SHORT_BRACKET` (off until measured) the threshold comes from a bracket search
-  (`_kth_bound`) that stops once the bracket isolates it (2^SBITS counts per step: ~4 steps
-  on random scores, not 31 / BITS), and the emit skips its count of keys above it.
+  Its threshold comes from a bracket search (`_kth_bound`) that stops once the bracket
+  isolates it (2^SBITS counts per step: ~4 steps on random scores, not 31 / BITS), and the
+  emit skips its count of keys above it (H200, session 8: the top-k alone 12.8 -> 8.5 us
+  at 8K B1, 13.6 -> 11.2 at 8K B64, 17.1 -> 14.2 at 16K B4, against `_kth_key`'s 16 steps).
 - Long (`_topk_seg_kernel`, grid: rows x segments of SEG columns): a lower bound L of the
   row's threshold from samples (the maxima of disjoint column subsets are real keys, so the
   row has at least Kb keys >= their Kb-th largest); each segment compacts its keys >= L
@@ -34,7 +35,6 @@ sit at fixed offsets, and no row reads another's state. `TopkLaunch` binds one c
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +44,6 @@ import triton.language as tl
 from .expand import _packed_groups, _packed_tail
 from .launch import BoundLaunch, Launcher
 from .select_radix import ChunkLaunches, packed_write
-
-# QSA_SHORT_BRACKET=1 (read at import): the short route's threshold by `_kth_bound` instead of
-# `_kth_key`. Off until measured on the H200 (benchmarks/device/fsel_measure.sh): the same
-# selection bit for bit, ~4 block reductions per row on random scores instead of 16.
-SHORT_BRACKET = os.environ.get("QSA_SHORT_BRACKET", "0") == "1"
-
 
 @triton.jit
 def _keys(s_row, cols, mask):
@@ -201,13 +195,11 @@ def _kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
 def _topk_short_kernel(
     s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
-    KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, BITS: tl.constexpr, BRACKET: tl.constexpr,
-    SBITS: tl.constexpr, EARLY: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
+    KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, SBITS: tl.constexpr, EARLY: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
     """Top-k of one row of at most CAP columns, all in registers (PACKED: the packed row).
-    The threshold: `_kth_key` (31 bits, BITS a step), or BRACKET: `_kth_bound` (2^SBITS counts
-    a step, until isolated). EARLY: the row's scores load with its visible count (all n_cols
+    The threshold: `_kth_bound` (2^SBITS counts a step, until isolated). EARLY: the row's scores load with its visible count (all n_cols
     columns, masked after), not after it."""
     lr = tl.program_id(0)
     row = row0 + lr
@@ -225,11 +217,8 @@ def _topk_short_kernel(
             key = tl.where(cols < vis, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
         else:
             key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
-        if BRACKET:
-            thr, n_above = _kth_bound(key, vis, KB, SBITS)
-            _emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
-        else:
-            _emit(key, cols, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+        thr, n_above = _kth_bound(key, vis, KB, SBITS)
+        _emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
@@ -398,24 +387,27 @@ _sample = Launcher(_sample_kernel)
 _seg = Launcher(_topk_seg_kernel)
 
 
-def topk_tiles(num_cols: int, small: bool) -> dict[str, int]:
-    """Launch shapes for rows of num_cols columns. short: columns of the short route (whole
-    row in registers); seg: columns per segment program; samp: subset maxima per segment (the
+def topk_tiles(num_cols: int, small: bool, rows: int = 1) -> dict[str, int]:
+    """Launch shapes for chunks of `rows` rows of num_cols columns. short: columns of the
+    short route (whole row in registers): 4096, or 8192 for chunks of fewer than 16 rows
+    (H200, session 8: 32K B4 select 40.6 us on the radix route, 26.0 short; chunks of 16-64
+    such rows keep the segment route, unmeasured against it); seg: columns per segment program; samp: subset maxima per segment (the
     row's samples number samp x segments, >= 4 Kb keeps the bound tight); cap: candidates of
     a row (and of a segment's list); lcap: candidates per list the resolve packs in one
     step; block / rblock: columns per sweep step (compaction / the whole-row resolve); bits:
-    key bits per search step; bracket: the short route's search is `_kth_bound`
-    (`SHORT_BRACKET`), with sbits: log2 of its counts per step; early: the short route
+    key bits per search step (`_kth_key`); sbits: log2 of the short route's counts per step
+    (`_kth_bound`); early: the short route
     loads scores with the visible count; lbits: high key
     bits of the bound; warps per program. small: the interpreter's tiles (tests cross every
     border and route with few columns)."""
     if small:
-        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, bracket=int(SHORT_BRACKET),
-                    sbits=2, early=0, lbits=31, warps=4)
-    # sbits: the search's compare [row, 2^sbits] holds at most 64 keys a thread (16 warps): no spill.
+        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, sbits=2, early=0, lbits=31, warps=4)
+    # sbits: the search's compare [row, 2^sbits] holds at most 64 keys a thread (16 warps): no
+    # spill; 3 (8 counts a step) measured best or even up to 4096 columns (H200, session 8:
+    # 8K B1 / B4 / B64, 16K B4, on the step's scores and on mixed rows), 2 at 8192.
     cap_bits = triton.next_power_of_2(max(num_cols, 1)).bit_length() - 1
-    t = dict(short=4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024, bits=2,
-             bracket=int(SHORT_BRACKET), sbits=min(4, max(2, 15 - cap_bits)), early=0, lbits=31, warps=16)
+    t = dict(short=8192 if rows < 16 else 4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024,
+             bits=2, sbits=min(3, max(2, 15 - cap_bits)), early=0, lbits=31, warps=16)
     segs = triton.cdiv(max(num_cols, 1), t["seg"])
     if segs > 1:
         segp = triton.next_power_of_2(segs)
@@ -476,8 +468,7 @@ class TopkLaunch(ChunkLaunches):
         if short_route(num_cols, t):
             self._launches.append((_short.bind(
                 (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, *outs, free=out_free,
-                KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), BITS=t["bits"], BRACKET=t["bracket"],
-                SBITS=t["sbits"], EARLY=t["early"], **write, num_warps=t["warps"],
+                KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), SBITS=t["sbits"], EARLY=t["early"], **write, num_warps=t["warps"],
             ), True))
             return
         segs = triton.cdiv(num_cols, t["seg"])

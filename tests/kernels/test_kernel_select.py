@@ -163,10 +163,21 @@ def test_negative_zero_ties(nan_scratch):
     assert torch.equal(out, expect)
 
 
+def test_prefill_chunks_hold_at_least_256_rows_past_the_cap():
+    # 1M context (262144 columns): decode chunks stay under the 64 MiB cap (64 rows); prefill
+    # chunks hold 256 rows (256 MiB), or every row of a shorter call.
+    cols = 1 << 18
+    assert ker._scored_chunk(16384, cols, True) == 64
+    assert ker._scored_chunk(16384, cols, False) == 256
+    assert ker._scored_chunk(100, cols, False) == 100
+    assert ker._scored_chunk(16384, 1 << 15, False) == 512  # 128K: the cap's chunk, above 256
+
+
 def test_row_chunks_under_memory_cap(nan_scratch, monkeypatch):
     # A 7-row cap forces many chunks, with row tiles that do not align with them.
     problem = make_problem(**RAGGED, kind="int", pad_rows=1, seed=5)
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 7 * 4 * (RAGGED["seq_lens"][0] // 4))
+    monkeypatch.setattr(ker, "PREFILL_MIN_CHUNK_ROWS", 1)
     out, expect = run_both(problem)
     assert torch.equal(out, expect)
 
@@ -264,6 +275,7 @@ def test_gpu_prefill_chunked(nan_scratch, monkeypatch, kind):
     # a short one and padding; a 16 MiB cap forces several row chunks.
     problem = _prod_problem([65536, 3000, 700], [1024, 3000, 700], kind, pad_rows=5, seed=2)
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 16 << 20)
+    monkeypatch.setattr(ker, "PREFILL_MIN_CHUNK_ROWS", 1)
     out, expect = run_both(problem, **PROD)
     check_valid(out.cpu(), problem[4].cpu(), 512)
     assert_same_selection(problem, out, expect, kind)

@@ -397,6 +397,7 @@ def test_two_pass_prefill_select(nan_scratch, monkeypatch, kind):
 @pytest.mark.parametrize("defer, two_pass", [(0, 0), (1, 0), (1, 1)])
 def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkeypatch, defer, two_pass):
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 4 * 128 * 7)  # 7 rows per chunk
+    monkeypatch.setattr(ker, "PREFILL_MIN_CHUNK_ROWS", 1)
     # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
     # two_pass: each chunk's bounds in the workspace, its second pass storing only live runs.
     tiles = sp.prefill_tiles

@@ -101,13 +101,12 @@ def _search_rows(kind: str, n: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", ["random", "crowd", "zeros", "ints", "tiny", "huge", "equal"])
-@pytest.mark.parametrize("bracket, sbits, early", [(0, 2, 1), (1, 2, 0), (1, 3, 1), (1, 4, 0)])
-def test_short_route_search_meets_every_threshold(kind, bracket, sbits, early):
-    # 256 columns on the short route, main's search or the bracket search (QSA_SHORT_BRACKET)
-    # over several steps at every sbits; early: the NaN columns past a row's visible count
-    # load too (masked after).
+@pytest.mark.parametrize("sbits, early", [(2, 1), (2, 0), (3, 1), (4, 0)])
+def test_short_route_search_meets_every_threshold(kind, sbits, early):
+    # 256 columns on the short route: the bracket search over several steps at every sbits;
+    # early: the NaN columns past a row's visible count load too (masked after).
     rows = _search_rows(kind, 256)
-    got = run_topk(rows, 256, 8, calls=2, short=256, bracket=bracket, sbits=sbits, early=early)
+    got = run_topk(rows, 256, 8, calls=2, short=256, sbits=sbits, early=early)
     assert torch.equal(got, reference(rows, 256, 8))
 
 
@@ -116,7 +115,7 @@ def test_short_route_bracket_search_is_batch_invariant():
     g = torch.Generator().manual_seed(13)
     rows = [torch.rand(n, generator=g) for n in (256, 9, 61, 0, 130, 8, 200)]
     rows[4][::3] = 0.5
-    tiles = dict(short=256, bracket=1, sbits=3)
+    tiles = dict(short=256, sbits=3)
     assert torch.equal(run_topk(rows, 256, 8, row0=2, packed=True, **tiles), reference(rows, 256, 8, True))
     together = run_topk(rows, 256, 8, row0=2, **tiles)
     assert torch.equal(together, reference(rows, 256, 8))
@@ -227,11 +226,11 @@ from triton.compiler import ASTSource
 from qsa_kernels import select_topk as stk
 fn = stk._topk_short_kernel
 dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-for cols, bracket, early, packed in ((2048, 0, 0, True), (2048, 1, 0, True), (2048, 1, 1, False), (4096, 1, 0, True),
-                                     (4096, 0, 0, True), (1024, 1, 0, True)):
-    t = {**stk.topk_tiles(cols, small=False), "bracket": bracket, "early": early}
-    const = dict(KB=512, KBP=512, CAP=triton.next_power_of_2(cols), BITS=t["bits"], BRACKET=bracket, SBITS=t["sbits"],
-                 EARLY=early, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1, BLOCK_W=1024 if packed else 1)
+for cols, rows, early, packed in ((2048, 1, 0, True), (2048, 1, 1, False), (4096, 64, 0, True), (8192, 4, 0, True),
+                                   (8192, 4, 0, False), (1024, 1, 0, True)):
+    t = {**stk.topk_tiles(cols, small=False, rows=rows), "early": early}
+    assert stk.short_route(cols, t), (cols, rows)
+    const = dict(KB=512, KBP=512, CAP=triton.next_power_of_2(cols), SBITS=t["sbits"], EARLY=early, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1, BLOCK_W=1024 if packed else 1)
     types = dict(s_ptr="*fp32", pos_ptr="*i64")
     sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
@@ -244,15 +243,15 @@ for cols, bracket, early, packed in ((2048, 0, 0, True), (2048, 1, 0, True), (20
             out = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
         m = re.search(r"REG:(\\d+) STACK:(\\d+)", out)
         usage = f"{m.group(1)} {m.group(2)}" if m else usage
-    print(cols, bracket, early, packed, t["sbits"], usage)
+    print(cols, rows, early, packed, t["sbits"], usage)
 """
 
 
 def test_short_route_compiles_for_sm90_without_spills():
-    """The short route's H200 tiles (main's search and the bracket search; early loads at 2048
-    columns: at 4096 they spill 8 bytes under triton 3.9, none under 3.6) compile here
-    without a GPU; the bracket search's sbits keep its compare's keys in registers (no spill
-    stack), as main's kernel."""
+    """The short route's H200 tiles (up to 4096 columns, and 8192 for chunks of few rows; early
+    loads at 2048 columns)
+    compile here without a GPU; the bracket search's sbits keep its compare's keys in
+    registers (no spill stack)."""
     import subprocess
     import sys
 
@@ -261,5 +260,9 @@ def test_short_route_compiles_for_sm90_without_spills():
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
     assert len(lines) == 6, run.stdout
-    for *_, regs, stack in lines:
-        assert int(stack) <= 0, lines  # (-1: no cuobjdump to read it)
+    import triton
+
+    # 8192 columns (chunks of few rows) spill 8-40 bytes under triton 3.9, none under the H200's 3.6.
+    wide_stack = 0 if triton.__version__.startswith("3.6") else 64
+    for cols, *_, regs, stack in lines:
+        assert int(stack) <= (wide_stack if cols == "8192" else 0), lines  # (-1: no cuobjdump to read it)
