@@ -232,7 +232,7 @@ class QSAPlanner:
         self._select_ws = self._partials = self._attn_prefill_ws = None
         if self.backend == "triton":
             from qsa_kernels import attention
-            from qsa_kernels.attention import arrivals_size, partials_size
+            from qsa_kernels.attention import partials_size
             from qsa_kernels.select import select_workspace
 
             self._q_idx = torch.empty(n, cfg.index_n_heads, cfg.index_head_dim, dtype=self.index_dtype, device=dev)
@@ -241,10 +241,8 @@ class QSAPlanner:
             self._select_ws = select_workspace(n, max_cols, cfg.block_topk, dev)
             acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
             self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
-                              torch.empty(acc, dtype=torch.float32, device=dev),
-                              torch.zeros(arrivals_size(n, cfg.num_kv_heads), **i32))  # left zero by each launch
+                              torch.empty(acc, dtype=torch.float32, device=dev))
             self._shared_prefill = attention.shared_prefill_enabled()  # QSA_SHARED_PREFILL, read once
-            self._one_launch_merge = attention.one_launch_merge_enabled()  # QSA_ONE_LAUNCH_MERGE, read once
             if n >= attention._PREFILL_MIN_ROWS and self._shared_prefill:
                 from qsa_kernels.attention_prefill import workspace_size
 
@@ -298,8 +296,7 @@ class QSAPlanner:
                 pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
             attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
                                   device=self.device, partials=self._partials, compress_ratio=cfg.compress_ratio,
-                                  shared_prefill=self._shared_prefill, prefill_workspace=self._attn_prefill_ws,
-                                  one_launch_merge=self._one_launch_merge)
+                                  shared_prefill=self._shared_prefill, prefill_workspace=self._attn_prefill_ws)
         rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols, fuse_ring=fuse_ring,

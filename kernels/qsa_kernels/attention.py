@@ -5,11 +5,8 @@ the head group's queries as a [GP, D] tile (GP = group size padded to a power of
 for tl.dot) and runs an online softmax (fp32, exp2) over blocks of selection columns,
 gathering K/V rows through the block table. Many rows: one pass (`_attn_kernel`, SPLIT off)
 that also applies the gate. Few rows (decode): flash-decoding, each split writes (m, l, acc)
-partials and `_combine_kernel` merges them and applies the gate; with the one-launch merge
-(QSA_ONE_LAUNCH_MERGE=1, off by default: not yet measured on the H200) the last split of a
-(row, KV head) to finish merges them instead, in the same launch, to the same bits. Entries
-< 0, >= the request's seq_len or at columns >= the count column are ignored; rows with none
-left are 0.
+partials and `_combine_kernel` merges them and applies the gate. Entries < 0, >= the
+request's seq_len or at columns >= the count column are ignored; rows with none left are 0.
 `AttentionLaunch` binds the launches once per (schedule, layer cache) (`launch.py`).
 """
 
@@ -31,8 +28,6 @@ _MAX_SPLITS = 64
 # 3 against 2 cut 128K B64 from 91.1 to 86.3 us and 1M B4 with 4 rows per request from 40.6 to 37.6
 # (L2 flushed); 4 was slower at B64 (105 us); rows <= 4 stay at the 33-split cap either way.
 _PROGRAMS_PER_SM = 3
-# Splits whose partials the merging program loads at once (each a [GP, DP] fp32 tile).
-_MERGE_UNROLL = 2
 # Rows above which the one-pass kernel already fills the GPU.
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
@@ -47,13 +42,6 @@ def shared_prefill_enabled() -> bool:
     """QSA_SHARED_PREFILL=1: planners made now plan the shared-tile prefill kernels (read once,
     when a `QSAPlanner` is made)."""
     return os.environ.get("QSA_SHARED_PREFILL", "0") == "1"
-
-
-def one_launch_merge_enabled() -> bool:
-    """QSA_ONE_LAUNCH_MERGE=1: planners made now plan the decode split programs to merge their
-    partials themselves (the last to arrive), not a combine launch (read once, when a
-    `QSAPlanner` is made). Off by default until measured on the H200 (benchmarks/bench_datt.py)."""
-    return os.environ.get("QSA_ONE_LAUNCH_MERGE", "0") == "1"
 
 
 def _interpreting() -> bool:
@@ -169,84 +157,19 @@ def _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask):
     tl.store(out_ptr + o_off, tl.where(has_any, gated, 0.0).to(out_dtype), mask=mask)
 
 
-@triton.jit
-def _merge_group(
-    gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, row, kvh, n_splits, v_scale, stride_gt, stride_gh, stride_ot,
-    HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
-    UNROLL: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Merge the n_splits (m, l, acc) partials of one row's head group, normalise, gate, store.
-
-    The bits of `_combine_kernel` (one program per head over [SP] and [SP, DP] tiles): per head
-    m_all = max(m), w = exp2(m - m_all) and l_all = sum(w * l) over an [SP] tensor (on sm_90
-    the same PTX: a multiply, butterfly shuffles 16..1 with the first add fused, then across
-    warps), and o = the sum over splits of w * acc in split order, one multiply-add per split
-    (that kernel's in-thread chain). Partials are read from L2 (.cg): other programs wrote them."""
-    g = tl.arange(0, GP)
-    d = tl.arange(0, DP)
-    sp = tl.arange(0, SP)
-    shift = tl.zeros((GP,), tl.float32)
-    l_all = tl.zeros((GP,), tl.float32)
-    # Every head's (m, l) in one [SP, GP] load (a load per head would wait out each head's
-    # reduction barriers); head h's [SP] column is taken exactly (max / sum with one term).
-    slots = (row.to(tl.int64) * HQ + kvh * G + g)[None, :] * n_splits + sp[:, None]
-    live = (g < G)[None, :] & (sp < n_splits)[:, None]
-    m_sg = tl.load(part_ml_ptr + slots * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-    l_sg = tl.load(part_ml_ptr + slots * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
-    for h in tl.static_range(G):
-        m = tl.max(tl.where((g == h)[None, :], m_sg, float("-inf")), 1)
-        l = tl.sum(tl.where((g == h)[None, :], l_sg, 0.0), 1)
-        m_all = tl.max(m, 0)
-        m_shift = tl.where(m_all == float("-inf"), 0.0, m_all)  # empty splits: weight 0
-        shift = tl.where(g == h, m_shift, shift)
-        l_all = tl.where(g == h, tl.sum(tl.math.exp2(m - m_shift) * l, 0), l_all)
-    heads = kvh * G + g
-    base = (row.to(tl.int64) * HQ + heads) * n_splits
-    mask = (g < G)[:, None] & (d < D)[None, :]
-    o = tl.zeros((GP, DP), tl.float32)
-    if INTERPRET:  # the interpreter cannot range over tensor bounds
-        s = 0
-        while s < n_splits:
-            o = _merge_split(o, part_ml_ptr, part_acc_ptr, base, s, n_splits, shift, g < G, mask, d, D)
-            s += 1
-    else:
-        for s in range(0, n_splits, UNROLL):  # UNROLL splits' loads in flight
-            for u in tl.static_range(UNROLL):
-                o = _merge_split(o, part_ml_ptr, part_acc_ptr, base, s + u, n_splits, shift, g < G, mask, d, D)
-    has_any = (l_all > 0.0)[:, None]
-    o = o / tl.where(has_any, l_all[:, None], 1.0) * v_scale
-    g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
-    o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
-    _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
-
-
-@triton.jit
-def _merge_split(o, part_ml_ptr, part_acc_ptr, base, s, n_splits, shift, head_mask, mask, d, D: tl.constexpr):
-    """o [GP, DP] + w * acc of split s (w = exp2(m - shift), fp32, one multiply-add); a split
-    s >= n_splits adds 0 * 0."""
-    live = head_mask & (base * 0 + s < n_splits)  # [GP] (a tensor for the interpreter too)
-    m = tl.load(part_ml_ptr + (base + s) * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-    acc = tl.load(part_acc_ptr + (base + s)[:, None] * D + d[None, :], mask=mask & live[:, None], other=0.0,
-                  cache_modifier=".cg")
-    return o + tl.math.exp2(m - shift)[:, None] * acc
-
-
 @triton.jit(do_not_specialize=["n_splits", "W"])
 def _attn_kernel(
-    q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, out_ptr, part_ml_ptr, part_acc_ptr, arrive_ptr,
+    q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
     n_splits, W, qk_scale, v_scale,
     stride_qt, stride_qh, stride_gt, stride_gh, stride_ot,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     stride_btr, stride_btp, stride_st, stride_sc,
     HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
-    SP: tl.constexpr, UNROLL: tl.constexpr, INTERPRET: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Grid (rows, KV heads, splits). SPLIT off: out [T, HQ*D] directly. SPLIT on: partials
-    ml fp32 [T, HQ, n_splits, 2] (m, l) and acc fp32 [T, HQ, n_splits, D], merged by
-    `_combine_kernel`; with MERGE each program also counts its arrival in arrive int32
-    [T, KV heads] (zero between launches) and the last of a (row, KV head)'s n_splits programs
-    merges them (`_merge_group`) and zeroes the count again."""
+    ml fp32 [T, HQ, n_splits, 2] (m, l) and acc fp32 [T, HQ, n_splits, D]."""
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -265,13 +188,6 @@ def _attn_kernel(
         tl.store(part_ml_ptr + slot * 2, m, mask=g < G)
         tl.store(part_ml_ptr + slot * 2 + 1, l, mask=g < G)
         tl.store(part_acc_ptr + slot[:, None] * D + d[None, :], acc, mask=mask)
-        if MERGE:
-            tl.debug_barrier()  # this program's partials before its arrival
-            counter = arrive_ptr + row * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-                tl.store(counter, 0)  # zero for the next launch (or graph replay)
-                _merge_group(gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, row, kvh, n_splits, v_scale, stride_gt,
-                             stride_gh, stride_ot, HQ, G, GP, D, DP, SP, UNROLL, INTERPRET)
     else:
         has_any = (l > 0.0)[:, None]
         o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
@@ -335,9 +251,7 @@ class AttentionSchedule:
     """How one sparse-attention call runs, fixed when the step is planned.
 
     n_splits > 1: flash-decoding partials part_ml fp32 [T, Hq, n_splits, 2] and part_acc
-    fp32 [T, Hq, n_splits, D] (views), merged by the combine kernel, or with one_launch by the
-    last split of each (row, KV head) to arrive, counted in arrive int32 [T, Hkv] (a view,
-    zero between launches); else one pass.
+    fp32 [T, Hq, n_splits, D] (views), merged by the combine kernel; else one pass.
     """
 
     num_rows: int
@@ -348,8 +262,6 @@ class AttentionSchedule:
     interpret: bool
     part_ml: torch.Tensor | None
     part_acc: torch.Tensor | None
-    arrive: torch.Tensor | None
-    one_launch: bool = False
     prefill: Any = None  # an attention_prefill.PrefillSchedule: its kernels run instead
 
 
@@ -365,11 +277,6 @@ def partials_size(max_rows: int, num_heads: int, num_kv_heads: int, head_dim: in
     return most * num_heads * head_dim
 
 
-def arrivals_size(max_rows: int, num_kv_heads: int) -> int:
-    """int32 arrival counters any `plan_attention` with num_rows <= max_rows needs (zeroed once)."""
-    return min(max_rows, _SPLIT_MAX_ROWS) * num_kv_heads
-
-
 def plan_attention(
     num_rows: int,
     num_heads: int,
@@ -378,17 +285,14 @@ def plan_attention(
     width: int,
     *,
     device: torch.device | str,
-    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     compress_ratio: int | None = None,
     shared_prefill: bool = False,
     prefill_workspace: torch.Tensor | None = None,
-    one_launch_merge: bool = False,
 ) -> AttentionSchedule:
     """Schedule of a sparse attention over num_rows rows of W = width selection columns.
 
-    partials: flat (ml, acc) fp32 buffers (`partials_size`) and int32 arrival counters, zero
-    (`arrivals_size`), of a workspace, else allocated. one_launch_merge: the split programs
-    merge (the last to arrive), no combine launch; the same bits.
+    partials: flat fp32 (ml, acc) buffers of a workspace (`partials_size`), else allocated.
     shared_prefill with compress_ratio given and at least _PREFILL_MIN_ROWS rows: the
     shared-tile prefill kernels (`attention_prefill.plan_prefill_attention`, on prefill_workspace
     if given).
@@ -396,21 +300,17 @@ def plan_attention(
     dev = torch.device(device)
     block_n, num_warps, num_stages = _launch_config(triton.next_power_of_2(head_dim))
     n_splits = _num_splits(num_rows, num_kv_heads, width, block_n, dev)
-    part_ml = part_acc = arrive = None
+    part_ml = part_acc = None
     if n_splits > 1:
         n = num_rows * num_heads * n_splits
         if partials is None:
             partials = (torch.empty(n * 2, dtype=torch.float32, device=dev),
-                        torch.empty(n * head_dim, dtype=torch.float32, device=dev),
-                        torch.zeros(num_rows * num_kv_heads, dtype=torch.int32, device=dev))
-        ml, acc, counts = partials
+                        torch.empty(n * head_dim, dtype=torch.float32, device=dev))
+        ml, acc = partials
         if ml.numel() < n * 2 or acc.numel() < n * head_dim:
             raise ValueError(f"attention partials hold {acc.numel()} < {n * head_dim} elements")
-        if counts.numel() < num_rows * num_kv_heads:
-            raise ValueError(f"attention arrival counters hold {counts.numel()} < {num_rows * num_kv_heads}")
         part_ml = ml[: n * 2].view(num_rows, num_heads, n_splits, 2)
         part_acc = acc[: n * head_dim].view(num_rows, num_heads, n_splits, head_dim)
-        arrive = counts[: num_rows * num_kv_heads].view(num_rows, num_kv_heads)
     prefill = None
     if shared_prefill and compress_ratio is not None and n_splits == 1 and num_rows >= _PREFILL_MIN_ROWS:
         from .attention_prefill import plan_prefill_attention
@@ -418,7 +318,7 @@ def plan_attention(
         prefill = plan_prefill_attention(num_rows, num_heads, num_kv_heads, head_dim, width, compress_ratio,
                                          device=dev, workspace=prefill_workspace)
     return AttentionSchedule(num_rows, n_splits, block_n, num_warps, num_stages, _interpreting(), part_ml, part_acc,
-                             arrive, one_launch_merge and n_splits > 1, prefill)
+                             prefill)
 
 
 _FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "stride_qt", "stride_qh",
@@ -456,7 +356,7 @@ class AttentionLaunch:
         DP = triton.next_power_of_2(D)
         n_splits = schedule.n_splits
         split = n_splits > 1
-        part_ml, part_acc, arrive = (schedule.part_ml, schedule.part_acc, schedule.arrive) if split else (out,) * 3
+        part_ml, part_acc = (schedule.part_ml, schedule.part_acc) if split else (out, out)
         common = dict(G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page,
                       DOT_DTYPE=_dot_dtype(q, k_cache, schedule.interpret), INTERPRET=schedule.interpret)
         qk_scale = softmax_scale * k_scale * _LOG2E
@@ -465,16 +365,15 @@ class AttentionLaunch:
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                    v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
                    block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1))
-        sp = max(2, triton.next_power_of_2(n_splits))
         self._launches.append((_per_row.bind(
-            (T, Hkv, n_splits), *tensors, part_ml, part_acc, arrive, n_splits, W, qk_scale, v_scale, *strides,
-            free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split, MERGE=schedule.one_launch, SP=sp,
-            UNROLL=_MERGE_UNROLL, num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
+            (T, Hkv, n_splits), *tensors, part_ml, part_acc, n_splits, W, qk_scale, v_scale, *strides,
+            free=_FREE, HQ=Hq, BLOCK_N=schedule.block_n, SPLIT=split,
+            num_warps=schedule.num_warps, num_stages=schedule.num_stages, **common,
         ), False))
-        if split and not schedule.one_launch:
+        if split:
             self._launches.append((_combine.bind(
                 (T, Hq), gate, out, part_ml, part_acc, n_splits, v_scale, gate.stride(0), gate.stride(1),
-                out.stride(0), free=_COMBINE_FREE, HQ=Hq, D=D, DP=DP, SP=sp,
+                out.stride(0), free=_COMBINE_FREE, HQ=Hq, D=D, DP=DP, SP=max(2, triton.next_power_of_2(n_splits)),
             ), True))
 
     def __call__(self, q: torch.Tensor, gate: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,
