@@ -55,8 +55,6 @@ VARIANTS = {
     "noregs": dict(regs=0), "s16k": dict(seg=16384), "l12": dict(lbits=12), "rw8": dict(rwarps=8),
     "skip": dict(skip=1), "noskip": dict(skip=0),  # the candidate launch reads only runs reaching the bound
     "sub2": dict(sub=2), "sub4": dict(sub=4), "sub8": dict(sub=8), "sub16": dict(sub=16), "topk": None,
-    "tp": dict(skip=1, two_pass=1),  # two passes of scores: samples, then only the runs reaching the bound
-    "tp2": dict(skip=1, two_pass=1, sub=2), "tp4": dict(skip=1, two_pass=1, sub=4),  # (shorter runs)
 }
 PREFILL_ROUTE, TOPK_ROUTE = sel._prefill_route, sel._topk_route
 
@@ -130,19 +128,12 @@ class Select:
         return int(tot.max()), float(tot.float().mean()), int((tot > t["cap"]).sum())
 
 
-def last_scores(run: Select) -> torch.Tensor:
-    """A copy of the last chunk's score scratch (all of its scores on a one-pass route)."""
-    row0, _, _ = run.launch._chunks[-1]
-    return run.s.scores[: min(run.s.chunk, run.s.num_rows - row0)].clone()
-
-
-def reference_rows(run: Select, data, scores: torch.Tensor | None = None) -> bool:
-    """The last chunk's packed rows equal the reference top-k of the kernel's own scores, or of
-    `scores` (`last_scores` of a one-pass route: a two-pass route stores only some runs)."""
+def reference_rows(run: Select, data) -> bool:
+    """The last chunk's packed rows equal the reference top-k of the kernel's own scores."""
     q, comp, table, to_req, vis, pos = data
     row0, _, _ = run.launch._chunks[-1]
     n = min(run.s.chunk, run.s.num_rows - row0)
-    blocks = topk_groups(run.s.scores[:n] if scores is None else scores, vis[row0:row0 + n], KB)
+    blocks = topk_groups(run.s.scores[:n], vis[row0:row0 + n], KB)
     want = qsa_expand(blocks, pos[row0:row0 + n], vis[row0:row0 + n], compress_ratio=R,
                       out=torch.empty(n, W + 1, dtype=torch.int32, device=DEV))
     return bool(torch.equal(run.out[row0:row0 + n], want))
@@ -218,7 +209,6 @@ def main(argv: list[str] | None = None) -> None:
         base = Select(data, context)
         want = base().clone()
         ok = reference_rows(base, data)
-        want_scores = last_scores(base)
         line = dict(ctx=ctx, rows=rows, route="radix", exact=ok, select=timer(base), scores=timer(base.scores),
                     topk=timer(base.topk), chunks=len(base.launch._chunks))
         results.append(line)
@@ -231,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
                 run = Select(data, context)
                 got = run().clone()
                 same = bool(torch.equal(got, want)) and bool(torch.equal(run().clone(), want))
-                exact = same and reference_rows(run, data, want_scores)
+                exact = same and reference_rows(run, data)
                 cand = run.candidates() if route != "topk" else (0, 0.0, 0)
                 line = dict(ctx=ctx, rows=rows, route=route, exact=exact, cand_max=cand[0], cand_mean=cand[1],
                             overflow=cand[2], tiles=run.s.prefill_tiles,

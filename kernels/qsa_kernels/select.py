@@ -304,26 +304,18 @@ class SelectLaunch:
             if t.shape[0] < self.rows:
                 raise ValueError(f"the select schedule covers rows up to {self.rows}; {name} has {t.shape[0]}")
         bound: dict[int, tuple] = {}  # rows of a chunk -> its launches (all full chunks share theirs)
-        self._chunks: list[tuple[int, ScoreLaunch | select_prefill.TwoPassScores | None, ChunkLaunches]] = []
+        self._chunks: list[tuple[int, ScoreLaunch | None, ChunkLaunches]] = []
         for row0 in range(first_row, self.rows, s.chunk):
             n = min(s.chunk, self.rows - row0)
             if n not in bound:
                 samples = None if s.prefill is None else select_prefill.samples_view(
                     s.prefill, s.chunk, s.num_cols, s.prefill_tiles, _score_block_g())
-                score_args = (q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores)
-                score_kw = dict(row0=row0, rows=n, num_cols=s.num_cols, page_size=page_size,
-                                compress_ratio=compress_ratio, block_topk=block_topk, decode=s.decode, tiles=s.tiles,
-                                interpret=s.interpret, samples=samples,
-                                sample_sub=0 if s.prefill is None else s.prefill_tiles["sub"])
-                if s.prefill is not None and select_prefill.two_pass(s.prefill_tiles):
-                    score = select_prefill.TwoPassScores(
-                        ScoreLaunch(*score_args, **score_kw, store=0),
-                        select_prefill.RowBoundLaunch(samples, visible_blocks, s.prefill, row0=row0, rows=n,
-                                                      num_cols=s.num_cols, block_topk=block_topk,
-                                                      tiles=s.prefill_tiles, score_block_g=_score_block_g()),
-                        ScoreLaunch(*score_args, **score_kw, store=2, bounds=s.prefill.bound))
-                else:
-                    score = ScoreLaunch(*score_args, **score_kw) if s.scored else None
+                score = ScoreLaunch(
+                    q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, row0=row0, rows=n,
+                    num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio, block_topk=block_topk,
+                    decode=s.decode, tiles=s.tiles, interpret=s.interpret, samples=samples,
+                    sample_sub=0 if s.prefill is None else s.prefill_tiles["sub"],
+                ) if s.scored else None
                 if s.prefill is not None:
                     topk = select_prefill.PrefillTopkLaunch(
                         s.scores, samples, visible_blocks, out, s.prefill, row0=row0, rows=n, num_cols=s.num_cols,

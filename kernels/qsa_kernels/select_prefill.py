@@ -23,13 +23,6 @@ chunk resolves them, many rows at once (a chunk has few rows at long contexts); 
 overflowing rows resolve in the chunk's launch, while their scores are there. The scores make
 one trip through memory after the score launch; no histogram.
 
-Two-pass scores (`TwoPassScores`, `TWO_PASS`, with tile skip only): the score launch runs first
-for the samples alone (no fp32 score is written), a bound launch (`_bound_kernel`) keeps each
-row's bound, and the score launch runs again storing only the runs whose sample reaches it, the
-only runs the candidate launch reads; a score depends on its row's q and its key alone, so both
-passes compute the same bits, and the overflow resolve reads the live runs only
-(`select_topk._resolve_row` given S). It trades the scratch's full write for a second pass of the dots.
-
 Deterministic and batch-invariant: samples, counts and positions depend on the row's scores
 only, lists sit at fixed offsets, no row reads another's state. `PrefillTopkLaunch` binds a
 chunk's launches; `prefill_tiles` / `prefill_route` say when and with which shapes `plan_select` takes it.
@@ -37,7 +30,6 @@ chunk's launches; `prefill_tiles` / `prefill_route` say when and with which shap
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -111,27 +103,14 @@ def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.co
     return _kth_key(tl.load(samp_row + p, mask=p < tl.cdiv(vis, S), other=-1), KB, BITS, LBITS)
 
 
-@triton.jit(do_not_specialize=["row0", "n_cols", "stride_pr"])
-def _bound_kernel(vis_ptr, samp_ptr, bound_ptr, row0, n_cols, stride_pr, KB: tl.constexpr, BITS: tl.constexpr,
-                  LBITS: tl.constexpr, S: tl.constexpr, SAMPP: tl.constexpr):
-    """Two-pass: each chunk row's bound (`_row_bound`) -> bound int32 [chunk rows] (0 for rows
-    with visible <= KB), between the score launch's samples pass and its live-runs pass."""
-    lr = tl.program_id(0)
-    vis = tl.minimum(tl.load(vis_ptr + row0 + lr), n_cols)
-    bound = vis * 0
-    if vis > KB:
-        bound = _row_bound(samp_ptr + lr.to(tl.int64) * stride_pr, vis, KB, BITS, LBITS, S, SAMPP)
-    tl.store(bound_ptr + lr, bound)
-
-
 @triton.jit(do_not_specialize=["row0", "crow0", "n_cols", "stride_sr", "stride_pr", "stride_cr"])
 def _topk_prefill_kernel(
-    s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr, runs_ptr, bound_ptr,
+    s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr, runs_ptr,
     row0, crow0, n_cols, stride_sr, stride_pr, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
-    BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0, TWO_PASS: tl.constexpr = 0,
+    BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -139,9 +118,7 @@ def _topk_prefill_kernel(
     cnt int32 [rows, SEGP]; arrive int32 [chunk rows] zero between calls (the last arriver
     resets it). The last arriver resolves the row from its lists, or (more than CAP
     candidates) from its scores; DEFER: only the latter, `_resolve_prefill_kernel` does the
-    rest after the chunk's scores are gone. TWO_PASS (with RUNS): the score scratch holds only
-    the runs whose sample reaches the row's bound, which `_bound_kernel` left in bound int32
-    [chunk rows]; the whole-row resolve reads only those (`select_topk._resolve_row` given S)."""
+    rest after the chunk's scores are gone."""
     lr = tl.program_id(0)
     seg = tl.program_id(1)
     row = row0 + lr
@@ -155,10 +132,7 @@ def _topk_prefill_kernel(
             _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     elif seg < n_seg:
         samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
-        if TWO_PASS:
-            bound = tl.load(bound_ptr + lr)
-        else:
-            bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S, SAMPP)  # <= the row's KB-th largest key
+        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S, SAMPP)  # <= the row's KB-th largest key
         c_idx = cidx_ptr + (crow0 + lr).to(tl.int64) * stride_cr
         c_key = ckey_ptr + (crow0 + lr).to(tl.int64) * stride_cr
         cnt_row = cnt_ptr + (crow0 + lr).to(tl.int64) * SEGP
@@ -184,9 +158,7 @@ def _topk_prefill_kernel(
                     _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
             else:
                 _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-                # two-pass (S given): the scratch holds only the runs whose sample reaches the bound
-                _resolve_row(s_row, samp_row, bound, vis, out_row, stride_oc, KB, BITS, RBLOCK, S * TWO_PASS,
-                             PACKED, R)
+                _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_cr"])
@@ -214,15 +186,10 @@ def _resolve_prefill_kernel(
 
 _prefill_topk = Launcher(_topk_prefill_kernel)
 _prefill_resolve = Launcher(_resolve_prefill_kernel)
-_prefill_bound = Launcher(_bound_kernel)
 
 
 # Cap on the candidate lists kept for a deferred resolve (bytes): rows of several chunks.
 CAND_BYTES = 64 << 20
-# Two-pass scores (`TwoPassScores`) wherever tile skip is on: exact (interpreter tests) but not
-# yet measured on the H200, so off unless QSA_PREFILL_TWO_PASS=1 when this module is imported
-# (benchmarks/device/psel2_measure.sh times both).
-TWO_PASS = os.environ.get("QSA_PREFILL_TWO_PASS", "0") == "1"
 
 
 def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
@@ -239,19 +206,18 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     1.13, 128K 14.95 -> 6.52, 1M 120.8 -> 58.4; the top-k part is bound by latency, so 8 warps
     at 64 registers (4 programs per SM), 1024 candidates and the deferred resolve won; the
     whole-row programs of 16 warps and 2048 candidates (W1) took 6.9 / 50.6 ms of top-k at
-    128K / 1M). two_pass (with skip; `TWO_PASS`): the score launch runs twice, samples first and
-    then only the scores of runs reaching each row's bound (`TwoPassScores`)."""
+    128K / 1M)."""
     sub = 1
     while 4 * sub < score_block_g and num_cols * sub < 4 * block_topk * score_block_g:
         sub *= 2
     if small:
         return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
-                    rwarps=4, rregs=0, two_pass=0)
+                    rwarps=4, rregs=0)
     # skip (2026-12-01 W2, select of 16K rows, ms): the candidate launch reads only the runs whose
     # sample reaches the bound: 128K 6.47 -> 4.87 (its candidate launches 2.90 -> 1.27), 1M 57.5
     # -> 40.7 (29.1 -> 12.3); not at 16K (1.12 vs 1.13), so from 32768 columns.
     return dict(sub=sub, seg=32768, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
-                rwarps=4, rregs=0, skip=int(num_cols >= 32768), two_pass=int(TWO_PASS and num_cols >= 32768))
+                rwarps=4, rregs=0, skip=int(num_cols >= 32768))
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
@@ -273,11 +239,6 @@ def seg_runs(num_cols: int, tiles: dict, score_block_g: int) -> int:
     return max(min(tiles["seg"], triton.next_power_of_2(num_cols)) // sample_cols(tiles, score_block_g), 1)
 
 
-def two_pass(tiles: dict) -> bool:
-    """Whether the chunk's scores take two passes (`TwoPassScores`)."""
-    return bool(tiles.get("two_pass", 0))
-
-
 def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: dict) -> int:
     """Rows whose candidate lists one resolve launch takes: a multiple of chunk, the lists
     under CAND_BYTES (or chunk, without defer)."""
@@ -291,8 +252,8 @@ def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: dict) -> int:
 @dataclass(frozen=True)
 class PrefillScratch:
     """Scratch of this route (flat; views per schedule): samples, arrival counters (zero
-    between calls), the lists of runs to read (tile skip) and the rows' bounds (two-pass) of a
-    chunk, candidate indices, keys and list lengths of `defer_rows` rows."""
+    between calls) and the lists of runs to read (tile skip) of a chunk, candidate indices,
+    keys and list lengths of `defer_rows` rows."""
 
     samples: torch.Tensor
     cand_idx: torch.Tensor
@@ -300,7 +261,6 @@ class PrefillScratch:
     counts: torch.Tensor
     arrive: torch.Tensor
     runs: torch.Tensor
-    bound: torch.Tensor
 
 
 def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
@@ -311,7 +271,7 @@ def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
     group = defer_rows(chunk, num_rows, num_cols, tiles)
     return dict(samples=chunk * triton.cdiv(num_cols, sample_cols(tiles, score_block_g)),
                 cand_idx=group * segp * tiles["cap"], cand_key=group * segp * tiles["cap"], counts=group * segp,
-                arrive=chunk, runs=max(chunk * segp * seg_runs(num_cols, tiles, score_block_g), 1), bound=chunk)
+                arrive=chunk, runs=max(chunk * segp * seg_runs(num_cols, tiles, score_block_g), 1))
 
 
 def prefill_scratch(elems: dict[str, int], device: torch.device | str) -> PrefillScratch:
@@ -349,16 +309,14 @@ class PrefillTopkLaunch(ChunkLaunches):
         cidx, ckey = (x[: n["cand_idx"]].view(self.group, -1) for x in (scratch.cand_idx, scratch.cand_key))
         common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], **write)
         runs = seg_runs(num_cols, t, score_block_g)
-        if two_pass(t) and not runs:
-            raise ValueError("the two-pass prefill top-k needs tile skip (skip=1)")
         self._topk = _prefill_topk.bind(
             (rows, segs), scores, visible_blocks, samples, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
-            scratch.runs, scratch.bound, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
+            scratch.runs, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
             out.stride(0), out.stride(1),
             free=("row0", "crow0", "out_ptr", "stride_or"),
             KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=sample_cols(t, score_block_g),
             SAMPP=triton.next_power_of_2(samples.shape[1]), BLOCK=t["block"], RBLOCK=t["rblock"],
-            DEFER=bool(t["defer"]), RUNS=runs, TWO_PASS=two_pass(t), **common, num_warps=t["warps"],
+            DEFER=bool(t["defer"]), RUNS=runs, **common, num_warps=t["warps"],
             **({"maxnreg": t["regs"]} if t["regs"] else {}),
         )
         self._resolve = _prefill_resolve.bind(
@@ -373,34 +331,3 @@ class PrefillTopkLaunch(ChunkLaunches):
         done = crow0 + self.rows
         if self._resolve is not None and (done >= self.group or row0 + self.rows >= self.end):
             self._resolve(row0 - crow0, done, out, out_row_stride)
-
-
-class RowBoundLaunch:
-    """Two-pass: the bound launch of a chunk of `rows` rows (free first row `row0`) bound to its
-    samples (`samples_view`), visible_blocks int32 [T] and scratch.bound; `__call__(row0)`."""
-
-    def __init__(self, samples: torch.Tensor, visible_blocks: torch.Tensor, scratch: PrefillScratch, *, row0: int,
-                 rows: int, num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> None:
-        self._launch = _prefill_bound.bind(
-            (rows,), visible_blocks, samples, scratch.bound, row0, num_cols, samples.stride(0), free=("row0",),
-            KB=block_topk, BITS=tiles["bits"], LBITS=tiles["lbits"], S=sample_cols(tiles, score_block_g),
-            SAMPP=triton.next_power_of_2(samples.shape[1]), num_warps=tiles["rwarps"])
-
-    def __call__(self, row0: int) -> None:
-        self._launch(row0)
-
-
-class TwoPassScores:
-    """A chunk's scores in two passes: `first` (a score launch writing the samples only), the
-    rows' bounds (`RowBoundLaunch`), `second` (the same scores again, stored only for the runs
-    whose sample reaches their row's bound: all that the candidate launch reads with tile
-    skip). A score depends on its row's q and its key only, so both passes compute the same
-    bits. Called as a score launch: (q_idx, block_table, row0)."""
-
-    def __init__(self, first, bound: RowBoundLaunch, second) -> None:
-        self.first, self.bound, self.second = first, bound, second
-
-    def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:
-        self.first(q_idx, block_table, row0)
-        self.bound(row0)
-        self.second(q_idx, block_table, row0)

@@ -116,71 +116,17 @@ def _scores_decode_kernel(
 
 
 @triton.jit
-def _run_max(s, mask, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, SUB: tl.constexpr):
-    """The largest key (bits of fp32 s >= 0 or NaN, sign cleared; -1: none) of each of SUB runs
-    of BLOCK_G / SUB columns of a tile s [BLOCK_G, BLOCK_R] over its cells `mask` -> [SUB, BLOCK_R]."""
-    key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
-    return tl.max(tl.reshape(key, (SUB, BLOCK_G // SUB, BLOCK_R)), 1)
-
-
-@triton.jit
 def _store_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
                    SUB: tl.constexpr):
     """The selection's samples of a score tile s fp32 [BLOCK_G, BLOCK_R] (columns g0 + i, rows
     lr; mask: the cells written): for each of its SUB subsets of S = BLOCK_G / SUB columns,
     samples int32 [chunk rows, cdiv(n_cols, S)] at (row, g0 / S + subset) = the largest key
     (score bits) among the subset's columns below the row's visible (-1: none)."""
-    _store_run_keys(samp_ptr, lr, g0, _run_max(s, mask, BLOCK_G, BLOCK_R, SUB), vis, stride_pr, BLOCK_G, SUB)
-
-
-@triton.jit
-def _store_run_keys(samp_ptr, lr, g0, m, vis, stride_pr, BLOCK_G: tl.constexpr, SUB: tl.constexpr):
-    """Samples m int32 [SUB, BLOCK_R] of a tile's runs at (row lr, g0 / S + run), runs below vis."""
+    key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
+    m = tl.max(tl.reshape(key, (SUB, BLOCK_G // SUB, BLOCK_R)), 1)  # [SUB, BLOCK_R]
     i = tl.arange(0, SUB)[:, None]
     tl.store(samp_ptr + lr.to(tl.int64)[None, :] * stride_pr + g0 // (BLOCK_G // SUB) + i, m,
              mask=(g0 + i * (BLOCK_G // SUB)) < vis[None, :])
-
-
-@triton.jit
-def _store_raw_samples(samp_ptr, lr, g0, acc, mask, vis, stride_pr, norm, rcp, FAST_DIV: tl.constexpr,
-                       BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, SUB: tl.constexpr):
-    """`_store_samples` of the scores of relu sums acc fp32 [BLOCK_G, BLOCK_R] with one division
-    per run: the division by sqrt(Di) (`_finish` / `_finish_fast`) is monotone (non-decreasing)
-    on acc >= 0, keys order like the values (NaN's bits above every number's), so the largest
-    key of a run's scores is the key of its largest sum's score, bit for bit."""
-    m = _run_max(acc, mask, BLOCK_G, BLOCK_R, SUB)
-    x = m.to(tl.float32, bitcast=True)
-    s = _finish_fast(x, norm, rcp) if FAST_DIV else _finish(x, norm)
-    _store_run_keys(samp_ptr, lr, g0, tl.where(m >= 0, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1), vis,
-                    stride_pr, BLOCK_G, SUB)
-
-
-@triton.jit
-def _live(samp_ptr, lr, g0, mask, vis, bound, stride_pr, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr,
-          SUB: tl.constexpr):
-    """mask [BLOCK_G, BLOCK_R] of a score tile (columns g0 + i x rows lr) narrowed to the runs
-    (SUB per tile, of BLOCK_G / SUB columns) whose sample (samp int32 [chunk rows, ...], the
-    first pass's) reaches their row's bound int32 [BLOCK_R]: what the top-k's candidate launch
-    reads of them (`select_prefill`, two-pass)."""
-    i = tl.arange(0, SUB)[:, None]
-    samp = tl.load(samp_ptr + lr.to(tl.int64)[None, :] * stride_pr + g0 // (BLOCK_G // SUB) + i,
-                   mask=(g0 + i * (BLOCK_G // SUB)) < vis[None, :], other=-1)  # [SUB, BLOCK_R]
-    live = tl.broadcast_to((samp >= bound[None, :])[:, None, :], (SUB, BLOCK_G // SUB, BLOCK_R))
-    return mask & tl.reshape(live, (BLOCK_G, BLOCK_R))
-
-
-@triton.jit
-def _store_rows(s_rows, samp_ptr, lr, g0, g, s, written, vis, bound, stride_pr, BLOCK_G: tl.constexpr,
-                BLOCK_R: tl.constexpr, SUB: tl.constexpr, STORE: tl.constexpr):
-    """The stores of a score tile s fp32 [BLOCK_R, BLOCK_G] (rows x columns g; written: its cells
-    to store) as `_scores_prefill_kernel`'s STORE / SAMPLE (SUB) say."""
-    if STORE == 2:
-        tl.store(s_rows + g[None, :], s, mask=tl.trans(_live(samp_ptr, lr, g0, tl.trans(written), vis, bound,
-                                                             stride_pr, BLOCK_G, BLOCK_R, SUB)))
-    elif STORE:
-        tl.store(s_rows + g[None, :], s, mask=written)
-    if SUB and STORE != 2:
-        _store_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written), vis, stride_pr, BLOCK_G, BLOCK_R, SUB)
 
 
 @triton.jit
@@ -191,14 +137,14 @@ def _q_head(q_row, h, stride_qh, mask, HI: tl.constexpr, DOT_DTYPE: tl.constexpr
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr", "stride_pr"])
 def _scores_prefill_kernel(
-    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr, bound_ptr,
+    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr,
     row0, n_rows, n_cols, span, norm, rcp,
     stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr, stride_pr,
     HI: tl.constexpr, DI: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
-    KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr, STORE: tl.constexpr = 1,
+    KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
     BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M (KEYS_M: its N, the keys
@@ -206,10 +152,7 @@ def _scores_prefill_kernel(
     one dot per head, heads 0..3 keeping their q for the whole span (further heads reload theirs
     per tile). A row tile may span requests: each request in it streams its own keys.
     SPAN_TILES: as the decode kernel. SAMPLE > 0: also the top-k's samples of each tile
-    (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]. STORE (with
-    SAMPLE; `select_prefill`'s two passes): 0, the samples only, no score (KEYS_M: one division
-    per run, `_store_raw_samples`); 2, no sample, only the scores of the runs whose sample (the
-    first pass's, read) reaches the row's bound int32 [chunk rows] (`_live`)."""
+    (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * span
     in_chunk = lr < n_rows
@@ -217,9 +160,6 @@ def _scores_prefill_kernel(
     vis = tl.load(vis_ptr + rows, mask=in_chunk, other=0)
     vis = tl.where(vis > KB, tl.minimum(vis, n_cols), 0)  # <= Kb: chosen without scores
     active = in_chunk & (vis > col0)
-    bound = lr * 0
-    if STORE == 2:
-        bound = tl.load(bound_ptr + lr, mask=in_chunk, other=0)
     if tl.max(vis, 0) > col0:
         req = tl.load(req_ptr + rows, mask=active, other=0)
         req_lo = tl.min(tl.where(active, req, 2147483647), 0)
@@ -249,26 +189,20 @@ def _scores_prefill_kernel(
                     if KEYS_M:  # keys on M, rows x heads on N: s^T tile [BLOCK_G, BLOCK_R]
                         dots = tl.dot(keys, tl.trans(qa), input_precision="ieee")
                         acc = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (BLOCK_G, HP, BLOCK_R)), 1)
+                        s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
                         written = mine[None, :] & (g[:, None] < vis[None, :])
-                        if STORE == 0:  # samples only: a division per run, not per score
-                            _store_raw_samples(samp_ptr, lr, g0, acc, written, tl.where(mine, vis, 0), stride_pr,
-                                               norm, rcp, FAST_DIV, BLOCK_G, BLOCK_R, SAMPLE)
-                        else:
-                            s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-                        if STORE:
-                            tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s,
-                                     mask=_live(samp_ptr, lr, g0, written, tl.where(mine, vis, 0), bound,
-                                                stride_pr, BLOCK_G, BLOCK_R, SAMPLE) if STORE == 2
-                                     else written)
-                        if SAMPLE and STORE == 1:
+                        tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s, mask=written)
+                        if SAMPLE:
                             _store_samples(samp_ptr, lr, g0, s, written, tl.where(mine, vis, 0), stride_pr,
                                            BLOCK_G, BLOCK_R, SAMPLE)
                     else:
                         acc = tl.sum(tl.reshape(_relu_dot(qa, keys), (HP, BLOCK_R, BLOCK_G)), 0)
                         s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
                         written = mine[:, None] & (g[None, :] < vis[:, None])
-                        _store_rows(s_rows, samp_ptr, lr, g0, g, s, written, tl.where(mine, vis, 0), bound,
-                                    stride_pr, BLOCK_G, BLOCK_R, SAMPLE, STORE)
+                        tl.store(s_rows + g[None, :], s, mask=written)
+                        if SAMPLE:
+                            _store_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written),
+                                           tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
             else:
                 q_mask = mine[:, None] & (d < DI)[None, :]
                 q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
@@ -292,8 +226,10 @@ def _scores_prefill_kernel(
                         acc += _relu_dot(_q_head(q_row, h, stride_qh, q_mask, HI, DOT_DTYPE), keys)
                     s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
                     written = mine[:, None] & (g[None, :] < vis[:, None])
-                    _store_rows(s_rows, samp_ptr, lr, g0, g, s, written, tl.where(mine, vis, 0), bound,
-                                stride_pr, BLOCK_G, BLOCK_R, SAMPLE, STORE)
+                    tl.store(s_rows + g[None, :], s, mask=written)
+                    if SAMPLE:
+                        _store_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written),
+                                       tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
             cur += 1
 
 
@@ -368,15 +304,13 @@ class ScoreLaunch:
     int32 [R, P], row0)` launches it. q_idx's dtype is fixed at binding. `score` overrides
     the tiles (`score_tiles`; benchmarks). samples int32 [>= rows, cdiv(num_cols, block_g /
     sample_sub)] (prefill only): the launch also writes the top-k's samples there
-    (`select_prefill`: sample_sub per score tile of block_g columns). store (with samples;
-    `select_prefill`'s two passes): 1 the scores, 0 none (the samples only), 2 no samples, only
-    the scores of the runs whose sample reaches their row's entry of bounds int32 [>= rows]."""
+    (`select_prefill`: sample_sub per score tile of block_g columns)."""
 
     def __init__(self, q_idx: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor, visible_blocks: torch.Tensor, scores: torch.Tensor, *, row0: int,
                  rows: int, num_cols: int, page_size: int, compress_ratio: int, block_topk: int, decode: bool,
                  tiles: dict, interpret: bool, score: ScoreTiles | None = None, samples: torch.Tensor | None = None,
-                 sample_sub: int = 0, store: int = 1, bounds: torch.Tensor | None = None) -> None:
+                 sample_sub: int = 0) -> None:
         _, Hi, Di = q_idx.shape
         t = score or score_tiles(decode, tiles, interpret, compressed.element_size())
         per_row = decode and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
@@ -395,12 +329,10 @@ class ScoreLaunch:
             raise ValueError(f"score samples need the prefill kernel, sample_sub a power of two and >= "
                              f"cdiv(num_cols, block_g {t.block_g} / sample_sub) columns, got {sample_sub} and "
                              f"{tuple(samples.shape)}")
-        if store != 1 and (samples is None or (store == 2) != (bounds is not None)):
-            raise ValueError(f"score store {store} needs samples (and, for 2 only, bounds)")
         sampled = samples if samples is not None else scores  # (unread without samples)
         args = (
             q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
-            *(() if per_row else (sampled, bounds if bounds is not None else sampled)),
+            *(() if per_row else (sampled,)),
             row0, *(() if per_row else (rows,)), num_cols, span, math.sqrt(Di),
             *(() if per_row else (float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),)),
             *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0),
@@ -413,7 +345,7 @@ class ScoreLaunch:
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,
                                          FAST_DIV=t.fast_div and Di & (Di - 1) == 0 and (INTERPRETER_FMA_FUSED or not interpret), KEYS_M=t.keys_m,
-                                         SAMPLE=sample_sub if samples is not None else 0, STORE=store, **common,
+                                         SAMPLE=sample_sub if samples is not None else 0, **common,
                                          num_warps=t.num_warps)
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:

@@ -253,23 +253,10 @@ def _sample_kernel(
 
 
 @triton.jit
-def _row_keys(s_row, samp_row, bound, cols, mask, S: tl.constexpr):
-    """`_keys` of cols; with S > 0 (the two-pass prefill route) only where their run of S
-    columns has a sample >= bound, else -1: the scratch holds only those runs, and the other
-    runs hold no key >= bound."""
-    if S > 0:
-        mask = mask & (tl.load(samp_row + cols // S, mask=mask, other=-1, cache_modifier=".cg") >= bound)
-    return _keys(s_row, cols, mask)
-
-
-@triton.jit
-def _resolve_row(s_row, samp_row, bound, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr,
-                 BLOCK: tl.constexpr, S: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
+def _resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                 PACKED: tl.constexpr, R: tl.constexpr):
     """Exact top-k of a whole row by sweeps over its scores (the overflow route): the
-    threshold's bits by counts (`_kth_key` with the keys streamed), then the emit. S > 0
-    reads only the runs whose sample reaches bound (`_row_keys`): the row's KB-th key is
-    >= bound, so the other runs' keys change no count at or above it and none is chosen.
-    S == 0 reads every column (samp_row and bound unused)."""
+    threshold's bits by counts (`_kth_key` with the keys streamed), then the emit."""
     ar = tl.arange(0, BLOCK)
     j = tl.arange(0, 1 << BITS)
     prefix = vis * 0
@@ -281,7 +268,7 @@ def _resolve_row(s_row, samp_row, bound, vis, out_row, stride_oc, KB: tl.constex
         cnt = tl.zeros((1 << BITS,), tl.int32)
         start = vis * 0
         while start < vis:
-            key = _row_keys(s_row, samp_row, bound, start + ar, start + ar < vis, S)
+            key = _keys(s_row, start + ar, start + ar < vis)
             cnt += tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
             start += BLOCK
         ok = (cnt >= KB) & (j < jmax)
@@ -289,7 +276,7 @@ def _resolve_row(s_row, samp_row, bound, vis, out_row, stride_oc, KB: tl.constex
     above_all = vis * 0
     start = vis * 0
     while start < vis:
-        key = _row_keys(s_row, samp_row, bound, start + ar, start + ar < vis, S)
+        key = _keys(s_row, start + ar, start + ar < vis)
         above_all += tl.sum((key > prefix).to(tl.int32), 0)
         start += BLOCK
     need = KB - above_all
@@ -298,7 +285,7 @@ def _resolve_row(s_row, samp_row, bound, vis, out_row, stride_oc, KB: tl.constex
     start = vis * 0
     while start < vis:
         cols = start + ar
-        key = _row_keys(s_row, samp_row, bound, cols, cols < vis, S)
+        key = _keys(s_row, cols, cols < vis)
         above = (key > prefix).to(tl.int32)
         equal = (key == prefix).to(tl.int32)
         rank = ties + tl.cumsum(equal, 0) - equal
@@ -379,7 +366,7 @@ def _topk_seg_kernel(
                 idx = tl.load(c_idx + j, mask=m, other=0, cache_modifier=".cg")
                 _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
             else:
-                _resolve_row(s_row, s_row, 0, vis, out_row, stride_oc, KB, BITS, RBLOCK, 0, PACKED, R)
+                _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
 
 
 _short = Launcher(_topk_short_kernel)

@@ -61,9 +61,9 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
              packed: bool = False, poison: tuple | None = None, **tile_changes) -> torch.Tensor:
     """Kernel top-k of score rows (row i: its visible scores) in one chunk, samples as the
     score launch writes them. The scratch beyond each row's visible columns is NaN; out has
-    row0 rows before the chunk (must stay -7). poison (row, columns, or a bool mask): scores set
-    to +inf after the samples are taken (a kernel that reads them chooses them). tile_changes:
-    of the small tiles (two_pass: the bound launch first)."""
+    row0 rows before the chunk (must stay -7). poison (row, columns): scores set to +inf after
+    the samples are taken (a kernel that reads them chooses them). tile_changes: of the small
+    tiles."""
     T = len(rows)
     vis = [r.numel() for r in rows]
     scores = torch.full((T, num_cols), float("nan"))
@@ -80,9 +80,6 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     width = kb * R + R if packed else kb
     out = torch.full((row0 + T, width), -7, dtype=torch.int32, device=DEV)
     scores = scores.to(DEV)
-    if sp.two_pass(tiles):  # the bounds the score launch's second pass reads
-        sp.RowBoundLaunch(samples, vis_t, scratch, row0=row0, rows=T, num_cols=num_cols, block_topk=kb, tiles=tiles,
-                          score_block_g=BLOCK_G)(row0)
     launch = sp.PrefillTopkLaunch(scores, samples, vis_t, out, scratch, row0=row0, rows=T, num_cols=num_cols,
                                   block_topk=kb, tiles=tiles, score_block_g=BLOCK_G, first_row=row0, num_rows=T,
                                   chunk=T, positions=pos, compress_ratio=R)
@@ -224,74 +221,6 @@ def test_skip_reads_only_the_runs_that_reach_the_bound(num_cols, kb, packed, def
                            reference(rows[:1], num_cols, kb))
 
 
-def dead_runs(rows: list[torch.Tensor], kb: int, S: int) -> list[torch.Tensor]:
-    """Per row, a mask of its columns whose run (S columns) has a sample below the row's bound
-    (the kb-th largest sample, lbits 31): what the two-pass score launch leaves unwritten."""
-    out = []
-    for r in rows:
-        samp = samples_of(r[None], [r.numel()], S)[0]
-        bound = samp.sort(descending=True).values[kb - 1] if samp.numel() >= kb else 0
-        out.append((samp < bound).repeat_interleave(S)[: r.numel()])
-    return out
-
-
-@pytest.mark.parametrize("num_cols, kb, packed, defer", [(300, 8, False, 0), (300, 16, True, 1), (60, 8, True, 1)])
-def test_two_pass_reads_only_the_runs_reaching_the_bound(num_cols, kb, packed, defer):
-    # Two-pass: the scratch holds only the runs whose sample reaches the row's bound (from the
-    # bound launch); the other runs turn +inf after sampling (read, they would be chosen), in
-    # the candidate launch and in the whole-row resolve of crowded rows (integer scores).
-    g = torch.Generator().manual_seed(9)
-    rows = [distinct(num_cols, 1), torch.randint(0, 3, (num_cols,), generator=g).float(), distinct(num_cols - 5, 2),
-            torch.randint(0, 4, (num_cols,), generator=g).float(), distinct(kb, 3)]
-    rows[3][-40:] = 7.0  # crowded: the whole-row resolve
-    S = sp.sample_cols(sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), BLOCK_G)
-    dead = dead_runs(rows, kb, S)
-    assert any(d.any() for d in dead[:4])
-    poison = torch.zeros(len(rows), num_cols, dtype=torch.bool)
-    for i, d in enumerate(dead):
-        poison[i, : d.numel()] = d
-    want = reference(rows, num_cols, kb, packed)
-    run = lambda tp: run_topk(rows, num_cols, kb, calls=2, packed=packed, defer=defer, skip=1,  # noqa: E731
-                              two_pass=tp, poison=poison)
-    assert torch.equal(run(1), want)
-    with pytest.raises(AssertionError):  # (the test can fail: one pass's whole-row resolve reads every column)
-        assert torch.equal(run(0), want)
-
-
-def test_two_pass_is_a_switch_off_by_default(monkeypatch):
-    # Unmeasured on the H200: only QSA_PREFILL_TWO_PASS=1 (the module's TWO_PASS) turns it on,
-    # and only where tile skip is on (from 32768 columns).
-    if os.environ.get("QSA_PREFILL_TWO_PASS", "0") != "1":
-        assert not sp.TWO_PASS
-    monkeypatch.setattr(sp, "TWO_PASS", False)
-    assert not sp.two_pass(sp.prefill_tiles(1 << 18, 512, 64, small=False))
-    monkeypatch.setattr(sp, "TWO_PASS", True)
-    assert sp.two_pass(sp.prefill_tiles(1 << 18, 512, 64, small=False))
-    assert sp.two_pass(sp.prefill_tiles(1 << 15, 512, 64, small=False))
-    assert not sp.two_pass(sp.prefill_tiles(1 << 12, 512, 64, small=False))  # no tile skip at 16K context
-
-
-def test_bound_launch_is_the_kth_largest_sample():
-    num_cols, kb = 300, 8
-    rows = [distinct(num_cols, 5), distinct(100, 6), distinct(8, 7), torch.zeros(0)]
-    tiles = {**sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), "skip": 1, "two_pass": 1}
-    S = sp.sample_cols(tiles, BLOCK_G)
-    scores = torch.full((len(rows), num_cols), float("nan"))
-    for i, r in enumerate(rows):
-        scores[i, : r.numel()] = r
-    vis = [r.numel() for r in rows]
-    scratch = sp.prefill_scratch(sp.prefill_scratch_elems(len(rows), len(rows), num_cols, tiles, BLOCK_G), DEV)
-    samples = sp.samples_view(scratch, len(rows), num_cols, tiles, BLOCK_G)
-    samples.copy_(samples_of(scores, vis, S))
-    vis_t = torch.tensor([0, 0] + vis, dtype=torch.int32, device=DEV)
-    sp.RowBoundLaunch(samples, vis_t, scratch, row0=2, rows=len(rows), num_cols=num_cols, block_topk=kb, tiles=tiles,
-                      score_block_g=BLOCK_G)(2)
-    got = scratch.bound[: len(rows)].cpu().tolist()
-    for i, v in enumerate(vis):
-        s = samples_of(scores[i:i + 1], [v], S)[0, : -(-v // S)]
-        assert got[i] == (int(s.sort(descending=True).values[kb - 1]) if v > kb else 0), i
-
-
 # -- through the plan: the score launch writes the samples ------------------------------------
 
 def test_score_launch_writes_the_samples(nan_scratch):
@@ -328,81 +257,13 @@ def test_prefill_select_takes_this_route(nan_scratch, kind):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("Hi, kind, scale", [(4, "int", 1.0), (8, "int", 1.0), (4, "bf16", 2.0 ** -66)])
-def test_score_launch_two_passes(nan_scratch, Hi, kind, scale):
-    # Hi 4: rows x heads on one dot (pass 1 divides each run's largest relu sum only); 8: one dot
-    # per head. Scale 2^-66: scores below 2^-100 and subnormal (the fast division's scaled path).
-    # Pass 1 (store 0) writes the samples only, bit for bit as one pass; pass 2 (store 2) writes,
-    # bit for bit as one pass, exactly the cells of the runs whose sample reaches their row's
-    # bound (here: the median sample), nothing else.
-    from qsa_kernels.select_score import ScoreLaunch
-
-    q, comp, table, to_req, vis, max_seq = make_problem([300, 520], [40, 24], Hi=Hi, kind=kind, pad_rows=2, seed=6)
-    q, comp = (q * scale).to(q.dtype), (comp * scale).to(comp.dtype)
-    T, cols = q.shape[0], max_seq // R
-    s = ker.plan_select(T, cols, 8, decode=False, device=DEV)
-    t, g = s.prefill_tiles, ker._score_block_g()
-    S = sp.sample_cols(t, g)
-    samples = sp.samples_view(s.prefill, T, cols, t, g)
-
-    def launch(scores, **kw):
-        ScoreLaunch(q, comp, table, to_req, vis, scores, row0=0, rows=T, num_cols=cols, page_size=16,
-                    compress_ratio=R, block_topk=8, decode=False, tiles=s.tiles, interpret=s.interpret,
-                    samples=samples, sample_sub=t["sub"], **kw)(q, table, 0)
-
-    one = torch.full((T, cols), float("nan"), device=DEV)
-    samples.fill_(-7)  # (samples no launch writes compare equal)
-    launch(one)
-    want = samples.clone()
-    samples.fill_(-7)
-    two = torch.full((T, cols), float("nan"), device=DEV)
-    launch(two, store=0)
-    assert torch.isnan(two).all() and torch.equal(samples, want)
-    scored = (vis > 8).to(DEV)
-    n = -(-vis.clamp(max=cols) // S)
-    bound = torch.stack([want[i, : max(int(n[i]), 1)].median() if scored[i] else want.new_zeros(()) for i in range(T)])
-    bounds = bound.int().to(DEV)
-    launch(two, store=2, bounds=bounds)
-    assert torch.equal(samples, want), "the second pass wrote samples"
-    col = torch.arange(cols, device=DEV)
-    live = (want[:, col // S] >= bounds[:, None]) & (col[None, :] < vis.to(DEV)[:, None]) & scored[:, None]
-    assert live.any() and (~live & scored[:, None] & (col[None, :] < vis.to(DEV)[:, None])).any()
-    assert torch.equal(~torch.isnan(two), live)
-    assert torch.equal(two[live].view(torch.int32), one[live].view(torch.int32))
-    if scale < 1:  # (the scaled path was taken)
-        assert (one[scored] < 2.0 ** -100).float().mean() > 0.5 and (one[scored] < 2.0 ** -126).any()
-
-
-@pytest.mark.parametrize("kind", ["int", "bf16"])
-def test_two_pass_prefill_select(nan_scratch, monkeypatch, kind):
-    # The score launch twice (samples; then the runs reaching each row's bound): the runs it
-    # leaves unwritten stay NaN (a large key, chosen if read); the same groups as one pass.
-    problem = make_problem([520, 300, 40], [12, 10, 3], kind=kind, pad_rows=3, seed=4)
-    T, max_seq = problem[0].shape[0], problem[-1]
-    one = ker.qsa_select_prefill(*problem[:5], out=torch.empty(T, 8, dtype=torch.int32, device=DEV),
-                                 schedule=ker.plan_select(T, max_seq // R, 8, decode=False, device=DEV),
-                                 page_size=16, compress_ratio=R, block_topk=8)
-    tiles = sp.prefill_tiles
-    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "skip": 1, "two_pass": 1})
-    s = ker.plan_select(T, max_seq // R, 8, decode=False, device=DEV)
-    assert sp.two_pass(s.prefill_tiles)
-    out = ker.qsa_select_prefill(*problem[:5], out=torch.empty(T, 8, dtype=torch.int32, device=DEV), schedule=s,
-                                 page_size=16, compress_ratio=R, block_topk=8)
-    assert torch.equal(out, one)
-    assert torch.isnan(s.scores).any(), "the second pass wrote every run"
-    if kind == "int":
-        assert torch.equal(out, run_both(problem, decode=False)[1])
-
-
-@pytest.mark.parametrize("defer, two_pass", [(0, 0), (1, 0), (1, 1)])
-def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkeypatch, defer, two_pass):
+@pytest.mark.parametrize("defer", [0, 1])
+def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkeypatch, defer):
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 4 * 128 * 7)  # 7 rows per chunk
     monkeypatch.setattr(ker, "PREFILL_MIN_CHUNK_ROWS", 1)
     # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
-    # two_pass: each chunk's bounds in the workspace, its second pass storing only live runs.
     tiles = sp.prefill_tiles
-    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer,
-                                                              **({"skip": 1, "two_pass": 1} if two_pass else {})})
+    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer})
     t = sp.prefill_tiles(128, 8, ker._score_block_g(), small=DEV == "cpu")
     monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t["seg"]) * t["cap"] * 8)
     problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
@@ -430,12 +291,11 @@ t = sp.prefill_tiles(32768, 512, 64, small=False)
 write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
              stride_oc=1)
 topk = dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"], RBLOCK=t["rblock"], DEFER=t["defer"])
-bound = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=16, SAMPP=2048)
-for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns), two-pass
-        (sp._topk_prefill_kernel, dict(topk, RUNS=0, **write), t["warps"]),
-        (sp._topk_prefill_kernel, dict(topk, RUNS=sp.seg_runs(32768, t, 64), **write), t["warps"]),
-        (sp._topk_prefill_kernel, dict(topk, RUNS=sp.seg_runs(32768, t, 64), TWO_PASS=1, **write), t["warps"]),
-        (sp._resolve_prefill_kernel, dict(write), t["rwarps"]), (sp._bound_kernel, bound, t["rwarps"])):
+for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns)
+        (sp._topk_prefill_kernel, dict(topk, RUNS=0), t["warps"]),
+        (sp._topk_prefill_kernel, dict(topk, RUNS=sp.seg_runs(32768, t, 64)), t["warps"]),
+        (sp._resolve_prefill_kernel, {}, t["rwarps"])):
+    const.update(write)
     sig = {n: "constexpr" if n in const else "*i64" if n == "pos_ptr" else "*fp32" if n == "s_ptr"
            else "*i32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
@@ -443,31 +303,28 @@ for fn, const, warps in (  # the candidate launch without and with tile skip (ro
     print("topk", k.metadata.shared)
 st = ss.score_tiles(False, {}, False)
 fn = ss._scores_prefill_kernel
-# (two-pass: samples only, then live runs only; 8 heads: a dot per head)
-for sub, store, hi in ((1, 1, 4), (4, 1, 4), (16, 1, 4), (1, 0, 4), (4, 2, 4), (4, 2, 8)):
-    const = dict(HI=hi, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
-                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack and hi <= 4, HP=hi,
-                 FAST_DIV=st.fast_div,
-                 KEYS_M=st.keys_m, SAMPLE=sub, STORE=store, stride_qd=1, stride_kd=1, stride_btp=1)
+for sub in (1, 4, 16):
+    const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
+                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
+                 KEYS_M=st.keys_m, SAMPLE=sub, stride_qd=1, stride_kd=1, stride_btp=1)
     types = dict(q_ptr="*bf16", k_ptr="*bf16", s_ptr="*fp32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=st.num_warps, num_stages=st.stages))
-    print("score", hi, k.asm["ptx"].count("wgmma.mma_async"), k.metadata.shared)
+    print("score", sub, k.asm["ptx"].count("wgmma.mma_async"), k.metadata.shared)
 """
 
 
 def test_production_tiles_compile_for_sm90():
-    """The H200 shapes of the top-k (and two-pass's bound launch) and of the sampling score
-    kernel (and its two passes) compile here without a GPU
+    """The H200 shapes of the top-k and of the sampling score kernel compile here without a GPU
     (what the interpreter accepts and the compiler rejects shows in CI); the score kernel keeps
-    its wgmma (4 heads), shared memory within the H200's 227 KiB per program."""
+    its wgmma, shared memory within the H200's 227 KiB per program."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 11 and all(line[0] == "topk" for line in lines[:5]), run.stdout
-    assert all(int(line[1]) <= 227 * 1024 for line in lines[:5])
-    for _, hi, wgmma, shared in lines[5:]:  # (8 heads: a dot of 32 rows per head, not a wgmma)
-        assert (int(wgmma) > 0 or hi == "8") and int(shared) <= 227 * 1024, lines
+    assert len(lines) == 6 and lines[0][0] == lines[1][0] == lines[2][0] == "topk", run.stdout
+    assert all(int(line[1]) <= 227 * 1024 for line in lines[:3])
+    for _, _, wgmma, shared in lines[3:]:
+        assert int(wgmma) > 0 and int(shared) <= 227 * 1024, lines

@@ -263,9 +263,9 @@ for decode, kdt, rows_per_request in ((True, "bf16", 1), (True, "fp8e4nv", 1), (
         fn, const["HM"] = ss._scores_decode_kernel, 16
     else:
         fn = ss._scores_prefill_kernel
-        const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m, SAMPLE=0, STORE=1)
+        const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m, SAMPLE=0)
     types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, bt_ptr="*i32", req_ptr="*i32", vis_ptr="*i32", s_ptr="*fp32",
-                 samp_ptr="*i32", bound_ptr="*i32", norm="fp32", rcp="fp32")
+                 samp_ptr="*i32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in const and (types.get(n, "").startswith("*") or VALUES.get(n, 1) % 16 == 0)}
