@@ -194,7 +194,7 @@ def test_first_look_sends_independent_blocks_per_row_at_once():
     stay unwritten), identical rows pass it and share."""
     for overlap, shared in [(0.0, False), (1.0, True)]:
         problem = make_prefill([4000], [10], overlap=overlap, Kb=64, seed=15)
-        q, k, sel = problem[0], problem[2], problem[-1]
+        q, sel = problem[0], problem[-1]
         T, Hq, D = q.shape
         sched = ker.plan_prefill_attention(T, Hq, 2, D, sel.shape[1] - 1, R, device=q.device, block_rows=5,
                                            max_union_ratio=0.3)
@@ -278,7 +278,7 @@ def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels(monkeypatch):
     default): the one pass as before."""
     monkeypatch.setattr(per_row, "_PREFILL_MIN_ROWS", 16)
     problem = make_prefill([60], [18], overlap=0.9, pad_rows=1, seed=13)
-    q, k, sel = problem[0], problem[2], problem[-1]
+    q, sel = problem[0], problem[-1]
     T, Hq, D = q.shape
     monkeypatch.delenv("QSA_SHARED_PREFILL", raising=False)
     assert not per_row.shared_prefill_enabled()
