@@ -32,7 +32,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import dataclasses  # noqa: E402
+
 import qsa_kernels.select as sel  # noqa: E402
+import qsa_kernels.select_score as ss  # noqa: E402
 from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_core.reference.select import topk_groups  # noqa: E402
 from qsa_kernels import select_prefill as sp  # noqa: E402
@@ -56,16 +59,29 @@ VARIANTS = {
     "skip": dict(skip=1), "noskip": dict(skip=0),  # the candidate launch reads only runs reaching the bound
     "sub2": dict(sub=2), "sub4": dict(sub=4), "sub8": dict(sub=8), "sub16": dict(sub=16), "topk": None,
 }
-PREFILL_ROUTE, TOPK_ROUTE = sel._prefill_route, sel._topk_route
+# Prefill score-tile overrides (name -> `ScoreTiles` changes), with the planned top-k tiles:
+# session 8 timed the samples-only pass faster with 128-column tiles or 64-row tiles.
+SCORE_VARIANTS = {"g128": dict(block_g=128), "r64": dict(block_r=64)}
+PREFILL_ROUTE, TOPK_ROUTE, SCORE_TILES = sel._prefill_route, sel._topk_route, ss.score_tiles
+
+
+def _score_tiles(changes: dict):
+    """`score_tiles` with prefill's tiles changed."""
+    def tiles(decode: bool, t: dict, interpret: bool, key_bytes: int = 2):
+        base = SCORE_TILES(decode, t, interpret, key_bytes)
+        return base if decode or interpret else dataclasses.replace(base, **changes)
+    return tiles
 
 
 def configure(route: str) -> None:
-    """route: "radix", "topk" (select_topk for prefill chunks) or a VARIANTS name of select_prefill."""
+    """route: "radix", "topk" (select_topk for prefill chunks), a VARIANTS name of
+    select_prefill or a SCORE_VARIANTS name (the score kernel's tiles)."""
+    ss.score_tiles = sel.score_tiles = _score_tiles(SCORE_VARIANTS[route]) if route in SCORE_VARIANTS else SCORE_TILES
     sel._topk_route = (lambda *a: True) if route == "topk" else TOPK_ROUTE
     if route in ("radix", "topk"):
         sel._prefill_route = lambda *a: None
         return
-    changes = VARIANTS[route]
+    changes = VARIANTS.get(route, {})
 
     def tiles(n_cols: int, block_topk: int, decode: bool, chunk: int):
         if decode:
@@ -148,11 +164,11 @@ def routes(ctx: str, names: list[str]) -> list[str]:
                 out.append(n)
             continue
         g = sel._score_block_g()
-        t = {**sp.prefill_tiles(cols, KB, g, small=DRY), **VARIANTS[n]}
+        t = {**sp.prefill_tiles(cols, KB, g, small=DRY), **VARIANTS.get(n, {})}
         base = sp.prefill_tiles(cols, KB, g, small=DRY)
         if t["seg"] >= cols and base["seg"] >= cols:  # one segment either way
             t["seg"] = base["seg"]
-        if cols * t["sub"] >= 2 * KB * g and (n == "plan" or t != base) and t not in seen:
+        if cols * t["sub"] >= 2 * KB * g and (n in ("plan", *SCORE_VARIANTS) or t != base) and (t not in seen or n in SCORE_VARIANTS):
             out.append(n)
             seen.append(t)
     return out
