@@ -6,7 +6,9 @@ only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 (`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
 `select_topk.py`, see `_topk_route`; for long prefill rows `select_prefill.py` from samples the
 score launch writes too, see `_prefill_route`) write each row's chosen groups in ascending
-order (or the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored.
+order (or the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored. With
+QSA_SHORT_FUSED=1 some decode chunks of the short top-k score and select in one launch
+instead (`select_short`, `_short_fused_route`).
 
 `plan_select` fixes the schedule of a call (chunk, route, scratch views) when a step is
 planned; `SelectLaunch` binds all of a call's launches to that schedule, the compressed keys
@@ -24,7 +26,7 @@ import triton
 from .select_radix import BINS as _BINS
 from .select_radix import ChunkLaunches, TopkLaunch
 from .select_score import ScoreLaunch, score_tiles
-from . import select_prefill, select_topk
+from . import select_prefill, select_short, select_topk
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
@@ -53,6 +55,11 @@ _TOPK_SHORT_MAX_ROWS = 256
 _PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
+# The one-launch short selection (`select_short`, QSA_SHORT_FUSED=1) covers the short route's
+# chunks of the issue's target (contexts up to 16K, up to 64 rows), the range its measurement
+# script times (benchmarks/device/dshort_measure.sh); not measured yet.
+_SHORT_FUSED_MAX_COLS = 4096
+_SHORT_FUSED_MAX_ROWS = 64
 
 
 def _topk_route(n_cols: int, chunk: int, decode: bool) -> bool:
@@ -62,6 +69,16 @@ def _topk_route(n_cols: int, chunk: int, decode: bool) -> bool:
     if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, _interpreting(), chunk)):
         return chunk <= _TOPK_SHORT_MAX_ROWS
     return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
+
+
+def _short_fused_route(n_cols: int, chunk: int, scored: bool, rows_per_request: int, topk_tiles: dict | None,
+                       short_fused: bool | None) -> bool:
+    """Whether a decode chunk that takes `select_topk` (topk_tiles) runs as one `select_short`
+    launch: scored short rows, one row per request (main scores MTP rows together, which may
+    round the head sum otherwise), within the bounds above; short_fused None: the switch."""
+    return (topk_tiles is not None and scored and select_topk.short_route(n_cols, topk_tiles)
+            and n_cols <= _SHORT_FUSED_MAX_COLS and chunk <= _SHORT_FUSED_MAX_ROWS and rows_per_request == 1
+            and (select_short.enabled() if short_fused is None else short_fused))
 
 
 def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int) -> dict | None:
@@ -185,7 +202,9 @@ class SelectSchedule:
     arrive, state, counts (unused ones alias `scores`); topk / topk_tiles: the scratch and
     tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None;
     prefill / prefill_tiles: those of `select_prefill` where a prefill chunk takes it
-    (`_prefill_route`), else None.
+    (`_prefill_route`), else None; short: the arrival counters int32 [chunk] (zero between
+    launches) of `select_short` where the chunk runs as its one launch (`_short_fused_route`,
+    with topk_tiles), else None.
     """
 
     num_rows: int
@@ -206,6 +225,7 @@ class SelectSchedule:
     topk_tiles: dict | None = None
     prefill: select_prefill.PrefillScratch | None = None
     prefill_tiles: dict | None = None
+    short: torch.Tensor | None = None
 
 
 def plan_select(
@@ -217,12 +237,15 @@ def plan_select(
     device: torch.device | str,
     workspace: SelectWorkspace | None = None,
     rows_per_request: int = 1,
+    short_fused: bool | None = None,
 ) -> SelectSchedule:
     """Schedule of a decode or prefill select over num_rows rows and num_cols columns.
 
     num_cols = max_seq_len // r, the bound on any row's visible groups. Scratch views come
     from `workspace` (CUDA-graph safe) or are allocated here. rows_per_request: decode rows
     per request (decode_query_len; > 1 lets a request's rows share each key load).
+    short_fused: the one-launch `select_short` where `_short_fused_route` allows it (None:
+    QSA_SHORT_FUSED=1, `select_short.enabled`, read now).
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
@@ -237,7 +260,7 @@ def plan_select(
         workspace = SelectWorkspace(
             scores=_score_scratch(chunk, n_cols, torch.device(device)).view(-1),
             hist=torch.zeros(triton.cdiv(chunk, rows) * rows * _BINS, dtype=torch.int32, device=device),
-            arrive=torch.zeros(triton.cdiv(chunk, rows), dtype=torch.int32, device=device),
+            arrive=torch.zeros(chunk, dtype=torch.int32, device=device),  # (a row block's, or a row's: short)
             state=torch.empty(chunk * 4, dtype=torch.int32, device=device),
             counts=torch.empty(chunk * n_tiles * 2, dtype=torch.int32, device=device),
         )
@@ -265,6 +288,11 @@ def plan_select(
             if getattr(have, name).numel() < n:
                 raise ValueError(f"select workspace.topk.{name} holds {getattr(have, name).numel()} < {n} elements")
         topk = have
+    short = None
+    if _short_fused_route(n_cols, chunk, scored, rows_per_request, topk_tiles, short_fused):
+        if workspace.arrive.numel() < chunk:
+            raise ValueError(f"select workspace.arrive holds {workspace.arrive.numel()} < {chunk} elements")
+        short = workspace.arrive[:chunk]  # the radix route's counters (zero between launches), one a row
     prefill = None
     prefill_tiles = _prefill_route(n_cols, Kb, decode, chunk)
     if prefill_tiles is not None:
@@ -280,7 +308,7 @@ def plan_select(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
         scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
-        prefill=prefill, prefill_tiles=prefill_tiles,
+        prefill=prefill, prefill_tiles=prefill_tiles, short=short,
     )
 
 
@@ -305,8 +333,18 @@ class SelectLaunch:
                 raise ValueError(f"the select schedule covers rows up to {self.rows}; {name} has {t.shape[0]}")
         bound: dict[int, tuple] = {}  # rows of a chunk -> its launches (all full chunks share theirs)
         self._chunks: list[tuple[int, ScoreLaunch | None, ChunkLaunches]] = []
+        self._short: list[tuple[int, select_short.ShortSelectLaunch]] = []  # the one-launch chunks
         for row0 in range(first_row, self.rows, s.chunk):
             n = min(s.chunk, self.rows - row0)
+            if s.short is not None:
+                if n not in bound:
+                    bound[n] = select_short.ShortSelectLaunch(
+                        q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, s.short, out,
+                        row0=row0, rows=n, num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio,
+                        block_topk=block_topk, tiles=s.tiles, topk_tiles=s.topk_tiles, interpret=s.interpret,
+                        positions=positions)
+                self._short.append((row0, bound[n]))
+                continue
             if n not in bound:
                 samples = None if s.prefill is None else select_prefill.samples_view(
                     s.prefill, s.chunk, s.num_cols, s.prefill_tiles, _score_block_g())
@@ -348,6 +386,8 @@ class SelectLaunch:
             if score is not None:
                 score(q_idx, block_table, row0)
             topk(row0, out, out_stride)
+        for row0, launch in self._short:
+            launch(q_idx, block_table, row0, out, out_stride)
         return out
 
 
