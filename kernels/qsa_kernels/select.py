@@ -216,7 +216,7 @@ def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int,
     need: dict[str, int] = {}
     bounds = {1 << i for i in range(block_topk.bit_length(), (max_cols - 1).bit_length() + 1)}
     for c in sorted(bounds):
-        chunk = min(_scored_chunk(max_rows, c // 2 + 1), _DECODE_SAMPLES_MAX_ROWS)
+        chunk = min(_scored_chunk(max_rows, c // 2 + 1, True), _DECODE_SAMPLES_MAX_ROWS)
         tiles = _decode_samples_route(c, block_topk, chunk, True, True) if c > block_topk else None
         if tiles is not None:
             elems = select_prefill.prefill_scratch_elems(chunk, chunk, c, tiles, _decode_block_g())
