@@ -41,7 +41,7 @@ SHAPES = {
     "1m+3x256k": ([M] + [256 * K] * 3, 1),
     "1m+3x64k": ([M] + [64 * K] * 3, 1),
     "128k+3x16k": ([128 * K] + [16 * K] * 3, 1),
-    "tiny": ([9000, 3000, 100], 2),  # --dry
+    "tiny": ([6000, 2100, 100], 2),  # --dry
 }
 VARIANTS = {"skip": dict(skip=1), "skip4k": dict(skip=1, seg=4096), "seg4k": dict(seg=4096), "seg16k": dict(seg=16384), "w16": dict(warps=16), "w4": dict(warps=4),
             "cap2k": dict(cap=2048), "lb31": dict(lbits=31)}
