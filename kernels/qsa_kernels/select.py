@@ -5,10 +5,11 @@ only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
 (`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
 `select_topk.py`, see `_topk_route`; for long prefill rows `select_prefill.py` from samples the
-score launch writes too, see `_prefill_route`) write each row's chosen groups in ascending
-order (or the packed rows); rows with visible <= Kb take groups 0..visible-1 unscored. With
-QSA_SHORT_FUSED=1 some decode chunks of the short top-k score and select in one launch
-instead (`select_short`, `_short_fused_route`).
+score launch writes too, see `_prefill_route`; with `QSA_DECODE_SAMPLES`, long decode rows take
+`select_prefill`'s top-k from per-row samples, see `_decode_samples_route`) write each row's
+chosen groups in ascending order (or the packed rows); rows with visible <= Kb take groups
+0..visible-1 unscored. With QSA_SHORT_FUSED=1 some decode chunks of the short top-k score and
+select in one launch instead (`select_short`, `_short_fused_route`).
 
 `plan_select` fixes the schedule of a call (chunk, route, scratch views) when a step is
 planned; `SelectLaunch` binds all of a call's launches to that schedule, the compressed keys
@@ -60,6 +61,32 @@ _TOPK_MAX_ROWS = 64
 # script times (benchmarks/device/dshort_measure.sh); not measured yet.
 _SHORT_FUSED_MAX_COLS = 4096
 _SHORT_FUSED_MAX_ROWS = 64
+# QSA_DECODE_SAMPLES=1 (read when a workspace or a schedule is made, or plan_select's
+# decode_samples): decode chunks of up to this many rows over more than the short route's
+# columns take the score launch writing per-row samples + one `select_prefill` top-k launch
+# (`select_prefill.decode_tiles`) instead of the radix passes or `select_topk`'s segments. Off
+# until measured on the H200 (benchmarks/device/dsamp_measure.sh).
+_DECODE_SAMPLES_MAX_ROWS = 64
+
+
+def decode_samples_enabled() -> bool:
+    """QSA_DECODE_SAMPLES=1: long decode chunks take the per-row-samples route."""
+    return os.environ.get("QSA_DECODE_SAMPLES", "0") == "1"
+
+
+def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool) -> dict | None:
+    """The `select_prefill.decode_tiles` where a decode chunk takes the per-row-samples route
+    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None."""
+    small = _interpreting()
+    if not (on and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
+            n_cols, select_topk.topk_tiles(n_cols, small, chunk)):
+        return None
+    return select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small)
+
+
+def _decode_block_g() -> int:
+    """Columns per decode score tile (the largest per-row sample stride)."""
+    return score_tiles(True, _tiles(True), _interpreting()).block_g
 
 
 def _topk_route(n_cols: int, chunk: int, decode: bool) -> bool:
@@ -129,10 +156,13 @@ class SelectWorkspace:
     counts: torch.Tensor
     topk: select_topk.TopkScratch | None = None
     prefill: select_prefill.PrefillScratch | None = None
+    decode_samples: select_prefill.PrefillScratch | None = None
 
 
-def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str) -> SelectWorkspace:
-    """Scratch for any `plan_select` with num_rows <= max_rows and num_cols <= max_cols."""
+def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str,
+                     decode_samples: bool | None = None) -> SelectWorkspace:
+    """Scratch for any `plan_select` with num_rows <= max_rows and num_cols <= max_cols
+    (decode_samples: also that of the per-row-samples decode route; None: `QSA_DECODE_SAMPLES`)."""
     dev = torch.device(device)
     cols = max(max_cols, 1)
     if cols <= block_topk:  # nothing is ever scored
@@ -151,6 +181,8 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
         topk=_topk_scratch(max_rows, cols, block_topk, dev),
         prefill=_prefill_scratch(max_rows, cols, block_topk, dev),
+        decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev) if (
+            decode_samples_enabled() if decode_samples is None else decode_samples) else None,
     )
 
 
@@ -192,6 +224,23 @@ def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
     return select_prefill.prefill_scratch(need, dev) if need else None
 
 
+def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int,
+                            dev: torch.device) -> select_prefill.PrefillScratch | None:
+    """Scratch of the per-row-samples decode route for every decode plan up to max_rows x
+    max_cols (`planner.column_bucket`s): the largest need of any that takes it, a power of two
+    c standing for the bounds in (c / 2, c] (their chunks up to that of c / 2 + 1 columns, their
+    rows' needs up to c's)."""
+    need: dict[str, int] = {}
+    bounds = {1 << i for i in range(block_topk.bit_length(), (max_cols - 1).bit_length() + 1)}
+    for c in sorted(bounds):
+        chunk = min(_scored_chunk(max_rows, c // 2 + 1, True), _DECODE_SAMPLES_MAX_ROWS)
+        tiles = _decode_samples_route(c, block_topk, chunk, True, True) if c > block_topk else None
+        if tiles is not None:
+            elems = select_prefill.prefill_scratch_elems(chunk, chunk, c, tiles, _decode_block_g())
+            need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
+    return select_prefill.prefill_scratch(need, dev) if need else None
+
+
 @dataclass(frozen=True)
 class SelectSchedule:
     """How one select call runs, fixed when the step is planned (host ints and views only).
@@ -202,9 +251,10 @@ class SelectSchedule:
     arrive, state, counts (unused ones alias `scores`); topk / topk_tiles: the scratch and
     tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None;
     prefill / prefill_tiles: those of `select_prefill` where a prefill chunk takes it
-    (`_prefill_route`), else None; short: the arrival counters int32 [chunk] (zero between
-    launches) of `select_short` where the chunk runs as its one launch (`_short_fused_route`,
-    with topk_tiles), else None.
+    (`_prefill_route`), else None; decode_samples / decode_samples_tiles: those of the
+    per-row-samples decode route (`_decode_samples_route`), else None; short: the arrival
+    counters int32 [chunk] (zero between launches) of `select_short` where the chunk runs as its
+    one launch (`_short_fused_route`, with topk_tiles), else None.
     """
 
     num_rows: int
@@ -226,6 +276,8 @@ class SelectSchedule:
     prefill: select_prefill.PrefillScratch | None = None
     prefill_tiles: dict | None = None
     short: torch.Tensor | None = None
+    decode_samples: select_prefill.PrefillScratch | None = None
+    decode_samples_tiles: dict | None = None
 
 
 def plan_select(
@@ -238,6 +290,7 @@ def plan_select(
     workspace: SelectWorkspace | None = None,
     rows_per_request: int = 1,
     short_fused: bool | None = None,
+    decode_samples: bool | None = None,
 ) -> SelectSchedule:
     """Schedule of a decode or prefill select over num_rows rows and num_cols columns.
 
@@ -246,6 +299,8 @@ def plan_select(
     per request (decode_query_len; > 1 lets a request's rows share each key load).
     short_fused: the one-launch `select_short` where `_short_fused_route` allows it (None:
     QSA_SHORT_FUSED=1, `select_short.enabled`, read now).
+    decode_samples: long decode chunks take the per-row-samples route (`_decode_samples_route`;
+    None: `QSA_DECODE_SAMPLES`, read now).
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
@@ -277,8 +332,20 @@ def plan_select(
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
+    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, decode_samples_enabled()
+                                        if decode_samples is None else decode_samples) if scored else None
+    dsamp = None
+    if dsamp_tiles is not None:
+        need = select_prefill.prefill_scratch_elems(chunk, chunk, n_cols, dsamp_tiles, _decode_block_g())
+        dsamp = workspace.decode_samples if workspace is not None and workspace.decode_samples is not None else None
+        if dsamp is None:
+            dsamp = select_prefill.prefill_scratch(need, device)
+        for name, n in need.items():
+            if getattr(dsamp, name).numel() < n:
+                raise ValueError(f"select workspace.decode_samples.{name} holds {getattr(dsamp, name).numel()} "
+                                 f"< {n} elements")
     topk = topk_tiles = None
-    if _topk_route(n_cols, chunk, decode):
+    if dsamp is None and _topk_route(n_cols, chunk, decode):
         topk_tiles = select_topk.topk_tiles(n_cols, _interpreting(), chunk)
         need = select_topk.topk_scratch_elems(chunk, n_cols, topk_tiles)
         have = workspace.topk if workspace is not None and workspace.topk is not None else None
@@ -308,7 +375,8 @@ def plan_select(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
         scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
-        prefill=prefill, prefill_tiles=prefill_tiles, short=short,
+        prefill=prefill, prefill_tiles=prefill_tiles, decode_samples=dsamp, decode_samples_tiles=dsamp_tiles,
+        short=short,
     )
 
 
@@ -348,11 +416,15 @@ class SelectLaunch:
             if n not in bound:
                 samples = None if s.prefill is None else select_prefill.samples_view(
                     s.prefill, s.chunk, s.num_cols, s.prefill_tiles, _score_block_g())
+                if s.decode_samples is not None:
+                    samples = select_prefill.samples_view(s.decode_samples, s.chunk, s.num_cols,
+                                                          s.decode_samples_tiles, _decode_block_g())
                 score = ScoreLaunch(
                     q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, row0=row0, rows=n,
                     num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio, block_topk=block_topk,
                     decode=s.decode, tiles=s.tiles, interpret=s.interpret, samples=samples,
                     sample_sub=0 if s.prefill is None else s.prefill_tiles["sub"],
+                    row_samples=0 if s.decode_samples is None else s.decode_samples_tiles["row_s"],
                 ) if s.scored else None
                 if s.prefill is not None:
                     topk = select_prefill.PrefillTopkLaunch(
@@ -360,6 +432,13 @@ class SelectLaunch:
                         block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=_score_block_g(),
                         first_row=first_row, num_rows=s.num_rows, chunk=s.chunk, positions=positions,
                         compress_ratio=compress_ratio,
+                    )
+                elif s.decode_samples is not None:
+                    topk = select_prefill.PrefillTopkLaunch(
+                        s.scores, samples, visible_blocks, out, s.decode_samples, row0=row0, rows=n,
+                        num_cols=s.num_cols, block_topk=block_topk, tiles=s.decode_samples_tiles,
+                        score_block_g=_decode_block_g(), first_row=first_row, num_rows=s.num_rows, chunk=s.chunk,
+                        positions=positions, compress_ratio=compress_ratio,
                     )
                 elif s.topk is not None:
                     topk = select_topk.TopkLaunch(

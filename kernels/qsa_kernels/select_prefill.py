@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .launch import Launcher
 from .select_radix import ChunkLaunches, packed_write
+from .select_score import _sample_shift
 from .select_topk import (_compact_segment, _compact_step, _emit, _keys, _kth_key, _resolve_row, _write_short,
                           _write_tail)
 
@@ -70,16 +71,17 @@ def _row_total(cnt_row, n_seg, SEGP: tl.constexpr):
 
 
 @triton.jit
-def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, seg, hi, n_samp, S: tl.constexpr,
-                  RUNS: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy the keys >= bound of segment seg's columns below hi (RUNS runs of S columns from
-    seg * RUNS * S) and their columns, ascending, to l_key / l_idx (the first CAP of them);
-    returns how many. A run whose sample (its largest key) is below bound holds none: only
-    the others are read, their ids first listed ascending at runs_row (int32 [RUNS], scratch)
-    and then swept BLOCK columns per step (flat position f: run f // S, column f % S)."""
+def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, run0, hi, run_end, S, RUNS: tl.constexpr,
+                  CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy the keys >= bound of a segment's columns below hi (its runs of S columns: [run0,
+    run0 + RUNS) below run_end; S a constexpr, or a row's own stride) and their columns,
+    ascending, to l_key / l_idx (the first CAP of them); returns how many. A run whose sample
+    (its largest key) is below bound holds none: only the others are read, their ids first
+    listed ascending at runs_row (int32 [RUNS], scratch) and then swept BLOCK columns per step
+    (flat position f: run f // S, column f % S)."""
     r = tl.arange(0, RUNS)
-    run = seg * RUNS + r
-    live = (tl.load(samp_row + run, mask=run < n_samp, other=-1) >= bound).to(tl.int32)
+    run = run0 + r
+    live = (tl.load(samp_row + run, mask=run < run_end, other=-1) >= bound).to(tl.int32)
     tl.store(runs_row + tl.cumsum(live, 0) - live, run, mask=live > 0)
     n_flat = tl.sum(live, 0) * S
     tl.debug_barrier()  # the run list before its reads
@@ -96,9 +98,9 @@ def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, seg, hi, n_sam
 
 
 @triton.jit
-def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
-               SAMPP: tl.constexpr):
-    """The KB-th largest of a row's samples to its LBITS high bits: <= the row's KB-th key."""
+def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S, SAMPP: tl.constexpr):
+    """The KB-th largest of a row's samples (one per S columns: a constexpr, or the row's own
+    stride) to its LBITS high bits: <= the row's KB-th key."""
     p = tl.arange(0, SAMPP)
     return _kth_key(tl.load(samp_row + p, mask=p < tl.cdiv(vis, S), other=-1), KB, BITS, LBITS)
 
@@ -110,7 +112,7 @@ def _topk_prefill_kernel(
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
-    BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0,
+    BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -118,7 +120,10 @@ def _topk_prefill_kernel(
     cnt int32 [rows, SEGP]; arrive int32 [chunk rows] zero between calls (the last arriver
     resets it). The last arriver resolves the row from its lists, or (more than CAP
     candidates) from its scores; DEFER: only the latter, `_resolve_prefill_kernel` does the
-    rest after the chunk's scores are gone."""
+    rest after the chunk's scores are gone. ROW_SAMPLES = WBITS > 0 (decode; no DEFER): a row's
+    samples are one per 2^`_sample_shift(vis, WBITS, LOG_G)` columns (the decode score
+    launch's), not per S; with RUNS, rows of at most RUNS runs per segment read only their live
+    runs, others the segment."""
     lr = tl.program_id(0)
     seg = tl.program_id(1)
     row = row0 + lr
@@ -132,7 +137,11 @@ def _topk_prefill_kernel(
             _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     elif seg < n_seg:
         samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
-        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S, SAMPP)  # <= the row's KB-th largest key
+        if ROW_SAMPLES:  # the row's own stride
+            shift = _sample_shift(vis, ROW_SAMPLES, LOG_G)
+            bound = _row_bound(samp_row, vis, KB, BITS, LBITS, 1 << shift, SAMPP)
+        else:
+            bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S, SAMPP)  # <= the row's KB-th largest key
         c_idx = cidx_ptr + (crow0 + lr).to(tl.int64) * stride_cr
         c_key = ckey_ptr + (crow0 + lr).to(tl.int64) * stride_cr
         cnt_row = cnt_ptr + (crow0 + lr).to(tl.int64) * SEGP
@@ -140,8 +149,17 @@ def _topk_prefill_kernel(
         hi = tl.minimum(vis, lo + SEG)
         if RUNS:
             runs_row = runs_ptr + lr.to(tl.int64) * (SEGP * RUNS) + seg * RUNS
-            n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound, seg, hi,
-                              tl.cdiv(vis, S), S, RUNS, CAP, BLOCK)
+            if ROW_SAMPLES:  # per-row strides: rows of at most RUNS runs per segment read their live runs
+                n_runs = SEG >> shift
+                if n_runs <= RUNS:
+                    n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound,
+                                      seg * n_runs, hi, tl.minimum(tl.cdiv(vis, 1 << shift), (seg + 1) * n_runs),
+                                      1 << shift, RUNS, CAP, BLOCK)
+                else:
+                    n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
+            else:
+                n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound, seg * RUNS,
+                                  hi, tl.cdiv(vis, S), S, RUNS, CAP, BLOCK)
         else:
             n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
         tl.store(cnt_row + seg, n)
@@ -220,6 +238,26 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
                 rwarps=4, rregs=0, skip=int(num_cols >= 32768))
 
 
+def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
+    """Launch shapes of the decode route (`select.plan_select`, `QSA_DECODE_SAMPLES`): the
+    decode score launch writes each row's samples at a stride of its own (`ScoreLaunch`'s
+    row_samples = row_s = WBITS, `_sample_shift`): 2^WBITS slots per row, WBITS the least with
+    >= 4 Kb slots and rows of num_cols columns at most score_block_g (= 2^log_g) columns per
+    sample. So every scored row has at least Kb samples, a row of at most 2^WBITS columns one
+    per column (its bound is its Kb-th key) and a longer one more than 2 Kb: a short row of a
+    long plan keeps a tight bound. One launch per chunk (no deferred resolve). skip (off until
+    measured): rows of at least 2^skip_shift columns per sample read only the runs whose sample
+    reaches the bound (`seg_runs`), others their whole segment. The other fields as
+    `prefill_tiles`'. small: the interpreter's tiles."""
+    log_g = score_block_g.bit_length() - 1
+    wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
+    t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip=0, skip_shift=min(3, log_g), regs=0,
+             rwarps=4, rregs=0)
+    if small:
+        return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4)
+    return dict(t, seg=8192, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8)
+
+
 def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
     """Whether prefill rows of num_cols columns take this route: their samples number at
     least 2 Kb (fewer make a loose bound: crowded candidates, the slow whole-row resolve)."""
@@ -231,11 +269,21 @@ def sample_cols(tiles: dict, score_block_g: int) -> int:
     return score_block_g // tiles["sub"]
 
 
+def samples_per_row(num_cols: int, tiles: dict, score_block_g: int) -> int:
+    """Sample slots of a row: 2^row_s (decode, per-row strides), else one per S columns."""
+    if tiles.get("row_s", 0):
+        return 1 << tiles["row_s"]
+    return triton.cdiv(num_cols, sample_cols(tiles, score_block_g))
+
+
 def seg_runs(num_cols: int, tiles: dict, score_block_g: int) -> int:
     """Runs of S columns (samples) per segment program where the candidate launch reads only
-    the runs whose sample reaches the bound (tile skip), else 0."""
+    the runs whose sample reaches the bound (tile skip), else 0; per-row strides: the most
+    (rows of 2^skip_shift columns per sample; rows of narrower runs read their whole segment)."""
     if not tiles.get("skip", 0):
         return 0
+    if tiles.get("row_s", 0):
+        return max(min(tiles["seg"], triton.next_power_of_2(num_cols)) >> tiles["skip_shift"], 1)
     return max(min(tiles["seg"], triton.next_power_of_2(num_cols)) // sample_cols(tiles, score_block_g), 1)
 
 
@@ -269,7 +317,7 @@ def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
     columns in chunks of `chunk` rows."""
     segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles["seg"]))
     group = defer_rows(chunk, num_rows, num_cols, tiles)
-    return dict(samples=chunk * triton.cdiv(num_cols, sample_cols(tiles, score_block_g)),
+    return dict(samples=chunk * samples_per_row(num_cols, tiles, score_block_g),
                 cand_idx=group * segp * tiles["cap"], cand_key=group * segp * tiles["cap"], counts=group * segp,
                 arrive=chunk, runs=max(chunk * segp * seg_runs(num_cols, tiles, score_block_g), 1))
 
@@ -281,8 +329,8 @@ def prefill_scratch(elems: dict[str, int], device: torch.device | str) -> Prefil
 
 
 def samples_view(scratch: PrefillScratch, rows: int, num_cols: int, tiles: dict, score_block_g: int) -> torch.Tensor:
-    """The samples int32 [rows, cdiv(num_cols, S)] of a chunk (what the score launch writes)."""
-    n = triton.cdiv(num_cols, sample_cols(tiles, score_block_g))
+    """The samples int32 [rows, `samples_per_row`] of a chunk (what the score launch writes)."""
+    n = samples_per_row(num_cols, tiles, score_block_g)
     return scratch.samples[: rows * n].view(rows, n)
 
 
@@ -309,6 +357,10 @@ class PrefillTopkLaunch(ChunkLaunches):
         cidx, ckey = (x[: n["cand_idx"]].view(self.group, -1) for x in (scratch.cand_idx, scratch.cand_key))
         common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], **write)
         runs = seg_runs(num_cols, t, score_block_g)
+        row_s = t.get("row_s", 0)
+        if row_s and (t["defer"] or samples.shape[1] != 1 << row_s):
+            raise ValueError(f"per-row sample strides (row_s {row_s}) take no deferred resolve, and samples "
+                             f"[rows, 2^row_s]; got {tuple(samples.shape)}")
         self._topk = _prefill_topk.bind(
             (rows, segs), scores, visible_blocks, samples, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
             scratch.runs, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
@@ -316,7 +368,8 @@ class PrefillTopkLaunch(ChunkLaunches):
             free=("row0", "crow0", "out_ptr", "stride_or"),
             KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=sample_cols(t, score_block_g),
             SAMPP=triton.next_power_of_2(samples.shape[1]), BLOCK=t["block"], RBLOCK=t["rblock"],
-            DEFER=bool(t["defer"]), RUNS=runs, **common, num_warps=t["warps"],
+            DEFER=bool(t["defer"]), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.get("log_g", 0), **common,
+            num_warps=t["warps"],
             **({"maxnreg": t["regs"]} if t["regs"] else {}),
         )
         self._resolve = _prefill_resolve.bind(

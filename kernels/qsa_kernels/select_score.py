@@ -79,19 +79,55 @@ def _relu_dot(q, keys):
     return tl.maximum(tl.dot(q, tl.trans(keys), input_precision="ieee"), 0.0)
 
 
-@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
+@triton.jit
+def _sample_shift(vis, WBITS: tl.constexpr, MAX_SHIFT: tl.constexpr):
+    """log2 of the columns per sample of rows of vis visible columns (int32, scalar or a
+    tensor; decode's per-row samples): the least s in [0, MAX_SHIFT] with cdiv(vis, 2^s) <=
+    2^WBITS, so a row of at most 2^WBITS columns has a sample per column and a longer one
+    more than 2^(WBITS - 1) samples (the plan makes 2^(WBITS + MAX_SHIFT) >= its columns)."""
+    s = vis * 0
+    for i in tl.static_range(MAX_SHIFT):
+        s += (vis > (1 << (WBITS + i))).to(tl.int32)
+    return s
+
+
+@triton.jit
+def _store_row_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                       BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
+    """Per-row samples of a score tile s fp32 [BLOCK_G, BLOCK_R] (columns g0 + i, g0 a multiple
+    of BLOCK_G = 2^LOG_G; rows lr int32 [BLOCK_R], their visible vis; mask: the cells
+    written): row lr's runs of 2^shift columns (`_sample_shift`) -> samples int32 [chunk rows,
+    2^WBITS] at (lr, g0 / 2^shift + run) = the largest key of the run's columns below vis.
+    Only the run widths of the tile's rows are reduced (one for a single row, or the rows of
+    one request: their visible counts differ by less than their number)."""
+    shift = _sample_shift(vis, WBITS, LOG_G)
+    lo = tl.min(shift, 0)
+    hi = tl.max(shift, 0)
+    key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
+    for j in tl.static_range(LOG_G + 1):
+        if (lo <= j) & (hi >= j):
+            m = tl.max(tl.reshape(key, (BLOCK_G >> j, 1 << j, BLOCK_R)), 1)  # [runs of 2^j, BLOCK_R]
+            i = tl.arange(0, BLOCK_G >> j)[:, None]
+            tl.store(samp_ptr + lr.to(tl.int64)[None, :] * stride_pr + (g0 >> j) + i, m,
+                     mask=(shift[None, :] == j) & ((g0 + (i << j)) < vis[None, :]))
+
+
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr"])
 def _scores_decode_kernel(
-    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr,
+    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr,
     row0, n_cols, span, norm,
-    stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr,
+    stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr, stride_pr,
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
-    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr,
+    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
+    LOG_G: tl.constexpr = 0,
 ):
     """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
     to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols].
     SPAN_TILES > 0 (the interpreter only): the tile loop runs over constant bounds (triton
-    3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds."""
+    3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
+    ROW_SAMPLES = WBITS > 0: also the row's samples (`_store_row_samples`, BLOCK_G = 2^LOG_G)
+    into samp int32 [chunk rows, 2^WBITS]."""
     lr = tl.program_id(0)
     row = row0 + lr
     col0 = tl.program_id(1) * span
@@ -107,12 +143,17 @@ def _scores_decode_kernel(
         s_row = s_ptr + lr.to(tl.int64) * stride_sr
         for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
                             num_stages=STAGES):
-            g = (col0 + off if SPAN_TILES else off) + tl.arange(0, BLOCK_G)
+            g0 = col0 + off if SPAN_TILES else off
+            g = g0 + tl.arange(0, BLOCK_G)
             g_mask = g < g_end
             keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
                               stride_btp, DI, PAGE, R, DOT_DTYPE)
             s = _finish(tl.sum(_relu_dot(q, keys), 0), norm)  # fp32 [BLOCK_G]
             tl.store(s_row + g, s, mask=g_mask)
+            if ROW_SAMPLES:  # the row as a tile of one: [BLOCK_G, 1]
+                one = tl.arange(0, 1)
+                _store_row_samples(samp_ptr, lr + one, g0, s[:, None], g_mask[:, None], vis + one, stride_pr,
+                                   ROW_SAMPLES, BLOCK_G, 1, LOG_G)
 
 
 @triton.jit
@@ -144,7 +185,8 @@ def _scores_prefill_kernel(
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
-    KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr,
+    KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
+    LOG_G: tl.constexpr = 0,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
     BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M (KEYS_M: its N, the keys
@@ -152,7 +194,9 @@ def _scores_prefill_kernel(
     one dot per head, heads 0..3 keeping their q for the whole span (further heads reload theirs
     per tile). A row tile may span requests: each request in it streams its own keys.
     SPAN_TILES: as the decode kernel. SAMPLE > 0: also the top-k's samples of each tile
-    (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]."""
+    (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]. ROW_SAMPLES =
+    WBITS > 0 (decode rows of a request, PACK without KEYS_M; SAMPLE 0): each row's samples at a
+    stride of its own (`_store_row_samples`, BLOCK_G = 2^LOG_G) into samp int32 [chunk rows, 2^WBITS]."""
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * span
     in_chunk = lr < n_rows
@@ -203,6 +247,10 @@ def _scores_prefill_kernel(
                         if SAMPLE:
                             _store_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written),
                                            tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
+                        if ROW_SAMPLES:
+                            _store_row_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written),
+                                               tl.where(mine, vis, 0), stride_pr, ROW_SAMPLES, BLOCK_G, BLOCK_R,
+                                               LOG_G)
             else:
                 q_mask = mine[:, None] & (d < DI)[None, :]
                 q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
@@ -304,13 +352,16 @@ class ScoreLaunch:
     int32 [R, P], row0)` launches it. q_idx's dtype is fixed at binding. `score` overrides
     the tiles (`score_tiles`; benchmarks). samples int32 [>= rows, cdiv(num_cols, block_g /
     sample_sub)] (prefill only): the launch also writes the top-k's samples there
-    (`select_prefill`: sample_sub per score tile of block_g columns)."""
+    (`select_prefill`: sample_sub per score tile of block_g columns). row_samples = WBITS > 0
+    (decode, with samples int32 [>= rows, 2^WBITS], sample_sub 0): the launch also writes each
+    row's samples at a stride of its own (`_sample_shift`: a power of two up to block_g, from
+    the row's visible count), for `select_prefill`'s decode route."""
 
     def __init__(self, q_idx: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor, visible_blocks: torch.Tensor, scores: torch.Tensor, *, row0: int,
                  rows: int, num_cols: int, page_size: int, compress_ratio: int, block_topk: int, decode: bool,
                  tiles: dict, interpret: bool, score: ScoreTiles | None = None, samples: torch.Tensor | None = None,
-                 sample_sub: int = 0) -> None:
+                 sample_sub: int = 0, row_samples: int = 0) -> None:
         _, Hi, Di = q_idx.shape
         t = score or score_tiles(decode, tiles, interpret, compressed.element_size())
         per_row = decode and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
@@ -324,20 +375,27 @@ class ScoreLaunch:
                       BLOCK_G=t.block_g, STAGES=t.stages, SPAN_TILES=span // t.block_g if interpret else 0,
                       DOT_DTYPE=tl.bfloat16 if exact_dot(q_idx, compressed, interpret) else tl.float32)
         spans = triton.cdiv(num_cols, span)
-        if samples is not None and (per_row or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
+        log_g = t.block_g.bit_length() - 1
+        if row_samples and (samples is None or sample_sub or not decode or t.block_g != 1 << log_g
+                            or (not per_row and (not t.pack or t.keys_m or Hi > 4))
+                            or samples.shape[1] < 1 << row_samples or num_cols > 1 << (row_samples + log_g)):
+            raise ValueError(f"per-row score samples need a decode launch (per row, or rows x heads packed on M), "
+                             f"samples [rows, >= 2^{row_samples}] and num_cols <= 2^{row_samples} x block_g "
+                             f"{t.block_g}, got {None if samples is None else tuple(samples.shape)}")
+        if samples is not None and not row_samples and (per_row or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
                                     or samples.shape[1] < triton.cdiv(num_cols, t.block_g // sample_sub)):
             raise ValueError(f"score samples need the prefill kernel, sample_sub a power of two and >= "
                              f"cdiv(num_cols, block_g {t.block_g} / sample_sub) columns, got {sample_sub} and "
                              f"{tuple(samples.shape)}")
         sampled = samples if samples is not None else scores  # (unread without samples)
         args = (
-            q_idx, compressed, block_table, token_to_req, visible_blocks, scores,
-            *(() if per_row else (sampled,)),
+            q_idx, compressed, block_table, token_to_req, visible_blocks, scores, sampled,
             row0, *(() if per_row else (rows,)), num_cols, span, math.sqrt(Di),
             *(() if per_row else (float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),)),
-            *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0),
-            *(() if per_row else (sampled.stride(0),)),
+            *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0), sampled.stride(0),
         )
+        if row_samples:
+            common.update(ROW_SAMPLES=row_samples, LOG_G=log_g)
         if per_row:
             self._launch = _decode.bind((rows, spans), *args, free=_FREE,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)

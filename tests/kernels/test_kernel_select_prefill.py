@@ -290,7 +290,8 @@ from qsa_kernels import select_prefill as sp, select_score as ss
 t = sp.prefill_tiles(32768, 512, 64, small=False)
 write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
              stride_oc=1)
-topk = dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"], RBLOCK=t["rblock"], DEFER=t["defer"])
+topk = dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"], RBLOCK=t["rblock"], DEFER=t["defer"],
+            ROW_SAMPLES=0, LOG_G=0)
 for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns)
         (sp._topk_prefill_kernel, dict(topk, RUNS=0), t["warps"]),
         (sp._topk_prefill_kernel, dict(topk, RUNS=sp.seg_runs(32768, t, 64)), t["warps"]),
@@ -306,7 +307,7 @@ fn = ss._scores_prefill_kernel
 for sub in (1, 4, 16):
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
-                 KEYS_M=st.keys_m, SAMPLE=sub, stride_qd=1, stride_kd=1, stride_btp=1)
+                 KEYS_M=st.keys_m, SAMPLE=sub, ROW_SAMPLES=0, LOG_G=0, stride_qd=1, stride_kd=1, stride_btp=1)
     types = dict(q_ptr="*bf16", k_ptr="*bf16", s_ptr="*fp32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}

@@ -254,11 +254,13 @@ from qsa_kernels import select_score as ss
 # Runtime ints as Triton's launcher specializes them: == 1 -> constant, % 16 == 0 -> divisibility.
 VALUES = dict(stride_qt=512, stride_qh=128, stride_qd=1, stride_kp=4096, stride_kr=128, stride_kd=1,
               stride_btr=2048, stride_btp=1, span=256)
-for decode, kdt, rows_per_request in ((True, "bf16", 1), (True, "fp8e4nv", 1), (True, "bf16", 4),
-                                      (False, "bf16", 1)):
+# row_samples: the per-row samples of the decode route from samples (QSA_DECODE_SAMPLES), 2^11 slots.
+for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, "fp8e4nv", 1, 0), (True, "bf16", 4, 0),
+                                                   (False, "bf16", 1, 0), (True, "bf16", 1, 11), (True, "bf16", 4, 11)):
     t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request), False, 1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
-                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, **{n: 1 for n, v in VALUES.items() if v == 1})
+                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1,
+                 **{n: 1 for n, v in VALUES.items() if v == 1})
     if t.block_r == 1:
         fn, const["HM"] = ss._scores_decode_kernel, 16
     else:
@@ -281,12 +283,12 @@ def test_production_tiles_compile_for_sm90_on_tensor_cores():
     """The H200 tiles compile here without a GPU (what the interpreter accepts and the compiler
     rejects shows in CI), with the launcher's specialization; dots of 64+ rows x heads are
     wgmma, smaller ones mma, key loads asynchronous (the pipelined tile loop), shared memory
-    within the H200's 227 KiB per program."""
+    within the H200's 227 KiB per program; also with the decode route's per-row samples."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 4, run.stdout
+    assert len(lines) == 6, run.stdout
     for small_m, wgmma, mma, cp_async, shared in lines:
         assert int(mma if small_m == "True" else wgmma) > 0 and int(cp_async) > 0, lines
         assert int(shared) <= 227 * 1024, lines

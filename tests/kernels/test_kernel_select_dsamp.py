@@ -1,0 +1,224 @@
+"""The per-row-samples decode route (`QSA_DECODE_SAMPLES`, plan_select's decode_samples) against
+main's decode route and the reference, bit for bit.
+
+Runs on the GPU when there is one, else in the Triton interpreter (small tiles: score tiles of
+16 columns, so per-row strides of 1..16 columns and 2^5 sample slots at Kb = 8; segments of 64
+columns, 32 candidates per row). The decode score launch writes each row's samples at a stride
+of its own (`select_score._sample_shift`), so the shapes mix in one batch: rows of several
+strides in one plan (a short row of a long plan keeps one sample per column), rows at or below
+Kb, padding rows, MTP rows (rows x heads packed on the dot's M), ties (integer data), ReLU
+zeros (a row whose every score is 0: bound 0, the exact whole-row resolve), overflowing
+candidate lists, the packed rows.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from test_kernel_select import make_problem  # noqa: E402
+
+from qsa_core.reference import select as ref  # noqa: E402
+from qsa_kernels import select as ker  # noqa: E402
+from qsa_kernels import select_prefill as sp  # noqa: E402
+
+# The shapes below take the route with the interpreter's small tiles only (the H200's short
+# route covers them): on the GPU, benchmarks/device/dsamp_measure.sh checks the real shapes.
+small_tiles = pytest.mark.skipif(DEV != "cpu", reason="the interpreter's small tiles")
+R, KB, PAGE = 4, 8, 16
+KW = dict(page_size=PAGE, compress_ratio=R, block_topk=KB)
+
+
+@pytest.fixture
+def nan_scratch(monkeypatch):
+    """Every score scratch starts NaN: a read of an unscored column would show up."""
+    monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
+        (rows, cols), float("nan"), device=device))
+
+
+def positions(seq_lens, query_lens, pad_rows):
+    """The decode rows' positions (make_problem's: the last query_lens of each request), -1 padding."""
+    pos = [s - lq + j for s, lq in zip(seq_lens, query_lens) for j in range(lq)]
+    return torch.tensor(pos + [-1] * pad_rows, dtype=torch.int64, device=DEV)
+
+
+def select(problem, on, rpr=1, pos=None, workspace=None, calls=1):
+    """Decode select through the plan: on = the per-row-samples route (asserted taken), else main's."""
+    q, comp, table, to_req, vis, max_seq = problem
+    T = q.shape[0]
+    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=rpr, decode_samples=on,
+                        workspace=workspace)
+    assert (s.decode_samples is not None) == on
+    width = KB * R + R if pos is not None else KB
+    out = torch.full((T, width), 7, dtype=torch.int32, device=DEV)
+    launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, positions=pos, **KW)
+    for _ in range(calls):
+        out.fill_(7)
+        launch(q, table, out)
+    return out, s
+
+
+def reference(problem):
+    q, comp, table, to_req, vis, _ = problem
+    args = [t.cpu() for t in (q, comp, table, to_req, vis)]
+    return ref.qsa_select_prefill(*args, out=torch.empty(q.shape[0], KB, dtype=torch.int32), **KW)
+
+
+# One long row (600 tokens = 150 columns: stride 8 of the plan's 256-column bound), rows of 100
+# and 300 tokens (strides 1 and 4: a short row of a long plan), 140 (35 columns: stride 2), 20
+# (5 columns <= Kb: unscored), padding.
+MIXED = dict(seq_lens=[600, 100, 300, 20, 140, 1000], query_lens=[1, 1, 1, 1, 1, 1])
+# MTP: 4 rows per request, one request crossing Kb inside its rows (visible 7..8 -> 9).
+MIXED_MTP = dict(seq_lens=[600, 130, 300, 36, 1000], query_lens=[4, 4, 4, 4, 4])
+
+
+@pytest.fixture(params=[0, 1], ids=["segments", "skip"])
+def skip(request, monkeypatch):
+    """Both compactions: whole segments, and (skip) the live runs of rows of >= 8 columns per sample."""
+    tiles = sp.decode_tiles
+    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: {**tiles(*a, **k), "skip": request.param})
+    return request.param
+
+
+@small_tiles
+@pytest.mark.parametrize("mix, rpr", [(MIXED, 1), (MIXED_MTP, 4)])
+@pytest.mark.parametrize("kind", ["int", "bf16"])
+def test_mixed_batch_equals_main_route(nan_scratch, skip, mix, rpr, kind):
+    problem = make_problem(**mix, kind=kind, pad_rows=2, seed=1)
+    got, s = select(problem, True, rpr, calls=2)  # twice: arrival counters left at zero
+    assert s.decode_samples_tiles["row_s"] == 5 and s.num_cols == 250
+    assert sp.seg_runs(s.num_cols, s.decode_samples_tiles, ker._decode_block_g()) == 8 * skip
+    want, _ = select(problem, False, rpr)
+    assert torch.equal(got, want)
+    if kind == "int":
+        assert torch.equal(got.cpu(), reference(problem))
+
+
+@small_tiles
+@pytest.mark.parametrize("mix, rpr", [(MIXED, 1), (MIXED_MTP, 4)])
+def test_packed_rows_equal_main_route(nan_scratch, skip, mix, rpr):
+    pad = 2
+    problem = make_problem(**mix, kind="int", pad_rows=pad, seed=2)
+    pos = positions(mix["seq_lens"], mix["query_lens"], pad)
+    got, _ = select(problem, True, rpr, pos=pos)
+    want, _ = select(problem, False, rpr, pos=pos)
+    assert torch.equal(got, want)
+
+
+def sample_shift(v: int, wbits: int, log_g: int) -> int:
+    """`select_score._sample_shift` on the host."""
+    return sum(v > 1 << (wbits + i) for i in range(log_g))
+
+
+@small_tiles
+@pytest.mark.parametrize("mix, rpr", [(MIXED, 1), (MIXED_MTP, 4)])
+def test_score_launch_writes_per_row_samples(nan_scratch, mix, rpr):
+    problem = make_problem(**mix, kind="int", pad_rows=2, seed=3)
+    q, comp, table, to_req, vis, max_seq = problem
+    T = q.shape[0]
+    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=rpr, decode_samples=True)
+    t = s.decode_samples_tiles
+    out = torch.empty(T, KB, dtype=torch.int32, device=DEV)
+    launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, **KW)
+    samples = sp.samples_view(s.decode_samples, s.chunk, s.num_cols, t, ker._decode_block_g())
+    samples.fill_(-7)
+    launch._chunks[0][1](q, table, 0)  # the score launch alone
+    keys = s.scores.cpu().view(torch.int32) & 0x7FFFFFFF
+    got = samples.cpu()
+    shifts = set()
+    for r in range(T):
+        v = min(int(vis[r]), s.num_cols)
+        if v <= KB:
+            assert (got[r] == -7).all(), r
+            continue
+        S = 1 << sample_shift(v, t["row_s"], t["log_g"])
+        shifts.add(S)
+        n = -(-v // S)
+        assert KB < n <= 1 << t["row_s"]
+        want = torch.stack([keys[r, i * S: min(v, i * S + S)].max() for i in range(n)])
+        assert torch.equal(got[r, :n], want), (r, S)
+        assert (got[r, n:] == -7).all(), r
+    assert len(shifts) >= 3, shifts
+
+
+@small_tiles
+def test_ties_zeros_and_overflow(nan_scratch, skip):
+    # Integer data, one index head: crowds of equal scores and ReLU zeros; request 1's query is
+    # zero (every score 0: bound 0, all columns candidates, the whole-row resolve).
+    seq_lens, qlens = [1000, 600, 300, 1000], [1, 1, 1, 1]
+    problem = list(make_problem(seq_lens, qlens, Hi=1, kind="int", pad_rows=1, seed=5))
+    problem[0] = problem[0].clone()
+    problem[0][1] = 0
+    problem = tuple(problem)
+    got, s = select(problem, True)
+    scores = s.scores.cpu()
+    assert (scores[1, :150] == 0).all() and (scores[0, :250] == 0).float().mean() > 0.2
+    assert torch.equal(got, select(problem, False)[0])
+    assert torch.equal(got.cpu(), reference(problem))
+
+
+@small_tiles
+def test_the_workspace_holds_every_decode_plan_of_this_route(nan_scratch):
+    ws = ker.select_workspace(200, 1200 // R, KB, DEV, decode_samples=True)
+    assert ws.decode_samples is not None
+    assert ker.select_workspace(200, 1200 // R, KB, DEV, decode_samples=False).decode_samples is None
+    for rows in (1, 4, 16, 64, 65, 200):
+        for cols in (16, 32, 64, 128, 256, 300):
+            s = ker.plan_select(rows, cols, KB, decode=True, device=DEV, workspace=ws, decode_samples=True)
+            taken = s.decode_samples is not None
+            assert taken == (rows <= 64 and cols > 32 and cols > KB), (rows, cols)
+            assert not taken or s.decode_samples is ws.decode_samples
+    problem = make_problem(**MIXED, kind="int", pad_rows=2, seed=6)
+    got, s = select(problem, True, workspace=ker.select_workspace(16, 1200 // R, KB, DEV, decode_samples=True),
+                    calls=2)
+    assert torch.equal(got.cpu(), reference(problem))
+
+
+@small_tiles
+def test_the_switch_is_read_when_a_schedule_is_made(monkeypatch):
+    monkeypatch.setenv("QSA_DECODE_SAMPLES", "1")
+    assert ker.plan_select(4, 256, KB, decode=True, device=DEV).decode_samples is not None
+    assert ker.plan_select(4, 256, KB, decode=False, device=DEV).decode_samples is None
+    monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")
+    assert ker.plan_select(4, 256, KB, decode=True, device=DEV).decode_samples is None
+
+
+SM90_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from qsa_kernels import select_prefill as sp
+target = GPUTarget("cuda", 90, 32)
+
+def sig(fn, const, types):
+    return {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
+            for n in fn.arg_names}
+
+for cols in (32768, 262144):  # 128K and 1M context
+    t = sp.decode_tiles(cols, 512, 128, small=False)
+    for packed, skip in ((False, 0), (True, 0), (True, 1)):
+        t["skip"] = skip
+        const = dict(KB=512, KBP=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SEG=t["seg"],
+                     SEGP=triton.next_power_of_2(triton.cdiv(cols, t["seg"])), CAP=t["cap"], BLOCK=t["block"],
+                     RBLOCK=t["rblock"], DEFER=0, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1,
+                     BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"])
+        fn = sp._topk_prefill_kernel
+        triton.compile(ASTSource(fn, sig(fn, const, dict(s_ptr="*fp32", pos_ptr="*i64")), const), target=target,
+                       options=dict(num_warps=t["warps"]))
+        print("compiled topk", cols, packed, skip)
+"""
+
+
+def test_route_compiles_for_sm90():
+    """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M columns)
+    compiles for sm_90 here without a GPU (its score kernels: test_kernel_select_score)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len([x for x in run.stdout.splitlines() if x.startswith("compiled")]) == 6, run.stdout
