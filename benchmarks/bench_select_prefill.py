@@ -67,8 +67,8 @@ PREFILL_ROUTE, TOPK_ROUTE, SCORE_TILES = sel._prefill_route, sel._topk_route, ss
 
 def _score_tiles(changes: dict):
     """`score_tiles` with prefill's tiles changed."""
-    def tiles(decode: bool, t: dict, interpret: bool, key_bytes: int = 2):
-        base = SCORE_TILES(decode, t, interpret, key_bytes)
+    def tiles(decode: bool, t: dict, interpret: bool, key_bytes: int = 2, num_cols: int = 0):
+        base = SCORE_TILES(decode, t, interpret, key_bytes, num_cols)
         return base if decode or interpret else dataclasses.replace(base, **changes)
     return tiles
 
@@ -86,9 +86,9 @@ def configure(route: str) -> None:
     def tiles(n_cols: int, block_topk: int, decode: bool, chunk: int):
         if decode:
             return None
-        t = sp.prefill_tiles(n_cols, block_topk, sel._score_block_g(), small=DRY)
+        t = sp.prefill_tiles(n_cols, block_topk, sel._score_block_g(n_cols), small=DRY)
         t = {**t, **changes}
-        return t if n_cols > block_topk and n_cols * t["sub"] >= 2 * block_topk * sel._score_block_g() else None
+        return t if n_cols > block_topk and n_cols * t["sub"] >= 2 * block_topk * sel._score_block_g(n_cols) else None
 
     sel._prefill_route = tiles
 
@@ -163,7 +163,7 @@ def routes(ctx: str, names: list[str]) -> list[str]:
             if cols <= stk.topk_tiles(cols, DRY)["seg"]:  # select_topk: the short route, or one segment
                 out.append(n)
             continue
-        g = sel._score_block_g()
+        g = sel._score_block_g(cols)
         t = {**sp.prefill_tiles(cols, KB, g, small=DRY), **VARIANTS.get(n, {})}
         base = sp.prefill_tiles(cols, KB, g, small=DRY)
         if t["seg"] >= cols and base["seg"] >= cols:  # one segment either way

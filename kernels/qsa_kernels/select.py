@@ -5,11 +5,10 @@ only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
 (`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
 `select_topk.py`, see `_topk_route`; for long prefill rows `select_prefill.py` from samples the
-score launch writes too, see `_prefill_route`; with `QSA_DECODE_SAMPLES`, long decode rows take
-`select_prefill`'s top-k from per-row samples, see `_decode_samples_route`) write each row's
+score launch writes too, see `_prefill_route`; for some long decode chunks `select_prefill`'s
+top-k from per-row samples, see `_decode_samples_route`) write each row's
 chosen groups in ascending order (or the packed rows); rows with visible <= Kb take groups
-0..visible-1 unscored. With QSA_SHORT_FUSED=1 some decode chunks of the short top-k score and
-select in one launch instead (`select_short`, `_short_fused_route`).
+0..visible-1 unscored.
 
 `plan_select` fixes the schedule of a call (chunk, route, scratch views) when a step is
 planned; `SelectLaunch` binds all of a call's launches to that schedule, the compressed keys
@@ -27,7 +26,7 @@ import triton
 from .select_radix import BINS as _BINS
 from .select_radix import ChunkLaunches, TopkLaunch
 from .select_score import ScoreLaunch, score_tiles
-from . import select_prefill, select_short, select_topk
+from . import select_prefill, select_topk
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
@@ -56,30 +55,37 @@ _TOPK_SHORT_MAX_ROWS = 256
 _PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
-# The one-launch short selection (`select_short`, QSA_SHORT_FUSED=1) covers the short route's
-# chunks of the issue's target (contexts up to 16K, up to 64 rows), the range its measurement
-# script times (benchmarks/device/dshort_measure.sh); not measured yet.
-_SHORT_FUSED_MAX_COLS = 4096
-_SHORT_FUSED_MAX_ROWS = 64
-# QSA_DECODE_SAMPLES=1 (read when a workspace or a schedule is made, or plan_select's
-# decode_samples): decode chunks of up to this many rows over more than the short route's
-# columns take the score launch writing per-row samples + one `select_prefill` top-k launch
-# (`select_prefill.decode_tiles`) instead of the radix passes or `select_topk`'s segments. Off
-# until measured on the H200 (benchmarks/device/dsamp_measure.sh).
+# The per-row-samples decode route (the score launch also writes per-row samples, then one
+# `select_prefill` top-k launch: `select_prefill.decode_tiles`) can take decode chunks of up to
+# _DECODE_SAMPLES_MAX_ROWS rows longer than the short route's. It does where it measured faster
+# (H200, session 8, select alone, us, radix -> samples, exact everywhere): chunks of < 16 rows
+# over 16384 < columns <= 32768 (128K B4 48.7 -> 44.6; a 128K plan with one row at 128K and
+# three at 16K 44.2 -> 37.5). It lost at 1M B4 (118.6 vs 132.4), at 1M with three shorter rows
+# (82.7 vs 91.2 at 256K, 75.8 vs 78.8 at 64K), at 1M B4 x 4 MTP rows (172.5 vs 241.4, against
+# `select_topk`'s segments) and at 128K B64 (194.4 vs 202.9). QSA_DECODE_SAMPLES=1 / 0 (read when
+# a workspace or schedule is made) or plan_select(decode_samples=True / False) force it on for
+# every chunk it can take / off (benchmarks, tests).
 _DECODE_SAMPLES_MAX_ROWS = 64
+_DECODE_SAMPLES_H200 = dict(max_rows=15, min_cols=16385, max_cols=32768)
 
 
-def decode_samples_enabled() -> bool:
-    """QSA_DECODE_SAMPLES=1: long decode chunks take the per-row-samples route."""
-    return os.environ.get("QSA_DECODE_SAMPLES", "0") == "1"
+def decode_samples_setting() -> bool | None:
+    """QSA_DECODE_SAMPLES: "1" forces the per-row-samples route on, "0" off; unset: None (the
+    measured chunks)."""
+    v = os.environ.get("QSA_DECODE_SAMPLES")
+    return None if v is None else v == "1"
 
 
-def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool) -> dict | None:
+def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool | None) -> dict | None:
     """The `select_prefill.decode_tiles` where a decode chunk takes the per-row-samples route
-    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None."""
+    (at most _DECODE_SAMPLES_MAX_ROWS rows longer than the short top-k's; on None: only the
+    measured chunks, _DECODE_SAMPLES_H200), else None."""
     small = _interpreting()
-    if not (on and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
+    if not (decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
             n_cols, select_topk.topk_tiles(n_cols, small, chunk)):
+        return None
+    h = _DECODE_SAMPLES_H200
+    if not (on if on is not None else chunk <= h["max_rows"] and h["min_cols"] <= n_cols <= h["max_cols"]):
         return None
     return select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small)
 
@@ -98,29 +104,19 @@ def _topk_route(n_cols: int, chunk: int, decode: bool) -> bool:
     return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
 
 
-def _short_fused_route(n_cols: int, chunk: int, scored: bool, rows_per_request: int, topk_tiles: dict | None,
-                       short_fused: bool | None) -> bool:
-    """Whether a decode chunk that takes `select_topk` (topk_tiles) runs as one `select_short`
-    launch: scored short rows, one row per request (main scores MTP rows together, which may
-    round the head sum otherwise), within the bounds above; short_fused None: the switch."""
-    return (topk_tiles is not None and scored and select_topk.short_route(n_cols, topk_tiles)
-            and n_cols <= _SHORT_FUSED_MAX_COLS and chunk <= _SHORT_FUSED_MAX_ROWS and rows_per_request == 1
-            and (select_short.enabled() if short_fused is None else short_fused))
-
-
 def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int) -> dict | None:
     """The `select_prefill` tiles where a prefill chunk of `chunk` rows x n_cols columns takes
     it, else None."""
     if decode or chunk < _PREFILL_MIN_ROWS:
         return None
-    block_g = _score_block_g()
+    block_g = _score_block_g(n_cols)
     tiles = select_prefill.prefill_tiles(n_cols, block_topk, block_g, small=_interpreting())
     return tiles if n_cols > block_topk and select_prefill.prefill_route(n_cols, block_topk, tiles, block_g) else None
 
 
-def _score_block_g() -> int:
-    """Columns per prefill score tile (the samples' geometry)."""
-    return score_tiles(False, _tiles(False), _interpreting()).block_g
+def _score_block_g(n_cols: int) -> int:
+    """Columns per prefill score tile of rows of n_cols columns (the samples' geometry)."""
+    return score_tiles(False, _tiles(False), _interpreting(), num_cols=n_cols).block_g
 
 
 def _interpreting() -> bool:
@@ -162,7 +158,8 @@ class SelectWorkspace:
 def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str,
                      decode_samples: bool | None = None) -> SelectWorkspace:
     """Scratch for any `plan_select` with num_rows <= max_rows and num_cols <= max_cols
-    (decode_samples: also that of the per-row-samples decode route; None: `QSA_DECODE_SAMPLES`)."""
+    (decode_samples: False leaves out the per-row-samples decode route's scratch; None:
+    `QSA_DECODE_SAMPLES`, where unset: if a plan can take it)."""
     dev = torch.device(device)
     cols = max(max_cols, 1)
     if cols <= block_topk:  # nothing is ever scored
@@ -181,8 +178,8 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
         topk=_topk_scratch(max_rows, cols, block_topk, dev),
         prefill=_prefill_scratch(max_rows, cols, block_topk, dev),
-        decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev) if (
-            decode_samples_enabled() if decode_samples is None else decode_samples) else None,
+        decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev, decode_samples_setting()
+                                               if decode_samples is None else decode_samples),
     )
 
 
@@ -219,22 +216,25 @@ def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
         chunk = _scored_chunk(max_rows, c, False)
         tiles = _prefill_route(c, block_topk, False, chunk)
         if tiles is not None:
-            elems = select_prefill.prefill_scratch_elems(chunk, max_rows, c, tiles, _score_block_g())
+            elems = select_prefill.prefill_scratch_elems(chunk, max_rows, c, tiles, _score_block_g(c))
             need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
     return select_prefill.prefill_scratch(need, dev) if need else None
 
 
-def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int,
-                            dev: torch.device) -> select_prefill.PrefillScratch | None:
+def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device,
+                            on: bool | None) -> select_prefill.PrefillScratch | None:
     """Scratch of the per-row-samples decode route for every decode plan up to max_rows x
-    max_cols (`planner.column_bucket`s): the largest need of any that takes it, a power of two
-    c standing for the bounds in (c / 2, c] (their chunks up to that of c / 2 + 1 columns, their
-    rows' needs up to c's)."""
+    max_cols (`planner.column_bucket`s) that takes it under `on` (`_decode_samples_route`): the
+    largest need of any, a power of two c standing for the bounds in (c / 2, c] (their chunks
+    up to that of c / 2 + 1 columns, their rows' needs up to c's)."""
+    if on is False:
+        return None
     need: dict[str, int] = {}
     bounds = {1 << i for i in range(block_topk.bit_length(), (max_cols - 1).bit_length() + 1)}
+    most = _DECODE_SAMPLES_MAX_ROWS if on else _DECODE_SAMPLES_H200["max_rows"]
     for c in sorted(bounds):
-        chunk = min(_scored_chunk(max_rows, c // 2 + 1, True), _DECODE_SAMPLES_MAX_ROWS)
-        tiles = _decode_samples_route(c, block_topk, chunk, True, True) if c > block_topk else None
+        chunk = min(_scored_chunk(max_rows, c // 2 + 1, True), most)
+        tiles = _decode_samples_route(c, block_topk, chunk, True, on) if c > block_topk else None
         if tiles is not None:
             elems = select_prefill.prefill_scratch_elems(chunk, chunk, c, tiles, _decode_block_g())
             need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
@@ -252,9 +252,7 @@ class SelectSchedule:
     tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None;
     prefill / prefill_tiles: those of `select_prefill` where a prefill chunk takes it
     (`_prefill_route`), else None; decode_samples / decode_samples_tiles: those of the
-    per-row-samples decode route (`_decode_samples_route`), else None; short: the arrival
-    counters int32 [chunk] (zero between launches) of `select_short` where the chunk runs as its
-    one launch (`_short_fused_route`, with topk_tiles), else None.
+    per-row-samples decode route (`_decode_samples_route`), else None.
     """
 
     num_rows: int
@@ -275,7 +273,6 @@ class SelectSchedule:
     topk_tiles: dict | None = None
     prefill: select_prefill.PrefillScratch | None = None
     prefill_tiles: dict | None = None
-    short: torch.Tensor | None = None
     decode_samples: select_prefill.PrefillScratch | None = None
     decode_samples_tiles: dict | None = None
 
@@ -289,7 +286,6 @@ def plan_select(
     device: torch.device | str,
     workspace: SelectWorkspace | None = None,
     rows_per_request: int = 1,
-    short_fused: bool | None = None,
     decode_samples: bool | None = None,
 ) -> SelectSchedule:
     """Schedule of a decode or prefill select over num_rows rows and num_cols columns.
@@ -297,10 +293,9 @@ def plan_select(
     num_cols = max_seq_len // r, the bound on any row's visible groups. Scratch views come
     from `workspace` (CUDA-graph safe) or are allocated here. rows_per_request: decode rows
     per request (decode_query_len; > 1 lets a request's rows share each key load).
-    short_fused: the one-launch `select_short` where `_short_fused_route` allows it (None:
-    QSA_SHORT_FUSED=1, `select_short.enabled`, read now).
-    decode_samples: long decode chunks take the per-row-samples route (`_decode_samples_route`;
-    None: `QSA_DECODE_SAMPLES`, read now).
+    decode_samples: True / False: every long decode chunk it can take takes the per-row-samples
+    route / none does (`_decode_samples_route`); None: `QSA_DECODE_SAMPLES`, read now, and where
+    unset the measured chunks.
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
@@ -315,7 +310,7 @@ def plan_select(
         workspace = SelectWorkspace(
             scores=_score_scratch(chunk, n_cols, torch.device(device)).view(-1),
             hist=torch.zeros(triton.cdiv(chunk, rows) * rows * _BINS, dtype=torch.int32, device=device),
-            arrive=torch.zeros(chunk, dtype=torch.int32, device=device),  # (a row block's, or a row's: short)
+            arrive=torch.zeros(triton.cdiv(chunk, rows), dtype=torch.int32, device=device),
             state=torch.empty(chunk * 4, dtype=torch.int32, device=device),
             counts=torch.empty(chunk * n_tiles * 2, dtype=torch.int32, device=device),
         )
@@ -332,7 +327,7 @@ def plan_select(
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
-    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, decode_samples_enabled()
+    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, decode_samples_setting()
                                         if decode_samples is None else decode_samples) if scored else None
     dsamp = None
     if dsamp_tiles is not None:
@@ -355,15 +350,10 @@ def plan_select(
             if getattr(have, name).numel() < n:
                 raise ValueError(f"select workspace.topk.{name} holds {getattr(have, name).numel()} < {n} elements")
         topk = have
-    short = None
-    if _short_fused_route(n_cols, chunk, scored, rows_per_request, topk_tiles, short_fused):
-        if workspace.arrive.numel() < chunk:
-            raise ValueError(f"select workspace.arrive holds {workspace.arrive.numel()} < {chunk} elements")
-        short = workspace.arrive[:chunk]  # the radix route's counters (zero between launches), one a row
     prefill = None
     prefill_tiles = _prefill_route(n_cols, Kb, decode, chunk)
     if prefill_tiles is not None:
-        need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles, _score_block_g())
+        need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles, _score_block_g(n_cols))
         prefill = workspace.prefill if workspace is not None and workspace.prefill is not None else None
         if prefill is None:
             prefill = select_prefill.prefill_scratch(need, device)
@@ -376,7 +366,6 @@ def plan_select(
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
         scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
         prefill=prefill, prefill_tiles=prefill_tiles, decode_samples=dsamp, decode_samples_tiles=dsamp_tiles,
-        short=short,
     )
 
 
@@ -401,21 +390,11 @@ class SelectLaunch:
                 raise ValueError(f"the select schedule covers rows up to {self.rows}; {name} has {t.shape[0]}")
         bound: dict[int, tuple] = {}  # rows of a chunk -> its launches (all full chunks share theirs)
         self._chunks: list[tuple[int, ScoreLaunch | None, ChunkLaunches]] = []
-        self._short: list[tuple[int, select_short.ShortSelectLaunch]] = []  # the one-launch chunks
         for row0 in range(first_row, self.rows, s.chunk):
             n = min(s.chunk, self.rows - row0)
-            if s.short is not None:
-                if n not in bound:
-                    bound[n] = select_short.ShortSelectLaunch(
-                        q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, s.short, out,
-                        row0=row0, rows=n, num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio,
-                        block_topk=block_topk, tiles=s.tiles, topk_tiles=s.topk_tiles, interpret=s.interpret,
-                        positions=positions)
-                self._short.append((row0, bound[n]))
-                continue
             if n not in bound:
                 samples = None if s.prefill is None else select_prefill.samples_view(
-                    s.prefill, s.chunk, s.num_cols, s.prefill_tiles, _score_block_g())
+                    s.prefill, s.chunk, s.num_cols, s.prefill_tiles, _score_block_g(s.num_cols))
                 if s.decode_samples is not None:
                     samples = select_prefill.samples_view(s.decode_samples, s.chunk, s.num_cols,
                                                           s.decode_samples_tiles, _decode_block_g())
@@ -429,7 +408,7 @@ class SelectLaunch:
                 if s.prefill is not None:
                     topk = select_prefill.PrefillTopkLaunch(
                         s.scores, samples, visible_blocks, out, s.prefill, row0=row0, rows=n, num_cols=s.num_cols,
-                        block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=_score_block_g(),
+                        block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=_score_block_g(s.num_cols),
                         first_row=first_row, num_rows=s.num_rows, chunk=s.chunk, positions=positions,
                         compress_ratio=compress_ratio,
                     )
@@ -465,8 +444,6 @@ class SelectLaunch:
             if score is not None:
                 score(q_idx, block_table, row0)
             topk(row0, out, out_stride)
-        for row0, launch in self._short:
-            launch(q_idx, block_table, row0, out, out_stride)
         return out
 
 

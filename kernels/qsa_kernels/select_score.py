@@ -301,7 +301,13 @@ class ScoreTiles:
     keys_m: bool = False
 
 
-def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2) -> ScoreTiles:
+# Prefill rows of at least this many columns (1M context) score in 128-column tiles (H200,
+# session 8, select of 16K rows at 1M: 35.9 -> 32.7 ms, its scores 24.7 -> 23.5 and its
+# candidate launches 10.6 -> 8.4 from the longer samples); at 128K they were slower (4.9 -> 5.8).
+PREFILL_WIDE_COLS = 1 << 18
+
+
+def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, num_cols: int = 0) -> ScoreTiles:
     """The score tiles: the schedule's small tiles under the interpreter (tests cross tile and
     span borders), else the H200's, measured (W2, L2 flushed; main = the one-tile-per-program
     kernels before this sweep):
@@ -311,7 +317,8 @@ def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2) 
     - decode with tiles["rows_per_request"] > 1 (MTP): 4 rows x 4 heads on the mma's M, so a
       request's rows read each key once (1M B4 x 4 rows 224 -> 111 us);
     - prefill: keys on the wgmma's M, 32 rows x 4 heads on its N, the Markstein division
-      (16K rows at 128K 7.5 -> 2.96 ms, at 1M 66.8 -> 25.3 ms, at 16K 512 -> 227 us)."""
+      (16K rows at 128K 7.5 -> 2.96 ms, at 1M 66.8 -> 25.3 ms, at 16K 512 -> 227 us); 128-column
+      tiles from PREFILL_WIDE_COLS num_cols."""
     rows_tiles = decode and tiles.get("rows_per_request", 1) > 1
     if interpret:
         return ScoreTiles(block_r=4 if rows_tiles else 1 if decode else tiles["block_r"], block_g=tiles["block_g"],
@@ -321,7 +328,8 @@ def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2) 
         return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True)
     if decode:
         return ScoreTiles(block_r=1, block_g=128, span=256 if key_bytes == 1 else 128, stages=3, num_warps=4)
-    return ScoreTiles(block_r=32, block_g=64, span=0, stages=3, num_warps=4, pack=True, fast_div=True, keys_m=True)
+    return ScoreTiles(block_r=32, block_g=128 if num_cols >= PREFILL_WIDE_COLS else 64, span=0, stages=3, num_warps=4,
+                      pack=True, fast_div=True, keys_m=True)
 
 
 def _span(t: ScoreTiles, row_tiles: int, num_cols: int, min_programs: int = 1024) -> int:
@@ -363,7 +371,7 @@ class ScoreLaunch:
                  tiles: dict, interpret: bool, score: ScoreTiles | None = None, samples: torch.Tensor | None = None,
                  sample_sub: int = 0, row_samples: int = 0) -> None:
         _, Hi, Di = q_idx.shape
-        t = score or score_tiles(decode, tiles, interpret, compressed.element_size())
+        t = score or score_tiles(decode, tiles, interpret, compressed.element_size(), num_cols)
         per_row = decode and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
         HP = triton.next_power_of_2(Hi)
         block_r = max(t.block_r, 16 // HP)  # rows x heads >= 16 on the dot's M

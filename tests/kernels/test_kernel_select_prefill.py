@@ -233,8 +233,8 @@ def test_score_launch_writes_the_samples(nan_scratch):
     out = torch.empty(T, 8, dtype=torch.int32, device=DEV)
     launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, page_size=16, compress_ratio=R, block_topk=8)
     launch._chunks[0][1](q, table, 0)
-    S = sp.sample_cols(s.prefill_tiles, ker._score_block_g())
-    got = sp.samples_view(s.prefill, T, cols, s.prefill_tiles, ker._score_block_g()).cpu()
+    S = sp.sample_cols(s.prefill_tiles, ker._score_block_g(cols))
+    got = sp.samples_view(s.prefill, T, cols, s.prefill_tiles, ker._score_block_g(cols)).cpu()
     scores = s.scores.cpu()
     for t in range(T):
         v = int(vis[t])
@@ -264,7 +264,7 @@ def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkey
     # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
     tiles = sp.prefill_tiles
     monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer})
-    t = sp.prefill_tiles(128, 8, ker._score_block_g(), small=DEV == "cpu")
+    t = sp.prefill_tiles(128, 8, ker._score_block_g(128), small=DEV == "cpu")
     monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t["seg"]) * t["cap"] * 8)
     problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
     q, comp, table, to_req, vis, max_seq = problem
@@ -302,9 +302,8 @@ for fn, const, warps in (  # the candidate launch without and with tile skip (ro
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, maxnreg=t["regs"] or None))
     print("topk", k.metadata.shared)
-st = ss.score_tiles(False, {}, False)
 fn = ss._scores_prefill_kernel
-for sub in (1, 4, 16):
+for st, sub in [(ss.score_tiles(False, {}, False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
                  KEYS_M=st.keys_m, SAMPLE=sub, ROW_SAMPLES=0, LOG_G=0, stride_qd=1, stride_kd=1, stride_btp=1)
@@ -320,12 +319,13 @@ for sub in (1, 4, 16):
 def test_production_tiles_compile_for_sm90():
     """The H200 shapes of the top-k and of the sampling score kernel compile here without a GPU
     (what the interpreter accepts and the compiler rejects shows in CI); the score kernel keeps
-    its wgmma, shared memory within the H200's 227 KiB per program."""
+    its wgmma, shared memory within the H200's 227 KiB per program (64- and, from 1M context,
+    128-column tiles)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 6 and lines[0][0] == lines[1][0] == lines[2][0] == "topk", run.stdout
+    assert len(lines) == 9 and lines[0][0] == lines[1][0] == lines[2][0] == "topk", run.stdout
     assert all(int(line[1]) <= 227 * 1024 for line in lines[:3])
     for _, _, wgmma, shared in lines[3:]:
         assert int(wgmma) > 0 and int(shared) <= 227 * 1024, lines

@@ -279,6 +279,13 @@ for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, 
 """
 
 
+def test_prefill_tiles_widen_from_1m_context():
+    # H200 (session 8): 128-column tiles won at 1M (select 35.9 -> 32.7 ms) and lost at 128K.
+    assert ss.score_tiles(False, {}, False, num_cols=1 << 18).block_g == 128
+    assert ss.score_tiles(False, {}, False, num_cols=(1 << 18) - 4096).block_g == 64
+    assert ss.score_tiles(True, {}, False, num_cols=1 << 18).block_g == 128  # decode: its own 128
+
+
 def test_production_tiles_compile_for_sm90_on_tensor_cores():
     """The H200 tiles compile here without a GPU (what the interpreter accepts and the compiler
     rejects shows in CI), with the launcher's specialization; dots of 64+ rows x heads are
