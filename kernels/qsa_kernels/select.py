@@ -5,8 +5,8 @@ only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
 (`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
 `select_topk.py`, see `_topk_route`; for long prefill rows `select_prefill.py` from samples the
-score launch writes too, see `_prefill_route`; for some long decode chunks `select_prefill`'s
-top-k from per-row samples, see `_decode_samples_route`) write each row's
+score launch writes too, see `_prefill_route`; with QSA_DECODE_SAMPLES=1 long decode chunks
+`select_prefill`'s top-k from per-row samples, see `_decode_samples_route`) write each row's
 chosen groups in ascending order (or the packed rows); rows with visible <= Kb take groups
 0..visible-1 unscored.
 
@@ -56,36 +56,29 @@ _PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
 # The per-row-samples decode route (the score launch also writes per-row samples, then one
-# `select_prefill` top-k launch: `select_prefill.decode_tiles`) can take decode chunks of up to
-# _DECODE_SAMPLES_MAX_ROWS rows longer than the short route's. It does where it measured faster
-# (H200, session 8, select alone, us, radix -> samples, exact everywhere): chunks of < 16 rows
-# over 16384 < columns <= 32768 (128K B4 48.7 -> 44.6; a 128K plan with one row at 128K and
-# three at 16K 44.2 -> 37.5). It lost at 1M B4 (118.6 vs 132.4), at 1M with three shorter rows
-# (82.7 vs 91.2 at 256K, 75.8 vs 78.8 at 64K), at 1M B4 x 4 MTP rows (172.5 vs 241.4, against
-# `select_topk`'s segments) and at 128K B64 (194.4 vs 202.9). QSA_DECODE_SAMPLES=1 / 0 (read when
-# a workspace or schedule is made) or plan_select(decode_samples=True / False) force it on for
-# every chunk it can take / off (benchmarks, tests).
+# `select_prefill` top-k launch: `select_prefill.decode_tiles`) takes decode chunks of up to
+# _DECODE_SAMPLES_MAX_ROWS rows longer than the short route's, where QSA_DECODE_SAMPLES=1 (read
+# when a workspace or schedule is made) or plan_select(decode_samples=True). Off by default:
+# on the H200 (session 8; exact on random and tied data everywhere) its select alone won only
+# for few rows at 128K (us, main -> samples: 128K B4 48.7 -> 44.6, a 128K plan with one row at
+# 128K and three at 16K 44.2 -> 37.5) and lost at 1M B4 (118.6 vs 132.4), at 1M with three
+# shorter rows (82.7 vs 91.2 at 256K, 75.8 vs 78.8 at 64K), at 1M B4 x 4 MTP rows (172.5 vs
+# 241.4) and at 128K B64 (194.4 vs 202.9); and with it on for 128K B4 the whole step took
+# 71.0 us against 69.3 with the radix route (fp8 keys: 68.0 vs 67.1), select alone 45.1 vs 48.9.
 _DECODE_SAMPLES_MAX_ROWS = 64
-_DECODE_SAMPLES_H200 = dict(max_rows=15, min_cols=16385, max_cols=32768)
 
 
-def decode_samples_setting() -> bool | None:
-    """QSA_DECODE_SAMPLES: "1" forces the per-row-samples route on, "0" off; unset: None (the
-    measured chunks)."""
-    v = os.environ.get("QSA_DECODE_SAMPLES")
-    return None if v is None else v == "1"
+def decode_samples_enabled() -> bool:
+    """QSA_DECODE_SAMPLES=1: long decode chunks take the per-row-samples route."""
+    return os.environ.get("QSA_DECODE_SAMPLES", "0") == "1"
 
 
-def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool | None) -> dict | None:
+def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool) -> dict | None:
     """The `select_prefill.decode_tiles` where a decode chunk takes the per-row-samples route
-    (at most _DECODE_SAMPLES_MAX_ROWS rows longer than the short top-k's; on None: only the
-    measured chunks, _DECODE_SAMPLES_H200), else None."""
+    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None."""
     small = _interpreting()
-    if not (decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
+    if not (on and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
             n_cols, select_topk.topk_tiles(n_cols, small, chunk)):
-        return None
-    h = _DECODE_SAMPLES_H200
-    if not (on if on is not None else chunk <= h["max_rows"] and h["min_cols"] <= n_cols <= h["max_cols"]):
         return None
     return select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small)
 
@@ -158,8 +151,7 @@ class SelectWorkspace:
 def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str,
                      decode_samples: bool | None = None) -> SelectWorkspace:
     """Scratch for any `plan_select` with num_rows <= max_rows and num_cols <= max_cols
-    (decode_samples: False leaves out the per-row-samples decode route's scratch; None:
-    `QSA_DECODE_SAMPLES`, where unset: if a plan can take it)."""
+    (decode_samples: also that of the per-row-samples decode route; None: `QSA_DECODE_SAMPLES`)."""
     dev = torch.device(device)
     cols = max(max_cols, 1)
     if cols <= block_topk:  # nothing is ever scored
@@ -178,8 +170,8 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
         topk=_topk_scratch(max_rows, cols, block_topk, dev),
         prefill=_prefill_scratch(max_rows, cols, block_topk, dev),
-        decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev, decode_samples_setting()
-                                               if decode_samples is None else decode_samples),
+        decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev) if (
+            decode_samples_enabled() if decode_samples is None else decode_samples) else None,
     )
 
 
@@ -221,20 +213,17 @@ def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
     return select_prefill.prefill_scratch(need, dev) if need else None
 
 
-def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device,
-                            on: bool | None) -> select_prefill.PrefillScratch | None:
+def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int,
+                            dev: torch.device) -> select_prefill.PrefillScratch | None:
     """Scratch of the per-row-samples decode route for every decode plan up to max_rows x
-    max_cols (`planner.column_bucket`s) that takes it under `on` (`_decode_samples_route`): the
-    largest need of any, a power of two c standing for the bounds in (c / 2, c] (their chunks
-    up to that of c / 2 + 1 columns, their rows' needs up to c's)."""
-    if on is False:
-        return None
+    max_cols (`planner.column_bucket`s): the largest need of any that takes it, a power of two
+    c standing for the bounds in (c / 2, c] (their chunks up to that of c / 2 + 1 columns, their
+    rows' needs up to c's)."""
     need: dict[str, int] = {}
     bounds = {1 << i for i in range(block_topk.bit_length(), (max_cols - 1).bit_length() + 1)}
-    most = _DECODE_SAMPLES_MAX_ROWS if on else _DECODE_SAMPLES_H200["max_rows"]
     for c in sorted(bounds):
-        chunk = min(_scored_chunk(max_rows, c // 2 + 1, True), most)
-        tiles = _decode_samples_route(c, block_topk, chunk, True, on) if c > block_topk else None
+        chunk = min(_scored_chunk(max_rows, c // 2 + 1, True), _DECODE_SAMPLES_MAX_ROWS)
+        tiles = _decode_samples_route(c, block_topk, chunk, True, True) if c > block_topk else None
         if tiles is not None:
             elems = select_prefill.prefill_scratch_elems(chunk, chunk, c, tiles, _decode_block_g())
             need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
@@ -293,9 +282,8 @@ def plan_select(
     num_cols = max_seq_len // r, the bound on any row's visible groups. Scratch views come
     from `workspace` (CUDA-graph safe) or are allocated here. rows_per_request: decode rows
     per request (decode_query_len; > 1 lets a request's rows share each key load).
-    decode_samples: True / False: every long decode chunk it can take takes the per-row-samples
-    route / none does (`_decode_samples_route`); None: `QSA_DECODE_SAMPLES`, read now, and where
-    unset the measured chunks.
+    decode_samples: long decode chunks take the per-row-samples route (`_decode_samples_route`;
+    None: `QSA_DECODE_SAMPLES`, read now).
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
@@ -327,7 +315,7 @@ def plan_select(
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
-    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, decode_samples_setting()
+    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, decode_samples_enabled()
                                         if decode_samples is None else decode_samples) if scored else None
     dsamp = None
     if dsamp_tiles is not None:

@@ -189,20 +189,13 @@ def test_the_switch_is_read_when_a_schedule_is_made(monkeypatch):
     assert ker.plan_select(4, 256, KB, decode=True, device=DEV).decode_samples is None
 
 
-def test_unset_the_route_takes_only_the_chunks_it_won_on_the_h200(monkeypatch):
-    # H200 (session 8): faster for chunks of < 16 rows over 16385..32768 columns (128K context),
-    # slower at 1M, with MTP rows and at B64; the workspace made unset holds those plans.
+
+def test_the_route_is_off_unless_asked_for(monkeypatch):
+    # H200 (session 8): its whole 128K B4 step was slower than the radix route's; nothing takes it unset.
     monkeypatch.delenv("QSA_DECODE_SAMPLES", raising=False)
-    h = ker._DECODE_SAMPLES_H200
-    assert (h["max_rows"], h["min_cols"], h["max_cols"]) == (15, 16385, 32768)
-    ws = ker.select_workspace(64, 1 << 18, KB, "meta")
-    assert ws.decode_samples is not None
-    for rows, cols, taken in ((4, 32768, True), (15, 20480, True), (16, 32768, False), (4, 16384, False),
-                              (4, 36864, False), (4, 1 << 18, False)):
-        s = ker.plan_select(rows, cols, KB, decode=True, device="meta", workspace=ws)
-        assert (s.decode_samples is not None) == taken, (rows, cols)
-        assert ker.plan_select(rows, cols, KB, decode=False, device="meta", workspace=ws).decode_samples is None
-    assert ker.select_workspace(64, 16384, KB, "meta").decode_samples is None  # no plan there takes it
+    assert ker.select_workspace(64, 1 << 15, KB, "meta").decode_samples is None
+    for rows, cols in ((4, 1 << 15), (15, 20480), (64, 1 << 18)):
+        assert ker.plan_select(rows, cols, KB, decode=True, device="meta").decode_samples is None
 
 
 SM90_COMPILE = """
