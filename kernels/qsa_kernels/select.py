@@ -266,6 +266,17 @@ class SelectSchedule:
     decode_samples_tiles: dict | None = None
 
 
+def _route_scratch(workspace: SelectWorkspace | None, name: str, need: dict[str, int], make):
+    """A route's scratch: the workspace's field `name` (else `make()`, allocated here), checked
+    to hold `need` elements per field."""
+    have = getattr(workspace, name) if workspace is not None else None
+    have = make() if have is None else have
+    for field, n in need.items():
+        if getattr(have, field).numel() < n:
+            raise ValueError(f"select workspace.{name}.{field} holds {getattr(have, field).numel()} < {n} elements")
+    return have
+
+
 def plan_select(
     num_rows: int,
     num_cols: int,
@@ -320,35 +331,18 @@ def plan_select(
     dsamp = None
     if dsamp_tiles is not None:
         need = select_prefill.prefill_scratch_elems(chunk, chunk, n_cols, dsamp_tiles, _decode_block_g())
-        dsamp = workspace.decode_samples if workspace is not None and workspace.decode_samples is not None else None
-        if dsamp is None:
-            dsamp = select_prefill.prefill_scratch(need, device)
-        for name, n in need.items():
-            if getattr(dsamp, name).numel() < n:
-                raise ValueError(f"select workspace.decode_samples.{name} holds {getattr(dsamp, name).numel()} "
-                                 f"< {n} elements")
+        dsamp = _route_scratch(workspace, "decode_samples", need, lambda: select_prefill.prefill_scratch(need, device))
     topk = topk_tiles = None
     if dsamp is None and _topk_route(n_cols, chunk, decode):
         topk_tiles = select_topk.topk_tiles(n_cols, _interpreting(), chunk)
         need = select_topk.topk_scratch_elems(chunk, n_cols, topk_tiles)
-        have = workspace.topk if workspace is not None and workspace.topk is not None else None
-        if have is None:
-            have = select_topk.topk_scratch(chunk, n_cols, topk_tiles, device)
-        for name, n in need.items():
-            if getattr(have, name).numel() < n:
-                raise ValueError(f"select workspace.topk.{name} holds {getattr(have, name).numel()} < {n} elements")
-        topk = have
+        topk = _route_scratch(workspace, "topk", need,
+                              lambda: select_topk.topk_scratch(chunk, n_cols, topk_tiles, device))
     prefill = None
     prefill_tiles = _prefill_route(n_cols, Kb, decode, chunk)
     if prefill_tiles is not None:
         need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles, _score_block_g(n_cols))
-        prefill = workspace.prefill if workspace is not None and workspace.prefill is not None else None
-        if prefill is None:
-            prefill = select_prefill.prefill_scratch(need, device)
-        for name, n in need.items():
-            if getattr(prefill, name).numel() < n:
-                raise ValueError(f"select workspace.prefill.{name} holds {getattr(prefill, name).numel()} "
-                                 f"< {n} elements")
+        prefill = _route_scratch(workspace, "prefill", need, lambda: select_prefill.prefill_scratch(need, device))
     return SelectSchedule(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
         n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
