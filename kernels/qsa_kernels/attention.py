@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import BoundLaunch, Launcher
+from .launch import BoundLaunch, Launcher, pdl_start
 
 _MAX_SPLITS = 64
 # Programs per SM the decode split count aims at: on the H200 (benchmarks/sweep_decode_attention.py)
@@ -167,9 +167,11 @@ def _attn_kernel(
     HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (rows, KV heads, splits). SPLIT off: out [T, HQ*D] directly. SPLIT on: partials
     ml fp32 [T, HQ, n_splits, 2] (m, l) and acc fp32 [T, HQ, n_splits, D]."""
+    pdl_start(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -200,8 +202,10 @@ def _attn_kernel(
 def _combine_kernel(
     gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, n_splits, v_scale, stride_gt, stride_gh, stride_ot,
     HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (rows, HQ): merge the splits' (m, l, acc) of one head, normalise, gate, store."""
+    pdl_start(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     sp = tl.arange(0, SP)

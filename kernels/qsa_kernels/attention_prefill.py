@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .attention import _LOG2E, _attend, _dot_dtype, _gated_store, _interpreting
-from .launch import BoundLaunch, Launcher
+from .launch import BoundLaunch, Launcher, pdl_start
 
 # Blocks whose runs number at most this fraction of their rows' groups run shared. H200 (W2,
 # 16K rows at 16K / 128K): the shared kernel (5 rows x 12 heads on M = 64) costs 3.0-3.4x the
@@ -65,6 +65,7 @@ def _union_kernel(
     req_ptr, seq_ptr, sel_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, T, max_ratio, min_share, stride_st,
     BR: tl.constexpr, BRP: tl.constexpr, W: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, PRE: tl.constexpr, LOG: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (blocks,). info int32 [blocks, 2]: (number of runs or -1 = per-row, request);
     last int32 [T]: a shared block's rows' last entries (-1: empty); ug / um int32 [blocks, CAP]:
@@ -73,6 +74,7 @@ def _union_kernel(
     First look: of row 0's first PRE groups, the share the block's last row holds. Runs within
     max_ratio x the groups need about 2 - BR * max_ratio of it (two rows' union already counts);
     below min_share (that, less a margin, host-side) the block goes per row at once."""
+    pdl_start(PDL)
     blk = tl.program_id(0)
     jr = tl.arange(0, BRP)  # the block's rows on axis 0
     rows = blk * BR + jr
@@ -190,8 +192,10 @@ def _shared_kernel(
     BR: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr, BLOCK_G: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (blocks, KV heads): out [T, HQ*D] of a shared block's rows; fallback blocks return."""
+    pdl_start(PDL)
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
     n_union = tl.load(info_ptr + blk * 2)
@@ -246,8 +250,10 @@ def _per_row_kernel(
     stride_btr, stride_btp, stride_st, stride_sc,
     BR: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (rows, KV heads): `attention.py`'s one pass for rows of fallback blocks."""
+    pdl_start(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     if tl.load(info_ptr + (row // BR) * 2) < 0:

@@ -22,6 +22,14 @@ hook (profiler) is installed; with a hook, under `TRITON_INTERPRET=1`, or when d
     bound = _expand.bind(grid, *args, free=("out_ptr", "stride_o"), Kb=..., num_warps=4)
     bound(out, out.stride(0))                                 # per call: the free args, in order
 
+Programmatic dependent launch (PDL, sm_90+): a kernel with a `PDL` constexpr starts with
+`pdl_start(PDL)`; `bind` sets PDL and Triton's `launch_pdl` on a CUDA device of compute
+capability >= 9 unless `QSA_PDL=0` (read at binding). Such a launch may begin while the
+kernel before it in the stream still runs: its programs wait (`griddepcontrol.wait`) until
+that kernel has finished and its writes are visible, before touching memory, and then let the
+next kernel begin launching (`griddepcontrol.launch_dependents`). A CUDA graph keeps the
+overlap; what it saves is the gap between dependent launches.
+
 A binding is for the device current when it is made; it launches on that device's current
 stream (a CUDA-graph capture records it). Fixed tensors are held alive by the binding; the
 free arguments of the binding call are not (an engine's activations stay its own).
@@ -34,11 +42,14 @@ import os
 from typing import Any, Callable, Sequence
 
 import torch
+import triton
+import triton.language as tl
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 _enabled = os.environ.get("QSA_FAST_LAUNCH", "1") != "0"
+_pdl = os.environ.get("QSA_PDL", "1") != "0"
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -58,6 +69,22 @@ def _fast() -> bool:
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """A kernel's first statement: with PDL (a launch made with launch_pdl), wait for the
+    previous kernel in the stream to finish and flush, then let the next one launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def pdl_enabled(fn: Any) -> bool:
+    """Whether launches of fn (a `JITFunction`: not the interpreter's) use PDL: QSA_PDL is
+    not 0 and the current device is an NVIDIA GPU of compute capability >= 9."""
+    return (_pdl and isinstance(fn, JITFunction) and torch.version.hip is None and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] >= 9)
 
 
 def _int_kind(x: int) -> int:
@@ -118,7 +145,10 @@ class Launcher:
         `free` parameters (non-constexpr names) are passed again, in that order, on every call.
         `checked`: free tensor parameters whose dtype and device the caller guarantees equal
         to the first call's (it validated them); per call only their alignment is checked.
-        kwargs: constexprs and launch options (num_warps, num_stages, ...). Compiles now."""
+        kwargs: constexprs and launch options (num_warps, num_stages, ...); a kernel with a
+        `PDL` constexpr not given gets PDL and launch_pdl where `pdl_enabled`. Compiles now."""
+        if "PDL" in self._constexpr and "PDL" not in kwargs and pdl_enabled(self.fn):
+            kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
         options = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
         call = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.signature.parameters})
         call.apply_defaults()

@@ -32,7 +32,7 @@ from qsa_core.reference.metadata import (
     GUARD_SLOT,
 )
 
-from .launch import BoundLaunch, Launcher
+from .launch import BoundLaunch, Launcher, pdl_start
 
 BLOCK_ROWS = 256
 BLOCK_PAGES = 1024
@@ -178,8 +178,10 @@ def _metadata_kernel(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
     SLOT: tl.constexpr, MAX_QUERY: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """arrive int32 [2], zero between launches: [arrived programs, a request was flagged]."""
+    pdl_start(PDL)
     p = tl.program_id(0).to(tl.int64)
     if p < R:
         flag = _request_flag(p, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
@@ -316,9 +318,11 @@ def _stage_kernel(
     rope_stride_t, qsl_dst, seq_dst, ring_index_dst, bt_dst, dst_bt0, slot_dst, rope_dst, rope_dst_axis,
     R, T, P,
     AXES: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program p copies request p's entries and block-table row (p < R), and rows
     [p*BLOCK, (p+1)*BLOCK) of slot_mapping and the AXES rope-position rows (0: none)."""
+    pdl_start(PDL)
     p = tl.program_id(0).to(tl.int64)
     if p < R:
         tl.store(seq_dst + p, tl.load(seq_ptr + p))

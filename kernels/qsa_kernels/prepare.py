@@ -26,7 +26,7 @@ import triton.language as tl
 
 from qsa_core.cache import ring_store_fuses
 
-from .launch import Launcher
+from .launch import Launcher, pdl_start
 
 if TYPE_CHECKING:
     from qsa_core.cache import QSALayerCache
@@ -290,10 +290,12 @@ def _prepare_kernel(
     r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr,
     BHI: tl.constexpr, BDI: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr, BKV: tl.constexpr,
     HAS_RING_POS: tl.constexpr, RING_STORE: tl.constexpr, STORE_RING_POS: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """RING_STORE: task 2 also stores the row's ring row (+ its positions where
     STORE_RING_POS); only where no compression of the step can read a ring slot that another
     row of the step writes (`ring_store_fuses`)."""
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     task = tl.program_id(1)
     if task == 0:
@@ -350,7 +352,9 @@ def _ring_store_kernel(
     raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring, ring_rows, ring_slot_ptr, Di,
     ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1, rope_ptr, rope_stride_axis, rope_stride_t,
     C: tl.constexpr, HAS_POS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     _ring_row(tl.program_id(0).to(tl.int64), raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring,
               ring_rows, ring_slot_ptr, Di, ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
               rope_ptr, rope_stride_axis, rope_stride_t, C, HAS_POS, BD, INTERP)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher
+from .launch import Launcher, pdl_start
 from .select_radix import ChunkLaunches, packed_write
 from .select_score import _sample_shift
 from .select_topk import (_compact_segment, _compact_step, _emit, _keys, _kth_key, _resolve_row, _write_short,
@@ -113,6 +113,7 @@ def _topk_prefill_kernel(
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -124,6 +125,7 @@ def _topk_prefill_kernel(
     samples are one per 2^`_sample_shift(vis, WBITS, LOG_G)` columns (the decode score
     launch's), not per S; with RUNS, rows of at most RUNS runs per segment read only their live
     runs, others the segment."""
+    pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
     row = row0 + lr
@@ -184,10 +186,12 @@ def _resolve_prefill_kernel(
     vis_ptr, cidx_ptr, ckey_ptr, cnt_ptr, out_ptr, pos_ptr, row0, n_rows, n_cols, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr,
     PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The deferred resolve of rows [row0, row0 + n_rows) (grid: >= n_rows programs) from the
     candidate lists `_topk_prefill_kernel` (DEFER) left at their local row: rows with visible
     > KB and at most CAP candidates (the others are written)."""
+    pdl_start(PDL)
     lr = tl.program_id(0)
     if lr < n_rows:
         row = row0 + lr

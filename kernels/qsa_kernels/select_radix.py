@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .expand import _packed_groups, _packed_tail
-from .launch import BoundLaunch, Launcher
+from .launch import BoundLaunch, Launcher, pdl_start
 
 BINS = 256
 # (shift, width) of the radix digits of a non-negative fp32 bit pattern (bit 31 is 0).
@@ -84,12 +84,14 @@ def _hist_kernel(
     s_ptr, vis_ptr, state_ptr, hist_ptr, arrive_ptr, row0, n_rows, n_cols, n_tiles, stride_sr,
     KB: tl.constexpr, FIRST: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
     BINS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One radix pass over one column tile of ROWS rows: histogram of the digit
     (key >> SHIFT) & (2^WIDTH - 1) of keys whose bits above SHIFT + WIDTH equal the row's
     prefix; hist int32 [rows, BINS] += (row r's digits are binned at r * BINS + digit). The
     last of the row block's n_tiles programs to arrive (arrive int32 [row blocks], zero
     between passes) resolves the pass for its rows (`_resolve_rows`)."""
+    pdl_start(PDL)
     lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
     start = tl.program_id(1) * BLOCK
     if FIRST:
@@ -131,8 +133,10 @@ def _take(s_ptr, state_ptr, lr, live, cols, vis, stride_sr):
 def _count_kernel(
     s_ptr, vis_ptr, state_ptr, cnt_ptr, row0, n_rows, n_cols, n_tiles, stride_sr,
     KB: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Per row and tile: keys above the threshold and keys equal to it; cnt int32 [rows, tiles, 2]."""
+    pdl_start(PDL)
     lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
     tile = tl.program_id(1)
     start = tile * BLOCK
@@ -151,11 +155,13 @@ def _emit_kernel(
     stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BLOCK: tl.constexpr, PREV: tl.constexpr, ROWS: tl.constexpr,
     PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Write the chosen groups of one tile at their ascending-order positions in out
     int32 [T, KB]; tile 0 of a row with visible <= KB writes 0..visible-1 then -1.
     PACKED: out is the packed selection [T, W + 1] instead (each group's R tokens; tile 0
     writes every row's open tail, padding and count from positions int64 [T])."""
+    pdl_start(PDL)
     lr, in_chunk, vis = _rows_state(vis_ptr, row0, n_rows, n_cols, ROWS)
     tile = tl.program_id(1)
     out_row = out_ptr + (row0 + lr).to(tl.int64)[:, None] * stride_or
@@ -202,11 +208,13 @@ def _topk_row_kernel(
     s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr,
     PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Whole top-k of one row in one program: four radix passes over the bytes of the fp32
     score bits (high byte first) with in-register histograms narrow the threshold to the
     exact k-th key; one more sweep writes keys above it and the lowest-index ties, ascending
     (PACKED: as the packed selection row, as `_emit_kernel`)."""
+    pdl_start(PDL)
     lr = tl.program_id(0)
     row = row0 + lr
     vis = tl.minimum(tl.load(vis_ptr + row), n_cols)

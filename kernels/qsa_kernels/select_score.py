@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher
+from .launch import Launcher, pdl_start
 
 # triton 3.6's interpreter rounds tl.fma twice (the product, then the sum), so the fast
 # division is exact there only when compiled: its interpreter runs take the IEEE division.
@@ -121,6 +121,7 @@ def _scores_decode_kernel(
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
     to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols].
@@ -128,6 +129,7 @@ def _scores_decode_kernel(
     3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
     ROW_SAMPLES = WBITS > 0: also the row's samples (`_store_row_samples`, BLOCK_G = 2^LOG_G)
     into samp int32 [chunk rows, 2^WBITS]."""
+    pdl_start(PDL)
     lr = tl.program_id(0)
     row = row0 + lr
     col0 = tl.program_id(1) * span
@@ -187,6 +189,7 @@ def _scores_prefill_kernel(
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
     KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
     BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M (KEYS_M: its N, the keys
@@ -197,6 +200,7 @@ def _scores_prefill_kernel(
     (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]. ROW_SAMPLES =
     WBITS > 0 (decode rows of a request, PACK without KEYS_M; SAMPLE 0): each row's samples at a
     stride of its own (`_store_row_samples`, BLOCK_G = 2^LOG_G) into samp int32 [chunk rows, 2^WBITS]."""
+    pdl_start(PDL)
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * span
     in_chunk = lr < n_rows

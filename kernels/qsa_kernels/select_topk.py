@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .expand import _packed_groups, _packed_tail
-from .launch import BoundLaunch, Launcher
+from .launch import BoundLaunch, Launcher, pdl_start
 from .select_radix import ChunkLaunches, packed_write
 
 @triton.jit
@@ -197,10 +197,12 @@ def _topk_short_kernel(
     s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, SBITS: tl.constexpr, EARLY: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Top-k of one row of at most CAP columns, all in registers (PACKED: the packed row).
     The threshold: `_kth_bound` (2^SBITS counts a step, until isolated). EARLY: the row's scores load with its visible count (all n_cols
     columns, masked after), not after it."""
+    pdl_start(PDL)
     lr = tl.program_id(0)
     row = row0 + lr
     if EARLY:
@@ -240,9 +242,11 @@ def _subset_max(s_row, lo, hi, SAMP: tl.constexpr, SBLOCK: tl.constexpr):
 def _sample_kernel(
     s_ptr, vis_ptr, samp_ptr, row0, n_cols, stride_sr, stride_pr,
     KB: tl.constexpr, SEG: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Subset maxima of one segment -> samp int32 [chunk rows, segments * SAMP] (rows with
     visible > KB, segments holding visible columns)."""
+    pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
     vis = tl.minimum(tl.load(vis_ptr + row0 + lr), n_cols)
@@ -303,6 +307,7 @@ def _topk_seg_kernel(
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, SEG: tl.constexpr,
     SEGP: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr, CAP: tl.constexpr, LCAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One segment of a row (grid: rows x segments). Candidate lists: cidx / ckey int32
     [chunk rows, SEGP * CAP] (list s at s * CAP), their lengths cnt int32 [chunk rows, SEGP];
@@ -311,6 +316,7 @@ def _topk_seg_kernel(
     [chunk rows, SEGP * SAMP] from `_sample_kernel`. The resolving program packs the lists
     behind list 0 in one step (at most CAP candidates in all and LCAP per list, else the
     whole-row resolve)."""
+    pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
     row = row0 + lr

@@ -3,7 +3,9 @@
 The graph is captured once; every replay refreshes the plan from the engine's static input
 tensors on the device and runs four layers, and must equal the same step run eagerly,
 bitwise: outputs and every cache (K/V, compressed keys, ring). Later steps carry CUDA-graph
-padding requests (no rows, inert padding rows with NaN hidden states).
+padding requests (no rows, inert padding rows with NaN hidden states). The same steps run with
+programmatic dependent launch (the default on the H200) and without it (`QSA_PDL=0`) give the
+same bits.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import qsa_kernels.launch as launch
 from qsa_core import QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs
 
 pytestmark = pytest.mark.gpu
@@ -91,12 +94,19 @@ class Engine:
                 getattr(cache, name).copy_(t)
 
 
-def test_decode_step_replays_bitwise_as_eager():
+STEPS = [([9000, 2049, 2051, 7000, 10240, 4096, 3001, 5555], 1),
+         ([9001, 2050, 2052, 7001, 10239, 4097, 3002, 5556], 2),
+         ([10000, 3333, 2100, 8000, 9999], 3),  # 3 padding requests
+         ([2048, 777], 4)]  # 6 padding requests, a short context (no scoring)
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+def test_decode_step_replays_bitwise_as_eager(pdl, monkeypatch):
+    monkeypatch.setattr(launch, "_pdl", pdl)
+    from qsa_kernels import attention
+    assert launch.pdl_enabled(attention._combine.fn) == (pdl and torch.cuda.get_device_capability()[0] >= 9)
     engine = Engine()
-    steps = [([9000, 2049, 2051, 7000, 10240, 4096, 3001, 5555], 1),
-             ([9001, 2050, 2052, 7001, 10239, 4097, 3002, 5556], 2),
-             ([10000, 3333, 2100, 8000, 9999], 3),  # 3 padding requests
-             ([2048, 777], 4)]  # 6 padding requests, a short context (no scoring)
+    steps = STEPS
     with torch.no_grad():
         engine.set_step(*steps[0])
         start = engine.snapshot()
@@ -125,3 +135,24 @@ def test_decode_step_replays_bitwise_as_eager():
             written = (before[0]["k"] != eager_caches[0]["k"]).flatten(2).any(-1).sum()
             assert written == n, "exactly one K/V slot per real request, none for padding"
     engine.planner.check_guard()
+
+
+def test_pdl_changes_no_bits(monkeypatch):
+    """Eager steps with PDL and without: the same outputs and caches, bit for bit."""
+    runs = []
+    for pdl in (False, True):
+        monkeypatch.setattr(launch, "_pdl", pdl)
+        engine, outs = Engine(), []
+        with torch.no_grad():
+            for seq_lens, seed in STEPS:
+                engine.set_step(seq_lens, seed)
+                engine.step()
+                outs.append(engine.out.clone())
+        torch.cuda.synchronize()
+        runs.append((outs, engine.snapshot()))
+    (outs0, caches0), (outs1, caches1) = runs
+    for i, (a, b) in enumerate(zip(outs0, outs1)):
+        assert torch.equal(a, b), f"step {i}: output differs with PDL"
+    for i, (a, b) in enumerate(zip(caches0, caches1)):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"layer {i}: {name} differs with PDL"

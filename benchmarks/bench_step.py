@@ -1,0 +1,132 @@
+"""One layer's whole step on the GPU under switches, and where its time goes.
+
+    python benchmarks/bench_step.py [--cases 8k-b1,128k-b4,...] [--variants base,pdl,...] [--profile]
+
+For each case (bench_qsa's configurations, by short name) and each variant (a set of switches
+read when a planner and its launches are made: `pdl` = programmatic dependent launch, `nopdl`,
+`samples` = QSA_DECODE_SAMPLES=1 with PDL as the default), the step (`bench_qsa.Step.full`:
+prepare + select + attention, every launch in one CUDA graph) is built anew, its attention
+output must equal the first variant's bit for bit, and its graph replays are timed (median us,
+L2 flushed), variants interleaved over `--rounds` rounds so that drift hits them alike.
+`--profile` also records `--replays` replays per variant with torch.profiler (CUPTI) and prints
+each kernel's mean duration, the step's span (first kernel start to last kernel end) and the
+idle time between its kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_qsa as bq  # noqa: E402
+from bench_report import Case  # noqa: E402
+
+import qsa_kernels.launch as launch  # noqa: E402
+
+M = 1 << 20
+CASES = {
+    "8k-b1": Case("decode", 8192, 1, 1), "32k-b4": Case("decode", 32768, 4, 1),
+    "128k-b4": Case("decode", 131072, 4, 1), "128k-b4-fp8": Case("decode", 131072, 4, 1, "fp8_e4m3"),
+    "128k-b64": Case("decode", 131072, 64, 1), "1m-b4": Case("decode", M, 4, 1),
+    "1m-b4x4": Case("decode", M, 4, 4), "p16k": Case("prefill", 16384, 1, 16384),
+}
+# variant -> (PDL on, QSA_DECODE_SAMPLES)
+VARIANTS = {"nopdl": (False, "0"), "pdl": (True, "0"), "samples": (True, "1"), "samples-nopdl": (False, "1")}
+
+
+def build(case: Case, variant: str) -> bq.Step:
+    """The step of `case` with the variant's switches (read while its planner and launches are made)."""
+    pdl, samples = VARIANTS[variant]
+    launch._pdl = pdl
+    os.environ["QSA_DECODE_SAMPLES"] = samples
+    step = bq.Step(case, torch.device("cuda"))
+    step.full()  # binds and compiles under these switches
+    torch.cuda.synchronize()
+    return step
+
+
+def profile(step: bq.Step, replays: int) -> tuple[dict[str, float], float, float]:
+    """(mean us per kernel name, mean span us, mean idle us between kernels) of graph replays."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step.full()
+    graph.replay()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    spans, idles, per = [], [], defaultdict(list)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    n = len(events) // replays if replays else 0
+    for r in range(replays):
+        run = events[r * n:(r + 1) * n]
+        if not run:
+            continue
+        spans.append(run[-1].time_range.end - run[0].time_range.start)
+        busy = sum(e.time_range.end - e.time_range.start for e in run)
+        idles.append(spans[-1] - busy)
+        for e in run:
+            per[e.name[:60]].append(e.time_range.end - e.time_range.start)
+    del graph
+    return ({k: statistics.mean(v) for k, v in per.items()}, statistics.median(spans) if spans else 0.0,
+            statistics.median(idles) if idles else 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="8k-b1,32k-b4,128k-b4,128k-b4-fp8,128k-b64,1m-b4,1m-b4x4")
+    ap.add_argument("--variants", default="nopdl,pdl")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    timer = bq.GraphTimer(reps=25)
+    table = []
+    for name in args.cases.split(","):
+        case = CASES[name]
+        try:
+            steps = {v: build(case, v) for v in variants}
+            want = None
+            for v, step in steps.items():
+                out = step.full()
+                torch.cuda.synchronize()
+                if want is None:
+                    want = out.clone()
+                elif not torch.equal(out, want):
+                    raise AssertionError(f"{name} {v}: attention output differs from {variants[0]}")
+            times = defaultdict(list)
+            for _ in range(args.rounds):
+                for v, step in steps.items():
+                    times[v].append(timer(step.full))
+            row = {v: statistics.median(t) for v, t in times.items()}
+            table.append((name, row, {v: (min(t), max(t)) for v, t in times.items()}))
+            print(f"{name}: " + "  ".join(f"{v} {row[v]:.1f} us ({min(times[v]):.1f}-{max(times[v]):.1f})"
+                                          for v in variants), flush=True)
+            if args.profile:
+                for v, step in steps.items():
+                    kernels, span, idle = profile(step, args.replays)
+                    print(f"  profile {name} {v}: span {span:.1f} us, idle between kernels {idle:.1f} us")
+                    for k, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                        print(f"    {us:8.1f} us  {k}")
+            del steps
+            torch.cuda.empty_cache()
+        except Exception as e:  # one failing case must not stop the others
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    print("\ncase      " + "".join(f"{v:>16}" for v in variants))
+    for name, row, _ in table:
+        print(f"{name:10}" + "".join(f"{row[v]:16.1f}" for v in variants))
+
+
+if __name__ == "__main__":
+    main()
