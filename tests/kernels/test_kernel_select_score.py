@@ -260,7 +260,7 @@ for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, 
     t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request), False, 1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1,
-                 **{n: 1 for n, v in VALUES.items() if v == 1})
+                 PDL=True, **{n: 1 for n, v in VALUES.items() if v == 1})
     if t.block_r == 1:
         fn, const["HM"] = ss._scores_decode_kernel, 16
     else:
@@ -271,8 +271,9 @@ for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, 
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in const and (types.get(n, "").startswith("*") or VALUES.get(n, 1) % 16 == 0)}
+    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps, num_stages=t.stages))
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps, num_stages=t.stages, launch_pdl=True))
     ptx = k.asm["ptx"]
     print(decode and t.block_r == 1 or t.block_r * 4 < 64, ptx.count("wgmma.mma_async"),
           ptx.count("mma.sync.aligned"), ptx.count("cp.async"), k.metadata.shared)
