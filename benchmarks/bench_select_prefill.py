@@ -60,8 +60,10 @@ VARIANTS = {
     "sub2": dict(sub=2), "sub4": dict(sub=4), "sub8": dict(sub=8), "sub16": dict(sub=16), "topk": None,
 }
 # Prefill score-tile overrides (name -> `ScoreTiles` changes), with the planned top-k tiles:
-# session 8 timed the samples-only pass faster with 128-column tiles or 64-row tiles.
-SCORE_VARIANTS = {"g128": dict(block_g=128), "r64": dict(block_r=64)}
+# session 8 timed the samples-only pass faster with 128-column tiles or 64-row tiles; at 128-column
+# tiles the planned kernel spills 488 B (sm_90, triton 3.6), 16-row tiles or 8 warps do not.
+SCORE_VARIANTS = {"g128": dict(block_g=128), "r64": dict(block_r=64), "r16": dict(block_r=16),
+                  "w8": dict(num_warps=8)}
 PREFILL_ROUTE, TOPK_ROUTE, SCORE_TILES = sel._prefill_route, sel._topk_route, ss.score_tiles
 
 

@@ -2,9 +2,10 @@
 
     python benchmarks/bench_step.py [--cases 8k-b1,128k-b4,...] [--variants base,pdl,...] [--profile]
 
-For each case (bench_qsa's configurations, by short name) and each variant (a set of switches
-read when a planner and its launches are made: `pdl` = programmatic dependent launch, `nopdl`,
-`samples` = QSA_DECODE_SAMPLES=1 with PDL as the default), the step (`bench_qsa.Step.full`:
+For each case (bench_qsa's configurations, by short name) and each variant (switches read
+when a planner and its launches are made: `nopdl`; `pdl` / `late` = programmatic dependent
+launch signalling at each program's start / end, `launch`'s modes 1 / 2; `samples` =
+QSA_DECODE_SAMPLES=1 with PDL 2), the step (`bench_qsa.Step.full`:
 prepare + select + attention, every launch in one CUDA graph) is built anew, its attention
 output must equal the first variant's bit for bit, and its graph replays are timed (median us,
 L2 flushed), variants interleaved over `--rounds` rounds so that drift hits them alike.
@@ -37,8 +38,8 @@ CASES = {
     "128k-b64": Case("decode", 131072, 64, 1), "1m-b4": Case("decode", M, 4, 1),
     "1m-b4x4": Case("decode", M, 4, 4), "p16k": Case("prefill", 16384, 1, 16384),
 }
-# variant -> (PDL on, QSA_DECODE_SAMPLES)
-VARIANTS = {"nopdl": (False, "0"), "pdl": (True, "0"), "samples": (True, "1"), "samples-nopdl": (False, "1")}
+# variant -> (PDL mode, QSA_DECODE_SAMPLES)
+VARIANTS = {"nopdl": (0, "0"), "pdl": (1, "0"), "late": (2, "0"), "samples": (2, "1"), "samples-nopdl": (0, "1")}
 
 
 def build(case: Case, variant: str) -> bq.Step:
@@ -85,7 +86,7 @@ def profile(step: bq.Step, replays: int) -> tuple[dict[str, float], float, float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="8k-b1,32k-b4,128k-b4,128k-b4-fp8,128k-b64,1m-b4,1m-b4x4")
-    ap.add_argument("--variants", default="nopdl,pdl")
+    ap.add_argument("--variants", default="nopdl,pdl,late")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--replays", type=int, default=20)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import BoundLaunch, Launcher, pdl_start
+from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 
 _MAX_SPLITS = 64
 # Programs per SM the decode split count aims at: on the H200 (benchmarks/sweep_decode_attention.py)
@@ -196,6 +196,7 @@ def _attn_kernel(
         g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
         o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
         _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+    pdl_end(PDL)
 
 
 @triton.jit(do_not_specialize=["n_splits"])
@@ -224,6 +225,7 @@ def _combine_kernel(
     g_off = row.to(tl.int64) * stride_gt + head * stride_gh + d
     o_off = row.to(tl.int64) * stride_ot + head * D + d
     _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+    pdl_end(PDL)
 
 
 def _num_splits(rows: int, kv_heads: int, width: int, block_n: int, device: torch.device) -> int:

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .attention import _LOG2E, _attend, _dot_dtype, _gated_store, _interpreting
-from .launch import BoundLaunch, Launcher, pdl_start
+from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 
 # Blocks whose runs number at most this fraction of their rows' groups run shared. H200 (W2,
 # 16K rows at 16K / 128K): the shared kernel (5 rows x 12 heads on M = 64) costs 3.0-3.4x the
@@ -147,6 +147,7 @@ def _union_kernel(
         block_req = tl.where(req_hi >= 0, req_hi, 0)
     tl.store(info_ptr + blk * 2, info)
     tl.store(info_ptr + blk * 2 + 1, block_req)
+    pdl_end(PDL)
 
 
 @triton.jit
@@ -240,6 +241,7 @@ def _shared_kernel(
         g_off = (rows64 * stride_gt + heads * stride_gh)[:, None] + d[None, :]
         o_off = (rows64 * stride_ot + heads * D)[:, None] + d[None, :]
         _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+    pdl_end(PDL)
 
 
 @triton.jit(do_not_specialize=["W"])
@@ -272,6 +274,7 @@ def _per_row_kernel(
         g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
         o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
         _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+    pdl_end(PDL)
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,14 @@ hook (profiler) is installed; with a hook, under `TRITON_INTERPRET=1`, or when d
     bound(out, out.stride(0))                                 # per call: the free args, in order
 
 Programmatic dependent launch (PDL, sm_90+): a kernel with a `PDL` constexpr starts with
-`pdl_start(PDL)`; `bind` sets PDL and Triton's `launch_pdl` on a CUDA device of compute
-capability >= 9 unless `QSA_PDL=0` (read at binding). Such a launch may begin while the
-kernel before it in the stream still runs: its programs wait (`griddepcontrol.wait`) until
-that kernel has finished and its writes are visible, before touching memory, and then let the
-next kernel begin launching (`griddepcontrol.launch_dependents`). A CUDA graph keeps the
-overlap; what it saves is the gap between dependent launches.
+`pdl_start(PDL)` and ends with `pdl_end(PDL)`; `bind` sets PDL to the mode `QSA_PDL` names
+(read at binding) and Triton's `launch_pdl` on a CUDA device of compute capability >= 9. Such
+a launch may begin while the kernel before it in the stream still runs: its programs wait
+(`griddepcontrol.wait`) until that kernel has finished and its writes are visible, before
+touching memory. The next kernel may begin launching (`griddepcontrol.launch_dependents`)
+once every program has signalled or exited: mode 1 signals right after the wait, so the next
+grid's programs take SM slots while this one's last wave runs; mode 2 signals at the end of
+each program, so only the launch latency overlaps; 0 is off. A CUDA graph keeps the overlap.
 
 A binding is for the device current when it is made; it launches on that device's current
 stream (a CUDA-graph capture records it). Fixed tensors are held alive by the binding; the
@@ -49,7 +51,7 @@ from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
 _enabled = os.environ.get("QSA_FAST_LAUNCH", "1") != "0"
-_pdl = os.environ.get("QSA_PDL", "1") != "0"
+_pdl = int(os.environ.get("QSA_PDL", "2"))  # 0 off, 1 early signal, 2 late signal
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -73,17 +75,27 @@ def _fast() -> bool:
 
 @triton.jit
 def pdl_start(PDL: tl.constexpr):
-    """A kernel's first statement: with PDL (a launch made with launch_pdl), wait for the
-    previous kernel in the stream to finish and flush, then let the next one launch."""
-    if PDL:
+    """A kernel's first statement: with PDL (1 or 2, a launch made with launch_pdl), wait for
+    the previous kernel in the stream to finish and flush; with PDL 1, then let the next one
+    launch."""
+    if PDL > 0:
         tl.extra.cuda.gdc_wait()
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_end(PDL: tl.constexpr):
+    """A kernel's last statement: with PDL 2, let the next kernel in the stream launch (a
+    program that returns early signals by exiting)."""
+    if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 def pdl_enabled(fn: Any) -> bool:
     """Whether launches of fn (a `JITFunction`: not the interpreter's) use PDL: QSA_PDL is
     not 0 and the current device is an NVIDIA GPU of compute capability >= 9."""
-    return (_pdl and isinstance(fn, JITFunction) and torch.version.hip is None and torch.cuda.is_available()
+    return (_pdl > 0 and isinstance(fn, JITFunction) and torch.version.hip is None and torch.cuda.is_available()
             and torch.cuda.get_device_capability()[0] >= 9)
 
 
@@ -146,9 +158,10 @@ class Launcher:
         `checked`: free tensor parameters whose dtype and device the caller guarantees equal
         to the first call's (it validated them); per call only their alignment is checked.
         kwargs: constexprs and launch options (num_warps, num_stages, ...); a kernel with a
-        `PDL` constexpr not given gets PDL and launch_pdl where `pdl_enabled`. Compiles now."""
+        `PDL` constexpr not given gets the QSA_PDL mode and launch_pdl where `pdl_enabled`.
+        Compiles now."""
         if "PDL" in self._constexpr and "PDL" not in kwargs and pdl_enabled(self.fn):
-            kwargs = {**kwargs, "PDL": True, "launch_pdl": True}
+            kwargs = {**kwargs, "PDL": int(_pdl), "launch_pdl": True}
         options = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
         call = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.signature.parameters})
         call.apply_defaults()

@@ -32,7 +32,7 @@ from qsa_core.reference.metadata import (
     GUARD_SLOT,
 )
 
-from .launch import BoundLaunch, Launcher, pdl_start
+from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 
 BLOCK_ROWS = 256
 BLOCK_PAGES = 1024
@@ -200,6 +200,7 @@ def _metadata_kernel(
         if tl.atomic_xchg(arrive_ptr + 1, 0, sem="relaxed") != 0:
             _make_inert(qsl_ptr, flags_ptr, to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr,
                         guard_ptr, R, T, num_live, BLOCK)
+    pdl_end(PDL)
 
 
 _build = Launcher(_metadata_kernel)
@@ -341,6 +342,7 @@ def _stage_kernel(
     for a in tl.static_range(AXES):
         pos = tl.load(rope_ptr + a * rope_stride_axis + rows * rope_stride_t, mask=rows < T)
         tl.store(rope_dst + a * rope_dst_axis + rows, pos, mask=rows < T)
+    pdl_end(PDL)
 
 
 _stage = Launcher(_stage_kernel)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from qsa_core.cache import ring_store_fuses
 
-from .launch import Launcher, pdl_start
+from .launch import Launcher, pdl_end, pdl_start
 
 if TYPE_CHECKING:
     from qsa_core.cache import QSALayerCache
@@ -324,6 +324,7 @@ def _prepare_kernel(
         _heads_task(t, qg_ptr, qg_stride_t, 2 * D, q_w_ptr, q_out_ptr, (task - 3) * BHQ, Hq, D,
                     rope_ptr, rope_stride_axis, rope_stride_t, rope_axes_ptr, inv_freq_ptr, eps,
                     RD, BHQ, BD, INTERP)
+    pdl_end(PDL)
 
 
 @triton.jit
@@ -358,6 +359,7 @@ def _ring_store_kernel(
     _ring_row(tl.program_id(0).to(tl.int64), raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring,
               ring_rows, ring_slot_ptr, Di, ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
               rope_ptr, rope_stride_axis, rope_stride_t, C, HAS_POS, BD, INTERP)
+    pdl_end(PDL)
 
 
 @triton.jit(do_not_specialize=["rope_stride_axis"])

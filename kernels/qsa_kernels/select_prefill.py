@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher, pdl_start
+from .launch import Launcher, pdl_end, pdl_start
 from .select_radix import ChunkLaunches, packed_write
 from .select_score import _sample_shift
 from .select_topk import (_compact_segment, _compact_step, _emit, _keys, _kth_key, _resolve_row, _write_short,
@@ -179,6 +179,7 @@ def _topk_prefill_kernel(
             else:
                 _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+    pdl_end(PDL)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_cr"])
@@ -204,6 +205,7 @@ def _resolve_prefill_kernel(
                 _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_lists(cidx_ptr + lr.to(tl.int64) * stride_cr, ckey_ptr + lr.to(tl.int64) * stride_cr,
                                cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
+    pdl_end(PDL)
 
 
 _prefill_topk = Launcher(_topk_prefill_kernel)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .expand import _packed_groups, _packed_tail
-from .launch import BoundLaunch, Launcher, pdl_start
+from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 
 BINS = 256
 # (shift, width) of the radix digits of a non-negative fp32 bit pattern (bit 31 is 0).
@@ -116,6 +116,7 @@ def _hist_kernel(
     if tl.atomic_add(arrive_ptr + block, 1, sem="acq_rel", scope="gpu") == n_tiles - 1:
         tl.store(arrive_ptr + block, 0)  # zero for the next pass
         _resolve_rows(lr, in_chunk, vis, state_ptr, hist_ptr, KB, FIRST, SHIFT, WIDTH, BINS)
+    pdl_end(PDL)
 
 
 @triton.jit
@@ -147,6 +148,7 @@ def _count_kernel(
         base = (lr.to(tl.int64) * n_tiles + tile) * 2
         tl.store(cnt_ptr + base, tl.sum(above, 1), mask=live)
         tl.store(cnt_ptr + base + 1, tl.sum(equal, 1), mask=live)
+    pdl_end(PDL)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "n_tiles", "stride_sr"])
@@ -201,6 +203,7 @@ def _emit_kernel(
             _packed_groups(out_row, cols + lr[:, None] * 0, pos, chosen > 0, R)
         else:
             tl.store(out_row + pos * stride_oc, cols + lr[:, None] * 0, mask=chosen > 0)
+    pdl_end(PDL)
 
 
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
@@ -268,6 +271,7 @@ def _topk_row_kernel(
             taken += tl.sum(chosen, 0)
             ties += tl.sum(equal, 0)
             start += BLOCK
+    pdl_end(PDL)
 
 
 _hist = Launcher(_hist_kernel)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launcher, pdl_start
+from .launch import Launcher, pdl_end, pdl_start
 
 # triton 3.6's interpreter rounds tl.fma twice (the product, then the sum), so the fast
 # division is exact there only when compiled: its interpreter runs take the IEEE division.
@@ -156,6 +156,7 @@ def _scores_decode_kernel(
                 one = tl.arange(0, 1)
                 _store_row_samples(samp_ptr, lr + one, g0, s[:, None], g_mask[:, None], vis + one, stride_pr,
                                    ROW_SAMPLES, BLOCK_G, 1, LOG_G)
+    pdl_end(PDL)
 
 
 @triton.jit
@@ -283,6 +284,7 @@ def _scores_prefill_kernel(
                         _store_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written),
                                        tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
             cur += 1
+    pdl_end(PDL)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .expand import _packed_groups, _packed_tail
-from .launch import BoundLaunch, Launcher, pdl_start
+from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 from .select_radix import ChunkLaunches, packed_write
 
 @triton.jit
@@ -221,6 +221,7 @@ def _topk_short_kernel(
             key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
         thr, n_above = _kth_bound(key, vis, KB, SBITS)
         _emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
+    pdl_end(PDL)
 
 
 @triton.jit
@@ -254,6 +255,7 @@ def _sample_kernel(
     if (vis > KB) & (lo < vis):
         m = _subset_max(s_ptr + lr.to(tl.int64) * stride_sr, lo, tl.minimum(vis, lo + SEG), SAMP, SBLOCK)
         tl.store(samp_ptr + lr.to(tl.int64) * stride_pr + seg * SAMP + tl.arange(0, SAMP), m)
+    pdl_end(PDL)
 
 
 @triton.jit
@@ -373,6 +375,7 @@ def _topk_seg_kernel(
                 _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
             else:
                 _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+    pdl_end(PDL)
 
 
 _short = Launcher(_topk_short_kernel)

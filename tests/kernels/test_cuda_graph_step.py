@@ -100,11 +100,11 @@ STEPS = [([9000, 2049, 2051, 7000, 10240, 4096, 3001, 5555], 1),
          ([2048, 777], 4)]  # 6 padding requests, a short context (no scoring)
 
 
-@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+@pytest.mark.parametrize("pdl", [0, 1, 2], ids=["no-pdl", "pdl-early", "pdl-late"])
 def test_decode_step_replays_bitwise_as_eager(pdl, monkeypatch):
     monkeypatch.setattr(launch, "_pdl", pdl)
     from qsa_kernels import attention
-    assert launch.pdl_enabled(attention._combine.fn) == (pdl and torch.cuda.get_device_capability()[0] >= 9)
+    assert launch.pdl_enabled(attention._combine.fn) == (pdl > 0 and torch.cuda.get_device_capability()[0] >= 9)
     engine = Engine()
     steps = STEPS
     with torch.no_grad():
@@ -138,9 +138,9 @@ def test_decode_step_replays_bitwise_as_eager(pdl, monkeypatch):
 
 
 def test_pdl_changes_no_bits(monkeypatch):
-    """Eager steps with PDL and without: the same outputs and caches, bit for bit."""
+    """Eager steps with PDL (either signal) and without: the same outputs and caches, bit for bit."""
     runs = []
-    for pdl in (False, True):
+    for pdl in (0, 1, 2):
         monkeypatch.setattr(launch, "_pdl", pdl)
         engine, outs = Engine(), []
         with torch.no_grad():
@@ -150,9 +150,10 @@ def test_pdl_changes_no_bits(monkeypatch):
                 outs.append(engine.out.clone())
         torch.cuda.synchronize()
         runs.append((outs, engine.snapshot()))
-    (outs0, caches0), (outs1, caches1) = runs
-    for i, (a, b) in enumerate(zip(outs0, outs1)):
-        assert torch.equal(a, b), f"step {i}: output differs with PDL"
-    for i, (a, b) in enumerate(zip(caches0, caches1)):
-        for name in a:
-            assert torch.equal(a[name], b[name]), f"layer {i}: {name} differs with PDL"
+    (outs0, caches0), *with_pdl = runs
+    for mode, (outs1, caches1) in enumerate(with_pdl, 1):
+        for i, (a, b) in enumerate(zip(outs0, outs1)):
+            assert torch.equal(a, b), f"step {i}: output differs with PDL {mode}"
+        for i, (a, b) in enumerate(zip(caches0, caches1)):
+            for name in a:
+                assert torch.equal(a[name], b[name]), f"layer {i}: {name} differs with PDL {mode}"

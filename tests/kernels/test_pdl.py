@@ -1,7 +1,7 @@
-"""Programmatic dependent launch (`launch.pdl_start`): with PDL the kernels compile for sm_90
-with the two grid-dependency instructions first, and without it with neither (the GPU's
-kernel suites run every kernel with it; `test_cuda_graph_step` compares steps with it and
-without)."""
+"""Programmatic dependent launch (`launch.pdl_start` / `pdl_end`): for sm_90 a kernel compiles
+with the wait before any global access and the signal right after it (mode 1) or after its
+last store (mode 2), and with neither instruction without PDL (mode 0). The GPU's kernel
+suites run every kernel in the default mode; `test_cuda_graph_step` compares steps in all three."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def compile_combine() -> str:
-    """PTX of the attention combine kernel for sm_90, with PDL and without, one line each:
-    `PDL=<flag> wait=<count> launch=<count> first=<the first griddepcontrol or global access>`."""
+    """PTX of the attention combine kernel for sm_90 in each PDL mode, one line each:
+    `PDL=<mode> wait=<count> launch=<count> order=<griddepcontrol and global accesses, first, second, last>`."""
     import re
 
     import triton
@@ -27,23 +27,25 @@ def compile_combine() -> str:
            "*bf16" if p.name.endswith("_ptr") else "fp32" if p.name.endswith("_scale") else "i32"
            for p in ker._combine_kernel.params}
     lines = []
-    for pdl in (True, False):
+    for pdl in (1, 2, 0):
         consts = dict(HQ=24, D=256, DP=256, SP=64, PDL=pdl)
         k = triton.compile(ASTSource(ker._combine_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                           options=dict(launch_pdl=pdl))
+                           options=dict(launch_pdl=pdl > 0))
         ptx = k.asm["ptx"]
-        first = re.search(r"griddepcontrol\.\w+|ld\.global|st\.global", ptx)
+        seen = re.findall(r"griddepcontrol\.\w+|ld\.global|st\.global", ptx)
         lines.append(f"PDL={pdl} wait={ptx.count('griddepcontrol.wait')} "
-                     f"launch={ptx.count('griddepcontrol.launch_dependents')} first={first.group(0) if first else None}")
+                     f"launch={ptx.count('griddepcontrol.launch_dependents')} order={','.join(seen[:2] + seen[-1:])}")
     return "\n".join(lines)
 
 
-def test_pdl_instructions_come_first():
+def test_pdl_instructions_wait_first_and_signal_in_their_mode():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split() == ["PDL=True", "wait=1", "launch=1", "first=griddepcontrol.wait",
-                                   "PDL=False", "wait=0", "launch=0", "first=ld.global"], done.stdout
+    assert done.stdout.split() == [
+        "PDL=1", "wait=1", "launch=1", "order=griddepcontrol.wait,griddepcontrol.launch_dependents,st.global",
+        "PDL=2", "wait=1", "launch=1", "order=griddepcontrol.wait,ld.global,griddepcontrol.launch_dependents",
+        "PDL=0", "wait=0", "launch=0", "order=ld.global,ld.global,st.global"], done.stdout
 
 
 if __name__ == "__main__":
