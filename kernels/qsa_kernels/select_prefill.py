@@ -39,8 +39,8 @@ import triton.language as tl
 from .launch import Launcher, pdl_end, pdl_start
 from .select_radix import ChunkLaunches, packed_write
 from .select_score import _sample_shift
-from .select_topk import (_compact_segment, _compact_step, _emit, _keys, _kth_key, _resolve_row, _write_short,
-                          _write_tail)
+from .select_topk import (_compact_segment, _compact_step, _emit, _keys, _kth_bound, _kth_key, _resolve_row,
+                          _write_short, _write_tail)
 
 
 @triton.jit
@@ -98,22 +98,63 @@ def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, run0, hi, run_
 
 
 @triton.jit
-def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S, SAMPP: tl.constexpr):
-    """The KB-th largest of a row's samples (one per S columns: a constexpr, or the row's own
-    stride) to its LBITS high bits: <= the row's KB-th key."""
+def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S, SAMPP: tl.constexpr,
+               SBITS: tl.constexpr):
+    """A lower bound of a row's KB-th largest key from its samples int32 (one per S columns: a
+    constexpr, or the row's own stride; cdiv(vis, S) of them, SAMPP >= that, a power of two).
+    SBITS 0: the KB-th largest sample to its LBITS high bits (`_kth_key`, ceil(LBITS / BITS)
+    block reductions); else the bracket search (`select_topk._kth_bound`, 2^SBITS counts a
+    step, until isolated): the KB-th largest sample, or one below it with exactly KB samples
+    above; at least 0 (masked keys are -1). Either way >= KB samples reach it: <= the row's
+    KB-th key."""
     p = tl.arange(0, SAMPP)
-    return _kth_key(tl.load(samp_row + p, mask=p < tl.cdiv(vis, S), other=-1), KB, BITS, LBITS)
+    n = tl.cdiv(vis, S)
+    samples = tl.load(samp_row + p, mask=p < n, other=-1)
+    if SBITS:
+        thr, _ = _kth_bound(samples, n, KB, SBITS)
+        return tl.maximum(thr, 0)
+    return _kth_key(samples, KB, BITS, LBITS)
+
+
+@triton.jit
+def _chunk_row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
+                     SAMPP: tl.constexpr, SBITS: tl.constexpr, ROW_SAMPLES: tl.constexpr, LOG_G: tl.constexpr):
+    """`_row_bound` of a row with samples per S columns, or (ROW_SAMPLES = WBITS > 0) per
+    2^`_sample_shift(vis, WBITS, LOG_G)` columns."""
+    if ROW_SAMPLES:
+        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, 1 << _sample_shift(vis, ROW_SAMPLES, LOG_G), SAMPP, SBITS)
+    else:
+        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S, SAMPP, SBITS)
+    return bound
+
+
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_pr"])
+def _bound_prefill_kernel(
+    vis_ptr, samp_ptr, bound_ptr, row0, n_cols, stride_pr,
+    KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr, SAMPP: tl.constexpr,
+    SBITS: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0, PDL: tl.constexpr = False,
+):
+    """The bound of each row of a chunk, once (grid: chunk rows; tile bound 1 / 3): samp int32
+    [chunk rows, >= its samples] -> bound int32 [chunk rows] (`_chunk_row_bound`; rows with
+    visible <= KB: not written), which the chunk's `_topk_prefill_kernel` programs then read."""
+    pdl_start(PDL)
+    lr = tl.program_id(0)
+    vis = tl.minimum(tl.load(vis_ptr + row0 + lr), n_cols)
+    if vis > KB:
+        tl.store(bound_ptr + lr, _chunk_row_bound(samp_ptr + lr.to(tl.int64) * stride_pr, vis, KB, BITS, LBITS, S,
+                                                  SAMPP, SBITS, ROW_SAMPLES, LOG_G))
+    pdl_end(PDL)
 
 
 @triton.jit(do_not_specialize=["row0", "crow0", "n_cols", "stride_sr", "stride_pr", "stride_cr"])
 def _topk_prefill_kernel(
-    s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr, runs_ptr,
+    s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr, runs_ptr, bound_ptr,
     row0, crow0, n_cols, stride_sr, stride_pr, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    BOUND_IN: tl.constexpr = 0, SBITS: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -124,7 +165,9 @@ def _topk_prefill_kernel(
     rest after the chunk's scores are gone. ROW_SAMPLES = WBITS > 0 (decode; no DEFER): a row's
     samples are one per 2^`_sample_shift(vis, WBITS, LOG_G)` columns (the decode score
     launch's), not per S; with RUNS, rows of at most RUNS runs per segment read only their live
-    runs, others the segment."""
+    runs, others the segment. The row's bound: BOUND_IN, read from bound int32 [chunk rows]
+    (`_bound_prefill_kernel`, before this launch), else each program's own `_chunk_row_bound`
+    (SBITS: the bracket search)."""
     pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
@@ -139,11 +182,10 @@ def _topk_prefill_kernel(
             _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     elif seg < n_seg:
         samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
-        if ROW_SAMPLES:  # the row's own stride
-            shift = _sample_shift(vis, ROW_SAMPLES, LOG_G)
-            bound = _row_bound(samp_row, vis, KB, BITS, LBITS, 1 << shift, SAMPP)
+        if BOUND_IN:
+            bound = tl.load(bound_ptr + lr)
         else:
-            bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S, SAMPP)  # <= the row's KB-th largest key
+            bound = _chunk_row_bound(samp_row, vis, KB, BITS, LBITS, S, SAMPP, SBITS, ROW_SAMPLES, LOG_G)
         c_idx = cidx_ptr + (crow0 + lr).to(tl.int64) * stride_cr
         c_key = ckey_ptr + (crow0 + lr).to(tl.int64) * stride_cr
         cnt_row = cnt_ptr + (crow0 + lr).to(tl.int64) * SEGP
@@ -152,6 +194,7 @@ def _topk_prefill_kernel(
         if RUNS:
             runs_row = runs_ptr + lr.to(tl.int64) * (SEGP * RUNS) + seg * RUNS
             if ROW_SAMPLES:  # per-row strides: rows of at most RUNS runs per segment read their live runs
+                shift = _sample_shift(vis, ROW_SAMPLES, LOG_G)
                 n_runs = SEG >> shift
                 if n_runs <= RUNS:
                     n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound,
@@ -208,6 +251,7 @@ def _resolve_prefill_kernel(
     pdl_end(PDL)
 
 
+_prefill_bound = Launcher(_bound_prefill_kernel)
 _prefill_topk = Launcher(_topk_prefill_kernel)
 _prefill_resolve = Launcher(_resolve_prefill_kernel)
 
@@ -225,7 +269,11 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     search step; lbits: high key bits of the bound; warps per program; regs: registers per
     thread the compiler may use (0: its choice; fewer let more programs share an SM); defer:
     resolve the rows of several chunks in one later launch (`defer_rows`), with rwarps /
-    rregs, instead of in each row's last program. small: the interpreter's tiles; else the
+    rregs, instead of in each row's last program; bound: where the row's lower bound comes from
+    (`_row_bound`), 0: each segment program searches the row's samples itself (`_kth_key`), 1:
+    a bound launch per chunk (`_bound_prefill_kernel`, one program per row, warps) searches once
+    and the segment programs read it, 2: as 0 by the bracket search of 2^sbits counts a step
+    (`select_topk._kth_bound`), 3: as 1 by the bracket search. small: the interpreter's tiles; else the
     H200's (2026-12-01 W2, select of 16K rows, radix -> this route, ms: at 16K context 1.59 ->
     1.13, 128K 14.95 -> 6.52, 1M 120.8 -> 58.4; the top-k part is bound by latency, so 8 warps
     at 64 registers (4 programs per SM), 1024 candidates and the deferred resolve won; the
@@ -236,12 +284,12 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
         sub *= 2
     if small:
         return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
-                    rwarps=4, rregs=0)
+                    rwarps=4, rregs=0, bound=0, sbits=2)
     # skip (2026-12-01 W2, select of 16K rows, ms): the candidate launch reads only the runs whose
     # sample reaches the bound: 128K 6.47 -> 4.87 (its candidate launches 2.90 -> 1.27), 1M 57.5
     # -> 40.7 (29.1 -> 12.3); not at 16K (1.12 vs 1.13), so from 32768 columns.
     return dict(sub=sub, seg=32768, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
-                rwarps=4, rregs=0, skip=int(num_cols >= 32768))
+                rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=0, sbits=3)
 
 
 def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
@@ -258,7 +306,7 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     log_g = score_block_g.bit_length() - 1
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip=0, skip_shift=min(3, log_g), regs=0,
-             rwarps=4, rregs=0)
+             rwarps=4, rregs=0, bound=0, sbits=3)
     if small:
         return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4)
     return dict(t, seg=8192, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8)
@@ -306,8 +354,8 @@ def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: dict) -> int:
 @dataclass(frozen=True)
 class PrefillScratch:
     """Scratch of this route (flat; views per schedule): samples, arrival counters (zero
-    between calls) and the lists of runs to read (tile skip) of a chunk, candidate indices,
-    keys and list lengths of `defer_rows` rows."""
+    between calls), the lists of runs to read (tile skip) and the rows' bounds (tile bound 1 /
+    3) of a chunk, candidate indices, keys and list lengths of `defer_rows` rows."""
 
     samples: torch.Tensor
     cand_idx: torch.Tensor
@@ -315,6 +363,7 @@ class PrefillScratch:
     counts: torch.Tensor
     arrive: torch.Tensor
     runs: torch.Tensor
+    bound: torch.Tensor
 
 
 def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
@@ -325,7 +374,8 @@ def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
     group = defer_rows(chunk, num_rows, num_cols, tiles)
     return dict(samples=chunk * samples_per_row(num_cols, tiles, score_block_g),
                 cand_idx=group * segp * tiles["cap"], cand_key=group * segp * tiles["cap"], counts=group * segp,
-                arrive=chunk, runs=max(chunk * segp * seg_runs(num_cols, tiles, score_block_g), 1))
+                arrive=chunk, runs=max(chunk * segp * seg_runs(num_cols, tiles, score_block_g), 1),
+                bound=chunk if tiles["bound"] & 1 else 1)
 
 
 def prefill_scratch(elems: dict[str, int], device: torch.device | str) -> PrefillScratch:
@@ -347,7 +397,8 @@ class PrefillTopkLaunch(ChunkLaunches):
     [T] and `scratch`; `__call__(row0, out, out_row_stride)` launches the chunk's (and, defer:
     after the last chunk of a `defer_rows` group, the group's resolve) into out: int32 [T, Kb]
     (any strides; `out` at binding fixes its column stride) or, with `positions` int64 [T]
-    given, the packed selection int32 [T, W + 1] (contiguous rows; r = compress_ratio)."""
+    given, the packed selection int32 [T, W + 1] (contiguous rows; r = compress_ratio). Tile
+    bound 1 / 3: the chunk's bound launch first."""
 
     def __init__(self, scores: torch.Tensor, samples: torch.Tensor, visible_blocks: torch.Tensor,
                  out: torch.Tensor, scratch: PrefillScratch, *, row0: int, rows: int, num_cols: int,
@@ -367,14 +418,21 @@ class PrefillTopkLaunch(ChunkLaunches):
         if row_s and (t["defer"] or samples.shape[1] != 1 << row_s):
             raise ValueError(f"per-row sample strides (row_s {row_s}) take no deferred resolve, and samples "
                              f"[rows, 2^row_s]; got {tuple(samples.shape)}")
+        S, SAMPP = sample_cols(t, score_block_g), triton.next_power_of_2(samples.shape[1])
+        sbits = t["sbits"] if t["bound"] >= 2 else 0
+        self._bound = _prefill_bound.bind(
+            (rows,), visible_blocks, samples, scratch.bound, row0, num_cols, samples.stride(0), free=("row0",),
+            KB=Kb, BITS=t["bits"], LBITS=t["lbits"], S=S, SAMPP=SAMPP, SBITS=sbits, ROW_SAMPLES=row_s,
+            LOG_G=t.get("log_g", 0), num_warps=t["warps"],
+        ) if t["bound"] & 1 else None
         self._topk = _prefill_topk.bind(
             (rows, segs), scores, visible_blocks, samples, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
-            scratch.runs, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
+            scratch.runs, scratch.bound, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
             out.stride(0), out.stride(1),
             free=("row0", "crow0", "out_ptr", "stride_or"),
-            KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=sample_cols(t, score_block_g),
-            SAMPP=triton.next_power_of_2(samples.shape[1]), BLOCK=t["block"], RBLOCK=t["rblock"],
-            DEFER=bool(t["defer"]), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.get("log_g", 0), **common,
+            KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=S, SAMPP=SAMPP, BLOCK=t["block"], RBLOCK=t["rblock"],
+            DEFER=bool(t["defer"]), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.get("log_g", 0),
+            BOUND_IN=bool(t["bound"] & 1), SBITS=sbits, **common,
             num_warps=t["warps"],
             **({"maxnreg": t["regs"]} if t["regs"] else {}),
         )
@@ -386,6 +444,8 @@ class PrefillTopkLaunch(ChunkLaunches):
 
     def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int) -> None:
         crow0 = (row0 - self.first) % self.group
+        if self._bound is not None:
+            self._bound(row0)
         self._topk(row0, crow0, out, out_row_stride)
         done = crow0 + self.rows
         if self._resolve is not None and (done >= self.group or row0 + self.rows >= self.end):

@@ -58,10 +58,12 @@ def samples_of(scores: torch.Tensor, vis: list[int], S: int) -> torch.Tensor:
 
 
 def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0, calls: int = 1,
-             packed: bool = False, poison: tuple | None = None, **tile_changes) -> torch.Tensor:
+             packed: bool = False, poison: tuple | None = None, bounds: list | None = None,
+             **tile_changes) -> torch.Tensor:
     """Kernel top-k of score rows (row i: its visible scores) in one chunk, samples as the
     score launch writes them. The scratch beyond each row's visible columns is NaN; out has
-    row0 rows before the chunk (must stay -7). poison (row, columns): scores set to +inf after
+    row0 rows before the chunk (must stay -7). bounds: gets the scratch's row bounds after the
+    calls (tile bound 1 / 3). poison (row, columns): scores set to +inf after
     the samples are taken (a kernel that reads them chooses them). tile_changes: of the small
     tiles."""
     T = len(rows)
@@ -88,6 +90,8 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
         launch(row0, out, out.stride(0))
     assert (out[:row0] == -7).all(), "rows before the chunk were written"
     assert (scratch.arrive == 0).all(), "arrival counters must be clean after a call"
+    if bounds is not None:
+        bounds.extend(scratch.bound[:T].tolist())
     return out[row0:].cpu()
 
 
@@ -221,6 +225,47 @@ def test_skip_reads_only_the_runs_that_reach_the_bound(num_cols, kb, packed, def
                            reference(rows[:1], num_cols, kb))
 
 
+@pytest.mark.parametrize("bound", [1, 2, 3])
+def test_bound_once_per_row_or_by_the_bracket_search(bound):
+    # Tile bound: 1 / 3 the chunk's bound launch writes each row's bound once (`_kth_key` / the
+    # bracket search), the segment programs read it; 2 each program's own bracket search. Random
+    # rows (one and several segments, deferred or not, packed), ties, a crowded row, rows at or
+    # below Kb, tile skip (poisoned runs below the bound): all as the reference.
+    g = torch.Generator().manual_seed(13)
+    for num_cols, kb, packed, defer in [(60, 8, False, 0), (300, 8, True, 1), (300, 16, False, 0)]:
+        rows = [distinct(num_cols, s) for s in range(2)] + [distinct(num_cols - 5, 9),
+                                                             torch.randint(0, 4, (num_cols,), generator=g).float()]
+        rows[3][-40:] = 7.0  # crowded: the whole-row resolve
+        got = run_topk(rows, num_cols, kb, calls=2, packed=packed, defer=defer, bound=bound)
+        assert torch.equal(got, reference(rows, num_cols, kb, packed))
+    rows = [distinct(n, n) for n in (0, 1, 8, 9, 300)]
+    assert torch.equal(run_topk(rows, 300, 8, row0=2, packed=True, bound=bound), reference(rows, 300, 8, True))
+    row = torch.rand(300, generator=g)
+    row[torch.randperm(300, generator=g)[:12]] = 2.0  # 12 keys tied at the threshold
+    assert torch.equal(run_topk([row], 300, 8, bound=bound), reference([row], 300, 8))
+    rows = [distinct(300, 1), distinct(300, 2)]
+    rows[0][8:48] *= 1e-3
+    got = run_topk(rows, 300, 8, skip=1, poison=(0, slice(8, 48)), bound=bound)
+    assert torch.equal(got, reference(rows, 300, 8))
+
+
+@pytest.mark.parametrize("bound", [1, 3])
+def test_bound_launch_writes_the_kth_sample(bound):
+    # The bound launch's value per long row: the Kb-th largest sample (bound 1: lbits 31, exact;
+    # bound 3: the bracket's, or one below it with exactly Kb samples above). Samples with ties.
+    num_cols, kb = 300, 8
+    g = torch.Generator().manual_seed(17)
+    rows = [distinct(num_cols, 3), torch.randint(0, 6, (num_cols,), generator=g).float(), distinct(200, 4),
+            distinct(5, 5)]
+    got = []
+    run_topk(rows, num_cols, kb, bound=bound, bounds=got)
+    S = sp.sample_cols(sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), BLOCK_G)
+    for i, r in enumerate(rows[:3]):
+        samp = samples_of(r[None], [r.numel()], S)[0]
+        kth = int(samp.sort(descending=True).values[kb - 1])
+        assert got[i] == kth or (bound == 3 and got[i] < kth and int((samp > got[i]).sum()) == kb), (i, got[i], kth)
+
+
 # -- through the plan: the score launch writes the samples ------------------------------------
 
 def test_score_launch_writes_the_samples(nan_scratch):
@@ -291,7 +336,7 @@ t = sp.prefill_tiles(32768, 512, 64, small=False)
 write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
              stride_oc=1, PDL=True)
 topk = dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"], RBLOCK=t["rblock"], DEFER=t["defer"],
-            ROW_SAMPLES=0, LOG_G=0)
+            ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0)
 for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns)
         (sp._topk_prefill_kernel, dict(topk, RUNS=0), t["warps"]),
         (sp._topk_prefill_kernel, dict(topk, RUNS=sp.seg_runs(32768, t, 64)), t["warps"]),
