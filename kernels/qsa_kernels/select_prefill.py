@@ -104,15 +104,15 @@ def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.co
     constexpr, or the row's own stride; cdiv(vis, S) of them, SAMPP >= that, a power of two).
     SBITS 0: the KB-th largest sample to its LBITS high bits (`_kth_key`, ceil(LBITS / BITS)
     block reductions); else the bracket search (`select_topk._kth_bound`, 2^SBITS counts a
-    step, until isolated): the KB-th largest sample, or one below it with exactly KB samples
-    above; at least 0 (masked keys are -1). Either way >= KB samples reach it: <= the row's
+    step, until isolated): its bracket's low end, the KB-th largest sample or a value >= 0
+    below it that exactly KB samples reach. Either way >= KB samples reach it: <= the row's
     KB-th key."""
     p = tl.arange(0, SAMPP)
     n = tl.cdiv(vis, S)
     samples = tl.load(samp_row + p, mask=p < n, other=-1)
     if SBITS:
-        thr, _ = _kth_bound(samples, n, KB, SBITS)
-        return tl.maximum(thr, 0)
+        thr, n_above = _kth_bound(samples, n, KB, SBITS)
+        return thr + (n_above == KB).to(tl.int32)  # (thr: one below the low end where KB samples reach it)
     return _kth_key(samples, KB, BITS, LBITS)
 
 
@@ -289,7 +289,7 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     # sample reaches the bound: 128K 6.47 -> 4.87 (its candidate launches 2.90 -> 1.27), 1M 57.5
     # -> 40.7 (29.1 -> 12.3); not at 16K (1.12 vs 1.13), so from 32768 columns.
     return dict(sub=sub, seg=32768, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
-                rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=0, sbits=3)
+                rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=0, sbits=2)
 
 
 def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
@@ -306,7 +306,7 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     log_g = score_block_g.bit_length() - 1
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip=0, skip_shift=min(3, log_g), regs=0,
-             rwarps=4, rregs=0, bound=0, sbits=3)
+             rwarps=4, rregs=0, bound=0, sbits=2)
     if small:
         return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4)
     return dict(t, seg=8192, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8)
