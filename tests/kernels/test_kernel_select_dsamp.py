@@ -164,6 +164,25 @@ def test_ties_zeros_and_overflow(nan_scratch, skip):
 
 
 @small_tiles
+@pytest.mark.parametrize("bound", [1, 2, 3])
+def test_bound_launch_and_bracket_search_per_row_strides(nan_scratch, monkeypatch, bound):
+    # Tile bound (`select_prefill.prefill_tiles`) on per-row sample strides: 1 / 3 the chunk's
+    # bound launch, 2 / 3 the bracket search; MTP rows and skip, then ties, zeros and a row of all 0.
+    tiles = sp.decode_tiles
+    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: {**tiles(*a, **k), "bound": bound, "skip": bound & 1})
+    problem = make_problem(**MIXED_MTP, kind="int", pad_rows=2, seed=1)
+    got, s = select(problem, True, 4, calls=2)
+    assert s.decode_samples_tiles["bound"] == bound
+    assert torch.equal(got, select(problem, False, 4)[0])
+    assert torch.equal(got.cpu(), reference(problem))
+    problem = list(make_problem([1000, 600, 300, 1000], [1, 1, 1, 1], Hi=1, kind="int", pad_rows=1, seed=5))
+    problem[0] = problem[0].clone()
+    problem[0][1] = 0
+    got, _ = select(tuple(problem), True)
+    assert torch.equal(got.cpu(), reference(tuple(problem)))
+
+
+@small_tiles
 def test_the_workspace_holds_every_decode_plan_of_this_route(nan_scratch):
     ws = ker.select_workspace(200, 1200 // R, KB, DEV, decode_samples=True)
     assert ws.decode_samples is not None

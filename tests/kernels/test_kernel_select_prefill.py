@@ -337,11 +337,17 @@ write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=
              stride_oc=1, PDL=True)
 topk = dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"], RBLOCK=t["rblock"], DEFER=t["defer"],
             ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0)
-for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns)
-        (sp._topk_prefill_kernel, dict(topk, RUNS=0), t["warps"]),
-        (sp._topk_prefill_kernel, dict(topk, RUNS=sp.seg_runs(32768, t, 64)), t["warps"]),
-        (sp._resolve_prefill_kernel, {}, t["rwarps"])):
-    const.update(write)
+skip = dict(topk, RUNS=sp.seg_runs(32768, t, 64))
+bound = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, PDL=True)
+for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns),
+        # with the bound read (tile bound 1 / 3) or by the bracket search (2), the bound launch (1 / 3)
+        (sp._topk_prefill_kernel, dict(topk, RUNS=0, **write), t["warps"]),
+        (sp._topk_prefill_kernel, dict(skip, **write), t["warps"]),
+        (sp._topk_prefill_kernel, dict(skip, **write, BOUND_IN=1), t["warps"]),
+        (sp._topk_prefill_kernel, dict(skip, **write, SBITS=t["sbits"]), t["warps"]),
+        (sp._resolve_prefill_kernel, dict(write), t["rwarps"]),
+        (sp._bound_prefill_kernel, dict(bound, SBITS=0), t["warps"]),
+        (sp._bound_prefill_kernel, dict(bound, SBITS=t["sbits"]), t["warps"])):
     sig = {n: "constexpr" if n in const else "*i64" if n == "pos_ptr" else "*fp32" if n == "s_ptr"
            else "*i32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
     assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
@@ -372,7 +378,7 @@ def test_production_tiles_compile_for_sm90():
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 9 and lines[0][0] == lines[1][0] == lines[2][0] == "topk", run.stdout
-    assert all(int(line[1]) <= 227 * 1024 for line in lines[:3])
-    for _, _, wgmma, shared in lines[3:]:
+    assert len(lines) == 13 and all(line[0] == "topk" for line in lines[:7]), run.stdout
+    assert all(int(line[1]) <= 227 * 1024 for line in lines[:7])
+    for _, _, wgmma, shared in lines[7:]:
         assert int(wgmma) > 0 and int(shared) <= 227 * 1024, lines
