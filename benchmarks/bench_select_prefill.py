@@ -58,9 +58,10 @@ VARIANTS = {
     "noregs": dict(regs=0), "s16k": dict(seg=16384), "l12": dict(lbits=12), "rw8": dict(rwarps=8),
     "skip": dict(skip=1), "noskip": dict(skip=0),  # the candidate launch reads only runs reaching the bound
     "sub2": dict(sub=2), "sub4": dict(sub=4), "sub8": dict(sub=8), "sub16": dict(sub=16), "topk": None,
-    # the row's bound (tile bound): b1 once per row in a bound launch, b2 each program's bracket
-    # search, b3 the bound launch's bracket search (plan: each segment program's _kth_key)
-    "b1": dict(bound=1), "b2": dict(bound=2), "b3": dict(bound=3),
+    # the row's bound (tile bound): b0 each segment program's _kth_key, b1 once per row in a bound
+    # launch, b2 each program's bracket search, b3 the bound launch's bracket search (plan: b1 for
+    # rows of several segments, else b2)
+    "b0": dict(bound=0), "b1": dict(bound=1), "b2": dict(bound=2), "b3": dict(bound=3),
 }
 # Prefill score-tile overrides (name -> `ScoreTiles` changes), with the planned top-k tiles:
 # session 8 timed the samples-only pass faster with 128-column tiles or 64-row tiles; at 128-column

@@ -167,7 +167,7 @@ def _attn_kernel(
     HQ: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
     INTERPRET: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Grid (rows, KV heads, splits). SPLIT off: out [T, HQ*D] directly. SPLIT on: partials
     ml fp32 [T, HQ, n_splits, 2] (m, l) and acc fp32 [T, HQ, n_splits, D]."""
@@ -203,7 +203,7 @@ def _attn_kernel(
 def _combine_kernel(
     gate_ptr, out_ptr, part_ml_ptr, part_acc_ptr, n_splits, v_scale, stride_gt, stride_gh, stride_ot,
     HQ: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Grid (rows, HQ): merge the splits' (m, l, acc) of one head, normalise, gate, store."""
     pdl_start(PDL)

@@ -65,7 +65,7 @@ def _union_kernel(
     req_ptr, seq_ptr, sel_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, T, max_ratio, min_share, stride_st,
     BR: tl.constexpr, BRP: tl.constexpr, W: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, PRE: tl.constexpr, LOG: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Grid (blocks,). info int32 [blocks, 2]: (number of runs or -1 = per-row, request);
     last int32 [T]: a shared block's rows' last entries (-1: empty); ug / um int32 [blocks, CAP]:
@@ -193,7 +193,7 @@ def _shared_kernel(
     BR: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr, BLOCK_G: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Grid (blocks, KV heads): out [T, HQ*D] of a shared block's rows; fallback blocks return."""
     pdl_start(PDL)
@@ -252,7 +252,7 @@ def _per_row_kernel(
     stride_btr, stride_btp, stride_st, stride_sc,
     BR: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Grid (rows, KV heads): `attention.py`'s one pass for rows of fallback blocks."""
     pdl_start(PDL)

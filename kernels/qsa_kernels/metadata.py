@@ -178,7 +178,7 @@ def _metadata_kernel(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
     SLOT: tl.constexpr, MAX_QUERY: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """arrive int32 [2], zero between launches: [arrived programs, a request was flagged]."""
     pdl_start(PDL)
@@ -319,7 +319,7 @@ def _stage_kernel(
     rope_stride_t, qsl_dst, seq_dst, ring_index_dst, bt_dst, dst_bt0, slot_dst, rope_dst, rope_dst_axis,
     R, T, P,
     AXES: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Program p copies request p's entries and block-table row (p < R), and rows
     [p*BLOCK, (p+1)*BLOCK) of slot_mapping and the AXES rope-position rows (0: none)."""

@@ -290,7 +290,7 @@ def _prepare_kernel(
     r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr,
     BHI: tl.constexpr, BDI: tl.constexpr, BHQ: tl.constexpr, BD: tl.constexpr, BKV: tl.constexpr,
     HAS_RING_POS: tl.constexpr, RING_STORE: tl.constexpr, STORE_RING_POS: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """RING_STORE: task 2 also stores the row's ring row (+ its positions where
     STORE_RING_POS); only where no compression of the step can read a ring slot that another
@@ -353,7 +353,7 @@ def _ring_store_kernel(
     raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring, ring_rows, ring_slot_ptr, Di,
     ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1, rope_ptr, rope_stride_axis, rope_stride_t,
     C: tl.constexpr, HAS_POS: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     pdl_start(PDL)
     _ring_row(tl.program_id(0).to(tl.int64), raw_ptr, stride_raw, raw_off, ring_ptr, stride_rpage, stride_ring,

@@ -132,7 +132,7 @@ def _chunk_row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS:
 def _bound_prefill_kernel(
     vis_ptr, samp_ptr, bound_ptr, row0, n_cols, stride_pr,
     KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr, SAMPP: tl.constexpr,
-    SBITS: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0, PDL: tl.constexpr = False,
+    SBITS: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     """The bound of each row of a chunk, once (grid: chunk rows; tile bound 1 / 3): samp int32
     [chunk rows, >= its samples] -> bound int32 [chunk rows] (`_chunk_row_bound`; rows with
@@ -154,7 +154,7 @@ def _topk_prefill_kernel(
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
-    BOUND_IN: tl.constexpr = 0, SBITS: tl.constexpr = 0, PDL: tl.constexpr = False,
+    BOUND_IN: tl.constexpr = 0, SBITS: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -230,7 +230,7 @@ def _resolve_prefill_kernel(
     vis_ptr, cidx_ptr, ckey_ptr, cnt_ptr, out_ptr, pos_ptr, row0, n_rows, n_cols, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr,
     PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """The deferred resolve of rows [row0, row0 + n_rows) (grid: >= n_rows programs) from the
     candidate lists `_topk_prefill_kernel` (DEFER) left at their local row: rows with visible
@@ -288,8 +288,12 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     # skip (2026-12-01 W2, select of 16K rows, ms): the candidate launch reads only the runs whose
     # sample reaches the bound: 128K 6.47 -> 4.87 (its candidate launches 2.90 -> 1.27), 1M 57.5
     # -> 40.7 (29.1 -> 12.3); not at 16K (1.12 vs 1.13), so from 32768 columns.
-    return dict(sub=sub, seg=32768, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
-                rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=0, sbits=2)
+    # bound (2026-12-02 15:38, select of 16K rows, ms, bound 0 -> 1 / 2): rows of several segments
+    # search once in the bound launch (1M 32.35 -> 31.04 / 32.57), rows of one segment by the
+    # bracket in their program (128K 4.87 -> 4.88 / 4.85, 16K 1.120 -> 1.130 / 1.092).
+    seg = 32768
+    return dict(sub=sub, seg=seg, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
+                rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=1 if num_cols > seg else 2, sbits=2)
 
 
 def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:

@@ -84,7 +84,7 @@ def _hist_kernel(
     s_ptr, vis_ptr, state_ptr, hist_ptr, arrive_ptr, row0, n_rows, n_cols, n_tiles, stride_sr,
     KB: tl.constexpr, FIRST: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
     BINS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """One radix pass over one column tile of ROWS rows: histogram of the digit
     (key >> SHIFT) & (2^WIDTH - 1) of keys whose bits above SHIFT + WIDTH equal the row's
@@ -134,7 +134,7 @@ def _take(s_ptr, state_ptr, lr, live, cols, vis, stride_sr):
 def _count_kernel(
     s_ptr, vis_ptr, state_ptr, cnt_ptr, row0, n_rows, n_cols, n_tiles, stride_sr,
     KB: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Per row and tile: keys above the threshold and keys equal to it; cnt int32 [rows, tiles, 2]."""
     pdl_start(PDL)
@@ -157,7 +157,7 @@ def _emit_kernel(
     stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BLOCK: tl.constexpr, PREV: tl.constexpr, ROWS: tl.constexpr,
     PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Write the chosen groups of one tile at their ascending-order positions in out
     int32 [T, KB]; tile 0 of a row with visible <= KB writes 0..visible-1 then -1.
@@ -211,7 +211,7 @@ def _topk_row_kernel(
     s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr,
     PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Whole top-k of one row in one program: four radix passes over the bytes of the fp32
     score bits (high byte first) with in-register histograms narrow the threshold to the

@@ -121,7 +121,7 @@ def _scores_decode_kernel(
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
     to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols].
@@ -190,7 +190,7 @@ def _scores_prefill_kernel(
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
     KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
     BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M (KEYS_M: its N, the keys

@@ -197,7 +197,7 @@ def _topk_short_kernel(
     s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
     KB: tl.constexpr, KBP: tl.constexpr, CAP: tl.constexpr, SBITS: tl.constexpr, EARLY: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Top-k of one row of at most CAP columns, all in registers (PACKED: the packed row).
     The threshold: `_kth_bound` (2^SBITS counts a step, until isolated). EARLY: the row's scores load with its visible count (all n_cols
@@ -243,7 +243,7 @@ def _subset_max(s_row, lo, hi, SAMP: tl.constexpr, SBLOCK: tl.constexpr):
 def _sample_kernel(
     s_ptr, vis_ptr, samp_ptr, row0, n_cols, stride_sr, stride_pr,
     KB: tl.constexpr, SEG: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """Subset maxima of one segment -> samp int32 [chunk rows, segments * SAMP] (rows with
     visible > KB, segments holding visible columns)."""
@@ -309,7 +309,7 @@ def _topk_seg_kernel(
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, SEG: tl.constexpr,
     SEGP: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr, CAP: tl.constexpr, LCAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = 0,
 ):
     """One segment of a row (grid: rows x segments). Candidate lists: cidx / ckey int32
     [chunk rows, SEGP * CAP] (list s at s * CAP), their lengths cnt int32 [chunk rows, SEGP];

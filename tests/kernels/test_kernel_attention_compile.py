@@ -46,12 +46,12 @@ def compile_all() -> list[str]:
                                 ("one pass fp8", 256, False, "*fp8e5")]:
         bn, warps, stages = ker._launch_config(dp)
         consts = dict(HQ=24, G=12, GP=16, D=dp, DP=dp, PAGE=64, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, SPLIT=split,
-                      INTERPRET=False, PDL=True)
+                      INTERPRET=False, PDL=2)
         ptrs = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr=kv, v_ptr=kv, bt_ptr="*i32", req_ptr="*i32",
                     seq_ptr="*i32", sel_ptr="*i32", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32")
         variants.append((name, ker._attn_kernel, _signature(ker._attn_kernel, ptrs), consts,
                          dict(num_warps=warps, num_stages=stages, launch_pdl=True)))
-    consts = dict(HQ=24, D=256, DP=256, SP=64, PDL=True)
+    consts = dict(HQ=24, D=256, DP=256, SP=64, PDL=2)
     sig = _signature(ker._combine_kernel, dict(gate_ptr="*bf16", out_ptr="*bf16", part_ml_ptr="*fp32",
                                                    part_acc_ptr="*fp32"))
     variants.append(("combine", ker._combine_kernel, sig, consts, dict(launch_pdl=True)))

@@ -316,12 +316,12 @@ def sig(fn):
 bg, warps, stages = ker._launch_config(256, False)
 variants = [
     ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=BR * NG, BLOCK_C=512, BLOCK_G=1024,
-     PRE=64, LOG=10, PDL=True),
+     PRE=64, LOG=10, PDL=2),
      dict(num_warps=4, launch_pdl=True)),
     ("shared", ker._shared_kernel, dict(BR=BR, G=G, M=64, D=256, DP=256, PAGE=64, R=R, CAP=BR * NG, BLOCK_G=bg,
-     DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=True), dict(num_warps=warps, num_stages=stages, launch_pdl=True)),
+     DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=2), dict(num_warps=warps, num_stages=stages, launch_pdl=True)),
     ("per-row", ker._per_row_kernel, dict(BR=BR, G=G, GP=16, D=256, DP=256, PAGE=64, BLOCK_N=64,
-     DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=True), dict(num_warps=2, num_stages=1, launch_pdl=True)),
+     DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=2), dict(num_warps=2, num_stages=1, launch_pdl=True)),
 ]
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for name, fn, consts, options in variants:

@@ -236,7 +236,7 @@ for cols in (32768, 262144):  # 128K and 1M context
                      SEGP=triton.next_power_of_2(triton.cdiv(cols, t["seg"])), CAP=t["cap"], BLOCK=t["block"],
                      RBLOCK=t["rblock"], DEFER=0, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1,
                      BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"],
-                     BOUND_IN=0, SBITS=0, PDL=True)
+                     BOUND_IN=0, SBITS=0, PDL=2)
         fn = sp._topk_prefill_kernel
         assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
         triton.compile(ASTSource(fn, sig(fn, const, dict(s_ptr="*fp32", pos_ptr="*i64")), const), target=target,

@@ -334,11 +334,11 @@ from triton.compiler import ASTSource
 from qsa_kernels import select_prefill as sp, select_score as ss
 t = sp.prefill_tiles(32768, 512, 64, small=False)
 write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
-             stride_oc=1, PDL=True)
+             stride_oc=1, PDL=2)
 topk = dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"], RBLOCK=t["rblock"], DEFER=t["defer"],
             ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0)
 skip = dict(topk, RUNS=sp.seg_runs(32768, t, 64))
-bound = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, PDL=True)
+bound = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, PDL=2)
 for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns),
         # with the bound read (tile bound 1 / 3) or by the bracket search (2), the bound launch (1 / 3)
         (sp._topk_prefill_kernel, dict(topk, RUNS=0, **write), t["warps"]),
@@ -358,7 +358,7 @@ fn = ss._scores_prefill_kernel
 for st, sub in [(ss.score_tiles(False, {}, False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
-                 KEYS_M=st.keys_m, SAMPLE=sub, ROW_SAMPLES=0, LOG_G=0, stride_qd=1, stride_kd=1, stride_btp=1, PDL=True)
+                 KEYS_M=st.keys_m, SAMPLE=sub, ROW_SAMPLES=0, LOG_G=0, stride_qd=1, stride_kd=1, stride_btp=1, PDL=2)
     types = dict(q_ptr="*bf16", k_ptr="*bf16", s_ptr="*fp32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}

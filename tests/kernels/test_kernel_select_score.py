@@ -260,7 +260,7 @@ for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, 
     t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request), False, 1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1,
-                 PDL=True, **{n: 1 for n, v in VALUES.items() if v == 1})
+                 PDL=2, **{n: 1 for n, v in VALUES.items() if v == 1})
     if t.block_r == 1:
         fn, const["HM"] = ss._scores_decode_kernel, 16
     else:

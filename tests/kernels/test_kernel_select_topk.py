@@ -230,7 +230,7 @@ for cols, rows, early, packed in ((2048, 1, 0, True), (2048, 1, 1, False), (4096
                                    (8192, 4, 0, False), (1024, 1, 0, True)):
     t = {**stk.topk_tiles(cols, small=False, rows=rows), "early": early}
     assert stk.short_route(cols, t), (cols, rows)
-    const = dict(KB=512, KBP=512, CAP=triton.next_power_of_2(cols), SBITS=t["sbits"], EARLY=early, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1, BLOCK_W=1024 if packed else 1, PDL=True)
+    const = dict(KB=512, KBP=512, CAP=triton.next_power_of_2(cols), SBITS=t["sbits"], EARLY=early, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1, BLOCK_W=1024 if packed else 1, PDL=2)
     types = dict(s_ptr="*fp32", pos_ptr="*i64")
     sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
     assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
