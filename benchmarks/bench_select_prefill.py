@@ -66,8 +66,13 @@ VARIANTS = {
 # Prefill score-tile overrides (name -> `ScoreTiles` changes), with the planned top-k tiles:
 # session 8 timed the samples-only pass faster with 128-column tiles or 64-row tiles; at 128-column
 # tiles the planned kernel spills 488 B (sm_90, triton 3.6), 16-row tiles or 8 warps do not.
-SCORE_VARIANTS = {"g128": dict(block_g=128), "r64": dict(block_r=64), "r16": dict(block_r=16),
-                  "w8": dict(num_warps=8)}
+# Session 11: "masked" is the kernel before whole tiles (every tile masked); r168 / r128:
+# registers per thread (3 programs an SM at 64-column tiles; r0: the compiler's choice).
+SCORE_VARIANTS = {"g128": dict(block_g=128), "g64": dict(block_g=64), "r64": dict(block_r=64), "r16": dict(block_r=16),
+                  "w8": dict(num_warps=8), "masked": dict(whole=False),
+                  "s2": dict(stages=2), "s4": dict(stages=4),
+                  "r168": dict(max_regs=168), "r128": dict(max_regs=128), "r0": dict(max_regs=0)}
+# A route name may join variants with "+" ("g64+sub4"): their score and tile changes together.
 PREFILL_ROUTE, TOPK_ROUTE, SCORE_TILES = sel._prefill_route, sel._topk_route, ss.score_tiles
 
 
@@ -79,15 +84,24 @@ def _score_tiles(changes: dict):
     return tiles
 
 
+def _parts(route: str) -> tuple[dict, dict]:
+    """(score-tile changes, select_prefill tile changes) of a route name (parts joined by "+")."""
+    score, tiles = {}, {}
+    for part in route.split("+"):
+        score.update(SCORE_VARIANTS.get(part, {}))
+        tiles.update(VARIANTS.get(part) or {})
+    return score, tiles
+
+
 def configure(route: str) -> None:
     """route: "radix", "topk" (select_topk for prefill chunks), a VARIANTS name of
     select_prefill or a SCORE_VARIANTS name (the score kernel's tiles)."""
-    ss.score_tiles = sel.score_tiles = _score_tiles(SCORE_VARIANTS[route]) if route in SCORE_VARIANTS else SCORE_TILES
+    score, changes = _parts(route)
+    ss.score_tiles = sel.score_tiles = _score_tiles(score) if score else SCORE_TILES
     sel._topk_route = (lambda *a: True) if route == "topk" else TOPK_ROUTE
     if route in ("radix", "topk"):
         sel._prefill_route = lambda *a: None
         return
-    changes = VARIANTS.get(route, {})
 
     def tiles(n_cols: int, block_topk: int, decode: bool, chunk: int):
         if decode:
@@ -170,11 +184,12 @@ def routes(ctx: str, names: list[str]) -> list[str]:
                 out.append(n)
             continue
         g = sel._score_block_g(cols)
-        t = {**sp.prefill_tiles(cols, KB, g, small=DRY), **VARIANTS.get(n, {})}
+        score, changes = _parts(n)
+        t = {**sp.prefill_tiles(cols, KB, g, small=DRY), **changes}
         base = sp.prefill_tiles(cols, KB, g, small=DRY)
         if t["seg"] >= cols and base["seg"] >= cols:  # one segment either way
             t["seg"] = base["seg"]
-        if cols * t["sub"] >= 2 * KB * g and (n in ("plan", *SCORE_VARIANTS) or t != base) and (t not in seen or n in SCORE_VARIANTS):
+        if cols * t["sub"] >= 2 * KB * g and (n == "plan" or score or t != base) and (t not in seen or score):
             out.append(n)
             seen.append(t)
     return out

@@ -256,6 +256,10 @@ _prefill_topk = Launcher(_topk_prefill_kernel)
 _prefill_resolve = Launcher(_resolve_prefill_kernel)
 
 
+# Longest sample run (columns). H200, session 11, top-k launches of 16K rows at 1M (128-column
+# score tiles), ms: runs of 128 -> 7.57, 64 -> 5.0 (64-column tiles), 32 -> 4.27, 16 -> 7.18; at
+# 128K (4 Kb samples already give runs of 16) 32 was slower (1.58 -> 2.03).
+SAMPLE_COLS = 32
 # Cap on the candidate lists kept for a deferred resolve (bytes): rows of several chunks.
 CAND_BYTES = 64 << 20
 
@@ -263,8 +267,8 @@ CAND_BYTES = 64 << 20
 def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
     """Launch shapes for prefill rows of num_cols columns whose score tiles are score_block_g
     columns wide. sub: samples per score tile (a power of two, the fewest giving >= 4 Kb
-    samples over num_cols, at most score_block_g / 4), S = score_block_g / sub columns per
-    sample; seg: columns per program; cap: candidates of a row (and of one list); block /
+    samples over num_cols and runs of at most SAMPLE_COLS, at most score_block_g / 4), S =
+    score_block_g / sub columns per sample; seg: columns per program; cap: candidates of a row (and of one list); block /
     rblock: columns per sweep step (compaction / the whole-row resolve); bits: key bits per
     search step; lbits: high key bits of the bound; warps per program; regs: registers per
     thread the compiler may use (0: its choice; fewer let more programs share an SM); defer:
@@ -280,7 +284,8 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     whole-row programs of 16 warps and 2048 candidates (W1) took 6.9 / 50.6 ms of top-k at
     128K / 1M)."""
     sub = 1
-    while 4 * sub < score_block_g and num_cols * sub < 4 * block_topk * score_block_g:
+    while 4 * sub < score_block_g and (num_cols * sub < 4 * block_topk * score_block_g
+                                       or score_block_g > SAMPLE_COLS * sub):
         sub *= 2
     if small:
         return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,

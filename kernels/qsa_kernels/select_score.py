@@ -53,6 +53,17 @@ def _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd
 
 
 @triton.jit
+def _load_keys_whole(k_ptr, bt_ptr, req, g, d, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp,
+                     PAGE: tl.constexpr, R: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """`_load_keys` of a whole tile: every group g < visible of every row, Di = DP (no masks);
+    g >= 0, so its page and row come from unsigned division."""
+    gu = g.to(tl.uint32)
+    page = tl.load(bt_ptr + req.to(tl.int64) * stride_btr + (gu // (PAGE // R)).to(tl.int32) * stride_btp)
+    off = page.to(tl.int64) * stride_kp + (gu % (PAGE // R)).to(tl.int32) * stride_kr
+    return tl.load(k_ptr + off[:, None] + d[None, :] * stride_kd).to(DOT_DTYPE)
+
+
+@triton.jit
 def _finish(relu_sum, norm):
     """Divide by sqrt(Di) with IEEE rounding (as the reference) and fold -0.0 into +0.0."""
     s = tl.math.div_rn(relu_sum, norm)
@@ -64,13 +75,13 @@ def _finish_fast(relu_sum, norm, rcp):
     """`_finish` by a Markstein correction of relu_sum * rcp (rcp = fp32(1 / norm)): the IEEE
     quotient for every relu_sum >= 0 whose quotient is normal, where norm's significand is 1
     or that of sqrt(2) (Di a power of two; every fp32 checked on the CPU); sums below 2^-100
-    are scaled by 2^64 first (the remainder would underflow)."""
+    are scaled by 2^64 first (the remainder would underflow). -0.0 needs no fold: q0 = -0.0,
+    the remainder +0.0 and q = +0.0 * rcp + -0.0 = +0.0."""
     tiny = relu_sum < 7.888609052210118e-31  # 2^-100
     x = relu_sum * tl.where(tiny, 18446744073709551616.0, 1.0)  # 2^64
     q0 = x * rcp
     q = tl.fma(tl.fma(-q0, norm, x), rcp, q0)
-    s = q * tl.where(tiny, 5.421010862427522e-20, 1.0)  # 2^-64
-    return tl.where(s == 0.0, 0.0, s)
+    return q * tl.where(tiny, 5.421010862427522e-20, 1.0)  # 2^-64
 
 
 @triton.jit
@@ -174,12 +185,53 @@ def _store_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, BLOCK_G: tl.conste
 
 
 @triton.jit
+def _store_samples_whole(samp_tile, g0, s, BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, SUB: tl.constexpr):
+    """`_store_samples` of a whole tile (every cell written): samp_tile int32 pointers
+    [1, BLOCK_R] of the rows' samples, column g0 / S + subset."""
+    key = s.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    m = tl.max(tl.reshape(key, (SUB, BLOCK_G // SUB, BLOCK_R)), 1)  # [SUB, BLOCK_R]
+    tl.store(samp_tile + (g0 // (BLOCK_G // SUB) + tl.arange(0, SUB)[:, None]), m)
+
+
+@triton.jit
 def _q_head(q_row, h, stride_qh, mask, HI: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """q [BLOCK_R, DP] of head h of a row tile (zeros where masked or h >= HI)."""
     return tl.load(q_row + h * stride_qh, mask=mask & (h < HI), other=0.0).to(DOT_DTYPE)
 
 
-@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr", "stride_pr"])
+@triton.jit
+def _keys_m_tile(k_ptr, bt_ptr, req, g0, g_end, qa, d, cols, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp,
+                 norm, rcp, s_ptr, s_tile, s_offs, samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr,
+                 DI: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
+                 SAMPLE: tl.constexpr, WHOLE: tl.constexpr):
+    """One score tile of the prefill kernel with keys on the dot's M: groups g0 + [0, BLOCK_G) of
+    request req against qa [HP * BLOCK_R, DP] (rows x heads, heads outermost), s^T [BLOCK_G,
+    BLOCK_R] stored at row lr, column g (and SAMPLE samples). WHOLE: every row is req's and sees
+    every group of the tile (no masks; s_tile + g0 + s_offs int32 [BLOCK_G, BLOCK_R] addresses
+    the cells, samp_tile [1, BLOCK_R] the rows' samples); else cells of g < vis of mine rows."""
+    g = g0 + cols
+    if WHOLE:
+        keys = _load_keys_whole(k_ptr, bt_ptr, req, g, d, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp,
+                                PAGE, R, DOT_DTYPE)
+    else:
+        keys = _load_keys(k_ptr, bt_ptr, req, g, g < g_end, d, stride_kp, stride_kr, stride_kd, stride_btr,
+                          stride_btp, DI, PAGE, R, DOT_DTYPE)
+    dots = tl.dot(keys, tl.trans(qa), input_precision="ieee")
+    acc = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (BLOCK_G, HP, BLOCK_R)), 1)
+    s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
+    if WHOLE:
+        tl.store(s_tile + g0 + s_offs, s)
+        if SAMPLE:
+            _store_samples_whole(samp_tile, g0, s, BLOCK_G, BLOCK_R, SAMPLE)
+    else:
+        written = mine[None, :] & (g[:, None] < vis[None, :])
+        tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s, mask=written)
+        if SAMPLE:
+            _store_samples(samp_ptr, lr, g0, s, written, tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
+
+
+@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_pr"])
 def _scores_prefill_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr,
     row0, n_rows, n_cols, span, norm, rcp,
@@ -189,7 +241,7 @@ def _scores_prefill_kernel(
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
     KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
-    LOG_G: tl.constexpr = 0,
+    LOG_G: tl.constexpr = 0, WHOLE: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
@@ -229,22 +281,49 @@ def _scores_prefill_kernel(
                              + (m // BLOCK_R)[:, None] * stride_qh + d[None, :] * stride_qd,
                              mask=(m_mine & (m // BLOCK_R < HI))[:, None] & (d < DI)[None, :], other=0.0)
                 qa = qa.to(DOT_DTYPE)
-                for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end,
-                                    BLOCK_G, num_stages=STAGES):
-                    g0 = col0 + off if SPAN_TILES else off
-                    g = g0 + cols
-                    keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
-                                      stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
-                    if KEYS_M:  # keys on M, rows x heads on N: s^T tile [BLOCK_G, BLOCK_R]
-                        dots = tl.dot(keys, tl.trans(qa), input_precision="ieee")
-                        acc = tl.sum(tl.reshape(tl.maximum(dots, 0.0), (BLOCK_G, HP, BLOCK_R)), 1)
-                        s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-                        written = mine[None, :] & (g[:, None] < vis[None, :])
-                        tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s, mask=written)
-                        if SAMPLE:
-                            _store_samples(samp_ptr, lr, g0, s, written, tl.where(mine, vis, 0), stride_pr,
-                                           BLOCK_G, BLOCK_R, SAMPLE)
+                if KEYS_M:  # keys on M, rows x heads on N: s^T tiles [BLOCK_G, BLOCK_R]
+                    # WHOLE: the tiles below g_full, where every row of the program is this request's
+                    # and sees every column, take the unmasked body; the rest the masked one.
+                    g_full = col0
+                    if WHOLE:
+                        vis_lo = tl.min(tl.where(mine, vis, 2147483647), 0)
+                        whole_rows = tl.min(mine.to(tl.int32), 0) == 1
+                        g_full = tl.where(whole_rows, col0 + (tl.minimum(vis_lo, col0 + span) - col0) // BLOCK_G * BLOCK_G,
+                                          col0)
+                    s_tile = s_ptr + (tl.program_id(0) * BLOCK_R).to(tl.int64) * stride_sr
+                    s_offs = tl.arange(0, BLOCK_R)[None, :] * stride_sr + cols[:, None]  # int32 (< 2^31: the plan)
+                    samp_tile = samp_ptr + lr.to(tl.int64)[None, :] * stride_pr
+                    if SPAN_TILES:  # the interpreter: one loop, each tile's body chosen per tile
+                        for off in tl.range(0, SPAN_TILES * BLOCK_G, BLOCK_G):
+                            if col0 + off + BLOCK_G <= g_full:
+                                _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
+                                             stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
+                                             samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
+                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, True)
+                            else:
+                                _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
+                                             stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
+                                             samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
+                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, False)
                     else:
+                        if WHOLE:
+                            for g0 in tl.range(col0, g_full, BLOCK_G, num_stages=STAGES):
+                                _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
+                                             stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
+                                             samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
+                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, True)
+                        for g0 in tl.range(g_full, g_end, BLOCK_G, num_stages=STAGES):
+                            _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
+                                         stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
+                                         samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
+                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, False)
+                else:
+                    for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end,
+                                        BLOCK_G, num_stages=STAGES):
+                        g0 = col0 + off if SPAN_TILES else off
+                        g = g0 + cols
+                        keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
+                                          stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
                         acc = tl.sum(tl.reshape(_relu_dot(qa, keys), (HP, BLOCK_R, BLOCK_G)), 0)
                         s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
                         written = mine[:, None] & (g[None, :] < vis[:, None])
@@ -295,7 +374,8 @@ class ScoreTiles:
     of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
     pack: prefill rows x heads on one dot's M (for at most 4 heads); fast_div: prefill's
     division by sqrt(Di) as `_finish_fast` (Di a power of two); keys_m (with pack): the key
-    tile is the dot's M and rows x heads its N."""
+    tile is the dot's M and rows x heads its N; whole (keys_m): tiles that every row of a program
+    sees whole take an unmasked body; max_regs: registers per thread (0: the compiler's choice)."""
 
     block_r: int
     block_g: int
@@ -305,6 +385,8 @@ class ScoreTiles:
     pack: bool = False
     fast_div: bool = False
     keys_m: bool = False
+    whole: bool = False
+    max_regs: int = 0
 
 
 # Prefill rows of at least this many columns (1M context) score in 128-column tiles (H200,
@@ -324,18 +406,21 @@ def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, 
       request's rows read each key once (1M B4 x 4 rows 224 -> 111 us);
     - prefill: keys on the wgmma's M, 32 rows x 4 heads on its N, the Markstein division
       (16K rows at 128K 7.5 -> 2.96 ms, at 1M 66.8 -> 25.3 ms, at 16K 512 -> 227 us); 128-column
-      tiles from PREFILL_WIDE_COLS num_cols."""
+      tiles from PREFILL_WIDE_COLS num_cols; whole tiles unmasked (session 11, scores of 16K
+      rows, ms: 1M 22.8 -> 18.2, 128K 3.18 -> 2.94, 16K 0.251 -> 0.225); 64-column tiles at 168
+      registers, 3 programs an SM (128K 2.94 -> 2.62; 128-column ones spill there)."""
     rows_tiles = decode and tiles.get("rows_per_request", 1) > 1
     if interpret:
         return ScoreTiles(block_r=4 if rows_tiles else 1 if decode else tiles["block_r"], block_g=tiles["block_g"],
                           span=2 * tiles["block_g"], stages=1, num_warps=4, pack=rows_tiles or not decode,
-                          fast_div=not decode, keys_m=not decode)
+                          fast_div=not decode, keys_m=not decode, whole=not decode)
     if rows_tiles:
         return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True)
     if decode:
         return ScoreTiles(block_r=1, block_g=128, span=256 if key_bytes == 1 else 128, stages=3, num_warps=4)
-    return ScoreTiles(block_r=32, block_g=128 if num_cols >= PREFILL_WIDE_COLS else 64, span=0, stages=3, num_warps=4,
-                      pack=True, fast_div=True, keys_m=True)
+    wide = num_cols >= PREFILL_WIDE_COLS
+    return ScoreTiles(block_r=32, block_g=128 if wide else 64, span=0, stages=3, num_warps=4, pack=True, fast_div=True,
+                      keys_m=True, whole=True, max_regs=0 if wide else 168)
 
 
 def _span(t: ScoreTiles, row_tiles: int, num_cols: int, min_programs: int = 1024) -> int:
@@ -410,6 +495,9 @@ class ScoreLaunch:
         )
         if row_samples:
             common.update(ROW_SAMPLES=row_samples, LOG_G=log_g)
+        # whole tiles address a row tile's cells with int32 offsets from its first row
+        whole = t.whole and t.keys_m and t.pack and Hi <= 4 and Di == triton.next_power_of_2(Di) \
+            and block_r * scores.stride(0) + num_cols < 2**31
         if per_row:
             self._launch = _decode.bind((rows, spans), *args, free=_FREE,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)
@@ -417,8 +505,9 @@ class ScoreLaunch:
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,
                                          FAST_DIV=t.fast_div and Di & (Di - 1) == 0 and (INTERPRETER_FMA_FUSED or not interpret), KEYS_M=t.keys_m,
+                                         WHOLE=whole,
                                          SAMPLE=sample_sub if samples is not None else 0, **common,
-                                         num_warps=t.num_warps)
+                                         num_warps=t.num_warps, **({"maxnreg": t.max_regs} if t.max_regs else {}))
 
     def __call__(self, q_idx: torch.Tensor, block_table: torch.Tensor, row0: int) -> None:
         sq, sb = q_idx.stride(), block_table.stride()

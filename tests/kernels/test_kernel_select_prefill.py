@@ -358,13 +358,15 @@ fn = ss._scores_prefill_kernel
 for st, sub in [(ss.score_tiles(False, {}, False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
-                 KEYS_M=st.keys_m, SAMPLE=sub, ROW_SAMPLES=0, LOG_G=0, stride_qd=1, stride_kd=1, stride_btp=1, PDL=2)
+                 KEYS_M=st.keys_m, SAMPLE=sub, ROW_SAMPLES=0, LOG_G=0, WHOLE=st.whole,
+                 stride_qd=1, stride_kd=1, stride_btp=1, PDL=2)
     types = dict(q_ptr="*bf16", k_ptr="*bf16", s_ptr="*fp32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
            for n in fn.arg_names}
     assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=st.num_warps, num_stages=st.stages, launch_pdl=True))
+                       options=dict(num_warps=st.num_warps, num_stages=st.stages, launch_pdl=True,
+                                    maxnreg=st.max_regs or None))
     print("score", sub, k.asm["ptx"].count("wgmma.mma_async"), k.metadata.shared)
 """
 

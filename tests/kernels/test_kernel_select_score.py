@@ -10,11 +10,11 @@ request borders); the production tiles are compiled for sm_90 here, without a GP
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import subprocess
 import sys
-
-import math
 
 import pytest
 import torch
@@ -157,6 +157,34 @@ def test_prefill_scores_bitwise_requests_across_row_tiles(kind):
     assert_scores(kernel_scores(problem, rows, cols, 8, decode=False), reference_scores(problem, rows, cols, 8), True)
 
 
+WHOLE = ss.ScoreTiles(block_r=16, block_g=16, span=64, stages=1, num_warps=4, pack=True, fast_div=True, keys_m=True,
+                      whole=True)
+
+
+@pytest.mark.parametrize("kind", ["int", "randn"])
+@pytest.mark.parametrize("tiles", ["small", "plan"])
+def test_whole_tiles_take_the_unmasked_body_with_the_same_bits(kind, tiles):
+    """Tiles that every row of a program sees whole (one request, all rows in the chunk) take
+    the unmasked body (on the GPU with the plan's tiles: stored in place); the rest the masked
+    one. Both give the reference's bits (int) and each other's (randn), and nothing outside the
+    rows' visible columns is written."""
+    problem = make_problem([600, 90, 250], [40, 10, 21], kind=kind, seed=8)
+    q, comp, table, to_req, vis = problem
+    rows, cols = range(0, 71), 600 // 4
+    plan = sel.plan_select(len(rows), cols, 8, decode=False, device=DEV).tiles
+    t = WHOLE if tiles == "small" else ss.score_tiles(False, plan, DEV == "cpu", num_cols=cols)
+    assert t.whole
+    # the premise: some row tiles are one request's rows that all see >= one column tile
+    starts = range(0, len(rows), t.block_r)
+    whole = [bool((to_req[i:i + t.block_r] == to_req[i]).all()) and i + t.block_r <= len(rows)
+             and int(vis[i:i + t.block_r].min()) >= t.block_g for i in starts]
+    assert 0 < sum(whole) < len(whole), whole
+    got = kernel_scores(problem, rows, cols, 8, decode=False, tiles=t)
+    masked = kernel_scores(problem, rows, cols, 8, decode=False, tiles=dataclasses.replace(t, whole=False))
+    assert torch.equal(got.nan_to_num(99.0), masked.nan_to_num(99.0))
+    assert_scores(got, reference_scores(problem, rows, cols, 8), kind == "int")
+
+
 @pytest.mark.parametrize("decode", [True, False])
 def test_gaussian_bf16_within_rounding(decode):
     problem = make_problem([130, 70], [4, 9], kind="randn", seed=3)
@@ -265,7 +293,7 @@ for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, 
         fn, const["HM"] = ss._scores_decode_kernel, 16
     else:
         fn = ss._scores_prefill_kernel
-        const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m, SAMPLE=0)
+        const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m, SAMPLE=0, WHOLE=t.whole)
     types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, bt_ptr="*i32", req_ptr="*i32", vis_ptr="*i32", s_ptr="*fp32",
                  samp_ptr="*i32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
@@ -273,7 +301,8 @@ for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, 
              if n not in const and (types.get(n, "").startswith("*") or VALUES.get(n, 1) % 16 == 0)}
     assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps, num_stages=t.stages, launch_pdl=True))
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps, num_stages=t.stages, launch_pdl=True,
+                                                                  maxnreg=t.max_regs or None))
     ptx = k.asm["ptx"]
     print(decode and t.block_r == 1 or t.block_r * 4 < 64, ptx.count("wgmma.mma_async"),
           ptx.count("mma.sync.aligned"), ptx.count("cp.async"), k.metadata.shared)
