@@ -5,12 +5,13 @@
 For each case (bench_qsa's configurations, by short name) and each variant (switches read
 when a planner and its launches are made: `nopdl`; `pdl` / `late` = programmatic dependent
 launch signalling at each program's start / end, `launch`'s modes 1 / 2; `samples` =
-QSA_DECODE_SAMPLES=1 with PDL 2), the step (`bench_qsa.Step.full`:
+QSA_DECODE_SAMPLES=1 with PDL 2; `auto` = the default routes with PDL 2; the others force
+QSA_DECODE_SAMPLES=0), the step (`bench_qsa.Step.full`:
 prepare + select + attention, every launch in one CUDA graph) is built anew, its attention
 output must equal the first variant's bit for bit, and its graph replays are timed (median us,
 L2 flushed), variants interleaved over `--rounds` rounds so that drift hits them alike.
 `--profile` also records `--replays` replays per variant with torch.profiler (CUPTI) and prints
-each kernel's mean duration, the step's span (first kernel start to last kernel end) and the
+each kernel's time per step (and launches per step), the step's span (first kernel start to last kernel end) and the
 idle time between its kernels.
 """
 
@@ -36,10 +37,12 @@ CASES = {
     "8k-b1": Case("decode", 8192, 1, 1), "32k-b4": Case("decode", 32768, 4, 1),
     "128k-b4": Case("decode", 131072, 4, 1), "128k-b4-fp8": Case("decode", 131072, 4, 1, "fp8_e4m3"),
     "128k-b64": Case("decode", 131072, 64, 1), "1m-b4": Case("decode", M, 4, 1),
+    "1m-b4-fp8": Case("decode", M, 4, 1, "fp8_e4m3"),
     "1m-b4x4": Case("decode", M, 4, 4), "p16k": Case("prefill", 16384, 1, 16384),
 }
 # variant -> (PDL mode, QSA_DECODE_SAMPLES)
-VARIANTS = {"nopdl": (0, "0"), "pdl": (1, "0"), "late": (2, "0"), "samples": (2, "1"), "samples-nopdl": (0, "1")}
+VARIANTS = {"nopdl": (0, "0"), "pdl": (1, "0"), "late": (2, "0"), "samples": (2, "1"), "samples-nopdl": (0, "1"),
+            "auto": (2, "auto")}
 
 
 def build(case: Case, variant: str) -> bq.Step:
@@ -53,8 +56,9 @@ def build(case: Case, variant: str) -> bq.Step:
     return step
 
 
-def profile(step: bq.Step, replays: int) -> tuple[dict[str, float], float, float]:
-    """(mean us per kernel name, mean span us, mean idle us between kernels) of graph replays."""
+def profile(step: bq.Step, replays: int) -> tuple[dict[str, tuple[float, int]], float, float]:
+    """({kernel name: (mean us per launch, launches per replay)}, median span us, median idle us
+    between kernels) of graph replays."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step.full()
@@ -79,7 +83,8 @@ def profile(step: bq.Step, replays: int) -> tuple[dict[str, float], float, float
         for e in run:
             per[e.name[:60]].append(e.time_range.end - e.time_range.start)
     del graph
-    return ({k: statistics.mean(v) for k, v in per.items()}, statistics.median(spans) if spans else 0.0,
+    return ({k: (statistics.mean(v), len(v) // replays) for k, v in per.items()},
+            statistics.median(spans) if spans else 0.0,
             statistics.median(idles) if idles else 0.0)
 
 
@@ -118,8 +123,8 @@ def main() -> None:
                 for v, step in steps.items():
                     kernels, span, idle = profile(step, args.replays)
                     print(f"  profile {name} {v}: span {span:.1f} us, idle between kernels {idle:.1f} us")
-                    for k, us in sorted(kernels.items(), key=lambda kv: -kv[1]):
-                        print(f"    {us:8.1f} us  {k}")
+                    for k, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+                        print(f"    {us * n:8.1f} us  {k}" + (f" ({n} launches of {us:.1f})" if n > 1 else ""))
             del steps
             torch.cuda.empty_cache()
         except Exception as e:  # one failing case must not stop the others

@@ -1,0 +1,126 @@
+"""Decode score launch alone under tile variants (issue 12): where its time goes at long context.
+
+    python benchmarks/sweep_decode_scores.py [--shapes 1m-b4,1m-b4-fp8,128k-b4,128k-b64] [--variants ...]
+    TRITON_INTERPRET=1 python benchmarks/sweep_decode_scores.py --dry     # CPU: checks only
+
+One row per request (bench_qsa's geometry: indexer 4 x 128, r 4, page 64; random keys in pages
+of one shuffled pool). Each variant is a `select_score.ScoreTiles` (block_g, span in tiles,
+stages, warps, max registers) and optionally the per-row samples of the decode route
+(`row_samples`); its scores must equal the default tiles' bit for bit (and its samples the
+default samples launch's) before it is timed: CUDA-graph replay median, L2 flushed before
+each replay. Bytes: the compressed keys each row reads once, so GB/s is the launch's share of
+the HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from qsa_kernels import select_score as ss  # noqa: E402
+
+K, M = 1 << 10, 1 << 20
+PAGE, R, DI, HI, KB = 64, 4, 128, 4, 512
+# name: (requests, context tokens, index dtype)
+SHAPES = {
+    "1m-b4": (4, M, torch.bfloat16), "1m-b4-fp8": (4, M, torch.float8_e4m3fn),
+    "128k-b4": (4, 128 * K, torch.bfloat16), "128k-b64": (64, 128 * K, torch.bfloat16),
+    "tiny": (3, 4096, torch.bfloat16),
+}
+# name: (block_g, span tiles, stages, warps, max regs, row samples)
+VARIANTS = {
+    "g128s1": (128, 1, 3, 4, 0, 0), "g128s2": (128, 2, 3, 4, 0, 0), "g128s4": (128, 4, 3, 4, 0, 0),
+    "g128s8": (128, 8, 3, 4, 0, 0), "g128s2st2": (128, 2, 2, 4, 0, 0), "g128s4st4": (128, 4, 4, 4, 0, 0),
+    "g64s1": (64, 1, 3, 4, 0, 0), "g64s2": (64, 2, 3, 4, 0, 0), "g64s4": (64, 4, 3, 4, 0, 0),
+    "g64s8": (64, 8, 3, 4, 0, 0), "g64s2w2": (64, 2, 3, 2, 0, 0), "g128s1w8": (128, 1, 3, 8, 0, 0),
+    "g128s2w8": (128, 2, 3, 8, 0, 0), "g256s1w8": (256, 1, 3, 8, 0, 0), "g128s1r64": (128, 1, 3, 4, 64, 0),
+    "samp": (128, 1, 3, 4, 0, 1), "samp-r64": (128, 1, 3, 4, 64, 1), "samp-g64s2": (64, 2, 3, 4, 0, 1),
+}
+
+
+class Problem:
+    """Caches and queries of `requests` decode rows at `context` tokens."""
+
+    def __init__(self, requests: int, context: int, dtype: torch.dtype, dev: torch.device) -> None:
+        torch.manual_seed(0)
+        per_req = triton.cdiv(context, PAGE)
+        pages = per_req * requests + 1
+        self.cols = context // R
+        bf = torch.randn(pages, PAGE // R, DI, device=dev, dtype=torch.bfloat16)
+        self.compressed = bf.to(dtype)
+        self.q = torch.randn(requests, HI, DI, device=dev, dtype=torch.bfloat16).to(dtype)
+        perm = torch.randperm(pages - 1, device=dev).to(torch.int32) + 1
+        self.table = perm[: per_req * requests].view(requests, per_req).contiguous()
+        self.to_req = torch.arange(requests, device=dev, dtype=torch.int32)
+        self.vis = torch.full((requests,), self.cols, device=dev, dtype=torch.int32)
+        self.rows = requests
+        self.bytes = requests * self.cols * DI * self.compressed.element_size()
+
+    def launch(self, tiles: ss.ScoreTiles | None, row_samples: int, interpret: bool):
+        """(launch fn, scores, samples) of one bound score launch."""
+        scores = torch.full((self.rows, self.cols), float("nan"), device=self.q.device)
+        log_g = (tiles.block_g if tiles else 128).bit_length() - 1
+        wbits = max((4 * KB - 1).bit_length(), (self.cols - 1).bit_length() - log_g) if row_samples else 0
+        samples = torch.full((self.rows, 1 << wbits), -7, device=self.q.device, dtype=torch.int32) if wbits else None
+        sl = ss.ScoreLaunch(self.q, self.compressed, self.table, self.to_req, self.vis, scores, row0=0, rows=self.rows,
+                            num_cols=self.cols, page_size=PAGE, compress_ratio=R, block_topk=KB, decode=True,
+                            tiles=dict(block_g=16), interpret=interpret, score=tiles, samples=samples,
+                            row_samples=wbits)
+        return (lambda: sl(self.q, self.table, 0)), scores, samples
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1m-b4,1m-b4-fp8,128k-b4,128k-b64")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--dry", action="store_true")
+    args = ap.parse_args(argv)
+    dev = torch.device("cpu" if args.dry else "cuda")
+    shapes = "tiny" if args.dry else args.shapes
+    if not args.dry:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_qsa import GraphTimer
+        timer = GraphTimer(flush_l2=True, reps=25, budget_ms=300)
+    t0 = time.time()
+    table = []
+    for key in shapes.split(","):
+        p = Problem(*SHAPES[key], dev)
+        fn, want, _ = p.launch(None, 0, args.dry)
+        fn()
+        base = None if args.dry else timer(fn)
+        print(f"[{time.time() - t0:6.1f}s] {key}: default {base} us", flush=True)
+        samp_want = None
+        for v in args.variants.split(","):
+            g, span, stages, warps, regs, rs = VARIANTS[v]
+            if args.dry:
+                g, span = 16, 2
+            t = ss.ScoreTiles(block_r=1, block_g=g, span=g * span, stages=stages, num_warps=warps, max_regs=regs)
+            try:
+                fn, got, samp = p.launch(t, rs, args.dry)
+                fn()
+                ok = torch.equal(got.view(torch.int32), want.view(torch.int32))
+                if samp is not None and g == 128:
+                    samp_want = samp.clone() if samp_want is None else samp_want
+                    ok = ok and torch.equal(samp, samp_want)
+                us = float("nan") if args.dry or not ok else timer(fn)
+                gbs = p.bytes / us / 1e3 if us == us else float("nan")
+                table.append((key, v, us, gbs, ok))
+                print(f"[{time.time() - t0:6.1f}s] {key:10s} {v:12s} {us:8.1f} us {gbs:7.0f} GB/s"
+                      + ("" if ok else "  DIFFERS"), flush=True)
+            except Exception as exc:  # one variant's compile failure must not end the sweep
+                print(f"[{time.time() - t0:6.1f}s] {key} {v} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        del p
+    print("\nshape      variant          us    GB/s  exact")
+    for key, v, us, gbs, ok in table:
+        print(f"{key:10s} {v:12s} {us:8.1f} {gbs:7.0f}  {'yes' if ok else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
