@@ -44,7 +44,14 @@ SHAPES = {
     "tiny": ([6000, 2100, 100], 2),  # --dry
 }
 VARIANTS = {"skip": dict(skip=1), "skip4k": dict(skip=1, seg=4096), "seg4k": dict(seg=4096), "seg16k": dict(seg=16384), "w16": dict(warps=16), "w4": dict(warps=4),
-            "cap2k": dict(cap=2048), "lb31": dict(lbits=31)}
+            "cap2k": dict(cap=2048), "lb31": dict(lbits=31),
+            # the bracket search (2^sbits counts a step until isolated) for the bound (bound 2) and/or the resolve
+            "br3": dict(bound=2, sbits=3), "rs3": dict(rsbits=3), "fast": dict(bound=2, sbits=3, rsbits=3),
+            "fast2": dict(bound=2, sbits=2, rsbits=2), "fast-skip": dict(bound=2, sbits=3, rsbits=3, skip=1),
+            "fast-seg4k": dict(bound=2, sbits=3, rsbits=3, seg=4096),
+            "fast-seg2k": dict(bound=2, sbits=3, rsbits=3, seg=2048),
+            "fast-skip4k": dict(bound=2, sbits=3, rsbits=3, skip=1, seg=4096),
+            "fast-w4": dict(bound=2, sbits=3, rsbits=3, warps=4)}
 TILES = sp.decode_tiles
 
 

@@ -5,7 +5,7 @@ only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
 (`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
 `select_topk.py`, see `_topk_route`; for long prefill rows `select_prefill.py` from samples the
-score launch writes too, see `_prefill_route`; with QSA_DECODE_SAMPLES=1 long decode chunks
+score launch writes too, see `_prefill_route`; long decode chunks of one row per request
 `select_prefill`'s top-k from per-row samples, see `_decode_samples_route`) write each row's
 chosen groups in ascending order (or the packed rows); rows with visible <= Kb take groups
 0..visible-1 unscored.
@@ -57,20 +57,30 @@ _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
 # The per-row-samples decode route (the score launch also writes per-row samples, then one
 # `select_prefill` top-k launch: `select_prefill.decode_tiles`) takes decode chunks of up to
-# _DECODE_SAMPLES_MAX_ROWS rows longer than the short route's, where QSA_DECODE_SAMPLES=1 (read
-# when a workspace or schedule is made) or plan_select(decode_samples=True). Off by default:
-# on the H200 (session 8; exact on random and tied data everywhere) its select alone won only
-# for few rows at 128K (us, main -> samples: 128K B4 48.7 -> 44.6, a 128K plan with one row at
-# 128K and three at 16K 44.2 -> 37.5) and lost at 1M B4 (118.6 vs 132.4), at 1M with three
-# shorter rows (82.7 vs 91.2 at 256K, 75.8 vs 78.8 at 64K), at 1M B4 x 4 MTP rows (172.5 vs
-# 241.4) and at 128K B64 (194.4 vs 202.9); and with it on for 128K B4 the whole step took
-# 71.0 us against 69.3 with the radix route (fp8 keys: 68.0 vs 67.1), select alone 45.1 vs 48.9.
+# _DECODE_SAMPLES_MAX_ROWS rows longer than the short route's: two launches where the radix
+# route takes seven. QSA_DECODE_SAMPLES (read when a workspace or schedule is made; or
+# plan_select(decode_samples=...)): unset / "auto" = chunks of one row per request, "1" = MTP
+# rows too, "0" = never. H200, session 12 (select alone, us, radix or segment route -> this
+# route with the bracket searches and the tile skip; exact on random and tied data): 128K B4
+# 45.9 -> 37.0, 1M B4 123.1 -> 113.4, 128K B64 203.3 -> 193.6, 1M + 3 x 64K 75.2 -> 58.8; but
+# 1M B4 x 4 MTP rows 167.2 -> 196.8 (the MTP score kernel with samples), so MTP keeps its route.
 _DECODE_SAMPLES_MAX_ROWS = 64
 
 
-def decode_samples_enabled() -> bool:
-    """QSA_DECODE_SAMPLES=1: long decode chunks take the per-row-samples route."""
-    return os.environ.get("QSA_DECODE_SAMPLES", "0") == "1"
+def decode_samples_mode() -> str:
+    """QSA_DECODE_SAMPLES: "auto" (unset or empty: one row per request), "1" (every decode
+    chunk) or "0" (none)."""
+    mode = os.environ.get("QSA_DECODE_SAMPLES", "") or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"QSA_DECODE_SAMPLES must be auto, 0 or 1, got {mode!r}")
+    return mode
+
+
+def decode_samples_enabled(rows_per_request: int = 1) -> bool:
+    """Whether decode chunks of rows_per_request rows per request take the per-row-samples
+    route (`decode_samples_mode`)."""
+    mode = decode_samples_mode()
+    return mode == "1" or (mode == "auto" and rows_per_request <= 1)
 
 
 def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool) -> dict | None:
@@ -151,7 +161,8 @@ class SelectWorkspace:
 def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str,
                      decode_samples: bool | None = None) -> SelectWorkspace:
     """Scratch for any `plan_select` with num_rows <= max_rows and num_cols <= max_cols
-    (decode_samples: also that of the per-row-samples decode route; None: `QSA_DECODE_SAMPLES`)."""
+    (decode_samples: also that of the per-row-samples decode route; None: unless
+    QSA_DECODE_SAMPLES=0)."""
     dev = torch.device(device)
     cols = max(max_cols, 1)
     if cols <= block_topk:  # nothing is ever scored
@@ -171,7 +182,7 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         topk=_topk_scratch(max_rows, cols, block_topk, dev),
         prefill=_prefill_scratch(max_rows, cols, block_topk, dev),
         decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev) if (
-            decode_samples_enabled() if decode_samples is None else decode_samples) else None,
+            decode_samples_mode() != "0" if decode_samples is None else decode_samples) else None,
     )
 
 
@@ -294,7 +305,7 @@ def plan_select(
     from `workspace` (CUDA-graph safe) or are allocated here. rows_per_request: decode rows
     per request (decode_query_len; > 1 lets a request's rows share each key load).
     decode_samples: long decode chunks take the per-row-samples route (`_decode_samples_route`;
-    None: `QSA_DECODE_SAMPLES`, read now).
+    None: `decode_samples_enabled(rows_per_request)`, read now).
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
@@ -326,7 +337,7 @@ def plan_select(
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
-    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, decode_samples_enabled()
+    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, decode_samples_enabled(rows_per_request)
                                         if decode_samples is None else decode_samples) if scored else None
     dsamp = None
     if dsamp_tiles is not None:

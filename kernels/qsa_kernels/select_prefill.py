@@ -39,16 +39,19 @@ import triton.language as tl
 from .launch import Launcher, pdl_end, pdl_start
 from .select_radix import ChunkLaunches, packed_write
 from .select_score import _sample_shift
-from .select_topk import (_compact_segment, _compact_step, _emit, _keys, _kth_bound, _kth_key, _resolve_row,
-                          _write_short, _write_tail)
+from .select_topk import (_compact_segment, _compact_step, _emit, _emit_above, _keys, _kth_bound, _kth_key,
+                          _resolve_row, _write_short, _write_tail)
 
 
 @triton.jit
 def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr,
-                   SEGP: tl.constexpr, CAP: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
+                   SEGP: tl.constexpr, CAP: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr,
+                   RSBITS: tl.constexpr = 0):
     """Exact top-k of a row's candidate lists (list s at s * CAP of c_idx / c_key, its length
-    at cnt_row[s], n_seg lists, at most CAP candidates in all): gathered in segment order
-    (ascending columns), the KB-th key found in registers, the chosen written ascending."""
+    at cnt_row[s], n_seg lists, KB to CAP candidates in all): gathered in segment order
+    (ascending columns), the KB-th key found in registers (RSBITS 0: `_kth_key`, 31 / BITS
+    steps; else the bracket search `_kth_bound`, 2^RSBITS counts a step until isolated), the
+    chosen written ascending."""
     segs = tl.arange(0, SEGP)
     cnt = tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg")
     total = tl.sum(cnt, 0)
@@ -60,7 +63,11 @@ def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.cons
     m = j < total
     key = tl.load(c_key + src, mask=m, other=-1, cache_modifier=".cg")
     idx = tl.load(c_idx + src, mask=m, other=0, cache_modifier=".cg")
-    _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+    if RSBITS:
+        thr, n_above = _kth_bound(key, total, KB, RSBITS)
+        _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB, PACKED, R)
+    else:
+        _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
@@ -154,7 +161,7 @@ def _topk_prefill_kernel(
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
-    BOUND_IN: tl.constexpr = 0, SBITS: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    BOUND_IN: tl.constexpr = 0, SBITS: tl.constexpr = 0, RSBITS: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -218,7 +225,8 @@ def _topk_prefill_kernel(
             if _row_total(cnt_row, n_seg, SEGP) <= CAP:
                 if not DEFER:
                     _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
+                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R,
+                                   RSBITS)
             else:
                 _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
@@ -230,7 +238,7 @@ def _resolve_prefill_kernel(
     vis_ptr, cidx_ptr, ckey_ptr, cnt_ptr, out_ptr, pos_ptr, row0, n_rows, n_cols, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr,
     PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    RSBITS: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     """The deferred resolve of rows [row0, row0 + n_rows) (grid: >= n_rows programs) from the
     candidate lists `_topk_prefill_kernel` (DEFER) left at their local row: rows with visible
@@ -247,7 +255,7 @@ def _resolve_prefill_kernel(
                 out_row = out_ptr + row.to(tl.int64) * stride_or
                 _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_lists(cidx_ptr + lr.to(tl.int64) * stride_cr, ckey_ptr + lr.to(tl.int64) * stride_cr,
-                               cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
+                               cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R, RSBITS)
     pdl_end(PDL)
 
 
@@ -308,17 +316,22 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     >= 4 Kb slots and rows of num_cols columns at most score_block_g (= 2^log_g) columns per
     sample. So every scored row has at least Kb samples, a row of at most 2^WBITS columns one
     per column (its bound is its Kb-th key) and a longer one more than 2 Kb: a short row of a
-    long plan keeps a tight bound. One launch per chunk (no deferred resolve). skip (off until
-    measured): rows of at least 2^skip_shift columns per sample read only the runs whose sample
-    reaches the bound (`seg_runs`), others their whole segment. The other fields as
+    long plan keeps a tight bound. One launch per chunk (no deferred resolve). skip: rows of at
+    least 2^skip_shift columns per sample read only the runs whose sample reaches the bound
+    (`seg_runs`), others their whole segment. bound 2: each program's bracket search of its
+    row's samples; rsbits: the resolve's bracket search (`_resolve_lists`). The other fields as
     `prefill_tiles`'. small: the interpreter's tiles."""
     log_g = score_block_g.bit_length() - 1
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
-    t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip=0, skip_shift=min(3, log_g), regs=0,
-             rwarps=4, rregs=0, bound=0, sbits=2)
+    t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,
+             bound=2)
     if small:
-        return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4)
-    return dict(t, seg=8192, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8)
+        return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, skip=0, sbits=2, rsbits=2)
+    # H200, session 12 (select alone, us; bound 0, the 16-step resolve, no skip, seg 8192 ->
+    # this): 128K B4 44.3 -> 35.5, 1M B4 131.9 -> 113.4, 128K B64 205.2 -> 193.6. Segments of
+    # 4096 won at 128K (37.0 -> 35.5) and lost at 1M (113.4 -> 202.0: 64 lists to gather).
+    return dict(t, seg=4096 if num_cols <= 32768 else 8192, cap=1024, block=2048, rblock=1024, bits=2, lbits=16,
+                warps=8, skip=1, sbits=3, rsbits=3)
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
@@ -421,7 +434,7 @@ class PrefillTopkLaunch(ChunkLaunches):
         self.rows, self.first, self.end = rows, first_row, first_row + num_rows
         self.group = defer_rows(chunk, num_rows, num_cols, t)
         cidx, ckey = (x[: n["cand_idx"]].view(self.group, -1) for x in (scratch.cand_idx, scratch.cand_key))
-        common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], **write)
+        common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], RSBITS=t.get("rsbits", 0), **write)
         runs = seg_runs(num_cols, t, score_block_g)
         row_s = t.get("row_s", 0)
         if row_s and (t["defer"] or samples.shape[1] != 1 << row_s):

@@ -393,6 +393,10 @@ class ScoreTiles:
 # session 8, select of 16K rows at 1M: 35.9 -> 32.7 ms, its scores 24.7 -> 23.5 and its
 # candidate launches 10.6 -> 8.4 from the longer samples); at 128K they were slower (4.9 -> 5.8).
 PREFILL_WIDE_COLS = 1 << 18
+# Registers per thread of the decode kernel with per-row samples (96 by the compiler's choice,
+# 59 without samples). H200, session 12, the score launch alone, us (none / samples / samples at
+# 64 registers): 1M B4 80.6 / 91.1 / 86.0, 128K B64 149.0 / 170.1 / 161.0, 128K B4 19.2 / 20.5 / 19.9.
+SAMPLES_MAX_REGS = 64
 
 
 def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, num_cols: int = 0) -> ScoreTiles:
@@ -499,8 +503,10 @@ class ScoreLaunch:
         whole = t.whole and t.keys_m and t.pack and Hi <= 4 and Di == triton.next_power_of_2(Di) \
             and block_r * scores.stride(0) + num_cols < 2**31
         if per_row:
+            regs = t.max_regs or (SAMPLES_MAX_REGS if row_samples else 0)
             self._launch = _decode.bind((rows, spans), *args, free=_FREE,
-                                        HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps)
+                                        HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps,
+                                        **({"maxnreg": regs} if regs else {}))
         else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,

@@ -209,12 +209,20 @@ def test_the_switch_is_read_when_a_schedule_is_made(monkeypatch):
 
 
 
-def test_the_route_is_off_unless_asked_for(monkeypatch):
-    # H200 (session 8): its whole 128K B4 step was slower than the radix route's; nothing takes it unset.
+def test_the_route_takes_one_row_per_request_by_default(monkeypatch):
+    # H200 (session 12): faster than the radix and segment routes with one row per request
+    # (128K B4, 1M B4, 128K B64), slower with MTP rows (1M B4 x 4), which keep their route.
     monkeypatch.delenv("QSA_DECODE_SAMPLES", raising=False)
-    assert ker.select_workspace(64, 1 << 15, KB, "meta").decode_samples is None
+    assert ker.select_workspace(64, 1 << 15, KB, "meta").decode_samples is not None
     for rows, cols in ((4, 1 << 15), (15, 20480), (64, 1 << 18)):
-        assert ker.plan_select(rows, cols, KB, decode=True, device="meta").decode_samples is None
+        assert ker.plan_select(rows, cols, KB, decode=True, device="meta").decode_samples is not None
+        assert ker.plan_select(rows, cols, KB, decode=True, device="meta", rows_per_request=4).decode_samples is None
+    assert ker.plan_select(65, 1 << 15, KB, decode=True, device="meta").decode_samples is None  # > 64 rows a chunk
+    monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")
+    assert ker.select_workspace(64, 1 << 15, KB, "meta").decode_samples is None
+    monkeypatch.setenv("QSA_DECODE_SAMPLES", "2")
+    with pytest.raises(ValueError, match="QSA_DECODE_SAMPLES must be auto, 0 or 1, got '2'"):
+        ker.plan_select(4, 1 << 15, KB, decode=True, device="meta")
 
 
 SM90_COMPILE = """
@@ -236,7 +244,7 @@ for cols in (32768, 262144):  # 128K and 1M context
                      SEGP=triton.next_power_of_2(triton.cdiv(cols, t["seg"])), CAP=t["cap"], BLOCK=t["block"],
                      RBLOCK=t["rblock"], DEFER=0, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1,
                      BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"],
-                     BOUND_IN=0, SBITS=0, PDL=2)
+                     BOUND_IN=0, SBITS=t["sbits"], RSBITS=t["rsbits"], PDL=2)
         fn = sp._topk_prefill_kernel
         assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
         triton.compile(ASTSource(fn, sig(fn, const, dict(s_ptr="*fp32", pos_ptr="*i64")), const), target=target,

@@ -302,7 +302,8 @@ for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, 
     assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps, num_stages=t.stages, launch_pdl=True,
-                                                                  maxnreg=t.max_regs or None))
+                                                                  maxnreg=t.max_regs or (ss.SAMPLES_MAX_REGS if
+                                                                  row_samples and t.block_r == 1 else None)))
     ptx = k.asm["ptx"]
     print(decode and t.block_r == 1 or t.block_r * 4 < 64, ptx.count("wgmma.mma_async"),
           ptx.count("mma.sync.aligned"), ptx.count("cp.async"), k.metadata.shared)

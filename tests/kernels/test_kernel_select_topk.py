@@ -201,6 +201,7 @@ def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, m
 
     monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
         (rows, cols), float("nan"), device=device))
+    monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")  # (by default one row per request goes to the samples route)
     problem = make_problem(seq_lens, query_lens, kind="int", pad_rows=2)
     T, max_seq = problem[0].shape[0], problem[-1]
     assert ker.plan_select(T, max_seq // 4, 8, decode=True, device=DEV).topk is not None
