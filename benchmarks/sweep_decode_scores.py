@@ -85,7 +85,6 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device("cpu" if args.dry else "cuda")
     shapes = "tiny" if args.dry else args.shapes
     if not args.dry:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from bench_qsa import GraphTimer
         timer = GraphTimer(flush_l2=True, reps=25, budget_ms=300)
     t0 = time.time()

@@ -76,7 +76,7 @@ def decode_samples_mode() -> str:
     return mode
 
 
-def decode_samples_enabled(rows_per_request: int = 1) -> bool:
+def decode_samples_enabled(rows_per_request: int) -> bool:
     """Whether decode chunks of rows_per_request rows per request take the per-row-samples
     route (`decode_samples_mode`)."""
     mode = decode_samples_mode()

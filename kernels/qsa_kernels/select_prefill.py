@@ -174,7 +174,8 @@ def _topk_prefill_kernel(
     launch's), not per S; with RUNS, rows of at most RUNS runs per segment read only their live
     runs, others the segment. The row's bound: BOUND_IN, read from bound int32 [chunk rows]
     (`_bound_prefill_kernel`, before this launch), else each program's own `_chunk_row_bound`
-    (SBITS: the bracket search)."""
+    (SBITS: the bracket search). RSBITS: the last arriver's resolve by the bracket search
+    (`_resolve_lists`; 0: `_kth_key`)."""
     pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
@@ -238,7 +239,7 @@ def _resolve_prefill_kernel(
     vis_ptr, cidx_ptr, ckey_ptr, cnt_ptr, out_ptr, pos_ptr, row0, n_rows, n_cols, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr,
     PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-    RSBITS: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     """The deferred resolve of rows [row0, row0 + n_rows) (grid: >= n_rows programs) from the
     candidate lists `_topk_prefill_kernel` (DEFER) left at their local row: rows with visible
@@ -255,7 +256,7 @@ def _resolve_prefill_kernel(
                 out_row = out_ptr + row.to(tl.int64) * stride_or
                 _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_lists(cidx_ptr + lr.to(tl.int64) * stride_cr, ckey_ptr + lr.to(tl.int64) * stride_cr,
-                               cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R, RSBITS)
+                               cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
     pdl_end(PDL)
 
 
@@ -434,7 +435,7 @@ class PrefillTopkLaunch(ChunkLaunches):
         self.rows, self.first, self.end = rows, first_row, first_row + num_rows
         self.group = defer_rows(chunk, num_rows, num_cols, t)
         cidx, ckey = (x[: n["cand_idx"]].view(self.group, -1) for x in (scratch.cand_idx, scratch.cand_key))
-        common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], RSBITS=t.get("rsbits", 0), **write)
+        common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], **write)
         runs = seg_runs(num_cols, t, score_block_g)
         row_s = t.get("row_s", 0)
         if row_s and (t["defer"] or samples.shape[1] != 1 << row_s):
@@ -454,7 +455,7 @@ class PrefillTopkLaunch(ChunkLaunches):
             free=("row0", "crow0", "out_ptr", "stride_or"),
             KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=S, SAMPP=SAMPP, BLOCK=t["block"], RBLOCK=t["rblock"],
             DEFER=bool(t["defer"]), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.get("log_g", 0),
-            BOUND_IN=bool(t["bound"] & 1), SBITS=sbits, **common,
+            BOUND_IN=bool(t["bound"] & 1), SBITS=sbits, RSBITS=t.get("rsbits", 0), **common,
             num_warps=t["warps"],
             **({"maxnreg": t["regs"]} if t["regs"] else {}),
         )

@@ -334,9 +334,9 @@ from triton.compiler import ASTSource
 from qsa_kernels import select_prefill as sp, select_score as ss
 t = sp.prefill_tiles(32768, 512, 64, small=False)
 write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
-             stride_oc=1, RSBITS=t.get("rsbits", 0), PDL=2)
+             stride_oc=1, PDL=2)
 topk = dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"], RBLOCK=t["rblock"], DEFER=t["defer"],
-            ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0)
+            ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0, RSBITS=0)
 skip = dict(topk, RUNS=sp.seg_runs(32768, t, 64))
 bound = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, PDL=2)
 for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns),
