@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_qsa import GEOM, GraphTimer, qsa_config  # noqa: E402
 
 from qsa_core import QSALayerCache, QSAPlanner, QSAStepInputs, qsa_select, ring_capacity  # noqa: E402
+from qsa_kernels import select as sel  # noqa: E402
 from qsa_kernels import select_prefill as sp  # noqa: E402
+from qsa_kernels import select_score as ss  # noqa: E402
 
 K, M = 1 << 10, 1 << 20
 # name: (seq_lens of the requests, decode rows per request)
@@ -41,6 +43,12 @@ SHAPES = {
     "1m+3x256k": ([M] + [256 * K] * 3, 1),
     "1m+3x64k": ([M] + [64 * K] * 3, 1),
     "128k+3x16k": ([128 * K] + [16 * K] * 3, 1),
+    # more rows than the route's chunk cap (--max-rows raises it)
+    "128k-b128": ([128 * K] * 128, 1),
+    "128k-b256": ([128 * K] * 256, 1),
+    "32k-b256": ([32 * K] * 256, 1),
+    "64k-b128": ([64 * K] * 128, 1),
+    "128k-b16x4": ([128 * K] * 16, 4),
     "tiny": ([6000, 2100, 100], 2),  # --dry
 }
 VARIANTS = {"skip": dict(skip=1), "skip4k": dict(skip=1, seg=4096), "seg4k": dict(seg=4096), "seg16k": dict(seg=16384), "w16": dict(warps=16), "w4": dict(warps=4),
@@ -179,7 +187,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", default="128k-b4,1m-b4,1m-b4x4,1m+3x256k,1m+3x64k,128k+3x16k,128k-b64")
     ap.add_argument("--variants", default="")
     ap.add_argument("--dry", action="store_true", help="CPU, TRITON_INTERPRET=1: checks only, no timing")
+    ap.add_argument("--max-rows", type=int, default=0, help="the route's chunk cap (select._DECODE_SAMPLES_MAX_ROWS)")
+    ap.add_argument("--mtp-score", default="", help="MTP rows' score tiles: a sweep_decode_scores.PACKED name")
     args = ap.parse_args(argv)
+    if args.max_rows:
+        sel._DECODE_SAMPLES_MAX_ROWS = args.max_rows
+    if args.mtp_score:
+        from sweep_decode_scores import PACKED
+        fields = PACKED[args.mtp_score][0]
+        default = ss.score_tiles
+        ss.score_tiles = lambda decode, tiles, interpret, *a, **k: (
+            ss.ScoreTiles(**fields) if decode and tiles.get("rows_per_request", 1) > 1 and not interpret
+            else default(decode, tiles, interpret, *a, **k))
     t0 = time.time()
     stamp = lambda: f"[{time.time() - t0:6.1f}s]"  # noqa: E731
     dev = torch.device("cpu" if args.dry else "cuda")

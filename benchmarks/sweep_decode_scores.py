@@ -3,13 +3,14 @@
     python benchmarks/sweep_decode_scores.py [--shapes 1m-b4,1m-b4-fp8,128k-b4,128k-b64] [--variants ...]
     TRITON_INTERPRET=1 python benchmarks/sweep_decode_scores.py --dry     # CPU: checks only
 
-One row per request (bench_qsa's geometry: indexer 4 x 128, r 4, page 64; random keys in pages
-of one shuffled pool). Each variant is a `select_score.ScoreTiles` (block_g, span in tiles,
-stages, warps, max registers) and optionally the per-row samples of the decode route
-(`row_samples`); its scores must equal the default tiles' bit for bit (and its samples the
-default samples launch's) before it is timed: CUDA-graph replay median, L2 flushed before
-each replay. Bytes: the compressed keys each row reads once, so GB/s is the launch's share of
-the HBM bandwidth.
+bench_qsa's geometry (indexer 4 x 128, r 4, page 64; random keys in pages of one shuffled pool);
+one row per request, or 4 (an MTP shape, "x4": a request's rows see cols - 3 .. cols groups).
+Each variant is a `select_score.ScoreTiles` (one-row shapes: block_g, span in tiles, stages,
+warps, max registers; MTP shapes: the packed kernel's tiles, `PACKED`) and optionally the
+per-row samples of the decode route (`row_samples`); its scores must equal the default tiles'
+bit for bit (and its samples the default samples launch's) before it is timed: CUDA-graph
+replay median, L2 flushed before each replay. Bytes: the compressed keys each request reads
+once, so GB/s is the launch's share of the HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from qsa_kernels import select_score as ss  # noqa: E402
 
 K, M = 1 << 10, 1 << 20
 PAGE, R, DI, HI, KB = 64, 4, 128, 4, 512
-# name: (requests, context tokens, index dtype)
+# name: (requests, context tokens, index dtype[, rows per request])
 SHAPES = {
     "1m-b4": (4, M, torch.bfloat16), "1m-b4-fp8": (4, M, torch.float8_e4m3fn),
     "128k-b4": (4, 128 * K, torch.bfloat16), "128k-b64": (64, 128 * K, torch.bfloat16),
-    "tiny": (3, 4096, torch.bfloat16),
+    "1m-b4x4": (4, M, torch.bfloat16, 4), "128k-b16x4": (16, 128 * K, torch.bfloat16, 4),
+    "tiny": (3, 4096, torch.bfloat16), "tinyx4": (3, 4096, torch.bfloat16, 4),
 }
-# name: (block_g, span tiles, stages, warps, max regs, row samples)
+# name: (block_g, span tiles, stages, warps, max regs, row samples[, fast division])
 VARIANTS = {
     "g128s1": (128, 1, 3, 4, 0, 0), "g128s2": (128, 2, 3, 4, 0, 0), "g128s4": (128, 4, 3, 4, 0, 0),
     "g128s8": (128, 8, 3, 4, 0, 0), "g128s2st2": (128, 2, 2, 4, 0, 0), "g128s4st4": (128, 4, 4, 4, 0, 0),
@@ -42,25 +44,53 @@ VARIANTS = {
     "g64s8": (64, 8, 3, 4, 0, 0), "g64s2w2": (64, 2, 3, 2, 0, 0), "g128s1w8": (128, 1, 3, 8, 0, 0),
     "g128s2w8": (128, 2, 3, 8, 0, 0), "g256s1w8": (256, 1, 3, 8, 0, 0), "g128s1r64": (128, 1, 3, 4, 64, 0),
     "samp": (128, 1, 3, 4, 0, 1), "samp-r64": (128, 1, 3, 4, 64, 1), "samp-g64s2": (64, 2, 3, 4, 0, 1),
+    # (..., the Markstein division)
+    "g128s1fd": (128, 1, 3, 4, 0, 0, True), "g128s2fd": (128, 2, 3, 4, 0, 0, True),
+    "samp-r64-fd": (128, 1, 3, 4, 64, 1, True), "g128s2st2fd": (128, 2, 2, 4, 0, 0, True),
+}
+# MTP shapes: name: (ScoreTiles fields, row samples). "mma": the packed kernel, 4 rows x 4 heads on
+# the mma's M (the route of mixed steps); "km": it with keys on the wgmma's M (prefill's body);
+# "rq": the request-rows kernel (decode-only steps, `select_score.MTP_TILES`); "row1": the one-row
+# kernel per row (a bitwise cross-check).
+_MMA = dict(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True)
+_KM = dict(_MMA, keys_m=True, whole=True, fast_div=True)
+_RQ = dict(block_r=1, block_g=128, span=128, stages=3, num_warps=4, request_rows=True)
+PACKED = {
+    "mma": (_MMA, 0), "km": (_KM, 0), "km-s1": (dict(_KM, span=128), 0),
+    "rq": (_RQ, 0), "rq-s2": (dict(_RQ, span=256), 0), "rq-s4": (dict(_RQ, span=512), 0),
+    "rq-st2": (dict(_RQ, stages=2), 0), "rq-s2st2": (dict(_RQ, span=256, stages=2), 0),
+    "rq-w8": (dict(_RQ, num_warps=8), 0), "rq-g64s2": (dict(_RQ, block_g=64, span=128), 0),
+    "row1": (dict(block_r=1, block_g=128, span=128, stages=3, num_warps=4), 0),
+    "rq-fd": (dict(_RQ, fast_div=True), 0), "rq-fd-s2st2": (dict(_RQ, fast_div=True, span=256, stages=2), 0),
+    "rq-fd-s2": (dict(_RQ, fast_div=True, span=256), 0),
+    "km-st2": (dict(_KM, stages=2), 0), "km-st4": (dict(_KM, stages=4), 0), "km-g64": (dict(_KM, block_g=64), 0),
+    "km-r128": (dict(_KM, max_regs=128), 0), "km-s2": (dict(_KM, span=256), 0), "km-s4": (dict(_KM, span=512), 0),
+    "km-samp-st2": (dict(_KM, stages=2), 1), "km-samp-g64": (dict(_KM, block_g=64), 1),
+    "rq-fd-samp-r128": (dict(_RQ, fast_div=True, max_regs=128), 1),
+    "mma-samp": (_MMA, 1), "km-samp": (_KM, 1), "rq-samp": (_RQ, 1), "rq-samp-r128": (dict(_RQ, max_regs=128), 1),
+    "rq-samp-r96": (dict(_RQ, max_regs=96), 1), "rq-s2-samp": (dict(_RQ, span=256), 1),
+    "rq-s2-samp-r128": (dict(_RQ, span=256, max_regs=128), 1),
 }
 
 
 class Problem:
     """Caches and queries of `requests` decode rows at `context` tokens."""
 
-    def __init__(self, requests: int, context: int, dtype: torch.dtype, dev: torch.device) -> None:
+    def __init__(self, requests: int, context: int, dtype: torch.dtype, dev: torch.device, rpr: int = 1) -> None:
         torch.manual_seed(0)
         per_req = triton.cdiv(context, PAGE)
         pages = per_req * requests + 1
         self.cols = context // R
-        bf = torch.randn(pages, PAGE // R, DI, device=dev, dtype=torch.bfloat16)
-        self.compressed = bf.to(dtype)
-        self.q = torch.randn(requests, HI, DI, device=dev, dtype=torch.bfloat16).to(dtype)
+        # (the CPU's fp32 dots sum in an order of their shape's: integers there, exact in any order)
+        draw = (lambda *shape: torch.randint(-2, 3, shape, device=dev).float()) if dev.type == "cpu" else (
+            lambda *shape: torch.randn(*shape, device=dev))
+        self.compressed = draw(pages, PAGE // R, DI).to(torch.bfloat16).to(dtype)
+        self.rows, self.rpr = requests * rpr, rpr
+        self.q = draw(self.rows, HI, DI).to(torch.bfloat16).to(dtype)
         perm = torch.randperm(pages - 1, device=dev).to(torch.int32) + 1
         self.table = perm[: per_req * requests].view(requests, per_req).contiguous()
-        self.to_req = torch.arange(requests, device=dev, dtype=torch.int32)
-        self.vis = torch.full((requests,), self.cols, device=dev, dtype=torch.int32)
-        self.rows = requests
+        self.to_req = torch.arange(requests, device=dev, dtype=torch.int32).repeat_interleave(rpr)
+        self.vis = (self.cols - rpr + 1 + torch.arange(rpr, device=dev, dtype=torch.int32)).repeat(requests)
         self.bytes = requests * self.cols * DI * self.compressed.element_size()
 
     def launch(self, tiles: ss.ScoreTiles | None, row_samples: int, interpret: bool):
@@ -71,7 +101,8 @@ class Problem:
         samples = torch.full((self.rows, 1 << wbits), -7, device=self.q.device, dtype=torch.int32) if wbits else None
         sl = ss.ScoreLaunch(self.q, self.compressed, self.table, self.to_req, self.vis, scores, row0=0, rows=self.rows,
                             num_cols=self.cols, page_size=PAGE, compress_ratio=R, block_topk=KB, decode=True,
-                            tiles=dict(block_g=16), interpret=interpret, score=tiles, samples=samples,
+                            tiles=dict(block_g=16, rows_per_request=self.rpr), interpret=interpret, score=tiles,
+                            samples=samples,
                             row_samples=wbits)
         return (lambda: sl(self.q, self.table, 0)), scores, samples
 
@@ -79,33 +110,42 @@ class Problem:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1m-b4,1m-b4-fp8,128k-b4,128k-b64")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="", help="default: every variant of the shape's kind")
     ap.add_argument("--dry", action="store_true")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.dry else "cuda")
-    shapes = "tiny" if args.dry else args.shapes
+    shapes = "tiny,tinyx4" if args.dry else args.shapes
     if not args.dry:
         from bench_qsa import GraphTimer
         timer = GraphTimer(flush_l2=True, reps=25, budget_ms=300)
     t0 = time.time()
     table = []
     for key in shapes.split(","):
-        p = Problem(*SHAPES[key], dev)
+        p = Problem(*SHAPES[key][:3], dev, *SHAPES[key][3:])
         fn, want, _ = p.launch(None, 0, args.dry)
         fn()
         base = None if args.dry else timer(fn)
         print(f"[{time.time() - t0:6.1f}s] {key}: default {base} us", flush=True)
         samp_want = None
-        for v in args.variants.split(","):
-            g, span, stages, warps, regs, rs = VARIANTS[v]
-            if args.dry:
-                g, span = 16, 2
-            t = ss.ScoreTiles(block_r=1, block_g=g, span=g * span, stages=stages, num_warps=warps, max_regs=regs)
+        variants = args.variants or ",".join(PACKED if p.rpr > 1 else VARIANTS)
+        for v in variants.split(","):
+            if (v in PACKED) != (p.rpr > 1):
+                continue  # a one-row variant of an MTP shape or the reverse
+            if p.rpr > 1:
+                fields, rs = PACKED[v]
+                t = ss.ScoreTiles(**(dict(fields, block_g=16, span=32, stages=1) if args.dry else fields))
+                g = t.block_g
+            else:
+                g, span, stages, warps, regs, rs, *fd = VARIANTS[v]
+                if args.dry:
+                    g, span = 16, 2
+                t = ss.ScoreTiles(block_r=1, block_g=g, span=g * span, stages=stages, num_warps=warps, max_regs=regs,
+                                  fast_div=bool(fd and fd[0]))
             try:
                 fn, got, samp = p.launch(t, rs, args.dry)
                 fn()
                 ok = torch.equal(got.view(torch.int32), want.view(torch.int32))
-                if samp is not None and g == 128:
+                if samp is not None and g == (16 if args.dry else 128):
                     samp_want = samp.clone() if samp_want is None else samp_want
                     ok = ok and torch.equal(samp, samp_want)
                 us = float("nan") if args.dry or not ok else timer(fn)

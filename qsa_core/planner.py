@@ -277,8 +277,8 @@ class QSAPlanner:
             self._stager = StaticStage(**self._static)
 
     def _schedule(self, num_tokens: int, num_decode_tokens: int, num_cols: int,
-                  decode_query_len: int, fuse_ring: bool) -> StepSchedule:
-        key = (num_tokens, num_decode_tokens, num_cols, decode_query_len, fuse_ring)
+                  decode_query_len: int, fuse_ring: bool, decode_only: bool) -> StepSchedule:
+        key = (num_tokens, num_decode_tokens, num_cols, decode_query_len, fuse_ring, decode_only)
         found = self._schedules.get(key)
         if found is not None:
             return found
@@ -291,7 +291,7 @@ class QSAPlanner:
             ws = self._select_ws
             if nd:
                 dec = plan_select(nd, num_cols, cfg.block_topk, decode=True, device=self.device, workspace=ws,
-                                  rows_per_request=decode_query_len)
+                                  rows_per_request=decode_query_len, rows_aligned=decode_only)
             if nd < T:
                 pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
             attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
@@ -382,7 +382,8 @@ class QSAPlanner:
             inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         cfg = self.config
         schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(max_seq_len // cfg.compress_ratio),
-                                  inputs.decode_query_len, ring_store_fuses(inputs.max_query_len, self.ring_capacity))
+                                  inputs.decode_query_len, ring_store_fuses(inputs.max_query_len, self.ring_capacity),
+                                  inputs.num_decodes == inputs.num_reqs)
         if static:
             qsl, seq, table, slots, ring, rope = self._stage(inputs)
         else:

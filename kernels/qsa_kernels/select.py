@@ -64,7 +64,9 @@ _TOPK_MAX_ROWS = 64
 # route with the bracket searches and the tile skip; exact on random and tied data): 128K B4
 # 45.9 -> 37.0, 1M B4 123.1 -> 113.4, 128K B64 203.3 -> 193.6, 1M + 3 x 64K 75.2 -> 58.8; but
 # 1M B4 x 4 MTP rows 167.2 -> 196.8 (the MTP score kernel with samples), so MTP keeps its route.
-_DECODE_SAMPLES_MAX_ROWS = 64
+# Session 13, chunks of more rows (radix -> this; exact on random and tied data): 128K B128 398.9 ->
+# 358.7, 128K B256 770.6 -> 714.7, 32K B256 218.6 -> 204.5, 64K B128 213.9 -> 192.1.
+_DECODE_SAMPLES_MAX_ROWS = 256
 
 
 def decode_samples_mode() -> str:
@@ -297,6 +299,7 @@ def plan_select(
     device: torch.device | str,
     workspace: SelectWorkspace | None = None,
     rows_per_request: int = 1,
+    rows_aligned: bool = False,
     decode_samples: bool | None = None,
 ) -> SelectSchedule:
     """Schedule of a decode or prefill select over num_rows rows and num_cols columns.
@@ -304,16 +307,22 @@ def plan_select(
     num_cols = max_seq_len // r, the bound on any row's visible groups. Scratch views come
     from `workspace` (CUDA-graph safe) or are allocated here. rows_per_request: decode rows
     per request (decode_query_len; > 1 lets a request's rows share each key load).
+    rows_aligned: the decode rows are whole requests of rows_per_request rows from row 0, then
+    inert rows (a decode-only step: no request of 0 rows shifts another's); MTP rows then take
+    the request-rows score kernel, in chunks of whole requests.
     decode_samples: long decode chunks take the per-row-samples route (`_decode_samples_route`;
     None: `decode_samples_enabled(rows_per_request)`, read now).
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
-    tiles = dict(_tiles(decode), rows_per_request=rows_per_request)  # (decode scores: MTP rows share keys)
+    # (decode scores: MTP rows share keys)
+    tiles = dict(_tiles(decode), rows_per_request=rows_per_request, rows_aligned=rows_aligned)
     scan = tiles["scan"]
     n_tiles = triton.cdiv(n_cols, scan)
     scored = n_cols > Kb
     chunk = _scored_chunk(num_rows, n_cols, decode) if scored else max(num_rows, 1)
+    if decode and rows_aligned and chunk < num_rows:  # a request's rows in one chunk
+        chunk = max(rows_per_request, chunk - chunk % rows_per_request)
     fused = n_cols <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS
     rows = tiles["rows"]
     if workspace is None and scored:

@@ -126,12 +126,12 @@ def _store_row_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.cons
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr"])
 def _scores_decode_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr,
-    row0, n_cols, span, norm,
+    row0, n_cols, span, norm, rcp,
     stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr, stride_pr,
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
-    LOG_G: tl.constexpr = 0,
+    LOG_G: tl.constexpr = 0, FAST_DIV: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):
     """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
@@ -139,7 +139,7 @@ def _scores_decode_kernel(
     SPAN_TILES > 0 (the interpreter only): the tile loop runs over constant bounds (triton
     3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
     ROW_SAMPLES = WBITS > 0: also the row's samples (`_store_row_samples`, BLOCK_G = 2^LOG_G)
-    into samp int32 [chunk rows, 2^WBITS]."""
+    into samp int32 [chunk rows, 2^WBITS]. FAST_DIV: the division as `_finish_fast`."""
     pdl_start(PDL)
     lr = tl.program_id(0)
     row = row0 + lr
@@ -161,12 +161,82 @@ def _scores_decode_kernel(
             g_mask = g < g_end
             keys = _load_keys(k_ptr, bt_ptr, req, g, g_mask, d, stride_kp, stride_kr, stride_kd, stride_btr,
                               stride_btp, DI, PAGE, R, DOT_DTYPE)
-            s = _finish(tl.sum(_relu_dot(q, keys), 0), norm)  # fp32 [BLOCK_G]
+            acc = tl.sum(_relu_dot(q, keys), 0)  # fp32 [BLOCK_G]
+            s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
             tl.store(s_row + g, s, mask=g_mask)
             if ROW_SAMPLES:  # the row as a tile of one: [BLOCK_G, 1]
                 one = tl.arange(0, 1)
                 _store_row_samples(samp_ptr, lr + one, g0, s[:, None], g_mask[:, None], vis + one, stride_pr,
                                    ROW_SAMPLES, BLOCK_G, 1, LOG_G)
+    pdl_end(PDL)
+
+
+@triton.jit
+def _store_row_samples_by_row(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
+    """`_store_row_samples` of a tile s fp32 [BLOCK_R, BLOCK_G] (rows first; mask alike), the
+    runs' maxima by halving: level j is the pairwise max of level j - 1."""
+    shift = _sample_shift(vis, WBITS, LOG_G)
+    lo = tl.min(shift, 0)
+    hi = tl.max(shift, 0)
+    key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
+    for j in tl.static_range(LOG_G + 1):
+        if j > 0:
+            key = tl.max(tl.reshape(key, (BLOCK_R, BLOCK_G >> j, 2)), 2)  # [BLOCK_R, runs of 2^j]
+        if (lo <= j) & (hi >= j):
+            i = tl.arange(0, BLOCK_G >> j)[None, :]
+            tl.store(samp_ptr + lr.to(tl.int64)[:, None] * stride_pr + (g0 >> j) + i, key,
+                     mask=(shift[:, None] == j) & ((g0 + (i << j)) < vis[:, None]))
+
+
+@triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr", "stride_pr"])
+def _scores_mtp_kernel(
+    q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr,
+    row0, n_rows, n_cols, span, norm, rcp,
+    stride_qt, stride_qh, stride_qd, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp, stride_sr, stride_pr,
+    HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
+    PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
+    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, RPR: tl.constexpr, RP: tl.constexpr,
+    FAST_DIV: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
+):
+    """Scores of the RPR decode rows [row0 + pid0*RPR, +RPR) x groups [pid1*span, +span) in
+    BLOCK_G tiles, the rows one request's (the plan's promise: a decode-only step of RPR rows
+    per request; a row of another request is not scored): rows x heads on the dot's M (slot m
+    = r * HM / RP + h, RP = next_pow2(RPR) row slots), so the rows share each key tile; each
+    row's heads sum over its slots as the one-row kernel sums its heads. q [T, HI, DI] -> s fp32
+    [chunk rows, n_cols]; ROW_SAMPLES, LOG_G, SPAN_TILES as `_scores_decode_kernel`. (A loop
+    over the requests of a program, as the prefill kernel's, costs 80 -> 168 registers.)"""
+    pdl_start(PDL)
+    HR: tl.constexpr = HM // RP  # slots per row (>= HI)
+    slot = tl.arange(0, RP)
+    lr = tl.program_id(0) * RPR + slot
+    col0 = tl.program_id(1) * span
+    vis = tl.load(vis_ptr + row0 + lr, mask=(slot < RPR) & (lr < n_rows), other=0)
+    vis = tl.where(vis > KB, tl.minimum(vis, n_cols), 0)  # <= Kb: chosen without scores
+    if tl.max(vis, 0) > col0:
+        req = tl.load(req_ptr + row0 + tl.program_id(0) * RPR)
+        d = tl.arange(0, DP)
+        m = tl.arange(0, HM)
+        q = tl.load(q_ptr + (row0 + tl.program_id(0) * RPR + m // HR).to(tl.int64)[:, None] * stride_qt
+                    + (m % HR)[:, None] * stride_qh + d[None, :] * stride_qd,
+                    mask=((m % HR < HI) & (m // HR < RPR) & (tl.program_id(0) * RPR + m // HR < n_rows))[:, None]
+                    & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
+        q = tl.where((tl.reshape(tl.broadcast_to((vis > col0)[:, None], (RP, HR)), (HM,)))[:, None], q, 0.0)
+        g_end = tl.minimum(tl.max(vis, 0), col0 + span)
+        s_rows = s_ptr + lr.to(tl.int64)[:, None] * stride_sr
+        for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
+                            num_stages=STAGES):
+            g0 = col0 + off if SPAN_TILES else off
+            g = g0 + tl.arange(0, BLOCK_G)
+            keys = _load_keys(k_ptr, bt_ptr, req, g, g < g_end, d, stride_kp, stride_kr, stride_kd, stride_btr,
+                              stride_btp, DI, PAGE, R, DOT_DTYPE)
+            acc = tl.sum(tl.reshape(_relu_dot(q, keys), (RP, HR, BLOCK_G)), 1)  # [RP, BLOCK_G]
+            s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
+            written = g[None, :] < vis[:, None]
+            tl.store(s_rows + g[None, :], s, mask=written)
+            if ROW_SAMPLES:
+                _store_row_samples_by_row(samp_ptr, lr, g0, s, written, vis, stride_pr, ROW_SAMPLES, BLOCK_G, RP, LOG_G)
     pdl_end(PDL)
 
 
@@ -204,12 +274,13 @@ def _keys_m_tile(k_ptr, bt_ptr, req, g0, g_end, qa, d, cols, stride_kp, stride_k
                  norm, rcp, s_ptr, s_tile, s_offs, samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr,
                  DI: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
-                 SAMPLE: tl.constexpr, WHOLE: tl.constexpr):
+                 SAMPLE: tl.constexpr, ROW_SAMPLES: tl.constexpr, LOG_G: tl.constexpr, WHOLE: tl.constexpr):
     """One score tile of the prefill kernel with keys on the dot's M: groups g0 + [0, BLOCK_G) of
     request req against qa [HP * BLOCK_R, DP] (rows x heads, heads outermost), s^T [BLOCK_G,
     BLOCK_R] stored at row lr, column g (and SAMPLE samples). WHOLE: every row is req's and sees
     every group of the tile (no masks; s_tile + g0 + s_offs int32 [BLOCK_G, BLOCK_R] addresses
-    the cells, samp_tile [1, BLOCK_R] the rows' samples); else cells of g < vis of mine rows."""
+    the cells, samp_tile [1, BLOCK_R] the rows' samples); else cells of g < vis of mine rows.
+    ROW_SAMPLES (decode rows of a request): each row's samples (`_store_row_samples`)."""
     g = g0 + cols
     if WHOLE:
         keys = _load_keys_whole(k_ptr, bt_ptr, req, g, d, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp,
@@ -224,11 +295,17 @@ def _keys_m_tile(k_ptr, bt_ptr, req, g0, g_end, qa, d, cols, stride_kp, stride_k
         tl.store(s_tile + g0 + s_offs, s)
         if SAMPLE:
             _store_samples_whole(samp_tile, g0, s, BLOCK_G, BLOCK_R, SAMPLE)
+        if ROW_SAMPLES:
+            _store_row_samples(samp_ptr, lr, g0, s, g[:, None] < vis[None, :], vis, stride_pr, ROW_SAMPLES, BLOCK_G,
+                               BLOCK_R, LOG_G)
     else:
         written = mine[None, :] & (g[:, None] < vis[None, :])
         tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s, mask=written)
         if SAMPLE:
             _store_samples(samp_ptr, lr, g0, s, written, tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
+        if ROW_SAMPLES:
+            _store_row_samples(samp_ptr, lr, g0, s, written, tl.where(mine, vis, 0), stride_pr, ROW_SAMPLES,
+                               BLOCK_G, BLOCK_R, LOG_G)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_pr"])
@@ -251,7 +328,7 @@ def _scores_prefill_kernel(
     per tile). A row tile may span requests: each request in it streams its own keys.
     SPAN_TILES: as the decode kernel. SAMPLE > 0: also the top-k's samples of each tile
     (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]. ROW_SAMPLES =
-    WBITS > 0 (decode rows of a request, PACK without KEYS_M; SAMPLE 0): each row's samples at a
+    WBITS > 0 (decode rows of a request, PACK; SAMPLE 0): each row's samples at a
     stride of its own (`_store_row_samples`, BLOCK_G = 2^LOG_G) into samp int32 [chunk rows, 2^WBITS]."""
     pdl_start(PDL)
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -299,24 +376,24 @@ def _scores_prefill_kernel(
                                 _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
                                              stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                              samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, True)
+                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, True)
                             else:
                                 _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
                                              stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                              samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, False)
+                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, False)
                     else:
                         if WHOLE:
                             for g0 in tl.range(col0, g_full, BLOCK_G, num_stages=STAGES):
                                 _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
                                              stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                              samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, True)
+                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, True)
                         for g0 in tl.range(g_full, g_end, BLOCK_G, num_stages=STAGES):
                             _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
                                          stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                          samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, False)
+                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, False)
                 else:
                     for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end,
                                         BLOCK_G, num_stages=STAGES):
@@ -375,7 +452,9 @@ class ScoreTiles:
     pack: prefill rows x heads on one dot's M (for at most 4 heads); fast_div: prefill's
     division by sqrt(Di) as `_finish_fast` (Di a power of two); keys_m (with pack): the key
     tile is the dot's M and rows x heads its N; whole (keys_m): tiles that every row of a program
-    sees whole take an unmasked body; max_regs: registers per thread (0: the compiler's choice)."""
+    sees whole take an unmasked body; max_regs: registers per thread (0: the compiler's choice);
+    request_rows (decode): a program scores the rows_per_request rows of one request
+    (`_scores_mtp_kernel`; block_r 1)."""
 
     block_r: int
     block_g: int
@@ -387,12 +466,15 @@ class ScoreTiles:
     keys_m: bool = False
     whole: bool = False
     max_regs: int = 0
+    request_rows: bool = False
 
 
 # Prefill rows of at least this many columns (1M context) score in 128-column tiles (H200,
 # session 8, select of 16K rows at 1M: 35.9 -> 32.7 ms, its scores 24.7 -> 23.5 and its
 # candidate launches 10.6 -> 8.4 from the longer samples); at 128K they were slower (4.9 -> 5.8).
 PREFILL_WIDE_COLS = 1 << 18
+# The request-rows kernel's tiles (MTP rows of a decode-only step).
+MTP_TILES = ScoreTiles(block_r=1, block_g=128, span=256, stages=2, num_warps=4, fast_div=True, request_rows=True)
 # Registers per thread of the decode kernel with per-row samples (96 by the compiler's choice,
 # 59 without samples). H200, session 12, the score launch alone, us (none / samples / samples at
 # 64 registers): 1M B4 80.6 / 91.1 / 86.0, 128K B64 149.0 / 170.1 / 161.0, 128K B4 19.2 / 20.5 / 19.9.
@@ -406,22 +488,34 @@ def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, 
     - decode, one row per request: one row per program, 128-column tiles; a span of one tile
       for bf16 keys (main's 79 us at 1M B4, 145 us at 128K B64), two for fp8 (1M B4 73 -> 68 us,
       128K B64 137 -> 124 us);
-    - decode with tiles["rows_per_request"] > 1 (MTP): 4 rows x 4 heads on the mma's M, so a
-      request's rows read each key once (1M B4 x 4 rows 224 -> 111 us);
+    - decode with tiles["rows_per_request"] > 1 (MTP): 4 rows x 4 heads on one dot, so a
+      request's rows read each key once (1M B4 x 4 rows 224 -> 111 us); in a decode-only step
+      (tiles["rows_aligned"]) the request-rows kernel (`_scores_mtp_kernel`: the rows x heads on
+      the mma's M, the Markstein division, 256-column spans, 2 stages), else the packed kernel
+      with the keys on the wgmma's M and the Markstein division (prefill's body). Session 13, the
+      launch alone at 1M B4 x 4 / 128K B16 x 4, us: packed with rows x heads on the mma's M (before)
+      106.6 / 61.0, keys on M 87.7 / 53.1, request rows 81.4 / 48.7 (with the IEEE division
+      100.8 / 57.2; all bit-equal);
     - prefill: keys on the wgmma's M, 32 rows x 4 heads on its N, the Markstein division
       (16K rows at 128K 7.5 -> 2.96 ms, at 1M 66.8 -> 25.3 ms, at 16K 512 -> 227 us); 128-column
       tiles from PREFILL_WIDE_COLS num_cols; whole tiles unmasked (session 11, scores of 16K
       rows, ms: 1M 22.8 -> 18.2, 128K 3.18 -> 2.94, 16K 0.251 -> 0.225); 64-column tiles at 168
       registers, 3 programs an SM (128K 2.94 -> 2.62; 128-column ones spill there)."""
     rows_tiles = decode and tiles.get("rows_per_request", 1) > 1
+    if rows_tiles and tiles.get("rows_aligned", False):
+        return ScoreTiles(block_r=1, block_g=tiles["block_g"], span=2 * tiles["block_g"], stages=1, num_warps=4,
+                          fast_div=True, request_rows=True) if interpret else MTP_TILES
     if interpret:
         return ScoreTiles(block_r=4 if rows_tiles else 1 if decode else tiles["block_r"], block_g=tiles["block_g"],
                           span=2 * tiles["block_g"], stages=1, num_warps=4, pack=rows_tiles or not decode,
-                          fast_div=not decode, keys_m=not decode, whole=not decode)
+                          fast_div=rows_tiles or not decode, keys_m=rows_tiles or not decode,
+                          whole=rows_tiles or not decode)
     if rows_tiles:
-        return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True)
+        return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True, fast_div=True, keys_m=True,
+                          whole=True)
     if decode:
-        return ScoreTiles(block_r=1, block_g=128, span=256 if key_bytes == 1 else 128, stages=3, num_warps=4)
+        return ScoreTiles(block_r=1, block_g=128, span=256 if key_bytes == 1 else 128, stages=3, num_warps=4,
+                          fast_div=True)
     wide = num_cols >= PREFILL_WIDE_COLS
     return ScoreTiles(block_r=32, block_g=128 if wide else 64, span=0, stages=3, num_warps=4, pack=True, fast_div=True,
                       keys_m=True, whole=True, max_regs=0 if wide else 168)
@@ -440,6 +534,7 @@ def _span(t: ScoreTiles, row_tiles: int, num_cols: int, min_programs: int = 1024
 
 _decode = Launcher(_scores_decode_kernel)
 _prefill = Launcher(_scores_prefill_kernel)
+_mtp = Launcher(_scores_mtp_kernel)
 _FREE = ("q_ptr", "bt_ptr", "row0", "stride_qt", "stride_qh", "stride_qd", "stride_btr", "stride_btp")
 
 
@@ -467,10 +562,12 @@ class ScoreLaunch:
                  sample_sub: int = 0, row_samples: int = 0) -> None:
         _, Hi, Di = q_idx.shape
         t = score or score_tiles(decode, tiles, interpret, compressed.element_size(), num_cols)
-        per_row = decode and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
+        rpr = tiles.get("rows_per_request", 1)
+        mtp = decode and t.request_rows and rpr > 1  # a request's rows per program
+        per_row = decode and not mtp and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
         HP = triton.next_power_of_2(Hi)
         block_r = max(t.block_r, 16 // HP)  # rows x heads >= 16 on the dot's M
-        row_tiles = rows if per_row else triton.cdiv(rows, block_r)
+        row_tiles = rows if per_row else triton.cdiv(rows, rpr) if mtp else triton.cdiv(rows, block_r)
         span = _span(t, row_tiles, num_cols)
         if span % t.block_g:
             raise ValueError(f"score span {span} must be a multiple of block_g {t.block_g}")
@@ -480,12 +577,12 @@ class ScoreLaunch:
         spans = triton.cdiv(num_cols, span)
         log_g = t.block_g.bit_length() - 1
         if row_samples and (samples is None or sample_sub or not decode or t.block_g != 1 << log_g
-                            or (not per_row and (not t.pack or t.keys_m or Hi > 4))
+                            or (not per_row and not mtp and (not t.pack or Hi > 4))
                             or samples.shape[1] < 1 << row_samples or num_cols > 1 << (row_samples + log_g)):
             raise ValueError(f"per-row score samples need a decode launch (per row, or rows x heads packed on M), "
                              f"samples [rows, >= 2^{row_samples}] and num_cols <= 2^{row_samples} x block_g "
                              f"{t.block_g}, got {None if samples is None else tuple(samples.shape)}")
-        if samples is not None and not row_samples and (per_row or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
+        if samples is not None and not row_samples and (per_row or mtp or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
                                     or samples.shape[1] < triton.cdiv(num_cols, t.block_g // sample_sub)):
             raise ValueError(f"score samples need the prefill kernel, sample_sub a power of two and >= "
                              f"cdiv(num_cols, block_g {t.block_g} / sample_sub) columns, got {sample_sub} and "
@@ -494,7 +591,7 @@ class ScoreLaunch:
         args = (
             q_idx, compressed, block_table, token_to_req, visible_blocks, scores, sampled,
             row0, *(() if per_row else (rows,)), num_cols, span, math.sqrt(Di),
-            *(() if per_row else (float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),)),
+            float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),
             *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0), sampled.stride(0),
         )
         if row_samples:
@@ -502,15 +599,20 @@ class ScoreLaunch:
         # whole tiles address a row tile's cells with int32 offsets from its first row
         whole = t.whole and t.keys_m and t.pack and Hi <= 4 and Di == triton.next_power_of_2(Di) \
             and block_r * scores.stride(0) + num_cols < 2**31
-        if per_row:
+        fast_div = t.fast_div and Di & (Di - 1) == 0 and (INTERPRETER_FMA_FUSED or not interpret)
+        if mtp:
+            rp = triton.next_power_of_2(rpr)
+            self._launch = _mtp.bind((row_tiles, spans), *args, free=_FREE, HM=max(16, HP * rp), RPR=rpr, RP=rp,
+                                     FAST_DIV=fast_div, **common, num_warps=t.num_warps, **({"maxnreg": t.max_regs} if t.max_regs else {}))
+        elif per_row:
             regs = t.max_regs or (SAMPLES_MAX_REGS if row_samples else 0)
-            self._launch = _decode.bind((rows, spans), *args, free=_FREE,
+            self._launch = _decode.bind((rows, spans), *args, free=_FREE, FAST_DIV=fast_div,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps,
                                         **({"maxnreg": regs} if regs else {}))
         else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,
-                                         FAST_DIV=t.fast_div and Di & (Di - 1) == 0 and (INTERPRETER_FMA_FUSED or not interpret), KEYS_M=t.keys_m,
+                                         FAST_DIV=fast_div, KEYS_M=t.keys_m,
                                          WHOLE=whole,
                                          SAMPLE=sample_sub if samples is not None else 0, **common,
                                          num_warps=t.num_warps, **({"maxnreg": t.max_regs} if t.max_regs else {}))

@@ -48,12 +48,13 @@ def positions(seq_lens, query_lens, pad_rows):
     return torch.tensor(pos + [-1] * pad_rows, dtype=torch.int64, device=DEV)
 
 
-def select(problem, on, rpr=1, pos=None, workspace=None, calls=1):
-    """Decode select through the plan: on = the per-row-samples route (asserted taken), else main's."""
+def select(problem, on, rpr=1, pos=None, workspace=None, calls=1, aligned=False):
+    """Decode select through the plan: on = the per-row-samples route (asserted taken), else main's;
+    aligned: a decode-only step's rows (MTP rows: the request-rows score kernel)."""
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
     s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=rpr, decode_samples=on,
-                        workspace=workspace)
+                        workspace=workspace, rows_aligned=aligned)
     assert (s.decode_samples is not None) == on
     width = KB * R + R if pos is not None else KB
     out = torch.full((T, width), 7, dtype=torch.int32, device=DEV)
@@ -86,12 +87,17 @@ def skip(request, monkeypatch):
     return request.param
 
 
+# MTP rows of a mixed step (the packed score kernel) and of a decode-only step (aligned: the
+# request-rows kernel).
+ROUTES = [(MIXED, 1, False), (MIXED_MTP, 4, False), (MIXED_MTP, 4, True)]
+
+
 @small_tiles
-@pytest.mark.parametrize("mix, rpr", [(MIXED, 1), (MIXED_MTP, 4)])
+@pytest.mark.parametrize("mix, rpr, aligned", ROUTES)
 @pytest.mark.parametrize("kind", ["int", "bf16"])
-def test_mixed_batch_equals_main_route(nan_scratch, skip, mix, rpr, kind):
+def test_mixed_batch_equals_main_route(nan_scratch, skip, mix, rpr, aligned, kind):
     problem = make_problem(**mix, kind=kind, pad_rows=2, seed=1)
-    got, s = select(problem, True, rpr, calls=2)  # twice: arrival counters left at zero
+    got, s = select(problem, True, rpr, calls=2, aligned=aligned)  # twice: arrival counters left at zero
     assert s.decode_samples_tiles["row_s"] == 5 and s.num_cols == 250
     assert sp.seg_runs(s.num_cols, s.decode_samples_tiles, ker._decode_block_g()) == 8 * skip
     want, _ = select(problem, False, rpr)
@@ -101,12 +107,12 @@ def test_mixed_batch_equals_main_route(nan_scratch, skip, mix, rpr, kind):
 
 
 @small_tiles
-@pytest.mark.parametrize("mix, rpr", [(MIXED, 1), (MIXED_MTP, 4)])
-def test_packed_rows_equal_main_route(nan_scratch, skip, mix, rpr):
+@pytest.mark.parametrize("mix, rpr, aligned", ROUTES)
+def test_packed_rows_equal_main_route(nan_scratch, skip, mix, rpr, aligned):
     pad = 2
     problem = make_problem(**mix, kind="int", pad_rows=pad, seed=2)
     pos = positions(mix["seq_lens"], mix["query_lens"], pad)
-    got, _ = select(problem, True, rpr, pos=pos)
+    got, _ = select(problem, True, rpr, pos=pos, aligned=aligned)
     want, _ = select(problem, False, rpr, pos=pos)
     assert torch.equal(got, want)
 
@@ -117,12 +123,13 @@ def sample_shift(v: int, wbits: int, log_g: int) -> int:
 
 
 @small_tiles
-@pytest.mark.parametrize("mix, rpr", [(MIXED, 1), (MIXED_MTP, 4)])
-def test_score_launch_writes_per_row_samples(nan_scratch, mix, rpr):
+@pytest.mark.parametrize("mix, rpr, aligned", ROUTES)
+def test_score_launch_writes_per_row_samples(nan_scratch, mix, rpr, aligned):
     problem = make_problem(**mix, kind="int", pad_rows=2, seed=3)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
-    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=rpr, decode_samples=True)
+    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=rpr, decode_samples=True,
+                        rows_aligned=aligned)
     t = s.decode_samples_tiles
     out = torch.empty(T, KB, dtype=torch.int32, device=DEV)
     launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, **KW)
@@ -184,14 +191,15 @@ def test_bound_launch_and_bracket_search_per_row_strides(nan_scratch, monkeypatc
 
 @small_tiles
 def test_the_workspace_holds_every_decode_plan_of_this_route(nan_scratch):
-    ws = ker.select_workspace(200, 1200 // R, KB, DEV, decode_samples=True)
+    cap = ker._DECODE_SAMPLES_MAX_ROWS  # rows a chunk (256)
+    ws = ker.select_workspace(cap + 40, 1200 // R, KB, DEV, decode_samples=True)
     assert ws.decode_samples is not None
-    assert ker.select_workspace(200, 1200 // R, KB, DEV, decode_samples=False).decode_samples is None
-    for rows in (1, 4, 16, 64, 65, 200):
+    assert ker.select_workspace(cap + 40, 1200 // R, KB, DEV, decode_samples=False).decode_samples is None
+    for rows in (1, 4, 16, 64, 65, cap, cap + 1, cap + 40):
         for cols in (16, 32, 64, 128, 256, 300):
             s = ker.plan_select(rows, cols, KB, decode=True, device=DEV, workspace=ws, decode_samples=True)
             taken = s.decode_samples is not None
-            assert taken == (rows <= 64 and cols > 32 and cols > KB), (rows, cols)
+            assert taken == (rows <= cap and cols > 32 and cols > KB), (rows, cols)
             assert not taken or s.decode_samples is ws.decode_samples
     problem = make_problem(**MIXED, kind="int", pad_rows=2, seed=6)
     got, s = select(problem, True, workspace=ker.select_workspace(16, 1200 // R, KB, DEV, decode_samples=True),
@@ -211,13 +219,15 @@ def test_the_switch_is_read_when_a_schedule_is_made(monkeypatch):
 
 def test_the_route_takes_one_row_per_request_by_default(monkeypatch):
     # H200 (session 12): faster than the radix and segment routes with one row per request
-    # (128K B4, 1M B4, 128K B64), slower with MTP rows (1M B4 x 4), which keep their route.
+    # (128K B4, 1M B4, 128K B64; session 13: chunks of up to 256 rows), slower with MTP rows
+    # (1M B4 x 4), which keep their route.
     monkeypatch.delenv("QSA_DECODE_SAMPLES", raising=False)
     assert ker.select_workspace(64, 1 << 15, KB, "meta").decode_samples is not None
     for rows, cols in ((4, 1 << 15), (15, 20480), (64, 1 << 18)):
         assert ker.plan_select(rows, cols, KB, decode=True, device="meta").decode_samples is not None
         assert ker.plan_select(rows, cols, KB, decode=True, device="meta", rows_per_request=4).decode_samples is None
-    assert ker.plan_select(65, 1 << 15, KB, decode=True, device="meta").decode_samples is None  # > 64 rows a chunk
+    assert ker.plan_select(256, 1 << 15, KB, decode=True, device="meta").decode_samples is not None
+    assert ker.plan_select(257, 1 << 15, KB, decode=True, device="meta").decode_samples is None  # > 256 rows a chunk
     monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")
     assert ker.select_workspace(64, 1 << 15, KB, "meta").decode_samples is None
     monkeypatch.setenv("QSA_DECODE_SAMPLES", "2")

@@ -77,14 +77,15 @@ def reference_scores(problem, rows, num_cols, Kb, *, r=4, page=16):
     return out
 
 
-def kernel_scores(problem, rows, num_cols, Kb, *, decode, r=4, page=16, tiles=None, rows_per_request=1):
+def kernel_scores(problem, rows, num_cols, Kb, *, decode, r=4, page=16, tiles=None, rows_per_request=1,
+                  rows_aligned=False):
     """The score launch of the chunk `rows` (a range) into a NaN scratch 3 rows taller and 5
     columns wider than the chunk; returns the whole scratch (fp32, CPU). tiles: override the
-    schedule's choice (`score_tiles` of the plan's tiles with rows_per_request)."""
+    schedule's choice (`score_tiles` of the plan's tiles with rows_per_request, rows_aligned)."""
     q, comp, table, to_req, vis = problem
     scratch = torch.full((len(rows) + 3, num_cols + 5), float("nan"), device=DEV)
     plan_tiles = sel.plan_select(len(rows), num_cols, Kb, decode=decode, device=DEV,
-                                 rows_per_request=rows_per_request).tiles
+                                 rows_per_request=rows_per_request, rows_aligned=rows_aligned).tiles
     launch = ss.ScoreLaunch(q, comp, table, to_req, vis, scratch, row0=rows.start, rows=len(rows), num_cols=num_cols,
                             page_size=page, compress_ratio=r, block_topk=Kb, decode=decode, tiles=plan_tiles,
                             interpret=DEV == "cpu", score=tiles)
@@ -135,13 +136,36 @@ def test_decode_rows_of_a_request_share_a_program(kind):
                   reference_scores(problem, rows, cols, 8), True)
 
 
-def test_mtp_decode_select_through_the_plan():
-    """A decode select planned with rows_per_request = 4 (the MTP route) chooses what the
-    reference chooses (integer data: exact scores, ties by the total order)."""
+# A decode-only step's MTP rows (whole requests of 4 rows from row 0, then padding): a program
+# scores one request's rows (`_scores_mtp_kernel`), rows x heads on the dot's M. Request 3's
+# rows straddle Kb (visible 8, 8, 9, 9), request 2's are all at or below it.
+@pytest.mark.parametrize("kind", ["int", "fp8"])
+@pytest.mark.parametrize("first", [0, 4])
+def test_request_rows_kernel_bitwise(kind, first):
+    problem = make_problem([200, 120, 30, 36, 90], [4] * 5, kind=kind, pad_rows=3, seed=9)
+    rows, cols = range(first, 23), 200 // 4  # 19 or 23 rows: the last program's rows run past the chunk
+    plan = sel.plan_select(len(rows), cols, 8, decode=True, device=DEV, rows_per_request=4, rows_aligned=True)
+    assert ss.score_tiles(True, plan.tiles, DEV == "cpu").request_rows
+    assert_scores(kernel_scores(problem, rows, cols, 8, decode=True, rows_per_request=4, rows_aligned=True),
+                  reference_scores(problem, rows, cols, 8), True)
+
+
+def test_aligned_chunks_hold_whole_requests(monkeypatch):
+    monkeypatch.setattr(sel, "SCORE_SCRATCH_BYTES", 4 * 50 * 10)  # 10 rows of 50 columns a chunk
+    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3, rows_aligned=True).chunk == 9
+    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3).chunk == 10
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+def test_mtp_decode_select_through_the_plan(aligned):
+    """A decode select planned with rows_per_request = 4 (the MTP route; aligned: a decode-only
+    step's, the request-rows kernel) chooses what the reference chooses (integer data: exact
+    scores, ties by the total order)."""
     problem = make_problem([200, 120, 160], [4, 4, 4], kind="int", pad_rows=4, seed=8)
     q, comp, table, to_req, vis = problem
     kw = dict(page_size=16, compress_ratio=4, block_topk=8)
-    sched = sel.plan_select(q.shape[0], 200 // 4, 8, decode=True, device=DEV, rows_per_request=4)
+    sched = sel.plan_select(q.shape[0], 200 // 4, 8, decode=True, device=DEV, rows_per_request=4,
+                            rows_aligned=aligned)
     out = sel.qsa_select_decode(q, comp, table, to_req, vis, out=torch.full((q.shape[0], 8), 7, dtype=torch.int32,
                                 device=DEV), schedule=sched, **kw)
     args = [t.cpu() for t in problem]
@@ -282,14 +306,20 @@ from qsa_kernels import select_score as ss
 # Runtime ints as Triton's launcher specializes them: == 1 -> constant, % 16 == 0 -> divisibility.
 VALUES = dict(stride_qt=512, stride_qh=128, stride_qd=1, stride_kp=4096, stride_kr=128, stride_kd=1,
               stride_btr=2048, stride_btp=1, span=256)
-# row_samples: the per-row samples of the decode route from samples (QSA_DECODE_SAMPLES), 2^11 slots.
-for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, "fp8e4nv", 1, 0), (True, "bf16", 4, 0),
-                                                   (False, "bf16", 1, 0), (True, "bf16", 1, 11), (True, "bf16", 4, 11)):
-    t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request), False, 1 if kdt.startswith("fp8") else 2)
+# row_samples: the per-row samples of the decode route from samples (QSA_DECODE_SAMPLES), 2^11 slots;
+# aligned: a decode-only step's MTP rows (the request-rows kernel).
+for decode, kdt, rows_per_request, row_samples, aligned in (
+        (True, "bf16", 1, 0, False), (True, "fp8e4nv", 1, 0, False), (True, "bf16", 4, 0, False), (False, "bf16", 1, 0, False),
+        (True, "bf16", 1, 11, False), (True, "bf16", 4, 11, False), (True, "bf16", 4, 0, True), (True, "bf16", 4, 11, True)):
+    t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request, rows_aligned=aligned), False,
+                       1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1,
-                 PDL=2, **{n: 1 for n, v in VALUES.items() if v == 1})
-    if t.block_r == 1:
+                 FAST_DIV=t.fast_div, PDL=2, **{n: 1 for n, v in VALUES.items() if v == 1})
+    if t.request_rows:
+        fn = ss._scores_mtp_kernel
+        const.update(HM=16, RPR=rows_per_request, RP=rows_per_request)
+    elif t.block_r == 1:
         fn, const["HM"] = ss._scores_decode_kernel, 16
     else:
         fn = ss._scores_prefill_kernel
@@ -303,9 +333,12 @@ for decode, kdt, rows_per_request, row_samples in ((True, "bf16", 1, 0), (True, 
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps, num_stages=t.stages, launch_pdl=True,
                                                                   maxnreg=t.max_regs or (ss.SAMPLES_MAX_REGS if
-                                                                  row_samples and t.block_r == 1 else None)))
+                                                                  row_samples and t.block_r == 1 and not t.request_rows
+                                                                  else None)))
     ptx = k.asm["ptx"]
-    print(decode and t.block_r == 1 or t.block_r * 4 < 64, ptx.count("wgmma.mma_async"),
+    # (the dot's M: the key tile with keys_m, else rows x heads)
+    print(decode and (t.block_r == 1 or t.request_rows) or (t.block_r * 4 < 64 and not t.keys_m),
+          ptx.count("wgmma.mma_async"),
           ptx.count("mma.sync.aligned"), ptx.count("cp.async"), k.metadata.shared)
 """
 
@@ -319,14 +352,14 @@ def test_prefill_tiles_widen_from_1m_context():
 
 def test_production_tiles_compile_for_sm90_on_tensor_cores():
     """The H200 tiles compile here without a GPU (what the interpreter accepts and the compiler
-    rejects shows in CI), with the launcher's specialization; dots of 64+ rows x heads are
-    wgmma, smaller ones mma, key loads asynchronous (the pipelined tile loop), shared memory
+    rejects shows in CI), with the launcher's specialization; dots of 64+ on M (rows x heads, or
+    the key tile) are wgmma, smaller ones mma, key loads asynchronous (the pipelined tile loop), shared memory
     within the H200's 227 KiB per program; also with the decode route's per-row samples."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 6, run.stdout
+    assert len(lines) == 8, run.stdout
     for small_m, wgmma, mma, cp_async, shared in lines:
         assert int(mma if small_m == "True" else wgmma) > 0 and int(cp_async) > 0, lines
         assert int(shared) <= 227 * 1024, lines
