@@ -376,19 +376,22 @@ def _scores_prefill_kernel(
                                 _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
                                              stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                              samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, True)
+                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
+                                             ROW_SAMPLES, LOG_G, True)
                             else:
                                 _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
                                              stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                              samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, False)
+                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
+                                             ROW_SAMPLES, LOG_G, False)
                     else:
                         if WHOLE:
                             for g0 in tl.range(col0, g_full, BLOCK_G, num_stages=STAGES):
                                 _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
                                              stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                              samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, True)
+                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
+                                             ROW_SAMPLES, LOG_G, True)
                         for g0 in tl.range(g_full, g_end, BLOCK_G, num_stages=STAGES):
                             _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
                                          stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
@@ -582,8 +585,9 @@ class ScoreLaunch:
             raise ValueError(f"per-row score samples need a decode launch (per row, or rows x heads packed on M), "
                              f"samples [rows, >= 2^{row_samples}] and num_cols <= 2^{row_samples} x block_g "
                              f"{t.block_g}, got {None if samples is None else tuple(samples.shape)}")
-        if samples is not None and not row_samples and (per_row or mtp or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
-                                    or samples.shape[1] < triton.cdiv(num_cols, t.block_g // sample_sub)):
+        if samples is not None and not row_samples and (
+                per_row or mtp or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
+                or samples.shape[1] < triton.cdiv(num_cols, t.block_g // sample_sub)):
             raise ValueError(f"score samples need the prefill kernel, sample_sub a power of two and >= "
                              f"cdiv(num_cols, block_g {t.block_g} / sample_sub) columns, got {sample_sub} and "
                              f"{tuple(samples.shape)}")
@@ -603,7 +607,8 @@ class ScoreLaunch:
         if mtp:
             rp = triton.next_power_of_2(rpr)
             self._launch = _mtp.bind((row_tiles, spans), *args, free=_FREE, HM=max(16, HP * rp), RPR=rpr, RP=rp,
-                                     FAST_DIV=fast_div, **common, num_warps=t.num_warps, **({"maxnreg": t.max_regs} if t.max_regs else {}))
+                                     FAST_DIV=fast_div, **common, num_warps=t.num_warps,
+                                     **({"maxnreg": t.max_regs} if t.max_regs else {}))
         elif per_row:
             regs = t.max_regs or (SAMPLES_MAX_REGS if row_samples else 0)
             self._launch = _decode.bind((rows, spans), *args, free=_FREE, FAST_DIV=fast_div,
