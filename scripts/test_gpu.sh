@@ -16,14 +16,19 @@ WORKERS="${QSA_GPU_WORKERS:-4}"
 SUITES=("$@")
 [ ${#SUITES[@]} -gt 0 ] || SUITES=(kernels oracle runner)
 
-"$PY" - <<'EOF'
-import sys
+QSA_GPU_SUITES="${SUITES[*]}" "$PY" - <<'EOF'
+import os, sys
 import torch
 if not torch.cuda.is_available():
     sys.exit("scripts/test_gpu.sh: no CUDA device is visible to this python")
 import pydantic, transformers, triton, xdist  # noqa: F401  (fail here, not as a skip later)
 print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__},"
       f" {torch.cuda.get_device_name()}")
+# The oracle is the pinned transformers (pyproject's test extra): 5.17's Qwen4-Exp rotary
+# embedding takes 3-D position ids and fails inside HF on every oracle test.
+if "oracle" in os.environ["QSA_GPU_SUITES"].split() and transformers.__version__ != "5.19.0":
+    sys.exit(f"scripts/test_gpu.sh: the oracle suite needs transformers 5.19.0 (pyproject's test extra), "
+             f"this python has {transformers.__version__}")
 EOF
 
 # The repo's packages come from the checkout (nothing is installed).
