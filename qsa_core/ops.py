@@ -73,6 +73,8 @@ def build_metadata(
     kv_slot: torch.Tensor,
     request_flags: torch.Tensor,
     guard: torch.Tensor,
+    num_decodes: int = 0,
+    decode_query_len: int = 1,
     backend: str | None = None,
 ) -> None:
     """SPEC.md section 3's derived per-row fields, in place (no host reads).
@@ -80,9 +82,9 @@ def build_metadata(
     query_start_loc int32 [R+1], seq_lens int32 [R], slot_mapping int64 [T], ring_index
     int32 [R], block_table int32 [>= R, P] -> token_to_req int32, positions int64 (-1 =
     padding), visible_blocks int32, ring_slot int64, compressed_slot int64 and kv_slot int64
-    (-1 = no write), all [T]. Rows of a malformed request (see the reference's GUARD_* bits)
-    are made inert and OR their reason into guard int32 [1]; request_flags int32 [>= R] is
-    scratch.
+    (-1 = no write), all [T]. Rows of a malformed request (see the reference's GUARD_* bits;
+    num_decodes leading requests of decode_query_len or 0 rows each) are made inert and OR their
+    reason into guard int32 [1]; request_flags int32 [>= R] is scratch.
     """
     _impl(backend, slot_mapping.device).qsa_build_metadata(
         query_start_loc, seq_lens, slot_mapping, ring_index, block_table,
@@ -90,7 +92,7 @@ def build_metadata(
         max_query_len=max_query_len, page_size=page_size, num_live_rows=num_live_rows, num_slots=num_slots, num_ring_rows=num_ring_rows,
         token_to_req=token_to_req, positions=positions, visible_blocks=visible_blocks,
         ring_slot=ring_slot, compressed_slot=compressed_slot, kv_slot=kv_slot,
-        request_flags=request_flags, guard=guard,
+        request_flags=request_flags, guard=guard, num_decodes=num_decodes, decode_query_len=decode_query_len,
     )
 
 

@@ -394,7 +394,8 @@ class QSAPlanner:
         # query_start_loc on the device, never from this step's host int.
         live = -1 if static else T - inputs.num_padding_rows
         if self._build is not None:
-            self._build(qsl, seq, slots, ring, table, max_seq_len, inputs.max_query_len, live)
+            self._build(qsl, seq, slots, ring, table, max_seq_len, inputs.max_query_len, live, inputs.num_decodes,
+                        inputs.decode_query_len)
         else:
             ops.build_metadata(
                 qsl, seq, slots, ring, table,
@@ -403,7 +404,8 @@ class QSAPlanner:
                 page_size=self.page_size, num_live_rows=live,
                 num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
                 num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
-                request_flags=self._request_flags, guard=self.guard, backend=self.backend, **d,
+                request_flags=self._request_flags, guard=self.guard, num_decodes=inputs.num_decodes,
+                decode_query_len=inputs.decode_query_len, backend=self.backend, **d,
             )
         meta = _record(
             QSAForwardMetadata, schedule.meta_fixed, query_start_loc=qsl, seq_lens=seq, block_table=table,
@@ -434,6 +436,9 @@ _GUARD_REASONS = (
     (reference_metadata.GUARD_SEQ_LEN, "a seq_lens entry was below its request's query length (expected >= it)"),
     (reference_metadata.GUARD_MAX_QUERY_LEN,
      "a request's query length exceeded the step's max_query_len: pass max_query_len >= every query length"),
+    (reference_metadata.GUARD_DECODE_ROWS,
+     "a decode request (one of the first num_decodes) had neither decode_query_len nor 0 rows: expected "
+     "decode_query_len rows per decode request (0: a CUDA-graph padding request)"),
     (reference_metadata.GUARD_QUERY_START_LOC,
      "query_start_loc[-1] differed from the number of rows (num_tokens - num_padding_rows)"),
     (reference_metadata.GUARD_SLOT, "a slot_mapping entry was outside [-1, num_slots)"),

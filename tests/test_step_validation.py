@@ -153,6 +153,23 @@ def test_device_guards_make_the_malformed_request_inert(backend, field):
     assert int(p.guard) == 0  # read and cleared
 
 
+def test_decode_requests_of_other_row_counts_are_inert(backend):
+    """A decode request must have decode_query_len rows (or 0): MTP rows of a decode-only step are
+    scored a whole request per program, so one of other length would shift the next requests' rows
+    across programs. Here a is a decode of 4 rows and b, counted as a decode too, has 6."""
+    bad = dict(num_decodes=2, decode_query_len=4)
+    with pytest.raises(ValueError, match=r"decode request 1 has 6 rows: the first num_decodes = 2 requests must each "
+                                         r"have decode_query_len = 4 rows"):
+        planner("cpu").plan(step("cpu", **bad))
+    want, _, _, _ = run_step(step(num_decodes=1, decode_query_len=4), planner(value_checks=False))
+    p = planner(value_checks=False)
+    out, _, _, plan = run_step(step(**bad), p)
+    assert torch.equal(out[ROWS["b"]], torch.zeros_like(out[ROWS["b"]]))
+    assert torch.equal(out[ROWS["a"]], want[ROWS["a"]])
+    assert (plan.meta.positions[ROWS["b"]] == -1).all()
+    with pytest.raises(RuntimeError, match="had neither decode_query_len nor 0 rows"):
+        p.check_guard()
+
 
 @pytest.mark.parametrize("rows", [11, 13])
 def test_hidden_states_must_match_the_plan(rows):

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from qsa_core.reference.metadata import (
+    GUARD_DECODE_ROWS,
     GUARD_MAX_QUERY_LEN,
     GUARD_MAX_SEQ_LEN,
     GUARD_PAGE,
@@ -44,9 +45,10 @@ _CACHE = 256  # bound (R, T) pairs kept per build
 def _request_flag(
     i, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
     R, T, P, max_seq_len, max_query_len, num_live, num_pages, num_slots, num_ring_rows, page_size,
+    num_decodes, decode_query_len,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
-    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr,
+    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr,
 ):
     """Request i's guard bits (int32 scalar)."""
     seq = tl.load(seq_ptr + i).to(tl.int64)
@@ -57,6 +59,9 @@ def _request_flag(
     flag = flag | (seq < end - start).to(tl.int32) * SEQ
     flag = flag | (end - start > max_query_len).to(tl.int32) * MAX_QUERY
     flag = flag | (end > num_live).to(tl.int32) * QSL
+    rows = end - start
+    flag = flag | ((i < num_decodes) & (((rows != decode_query_len) & (rows != 0))
+                                        | (start % decode_query_len != 0))).to(tl.int32) * DEC
     flag = flag | ((ring < 0) | (ring >= num_ring_rows)).to(tl.int32) * RING
     pages = (seq + page_size - 1) // page_size
     flag = flag | (pages > P).to(tl.int32) * PAGE
@@ -169,15 +174,17 @@ def _or_all(x):
 
 
 @triton.jit(do_not_specialize=["R", "T", "P", "max_seq_len", "max_query_len", "num_live", "stray_end", "num_pages",
-                               "num_slots", "num_ring_rows", "stride_bt0", "stride_bt1"])
+                               "num_slots", "num_ring_rows", "stride_bt0", "stride_bt1", "num_decodes",
+                               "decode_query_len"])
 def _metadata_kernel(
     qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1, flags_ptr, arrive_ptr,
     to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
     R, T, P, max_seq_len, max_query_len, num_live, stray_end, num_pages, num_slots, num_ring_rows, page_size,
+    num_decodes, decode_query_len,
     r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
-    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr,
+    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
     """arrive int32 [2], zero between launches: [arrived programs, a request was flagged]."""
@@ -186,7 +193,8 @@ def _metadata_kernel(
     if p < R:
         flag = _request_flag(p, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
                              R, T, P, max_seq_len, max_query_len, num_live, num_pages, num_slots, num_ring_rows,
-                             page_size, BLOCK_P, BLOCK_S, MAX_SEQ, SEQ, QSL, RING, PAGE, SLOT, MAX_QUERY)
+                             page_size, num_decodes, decode_query_len, BLOCK_P, BLOCK_S, MAX_SEQ, SEQ, QSL, RING,
+                             PAGE, SLOT, MAX_QUERY, DEC)
         tl.store(flags_ptr + p, flag)
         if flag != 0:
             tl.atomic_or(arrive_ptr + 1, 1, sem="relaxed")
@@ -206,7 +214,7 @@ def _metadata_kernel(
 _build = Launcher(_metadata_kernel)
 _BUILD_INPUTS = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "slot_ptr", "bt_ptr")  # the step's tensors
 _BUILD_FREE = _BUILD_INPUTS + ("stride_bt0", "stride_bt1", "P", "max_seq_len", "max_query_len", "num_live",
-                               "stray_end")
+                               "stray_end", "num_decodes", "decode_query_len")
 
 
 class MetadataBuild:
@@ -238,7 +246,7 @@ class MetadataBuild:
     def __call__(
         self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
         ring_index: torch.Tensor, block_table: torch.Tensor, max_seq_len: int, max_query_len: int,
-        num_live_rows: int,
+        num_live_rows: int, num_decodes: int = 0, decode_query_len: int = 1,
     ) -> None:
         """Inputs as `qsa_build_metadata`; num_live_rows -1: query_start_loc[R] alone bounds."""
         T, R = slot_mapping.shape[0], seq_lens.shape[0]
@@ -248,21 +256,23 @@ class MetadataBuild:
         launch = self._bound.get((R, T))
         if launch is None:
             launch = self._bind(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len,
-                                max_query_len, live_bound, num_live_rows)
+                                max_query_len, live_bound, num_live_rows, num_decodes, decode_query_len)
         bt0, bt1 = block_table.stride()
         launch(query_start_loc, seq_lens, ring_index, slot_mapping, block_table, bt0, bt1, block_table.shape[1],
-               max_seq_len, max_query_len, live_bound, num_live_rows)
+               max_seq_len, max_query_len, live_bound, num_live_rows, num_decodes, decode_query_len)
 
-    def _bind(self, qsl, seq, slots, ring, table, max_seq_len, max_query_len, live_bound, stray_end) -> BoundLaunch:
+    def _bind(self, qsl, seq, slots, ring, table, max_seq_len, max_query_len, live_bound, stray_end, num_decodes,
+              decode_query_len) -> BoundLaunch:
         T, R = slots.shape[0], seq.shape[0]
         launch = _build.bind(
             (max(R, triton.cdiv(T, BLOCK_ROWS)),), qsl, seq, ring, slots, table, table.stride(0), table.stride(1),
             self.request_flags[: max(R, 1)], self.arrive, *(o[:T] for o in self.outputs), self.guard,
             R, T, table.shape[1], max_seq_len, max_query_len, live_bound, stray_end, self.num_slots // self.page_size,
-            self.num_slots, self.num_ring_rows, self.page_size, free=_BUILD_FREE, checked=self._checked,
+            self.num_slots, self.num_ring_rows, self.page_size, num_decodes, decode_query_len, free=_BUILD_FREE,
+            checked=self._checked,
             r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS,
             MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN, QSL=GUARD_QUERY_START_LOC, RING=GUARD_RING_INDEX,
-            PAGE=GUARD_PAGE, SLOT=GUARD_SLOT, MAX_QUERY=GUARD_MAX_QUERY_LEN,
+            PAGE=GUARD_PAGE, SLOT=GUARD_SLOT, MAX_QUERY=GUARD_MAX_QUERY_LEN, DEC=GUARD_DECODE_ROWS,
         )
         if len(self._bound) >= _CACHE:
             self._bound.clear()
@@ -293,6 +303,8 @@ def qsa_build_metadata(
     kv_slot: torch.Tensor,
     request_flags: torch.Tensor,
     guard: torch.Tensor,
+    num_decodes: int = 0,
+    decode_query_len: int = 1,
 ) -> None:
     """Fill the derived per-row fields in place; same contract as the reference.
 
@@ -310,7 +322,8 @@ def qsa_build_metadata(
         arrive=torch.zeros(2, dtype=torch.int32, device=slot_mapping.device), guard=guard,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, page_size=page_size, num_slots=num_slots,
         num_ring_rows=num_ring_rows,
-    )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len, max_query_len, num_live_rows)
+    )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len, max_query_len, num_live_rows,
+      num_decodes, decode_query_len)
 
 
 @triton.jit(do_not_specialize=["R", "T", "P", "stride_bt0", "stride_bt1", "rope_stride_axis", "rope_stride_t"])

@@ -13,6 +13,9 @@ GUARD_SLOT = 8  # a slot_mapping entry outside [-1, num_slots)
 GUARD_RING_INDEX = 16  # ring_index outside [0, num_ring_rows)
 GUARD_PAGE = 32  # a block_table page the request uses outside [0, num_pages)
 GUARD_MAX_QUERY_LEN = 64  # a request's query length > max_query_len (the step's bound on rows per request)
+# A decode request (one of the first num_decodes) with neither decode_query_len nor 0 rows, or
+# whose rows do not start at a multiple of decode_query_len (MTP score programs take whole requests).
+GUARD_DECODE_ROWS = 128
 
 
 def qsa_build_metadata(
@@ -38,6 +41,8 @@ def qsa_build_metadata(
     kv_slot: torch.Tensor,
     request_flags: torch.Tensor,
     guard: torch.Tensor,
+    num_decodes: int = 0,
+    decode_query_len: int = 1,
 ) -> None:
     """Fill the derived per-row fields in place (no host reads, no Python loop over rows).
 
@@ -52,8 +57,10 @@ def qsa_build_metadata(
     -1, everything inert. Guards: every row of a malformed request (seq_len > max_seq_len or
     < its query length, a query length > max_query_len, rows past num_live_rows, ring_index outside [0, num_ring_rows), a
     slot of its rows outside [-1, num_slots), a page among its first ceil(seq_len /
-    page_size) outside [0, num_slots / page_size)) is made inert the same way, and the
-    reason's GUARD_* bit is OR-ed into guard int32 [1] (sticky; never cleared here).
+    page_size) outside [0, num_slots / page_size), one of the first num_decodes requests with
+    neither decode_query_len nor 0 rows or whose rows do not start at a multiple of
+    decode_query_len) is made inert the same way, and the reason's GUARD_* bit is OR-ed into
+    guard int32 [1] (sticky; never cleared here).
     request_flags int32 [>= R] is scratch.
     """
     T = slot_mapping.shape[0]
@@ -87,6 +94,9 @@ def qsa_build_metadata(
         | torch.where(ends > live_bound, GUARD_QUERY_START_LOC, 0)
         | torch.where((ring < 0) | (ring >= num_ring_rows), GUARD_RING_INDEX, 0)
         | torch.where(bad_page, GUARD_PAGE, 0)
+        | torch.where((torch.arange(R, device=dev) < num_decodes)
+                      & ((ends - starts != decode_query_len) & (ends != starts) | (starts % decode_query_len != 0)),
+                      GUARD_DECODE_ROWS, 0)
     )
     rows = torch.arange(T, device=dev)
     req = torch.searchsorted(ends, rows, right=True)
@@ -98,7 +108,7 @@ def qsa_build_metadata(
     bits = torch.where(live, flags[req], 0)
     bits_any = torch.zeros((), dtype=torch.int64, device=dev)
     for bit in (GUARD_MAX_SEQ_LEN, GUARD_SEQ_LEN, GUARD_QUERY_START_LOC, GUARD_SLOT, GUARD_RING_INDEX, GUARD_PAGE,
-                GUARD_MAX_QUERY_LEN):
+                GUARD_MAX_QUERY_LEN, GUARD_DECODE_ROWS):
         bits_any = bits_any | torch.where(((bits & bit) != 0).any(), bit, 0)
     bits_any = bits_any | torch.where(stray.any(), GUARD_QUERY_START_LOC, 0)
     guard.copy_(guard | bits_any.to(guard.dtype).view(1))

@@ -136,6 +136,33 @@ def test_column_bound_guard(bound):
 
 
 @interp
+@pytest.mark.parametrize("qlens, num_decodes, dq, flagged", [
+    ([4, 2, 4, 4, 5], 4, 4, [1, 2, 3]),  # request 1 has 2 rows: it, and the decodes its rows shift
+    ([4, 0, 4, 3], 3, 4, []),  # a 0-row decode (CUDA-graph padding), then a prefill
+    ([1, 1, 1, 6], 3, 1, []),
+    ([3, 3, 2], 3, 3, [2]),
+])
+def test_decode_rows_guard(qlens, num_decodes, dq, flagged):
+    """Decode requests (the first num_decodes) of other than decode_query_len or 0 rows, or
+    starting off a multiple of it, become inert and trip GUARD_DECODE_ROWS, kernel as reference."""
+    gen = torch.Generator().manual_seed(len(qlens))
+    qsl, seq, slots, ring = make_step(qlens, [20] * len(qlens), 2, gen, "cpu")
+    T = slots.shape[0]
+    outs = {}
+    for name, fn in (("kernel", qsa_build_metadata), ("reference", reference_build)):
+        bufs = [torch.full((T,), 7, dtype=dt) for dt in (torch.int32, torch.int64, torch.int32, torch.int64,
+                                                         torch.int64, torch.int64)]
+        extra = dict(guard_args(qsl, seq, slots), num_decodes=num_decodes, decode_query_len=dq)
+        outs[name] = bufs + [build(fn, qsl, seq, slots, ring, 4, 8, bufs, **extra)]
+    assert_same(outs["kernel"], outs["reference"])
+    guard, positions = outs["kernel"][-1], outs["kernel"][1]
+    req = torch.repeat_interleave(torch.tensor(qlens))
+    inert = torch.isin(req, torch.tensor(flagged, dtype=torch.long))
+    assert guard.item() == (128 if flagged else 0)
+    assert (positions[: len(req)][inert] == -1).all() and (positions[: len(req)][~inert] >= 0).all()
+
+
+@interp
 def test_planner_persistent_buffers(monkeypatch):
     """The planner path (ops dispatch to Triton) fills its persistent buffers in place."""
     monkeypatch.setenv("QSA_BACKEND", "triton")
