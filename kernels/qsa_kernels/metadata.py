@@ -59,8 +59,8 @@ def _request_flag(
     flag = flag | (seq < end - start).to(tl.int32) * SEQ
     flag = flag | (end - start > max_query_len).to(tl.int32) * MAX_QUERY
     flag = flag | (end > num_live).to(tl.int32) * QSL
-    rows = end - start
-    flag = flag | ((i < num_decodes) & (((rows != decode_query_len) & (rows != 0))
+    n_rows = end - start
+    flag = flag | ((i < num_decodes) & (((n_rows != decode_query_len) & (n_rows != 0))
                                         | (start % decode_query_len != 0))).to(tl.int32) * DEC
     flag = flag | ((ring < 0) | (ring >= num_ring_rows)).to(tl.int32) * RING
     pages = (seq + page_size - 1) // page_size
