@@ -4,7 +4,8 @@ Mirrors `qsa_core.reference.metadata.qsa_build_metadata`. One launch, CUDA-graph
 from T and R only, no host reads, batch-varying ints not specialized), no memset. Program p
 1. (p < R) computes request p's guard bits (seq_len bounds, its query length against
    max_query_len, rows past the live rows, ring_index, the block-table pages it uses, the
-   slots of its rows) into request_flags[p], and marks the step as having a flagged request;
+   slots of its rows, a decode request's rows against decode_query_len) into
+   request_flags[p], and marks the step as having a flagged request;
 2. (p < row blocks) derives the fields of rows [p * BLOCK, (p + 1) * BLOCK): each row finds
    its request by a binary search of `query_start_loc`; live rows no request owns are flagged.
 The last program to arrive (an acq_rel counter it resets) makes every live row of a flagged

@@ -63,7 +63,8 @@ _TOPK_MAX_ROWS = 64
 # rows too, "0" = never. H200, session 12 (select alone, us, radix or segment route -> this
 # route with the bracket searches and the tile skip; exact on random and tied data): 128K B4
 # 45.9 -> 37.0, 1M B4 123.1 -> 113.4, 128K B64 203.3 -> 193.6, 1M + 3 x 64K 75.2 -> 58.8; but
-# 1M B4 x 4 MTP rows 167.2 -> 196.8 (the MTP score kernel with samples), so MTP keeps its route.
+# 1M B4 x 4 MTP rows 167.2 -> 196.8 (the MTP score kernel with samples), so MTP keeps its route;
+# session 13 with the request-rows score kernel still 161.6 (segments) -> 275.8.
 # Session 13, chunks of more rows (radix -> this; exact on random and tied data): 128K B128 398.9 ->
 # 358.7, 128K B256 770.6 -> 714.7, 32K B256 218.6 -> 204.5, 64K B128 213.9 -> 192.1.
 _DECODE_SAMPLES_MAX_ROWS = 256

@@ -4,15 +4,18 @@ Contract: `qsa_core.reference.select.group_scores`. Scores go to a chunk's scrat
 [chunk rows, num_cols], only for rows with visible > Kb and columns g < visible; nothing
 else of the scratch is written. A program owns a span of `span` columns that it streams in
 BLOCK_G tiles (a software-pipelined loop: the next tiles' keys load while this one's dots
-run). Two kernels (`score_tiles` says which for which shape, with the H200 figures):
+run). Three kernels (`score_tiles` says which for which shape, with the H200 figures):
 - `_scores_decode_kernel` (grid: rows x spans): one row, its heads padded to HM >= 16 on the
   dot's M.
+- `_scores_mtp_kernel` (grid: requests x spans): the decode rows of one request (MTP rows of a
+  decode-only step), rows x heads on the dot's M.
 - `_scores_prefill_kernel` (grid: row tiles x spans, row tiles fastest so that programs
   sharing a span's keys run together): BLOCK_R rows; a row tile may hold several requests,
-  each streams its own keys. PACK (<= 4 heads, padded to HP): rows x heads on one dot, the
-  heads outermost (m = h * BLOCK_R + r), so the head sum after a reshape stays in each
-  thread's registers: on M (decode rows of a request, mma) or, KEYS_M (prefill), on N with
-  the key tile on M (wgmma). Otherwise one dot per head (more than 4 heads).
+  each streams its own keys (prefill, and MTP rows of a mixed step). PACK (<= 4 heads, padded
+  to HP): rows x heads on one dot, the heads outermost (m = h * BLOCK_R + r), so the head sum
+  after a reshape stays in each thread's registers: KEYS_M (every plan's choice) on N with the
+  key tile on M (wgmma), else on M (mma; a measured variant: `sweep_decode_scores.py`'s "mma").
+  Otherwise one dot per head (more than 4 heads).
 `ScoreLaunch` binds one chunk's launch (`launch.py`): per call only q_idx, the block table
 and the chunk's first row.
 
@@ -172,8 +175,8 @@ def _scores_decode_kernel(
 
 
 @triton.jit
-def _store_row_samples_by_row(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
+def _store_row_samples_by_row(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr,
+                              BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
     """`_store_row_samples` of a tile s fp32 [BLOCK_R, BLOCK_G] (rows first; mask alike), the
     runs' maxima by halving: level j is the pairwise max of level j - 1."""
     shift = _sample_shift(vis, WBITS, LOG_G)
@@ -202,7 +205,8 @@ def _scores_mtp_kernel(
 ):
     """Scores of the RPR decode rows [row0 + pid0*RPR, +RPR) x groups [pid1*span, +span) in
     BLOCK_G tiles, the rows one request's (the plan's promise: a decode-only step of RPR rows
-    per request; a row of another request is not scored): rows x heads on the dot's M (slot m
+    per request, guarded by the metadata build's GUARD_DECODE_ROWS; every row is scored with
+    the keys of the first row's request): rows x heads on the dot's M (slot m
     = r * HM / RP + h, RP = next_pow2(RPR) row slots), so the rows share each key tile; each
     row's heads sum over its slots as the one-row kernel sums its heads. q [T, HI, DI] -> s fp32
     [chunk rows, n_cols]; ROW_SAMPLES, LOG_G, SPAN_TILES as `_scores_decode_kernel`. (A loop
@@ -452,8 +456,8 @@ class ScoreTiles:
     per program, its heads padded to 16 on the dot's M; more = the row-tile kernel packed, as
     prefill, for at most 4 heads); block_g: columns per tile (N); span: columns per program (a multiple
     of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
-    pack: prefill rows x heads on one dot's M (for at most 4 heads); fast_div: prefill's
-    division by sqrt(Di) as `_finish_fast` (Di a power of two); keys_m (with pack): the key
+    pack: rows x heads on one dot (for at most 4 heads); fast_div: the division by sqrt(Di)
+    as `_finish_fast` (Di a power of two); keys_m (with pack): the key
     tile is the dot's M and rows x heads its N; whole (keys_m): tiles that every row of a program
     sees whole take an unmasked body; max_regs: registers per thread (0: the compiler's choice);
     request_rows (decode): a program scores the rows_per_request rows of one request
@@ -566,7 +570,8 @@ class ScoreLaunch:
         _, Hi, Di = q_idx.shape
         t = score or score_tiles(decode, tiles, interpret, compressed.element_size(), num_cols)
         rpr = tiles.get("rows_per_request", 1)
-        mtp = decode and t.request_rows and rpr > 1  # a request's rows per program
+        # a request's rows per program (rows x heads <= 64 on the dot's M, else one row per program)
+        mtp = decode and t.request_rows and rpr > 1 and triton.next_power_of_2(Hi) * triton.next_power_of_2(rpr) <= 64
         per_row = decode and not mtp and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
         HP = triton.next_power_of_2(Hi)
         block_r = max(t.block_r, 16 // HP)  # rows x heads >= 16 on the dot's M
@@ -582,7 +587,8 @@ class ScoreLaunch:
         if row_samples and (samples is None or sample_sub or not decode or t.block_g != 1 << log_g
                             or (not per_row and not mtp and (not t.pack or Hi > 4))
                             or samples.shape[1] < 1 << row_samples or num_cols > 1 << (row_samples + log_g)):
-            raise ValueError(f"per-row score samples need a decode launch (per row, or rows x heads packed on M), "
+            raise ValueError(f"per-row score samples need a decode launch (per row, a request's rows, or rows x heads "
+                             f"packed), "
                              f"samples [rows, >= 2^{row_samples}] and num_cols <= 2^{row_samples} x block_g "
                              f"{t.block_g}, got {None if samples is None else tuple(samples.shape)}")
         if samples is not None and not row_samples and (
@@ -614,7 +620,7 @@ class ScoreLaunch:
             self._launch = _decode.bind((rows, spans), *args, free=_FREE, FAST_DIV=fast_div,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps,
                                         **({"maxnreg": regs} if regs else {}))
-        else:  # prefill, or decode rows of a request sharing each key tile (rows x heads on M)
+        else:  # prefill, or MTP rows of a mixed step sharing each key tile (rows x heads packed)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,
                                          FAST_DIV=fast_div, KEYS_M=t.keys_m,

@@ -150,22 +150,41 @@ def test_request_rows_kernel_bitwise(kind, first):
                   reference_scores(problem, rows, cols, 8), True)
 
 
+@pytest.mark.skipif(DEV != "cuda", reason="compiled dots: the interpreter's fp32 dots sum in an order of their shape")
+def test_request_rows_and_fast_division_keep_the_one_row_kernels_bits_on_random_data():
+    """Gaussian bf16 data (not exact in fp32): the request-rows kernel sums each row's heads as
+    the one-row kernel does, and the Markstein division gives the IEEE quotient, bit for bit."""
+    problem = make_problem([3000, 1200, 800, 2000], [4] * 4, kind="randn", Di=128, pad_rows=3, seed=11)
+    rows, cols = range(0, 19), 3000 // 4
+    one_row = dict(block_r=1, block_g=128, span=128, stages=3, num_warps=4)
+    mtp = kernel_scores(problem, rows, cols, 8, decode=True, rows_per_request=4, rows_aligned=True)
+    fast = kernel_scores(problem, rows, cols, 8, decode=True, tiles=ss.ScoreTiles(**one_row, fast_div=True))
+    ieee = kernel_scores(problem, rows, cols, 8, decode=True, tiles=ss.ScoreTiles(**one_row))
+    assert (~mtp.isnan()).sum() > 4000
+    assert torch.equal(mtp.view(torch.int32), ieee.view(torch.int32))
+    assert torch.equal(fast.view(torch.int32), ieee.view(torch.int32))
+
+
 def test_aligned_chunks_hold_whole_requests(monkeypatch):
     monkeypatch.setattr(sel, "SCORE_SCRATCH_BYTES", 4 * 50 * 10)  # 10 rows of 50 columns a chunk
     assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3, rows_aligned=True).chunk == 9
     assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3).chunk == 10
 
 
-@pytest.mark.parametrize("aligned", [False, True])
-def test_mtp_decode_select_through_the_plan(aligned):
+@pytest.mark.parametrize("aligned, chunk_rows", [(False, 0), (True, 0), (True, 7)])
+def test_mtp_decode_select_through_the_plan(monkeypatch, aligned, chunk_rows):
     """A decode select planned with rows_per_request = 4 (the MTP route; aligned: a decode-only
-    step's, the request-rows kernel) chooses what the reference chooses (integer data: exact
-    scores, ties by the total order)."""
+    step's, the request-rows kernel; chunk_rows: a score scratch of that many rows, so chunks of
+    4: whole requests) chooses what the reference chooses (integer data: exact scores, ties by
+    the total order)."""
+    if chunk_rows:
+        monkeypatch.setattr(sel, "SCORE_SCRATCH_BYTES", 4 * 50 * chunk_rows)
     problem = make_problem([200, 120, 160], [4, 4, 4], kind="int", pad_rows=4, seed=8)
     q, comp, table, to_req, vis = problem
     kw = dict(page_size=16, compress_ratio=4, block_topk=8)
     sched = sel.plan_select(q.shape[0], 200 // 4, 8, decode=True, device=DEV, rows_per_request=4,
                             rows_aligned=aligned)
+    assert sched.chunk == (4 if chunk_rows else q.shape[0])
     out = sel.qsa_select_decode(q, comp, table, to_req, vis, out=torch.full((q.shape[0], 8), 7, dtype=torch.int32,
                                 device=DEV), schedule=sched, **kw)
     args = [t.cpu() for t in problem]
