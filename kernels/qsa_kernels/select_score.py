@@ -174,24 +174,6 @@ def _scores_decode_kernel(
     pdl_end(PDL)
 
 
-@triton.jit
-def _store_row_samples_by_row(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr,
-                              BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
-    """`_store_row_samples` of a tile s fp32 [BLOCK_R, BLOCK_G] (rows first; mask alike), the
-    runs' maxima by halving: level j is the pairwise max of level j - 1."""
-    shift = _sample_shift(vis, WBITS, LOG_G)
-    lo = tl.min(shift, 0)
-    hi = tl.max(shift, 0)
-    key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
-    for j in tl.static_range(LOG_G + 1):
-        if j > 0:
-            key = tl.max(tl.reshape(key, (BLOCK_R, BLOCK_G >> j, 2)), 2)  # [BLOCK_R, runs of 2^j]
-        if (lo <= j) & (hi >= j):
-            i = tl.arange(0, BLOCK_G >> j)[None, :]
-            tl.store(samp_ptr + lr.to(tl.int64)[:, None] * stride_pr + (g0 >> j) + i, key,
-                     mask=(shift[:, None] == j) & ((g0 + (i << j)) < vis[:, None]))
-
-
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_sr", "stride_pr"])
 def _scores_mtp_kernel(
     q_ptr, k_ptr, bt_ptr, req_ptr, vis_ptr, s_ptr, samp_ptr,
@@ -240,7 +222,8 @@ def _scores_mtp_kernel(
             written = g[None, :] < vis[:, None]
             tl.store(s_rows + g[None, :], s, mask=written)
             if ROW_SAMPLES:
-                _store_row_samples_by_row(samp_ptr, lr, g0, s, written, vis, stride_pr, ROW_SAMPLES, BLOCK_G, RP, LOG_G)
+                _store_row_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written), vis, stride_pr, ROW_SAMPLES,
+                                   BLOCK_G, RP, LOG_G)
     pdl_end(PDL)
 
 
