@@ -5,7 +5,8 @@
 For each case (bench_qsa's configurations, by short name) and each variant (switches read
 when a planner and its launches are made: `nopdl`; `pdl` / `late` = programmatic dependent
 launch signalling at each program's start / end, `launch`'s modes 1 / 2; `samples` =
-QSA_DECODE_SAMPLES=1 with PDL 2; `auto` = the default routes with PDL 2; the others force
+QSA_DECODE_SAMPLES=1 with PDL 2; `auto` = the default routes with PDL 2, `auto-early` with PDL 1;
+the others force
 QSA_DECODE_SAMPLES=0), the step (`bench_qsa.Step.full`:
 prepare + select + attention, every launch in one CUDA graph) is built anew, its attention
 output must equal the first variant's bit for bit, and its graph replays are timed (median us,
@@ -42,7 +43,7 @@ CASES = {
 }
 # variant -> (PDL mode, QSA_DECODE_SAMPLES)
 VARIANTS = {"nopdl": (0, "0"), "pdl": (1, "0"), "late": (2, "0"), "samples": (2, "1"), "samples-nopdl": (0, "1"),
-            "auto": (2, "auto")}
+            "auto": (2, "auto"), "auto-early": (1, "auto")}
 
 
 def build(case: Case, variant: str) -> bq.Step:

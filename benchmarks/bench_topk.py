@@ -37,9 +37,11 @@ SHAPES = {
     "128k-b64": Case("decode", 131072, 64, 1),
     "1m-b4": Case("decode", 1 << 20, 4, 1),
     "1m-b4x4": Case("decode", 1 << 20, 4, 4),
+    "128k-b16x4": Case("decode", 131072, 16, 4),
 }
 # Overrides of `topk_tiles` (a "seg" override sizes samples and lists as for that many segments).
-VARIANTS = {"b2": {}, "b4": dict(bits=4), "l16": dict(lbits=16), "s4k": dict(seg=4096), "w4": dict(warps=4)}
+VARIANTS = {"br3": {}, "br2": dict(ssbits=2), "s16k": dict(seg=16384), "s8k": dict(seg=8192), "s4k": dict(seg=4096),
+            "w8": dict(warps=8), "w4": dict(warps=4)}
 SHORT_ONLY = {"w4"}  # variants timed only where rows take the short route
 ROUTE, TILES, RADIX = sel._topk_route, stk.topk_tiles, sel.TopkLaunch
 
@@ -59,9 +61,9 @@ def configure(route: str, variant: dict | None = None) -> None:
     sel._topk_route = {"plan": ROUTE, "topk": lambda *a: True}.get(route, lambda *a: False)
     sel.TopkLaunch = NoTopk if route == "score" else RADIX
 
-    def tiles(num_cols: int, small: bool) -> dict:
+    def tiles(num_cols: int, small: bool, rows: int = 1) -> dict:
         v = variant or {}
-        t = TILES(num_cols * 32768 // v["seg"] if "seg" in v else num_cols, small)
+        t = TILES(num_cols * 32768 // v["seg"] if "seg" in v else num_cols, small, rows)
         return {**t, **v}
 
     stk.topk_tiles = tiles

@@ -40,7 +40,7 @@ from .launch import Launcher, pdl_end, pdl_start
 from .select_radix import ChunkLaunches, packed_write
 from .select_score import _sample_shift
 from .select_topk import (_compact_segment, _compact_step, _emit, _emit_above, _keys, _kth_bound, _kth_key,
-                          _resolve_row, _write_short, _write_tail)
+                          _resolve_row, _samples_bound, _write_short, _write_tail)
 
 
 @triton.jit
@@ -110,16 +110,13 @@ def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.co
     """A lower bound of a row's KB-th largest key from its samples int32 (one per S columns: a
     constexpr, or the row's own stride; cdiv(vis, S) of them, SAMPP >= that, a power of two).
     SBITS 0: the KB-th largest sample to its LBITS high bits (`_kth_key`, ceil(LBITS / BITS)
-    block reductions); else the bracket search (`select_topk._kth_bound`, 2^SBITS counts a
-    step, until isolated): its bracket's low end, the KB-th largest sample or a value >= 0
-    below it that exactly KB samples reach. Either way >= KB samples reach it: <= the row's
-    KB-th key."""
+    block reductions); else the bracket search (`select_topk._samples_bound`, 2^SBITS counts
+    a step, until isolated). Either way >= KB samples reach it: <= the row's KB-th key."""
     p = tl.arange(0, SAMPP)
     n = tl.cdiv(vis, S)
     samples = tl.load(samp_row + p, mask=p < n, other=-1)
     if SBITS:
-        thr, n_above = _kth_bound(samples, n, KB, SBITS)
-        return thr + (n_above == KB).to(tl.int32)  # (thr: one below the low end where KB samples reach it)
+        return _samples_bound(samples, KB, SBITS)
     return _kth_key(samples, KB, BITS, LBITS)
 
 

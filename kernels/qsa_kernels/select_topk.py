@@ -19,12 +19,12 @@ keys equal to it are written at their ascending positions (one scan).
   at 8K B1, 13.6 -> 11.2 at 8K B64, 17.1 -> 14.2 at 16K B4, against `_kth_key`'s 16 steps).
 - Long (`_topk_seg_kernel`, grid: rows x segments of SEG columns): a lower bound L of the
   row's threshold from samples (the maxima of disjoint column subsets are real keys, so the
-  row has at least Kb keys >= their Kb-th largest); each segment compacts its keys >= L
-  (ascending column) into its candidate list; the program that completes the row (its only
-  program, or the last to arrive at the row's counter) resolves the row over the lists in
-  registers. One segment: the program samples its row itself (one launch). Several:
-  `_sample_kernel` (grid: rows x segments) writes each segment's subset maxima first (two
-  launches). More than CAP candidates in a row or LCAP in one list (keys crowded near the
+  row has at least Kb keys >= their Kb-th largest; `_samples_bound`, the bracket search);
+  each segment compacts its keys >= L (ascending column) into its candidate list; the program
+  that completes the row (its only program, or the last to arrive at the row's counter)
+  resolves the row over the lists in registers (the bracket search again). One segment:
+  the program samples its row itself (one launch). Several: `_sample_kernel` (grid: rows x
+  segments) writes each segment's subset maxima first (two launches). More than CAP candidates in a row or LCAP in one list (keys crowded near the
   threshold) send the row to an exact resolve that loops over the whole row
   (`_resolve_row`): slower, same result. `select._topk_route` picks which decode chunks
   come here.
@@ -192,6 +192,17 @@ def _kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
     return tl.where(exact, lo - 1, lo).to(tl.int32), tl.where(exact, KB, c_hi)
 
 
+@triton.jit
+def _samples_bound(samples, KB: tl.constexpr, SBITS: tl.constexpr):
+    """A lower bound of a row's KB-th largest key from its samples int32 [N] (each a real key
+    of the row, the largest of a subset of its columns; -1: an empty subset) by the bracket
+    search (`_kth_bound`, 2^SBITS counts a step): its bracket's low end, the KB-th largest
+    sample or a value >= 0 below it that exactly KB samples reach; 0 with fewer than KB
+    samples. Either way >= KB of the row's keys reach it."""
+    thr, n_above = _kth_bound(samples, tl.sum((samples >= 0).to(tl.int32), 0), KB, SBITS)
+    return thr + (n_above == KB).to(tl.int32)  # (thr: one below the low end where KB samples reach it)
+
+
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
 def _topk_short_kernel(
     s_ptr, vis_ptr, out_ptr, pos_ptr, row0, n_cols, stride_sr, stride_or, stride_oc,
@@ -306,7 +317,7 @@ def _resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.cons
 def _topk_seg_kernel(
     s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr,
     row0, n_cols, stride_sr, stride_pr, stride_cr, stride_or, stride_oc,
-    KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, SEG: tl.constexpr,
+    KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, SBITS: tl.constexpr, SEG: tl.constexpr,
     SEGP: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr, CAP: tl.constexpr, LCAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
     PDL: tl.constexpr = 0,
@@ -338,7 +349,7 @@ def _topk_seg_kernel(
         else:
             p = tl.arange(0, SEGP * SAMP)
             samples = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr + p, mask=p < n_seg * SAMP, other=-1)
-        bound = _kth_key(samples, KB, BITS, LBITS)  # <= the row's KB-th largest key
+        bound = _samples_bound(samples, KB, SBITS)  # <= the row's KB-th largest key
         c_idx = cidx_ptr + lr.to(tl.int64) * stride_cr
         c_key = ckey_ptr + lr.to(tl.int64) * stride_cr
         n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
@@ -372,7 +383,8 @@ def _topk_seg_kernel(
                 m = j < n
                 key = tl.load(c_key + j, mask=m, other=-1, cache_modifier=".cg")
                 idx = tl.load(c_idx + j, mask=m, other=0, cache_modifier=".cg")
-                _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+                thr, n_above = _kth_bound(key, n, KB, SBITS)
+                _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB, PACKED, R)
             else:
                 _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
     pdl_end(PDL)
@@ -391,19 +403,21 @@ def topk_tiles(num_cols: int, small: bool, rows: int = 1) -> dict[str, int]:
     row's samples number samp x segments, >= 4 Kb keeps the bound tight); cap: candidates of
     a row (and of a segment's list); lcap: candidates per list the resolve packs in one
     step; block / rblock: columns per sweep step (compaction / the whole-row resolve); bits:
-    key bits per search step (`_kth_key`); sbits: log2 of the short route's counts per step
-    (`_kth_bound`); early: the short route
-    loads scores with the visible count; lbits: high key
-    bits of the bound; warps per program. small: the interpreter's tiles (tests cross every
-    border and route with few columns)."""
+    key bits per step of the whole-row resolve (`_kth_key`); sbits: log2 of the short route's
+    counts per step (`_kth_bound`); ssbits: the same for the segment route's bound and resolve
+    (H200, session 14, select us, `_kth_key` at 2 bits a step -> ssbits 3: 1M B4 x 4 141.8 ->
+    136.5, 128K B16 x 4 94.6 -> 87.5); early: the short route loads scores with the visible
+    count; warps per program. small: the interpreter's tiles (tests cross every border and
+    route with few columns)."""
     if small:
-        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, sbits=2, early=0, lbits=31, warps=4)
+        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, sbits=2, ssbits=2, early=0,
+                    warps=4)
     # sbits: the search's compare [row, 2^sbits] holds at most 64 keys a thread (16 warps): no
     # spill; 3 (8 counts a step) measured best or even up to 4096 columns (H200, session 8:
     # 8K B1 / B4 / B64, 16K B4, on the step's scores and on mixed rows), 2 at 8192.
     cap_bits = triton.next_power_of_2(max(num_cols, 1)).bit_length() - 1
     t = dict(short=8192 if rows < 16 else 4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024,
-             bits=2, sbits=min(3, max(2, 15 - cap_bits)), early=0, lbits=31, warps=16)
+             bits=2, sbits=min(3, max(2, 15 - cap_bits)), ssbits=3, early=0, warps=16)
     segs = triton.cdiv(max(num_cols, 1), t["seg"])
     if segs > 1:
         segp = triton.next_power_of_2(segs)
@@ -481,7 +495,7 @@ class TopkLaunch(ChunkLaunches):
         self._launches.append((_seg.bind(
             (rows, segs), scores, visible_blocks, samp, cidx, ckey, c.counts, c.arrive, out, pos,
             row0, num_cols, sr, samp.stride(0) if segp > 1 else 0, cidx.stride(0), *outs, free=out_free,
-            KB=Kb, KBP=KBP, BITS=t["bits"], LBITS=t["lbits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
+            KB=Kb, KBP=KBP, BITS=t["bits"], SBITS=t["ssbits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
             SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"], RBLOCK=t["rblock"],
             **write, num_warps=t["warps"],
         ), True))

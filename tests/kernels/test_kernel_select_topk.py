@@ -79,11 +79,11 @@ def test_small_tiles_cross_every_route():
 
 
 @pytest.mark.parametrize("num_cols", COLS)
-@pytest.mark.parametrize("kb, packed, lbits", [(8, False, 31), (16, False, 31), (8, True, 31), (8, False, 12)])
-def test_random_scores(num_cols, kb, packed, lbits):
-    # lbits 12: a coarser bound (its 12 high key bits), more candidates, the same result.
+@pytest.mark.parametrize("kb, packed, ssbits", [(8, False, 2), (16, False, 2), (8, True, 2), (8, False, 1), (8, False, 3)])
+def test_random_scores(num_cols, kb, packed, ssbits):
+    # ssbits: 2^ssbits counts per step of the segment route's bracket searches (bound, resolve).
     rows = [distinct(num_cols, s) for s in range(3)] + [distinct(num_cols - 5, 9)]
-    got = run_topk(rows, num_cols, kb, calls=2, packed=packed, lbits=lbits)
+    got = run_topk(rows, num_cols, kb, calls=2, packed=packed, ssbits=ssbits)
     assert torch.equal(got, reference(rows, num_cols, kb, packed))
 
 
@@ -108,6 +108,15 @@ def test_short_route_search_meets_every_threshold(kind, sbits, early):
     rows = _search_rows(kind, 256)
     got = run_topk(rows, 256, 8, calls=2, short=256, sbits=sbits, early=early)
     assert torch.equal(got, reference(rows, 256, 8))
+
+
+@pytest.mark.parametrize("kind", ["random", "crowd", "zeros", "ints", "tiny", "huge", "equal"])
+@pytest.mark.parametrize("ssbits", [1, 3])
+def test_segment_route_searches_meet_every_threshold(kind, ssbits):
+    # 300 columns, five segments: the bound from the samples and the resolve of the lists both
+    # by the bracket search (crowds and equal rows overflow to the whole-row resolve).
+    rows = _search_rows(kind, 300)
+    assert torch.equal(run_topk(rows, 300, 8, calls=2, ssbits=ssbits), reference(rows, 300, 8))
 
 
 def test_short_route_bracket_search_is_batch_invariant():
@@ -246,12 +255,34 @@ for cols, rows, early, packed in ((2048, 1, 0, True), (2048, 1, 1, False), (4096
         m = re.search(r"REG:(\\d+) STACK:(\\d+)", out)
         usage = f"{m.group(1)} {m.group(2)}" if m else usage
     print(cols, rows, early, packed, t["sbits"], usage)
+fn = stk._topk_seg_kernel
+for cols, rows in ((1 << 18, 16), (1 << 15, 64), (1 << 17, 16)):  # the segment route's chunks (MTP rows)
+    t = stk.topk_tiles(cols, small=False, rows=rows)
+    assert not stk.short_route(cols, t), (cols, rows)
+    segp = triton.next_power_of_2(triton.cdiv(cols, t["seg"]))
+    const = dict(KB=512, KBP=512, BITS=t["bits"], SBITS=t["ssbits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
+                 SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"],
+                 RBLOCK=t["rblock"], PACKED=True, R=4, W=2052, BLOCK_W=1024, PDL=2)
+    types = dict(s_ptr="*fp32", pos_ptr="*i64")
+    sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=t["warps"], launch_pdl=True))
+    usage = "-1 -1"
+    if os.path.exists(dump):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            out = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\\d+) STACK:(\\d+)", out)
+        usage = f"{m.group(1)} {m.group(2)}" if m else usage
+    print("seg", cols, rows, t["ssbits"], usage)
 """
 
 
-def test_short_route_compiles_for_sm90_without_spills():
+def test_short_and_segment_routes_compile_for_sm90_without_spills():
     """The short route's H200 tiles (up to 4096 columns, and 8192 for chunks of few rows; early
-    loads at 2048 columns)
+    loads at 2048 columns) and the segment route's (MTP chunks at 128K and 1M, 64 rows at 32K)
     compile here without a GPU; the bracket search's sbits keep its compare's keys in
     registers (no spill stack)."""
     import subprocess
@@ -261,7 +292,7 @@ def test_short_route_compiles_for_sm90_without_spills():
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 6, run.stdout
+    assert len(lines) == 9 and [line[0] for line in lines].count("seg") == 3, run.stdout
     import triton
 
     # 8192 columns (chunks of few rows) spill 8-40 bytes under triton 3.9, none under the H200's 3.6.
