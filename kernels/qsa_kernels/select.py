@@ -86,17 +86,14 @@ def decode_samples_enabled(rows_per_request: int) -> bool:
     return mode == "1" or (mode == "auto" and rows_per_request <= 1)
 
 
-def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool,
-                          rows_per_request: int = 1) -> dict | None:
+def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool) -> dict | None:
     """The `select_prefill.decode_tiles` where a decode chunk takes the per-row-samples route
-    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None;
-    MTP rows (rows_per_request > 1) take their samples from a launch of their own."""
+    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None."""
     small = _interpreting()
     if not (on and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
             n_cols, select_topk.topk_tiles(n_cols, small, chunk)):
         return None
-    return dict(select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small),
-                sample_launch=int(rows_per_request > 1))
+    return select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small)
 
 
 def _decode_block_g() -> int:
@@ -351,7 +348,7 @@ def plan_select(
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
     dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, decode_samples_enabled(rows_per_request)
-                                        if decode_samples is None else decode_samples, rows_per_request) if scored else None
+                                        if decode_samples is None else decode_samples) if scored else None
     dsamp = None
     if dsamp_tiles is not None:
         need = select_prefill.prefill_scratch_elems(chunk, chunk, n_cols, dsamp_tiles, _decode_block_g())
@@ -404,14 +401,12 @@ class SelectLaunch:
                 if s.decode_samples is not None:
                     samples = select_prefill.samples_view(s.decode_samples, s.chunk, s.num_cols,
                                                           s.decode_samples_tiles, _decode_block_g())
-                scored_samples = s.decode_samples is not None and not s.decode_samples_tiles["sample_launch"]
                 score = ScoreLaunch(
                     q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, row0=row0, rows=n,
                     num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio, block_topk=block_topk,
-                    decode=s.decode, tiles=s.tiles, interpret=s.interpret,
-                    samples=samples if s.prefill is not None or scored_samples else None,
+                    decode=s.decode, tiles=s.tiles, interpret=s.interpret, samples=samples,
                     sample_sub=0 if s.prefill is None else s.prefill_tiles["sub"],
-                    row_samples=s.decode_samples_tiles["row_s"] if scored_samples else 0,
+                    row_samples=0 if s.decode_samples is None else s.decode_samples_tiles["row_s"],
                 ) if s.scored else None
                 if s.prefill is not None:
                     topk = select_prefill.PrefillTopkLaunch(

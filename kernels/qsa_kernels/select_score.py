@@ -109,7 +109,7 @@ def _sample_shift(vis, WBITS: tl.constexpr, MAX_SHIFT: tl.constexpr):
 def _store_row_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
     """Per-row samples of a score tile s fp32 [BLOCK_G, BLOCK_R] (columns g0 + i, g0 a multiple
-    of BLOCK_G, a multiple of 2^LOG_G; rows lr int32 [BLOCK_R], their visible vis; mask: the cells
+    of BLOCK_G = 2^LOG_G; rows lr int32 [BLOCK_R], their visible vis; mask: the cells
     written): row lr's runs of 2^shift columns (`_sample_shift`) -> samples int32 [chunk rows,
     2^WBITS] at (lr, g0 / 2^shift + run) = the largest key of the run's columns below vis.
     Only the run widths of the tile's rows are reduced (one for a single row, or the rows of

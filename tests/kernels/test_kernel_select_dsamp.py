@@ -124,9 +124,7 @@ def sample_shift(v: int, wbits: int, log_g: int) -> int:
 
 @small_tiles
 @pytest.mark.parametrize("mix, rpr, aligned", ROUTES)
-def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, mix, rpr, aligned):
-    # One row per request: the score launch writes them; MTP rows: a launch of their own
-    # (`_row_samples_kernel`, over the score scratch) after the score launch.
+def test_score_launch_writes_per_row_samples(nan_scratch, mix, rpr, aligned):
     problem = make_problem(**mix, kind="int", pad_rows=2, seed=3)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
@@ -138,10 +136,6 @@ def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, m
     samples = sp.samples_view(s.decode_samples, s.chunk, s.num_cols, t, ker._decode_block_g())
     samples.fill_(-7)
     launch._chunks[0][1](q, table, 0)  # the score launch alone
-    assert t["sample_launch"] == (rpr > 1)
-    if rpr > 1:
-        assert (samples.cpu() == -7).all(), "MTP rows' score launch wrote samples"
-        launch._chunks[0][2]._samples(0)
     keys = s.scores.cpu().view(torch.int32) & 0x7FFFFFFF
     got = samples.cpu()
     shifts = set()
@@ -266,20 +260,13 @@ for cols in (32768, 262144):  # 128K and 1M context
         triton.compile(ASTSource(fn, sig(fn, const, dict(s_ptr="*fp32", pos_ptr="*i64")), const), target=target,
                        options=dict(num_warps=t["warps"], launch_pdl=True))
         print("compiled topk", cols, packed, skip)
-    fn = sp._row_samples_kernel  # MTP rows' sample launch
-    const = dict(KB=512, WBITS=t["row_s"], BLOCK=t["sblock"], LOG_G=t["log_g"], PDL=2)
-    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-    triton.compile(ASTSource(fn, sig(fn, const, dict(s_ptr="*fp32")), const), target=target,
-                   options=dict(num_warps=4, launch_pdl=True))
-    print("compiled samples", cols)
 """
 
 
 def test_route_compiles_for_sm90():
     """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M columns)
-    and MTP rows' sample launch compile for sm_90 here without a GPU (its score kernels:
-    test_kernel_select_score)."""
+    compiles for sm_90 here without a GPU (its score kernels: test_kernel_select_score)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len([x for x in run.stdout.splitlines() if x.startswith("compiled")]) == 8, run.stdout
+    assert len([x for x in run.stdout.splitlines() if x.startswith("compiled")]) == 6, run.stdout
