@@ -39,7 +39,8 @@ CASES = {
     "128k-b4": Case("decode", 131072, 4, 1), "128k-b4-fp8": Case("decode", 131072, 4, 1, "fp8_e4m3"),
     "128k-b64": Case("decode", 131072, 64, 1), "1m-b4": Case("decode", M, 4, 1),
     "1m-b4-fp8": Case("decode", M, 4, 1, "fp8_e4m3"),
-    "1m-b4x4": Case("decode", M, 4, 4), "p16k": Case("prefill", 16384, 1, 16384),
+    "1m-b4x4": Case("decode", M, 4, 4), "128k-b16x4": Case("decode", 131072, 16, 4),
+    "p16k": Case("prefill", 16384, 1, 16384),
 }
 # variant -> (PDL mode, QSA_DECODE_SAMPLES)
 VARIANTS = {"nopdl": (0, "0"), "pdl": (1, "0"), "late": (2, "0"), "samples": (2, "1"), "samples-nopdl": (0, "1"),
