@@ -48,15 +48,14 @@ VARIANTS = {
     "g128s1fd": (128, 1, 3, 4, 0, 0, True), "g128s2fd": (128, 2, 3, 4, 0, 0, True),
     "samp-r64-fd": (128, 1, 3, 4, 64, 1, True), "g128s2st2fd": (128, 2, 2, 4, 0, 0, True),
 }
-# MTP shapes: name: (ScoreTiles fields, row samples). "mma": the packed kernel, 4 rows x 4 heads on
-# the mma's M (the route of mixed steps); "km": it with keys on the wgmma's M (prefill's body);
-# "rq": the request-rows kernel (decode-only steps, `select_score.MTP_TILES`); "row1": the one-row
-# kernel per row (a bitwise cross-check).
-_MMA = dict(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True)
-_KM = dict(_MMA, keys_m=True, whole=True, fast_div=True)
+# MTP shapes: name: (ScoreTiles fields, row samples). "km": the packed kernel, 4 rows x 4 heads on
+# the wgmma's N, the keys on its M (prefill's body; the route of mixed steps); "rq": the request-rows
+# kernel (decode-only steps, `select_score.MTP_TILES`); "row1": the one-row kernel per row (a bitwise
+# cross-check).
+_KM = dict(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True, whole=True, fast_div=True)
 _RQ = dict(block_r=1, block_g=128, span=128, stages=3, num_warps=4, request_rows=True)
 PACKED = {
-    "mma": (_MMA, 0), "km": (_KM, 0), "km-s1": (dict(_KM, span=128), 0),
+    "km": (_KM, 0), "km-s1": (dict(_KM, span=128), 0),
     "rq": (_RQ, 0), "rq-s2": (dict(_RQ, span=256), 0), "rq-s4": (dict(_RQ, span=512), 0),
     "rq-st2": (dict(_RQ, stages=2), 0), "rq-s2st2": (dict(_RQ, span=256, stages=2), 0),
     "rq-w8": (dict(_RQ, num_warps=8), 0), "rq-g64s2": (dict(_RQ, block_g=64, span=128), 0),
@@ -67,7 +66,7 @@ PACKED = {
     "km-r128": (dict(_KM, max_regs=128), 0), "km-s2": (dict(_KM, span=256), 0), "km-s4": (dict(_KM, span=512), 0),
     "km-samp-st2": (dict(_KM, stages=2), 1), "km-samp-g64": (dict(_KM, block_g=64), 1),
     "rq-fd-samp-r128": (dict(_RQ, fast_div=True, max_regs=128), 1),
-    "mma-samp": (_MMA, 1), "km-samp": (_KM, 1), "rq-samp": (_RQ, 1), "rq-samp-r128": (dict(_RQ, max_regs=128), 1),
+    "km-samp": (_KM, 1), "rq-samp": (_RQ, 1), "rq-samp-r128": (dict(_RQ, max_regs=128), 1),
     "rq-samp-r96": (dict(_RQ, max_regs=96), 1), "rq-s2-samp": (dict(_RQ, span=256), 1),
     "rq-s2-samp-r128": (dict(_RQ, span=256, max_regs=128), 1),
 }

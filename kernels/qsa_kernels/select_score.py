@@ -12,10 +12,10 @@ run). Three kernels (`score_tiles` says which for which shape, with the H200 fig
 - `_scores_prefill_kernel` (grid: row tiles x spans, row tiles fastest so that programs
   sharing a span's keys run together): BLOCK_R rows; a row tile may hold several requests,
   each streams its own keys (prefill, and MTP rows of a mixed step). PACK (<= 4 heads, padded
-  to HP): rows x heads on one dot, the heads outermost (m = h * BLOCK_R + r), so the head sum
-  after a reshape stays in each thread's registers: KEYS_M (every plan's choice) on N with the
-  key tile on M (wgmma), else on M (mma; a measured variant: `sweep_decode_scores.py`'s "mma").
-  Otherwise one dot per head (more than 4 heads).
+  to HP): rows x heads on one dot's N, the heads outermost (m = h * BLOCK_R + r), so the head
+  sum after a reshape stays in each thread's registers, and the key tile on its M (wgmma; rows
+  x heads on the mma's M measured slower, session 13). Otherwise one dot per head (more than 4
+  heads).
 `ScoreLaunch` binds one chunk's launch (`launch.py`): per call only q_idx, the block table
 and the chunk's first row.
 
@@ -304,13 +304,13 @@ def _scores_prefill_kernel(
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
-    KEYS_M: tl.constexpr, SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
+    SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
     LOG_G: tl.constexpr = 0, WHOLE: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
-    BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's M (KEYS_M: its N, the keys
-    its M); else rows are the dot's M,
+    BLOCK_G tiles. PACK (HI <= 4): rows x HP heads are one dot's N, the key tile its M (wgmma);
+    else rows are the dot's M,
     one dot per head, heads 0..3 keeping their q for the whole span (further heads reload theirs
     per tile). A row tile may span requests: each request in it streams its own keys.
     SPAN_TILES: as the decode kernel. SAMPLE > 0: also the top-k's samples of each tile
@@ -337,7 +337,7 @@ def _scores_prefill_kernel(
         while cur <= req_hi:  # (a while loop: the interpreter cannot range over reductions)
             mine = active & (req == cur)
             g_end = tl.minimum(tl.max(tl.where(mine, vis, 0), 0), col0 + span)
-            if PACK:  # heads outermost on the dot's M (m = h * BLOCK_R + r): one dot, a thread-local head sum
+            if PACK:  # heads outermost on the dot's N (m = h * BLOCK_R + r): one dot, a thread-local head sum
                 m = tl.arange(0, HP * BLOCK_R)
                 m_lr = tl.program_id(0) * BLOCK_R + m % BLOCK_R
                 m_mine = tl.reshape(tl.broadcast_to(mine[None, :], (HP, BLOCK_R)), (HP * BLOCK_R,))
@@ -345,63 +345,45 @@ def _scores_prefill_kernel(
                              + (m // BLOCK_R)[:, None] * stride_qh + d[None, :] * stride_qd,
                              mask=(m_mine & (m // BLOCK_R < HI))[:, None] & (d < DI)[None, :], other=0.0)
                 qa = qa.to(DOT_DTYPE)
-                if KEYS_M:  # keys on M, rows x heads on N: s^T tiles [BLOCK_G, BLOCK_R]
-                    # WHOLE: the tiles below g_full, where every row of the program is this request's
-                    # and sees every column, take the unmasked body; the rest the masked one.
-                    g_full = col0
+                # keys on M, rows x heads on N: s^T tiles [BLOCK_G, BLOCK_R]
+                # WHOLE: the tiles below g_full, where every row of the program is this request's
+                # and sees every column, take the unmasked body; the rest the masked one.
+                g_full = col0
+                if WHOLE:
+                    vis_lo = tl.min(tl.where(mine, vis, 2147483647), 0)
+                    whole_rows = tl.min(mine.to(tl.int32), 0) == 1
+                    g_full = tl.where(whole_rows, col0 + (tl.minimum(vis_lo, col0 + span) - col0) // BLOCK_G * BLOCK_G,
+                                      col0)
+                s_tile = s_ptr + (tl.program_id(0) * BLOCK_R).to(tl.int64) * stride_sr
+                s_offs = tl.arange(0, BLOCK_R)[None, :] * stride_sr + cols[:, None]  # int32 (< 2^31: the plan)
+                samp_tile = samp_ptr + lr.to(tl.int64)[None, :] * stride_pr
+                if SPAN_TILES:  # the interpreter: one loop, each tile's body chosen per tile
+                    for off in tl.range(0, SPAN_TILES * BLOCK_G, BLOCK_G):
+                        if col0 + off + BLOCK_G <= g_full:
+                            _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
+                                         stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
+                                         samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
+                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
+                                         ROW_SAMPLES, LOG_G, True)
+                        else:
+                            _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
+                                         stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
+                                         samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
+                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
+                                         ROW_SAMPLES, LOG_G, False)
+                else:
                     if WHOLE:
-                        vis_lo = tl.min(tl.where(mine, vis, 2147483647), 0)
-                        whole_rows = tl.min(mine.to(tl.int32), 0) == 1
-                        g_full = tl.where(whole_rows, col0 + (tl.minimum(vis_lo, col0 + span) - col0) // BLOCK_G * BLOCK_G,
-                                          col0)
-                    s_tile = s_ptr + (tl.program_id(0) * BLOCK_R).to(tl.int64) * stride_sr
-                    s_offs = tl.arange(0, BLOCK_R)[None, :] * stride_sr + cols[:, None]  # int32 (< 2^31: the plan)
-                    samp_tile = samp_ptr + lr.to(tl.int64)[None, :] * stride_pr
-                    if SPAN_TILES:  # the interpreter: one loop, each tile's body chosen per tile
-                        for off in tl.range(0, SPAN_TILES * BLOCK_G, BLOCK_G):
-                            if col0 + off + BLOCK_G <= g_full:
-                                _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
-                                             stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
-                                             samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
-                                             ROW_SAMPLES, LOG_G, True)
-                            else:
-                                _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
-                                             stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
-                                             samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
-                                             ROW_SAMPLES, LOG_G, False)
-                    else:
-                        if WHOLE:
-                            for g0 in tl.range(col0, g_full, BLOCK_G, num_stages=STAGES):
-                                _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
-                                             stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
-                                             samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                             DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
-                                             ROW_SAMPLES, LOG_G, True)
-                        for g0 in tl.range(g_full, g_end, BLOCK_G, num_stages=STAGES):
+                        for g0 in tl.range(col0, g_full, BLOCK_G, num_stages=STAGES):
                             _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
                                          stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                          samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, False)
-                else:
-                    for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end,
-                                        BLOCK_G, num_stages=STAGES):
-                        g0 = col0 + off if SPAN_TILES else off
-                        g = g0 + cols
-                        keys = _load_keys(k_ptr, bt_ptr, cur, g, g < g_end, d, stride_kp, stride_kr, stride_kd,
-                                          stride_btr, stride_btp, DI, PAGE, R, DOT_DTYPE)
-                        acc = tl.sum(tl.reshape(_relu_dot(qa, keys), (HP, BLOCK_R, BLOCK_G)), 0)
-                        s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-                        written = mine[:, None] & (g[None, :] < vis[:, None])
-                        tl.store(s_rows + g[None, :], s, mask=written)
-                        if SAMPLE:
-                            _store_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written),
-                                           tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
-                        if ROW_SAMPLES:
-                            _store_row_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written),
-                                               tl.where(mine, vis, 0), stride_pr, ROW_SAMPLES, BLOCK_G, BLOCK_R,
-                                               LOG_G)
+                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
+                                         ROW_SAMPLES, LOG_G, True)
+                    for g0 in tl.range(g_full, g_end, BLOCK_G, num_stages=STAGES):
+                        _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
+                                     stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
+                                     samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
+                                     DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, False)
             else:
                 q_mask = mine[:, None] & (d < DI)[None, :]
                 q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
@@ -440,8 +422,7 @@ class ScoreTiles:
     prefill, for at most 4 heads); block_g: columns per tile (N); span: columns per program (a multiple
     of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
     pack: rows x heads on one dot (for at most 4 heads); fast_div: the division by sqrt(Di)
-    as `_finish_fast` (Di a power of two); keys_m (with pack): the key
-    tile is the dot's M and rows x heads its N; whole (keys_m): tiles that every row of a program
+    as `_finish_fast` (Di a power of two); whole (pack): tiles that every row of a program
     sees whole take an unmasked body; max_regs: registers per thread (0: the compiler's choice);
     request_rows (decode): a program scores the rows_per_request rows of one request
     (`_scores_mtp_kernel`; block_r 1)."""
@@ -453,7 +434,6 @@ class ScoreTiles:
     num_warps: int
     pack: bool = False
     fast_div: bool = False
-    keys_m: bool = False
     whole: bool = False
     max_regs: int = 0
     request_rows: bool = False
@@ -498,17 +478,15 @@ def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, 
     if interpret:
         return ScoreTiles(block_r=4 if rows_tiles else 1 if decode else tiles["block_r"], block_g=tiles["block_g"],
                           span=2 * tiles["block_g"], stages=1, num_warps=4, pack=rows_tiles or not decode,
-                          fast_div=rows_tiles or not decode, keys_m=rows_tiles or not decode,
-                          whole=rows_tiles or not decode)
+                          fast_div=rows_tiles or not decode, whole=rows_tiles or not decode)
     if rows_tiles:
-        return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True, fast_div=True, keys_m=True,
-                          whole=True)
+        return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True, fast_div=True, whole=True)
     if decode:
         return ScoreTiles(block_r=1, block_g=128, span=256 if key_bytes == 1 else 128, stages=3, num_warps=4,
                           fast_div=True)
     wide = num_cols >= PREFILL_WIDE_COLS
     return ScoreTiles(block_r=32, block_g=128 if wide else 64, span=0, stages=3, num_warps=4, pack=True, fast_div=True,
-                      keys_m=True, whole=True, max_regs=0 if wide else 168)
+                      whole=True, max_regs=0 if wide else 168)
 
 
 def _span(t: ScoreTiles, row_tiles: int, num_cols: int, min_programs: int = 1024) -> int:
@@ -590,7 +568,7 @@ class ScoreLaunch:
         if row_samples:
             common.update(ROW_SAMPLES=row_samples, LOG_G=log_g)
         # whole tiles address a row tile's cells with int32 offsets from its first row
-        whole = t.whole and t.keys_m and t.pack and Hi <= 4 and Di == triton.next_power_of_2(Di) \
+        whole = t.whole and t.pack and Hi <= 4 and Di == triton.next_power_of_2(Di) \
             and block_r * scores.stride(0) + num_cols < 2**31
         fast_div = t.fast_div and Di & (Di - 1) == 0 and (INTERPRETER_FMA_FUSED or not interpret)
         if mtp:
@@ -606,8 +584,7 @@ class ScoreLaunch:
         else:  # prefill, or MTP rows of a mixed step sharing each key tile (rows x heads packed)
             self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,
-                                         FAST_DIV=fast_div, KEYS_M=t.keys_m,
-                                         WHOLE=whole,
+                                         FAST_DIV=fast_div, WHOLE=whole,
                                          SAMPLE=sample_sub if samples is not None else 0, **common,
                                          num_warps=t.num_warps, **({"maxnreg": t.max_regs} if t.max_regs else {}))
 

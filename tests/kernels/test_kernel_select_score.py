@@ -200,8 +200,7 @@ def test_prefill_scores_bitwise_requests_across_row_tiles(kind):
     assert_scores(kernel_scores(problem, rows, cols, 8, decode=False), reference_scores(problem, rows, cols, 8), True)
 
 
-WHOLE = ss.ScoreTiles(block_r=16, block_g=16, span=64, stages=1, num_warps=4, pack=True, fast_div=True, keys_m=True,
-                      whole=True)
+WHOLE = ss.ScoreTiles(block_r=16, block_g=16, span=64, stages=1, num_warps=4, pack=True, fast_div=True, whole=True)
 
 
 @pytest.mark.parametrize("kind", ["int", "randn"])
@@ -264,9 +263,8 @@ def test_tiles_do_not_change_a_score():
     for t in (ss.ScoreTiles(block_r=32, block_g=16, span=16, stages=1, num_warps=4, pack=True),
               ss.ScoreTiles(block_r=16, block_g=32, span=96, stages=1, num_warps=4, pack=False),
               ss.ScoreTiles(block_r=16, block_g=16, span=32, stages=1, num_warps=4, pack=False),
-              ss.ScoreTiles(block_r=16, block_g=16, span=32, stages=1, num_warps=4, pack=True, keys_m=True),
-              ss.ScoreTiles(block_r=32, block_g=32, span=32, stages=1, num_warps=4, pack=True, fast_div=True,
-                            keys_m=True)):
+              ss.ScoreTiles(block_r=16, block_g=16, span=32, stages=1, num_warps=4, pack=True),
+              ss.ScoreTiles(block_r=32, block_g=32, span=32, stages=1, num_warps=4, pack=True, fast_div=True)):
         assert torch.equal(kernel_scores(problem, rows, cols, 8, decode=False, tiles=t).nan_to_num(99.0),
                            base.nan_to_num(99.0))
 
@@ -342,7 +340,7 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
         fn, const["HM"] = ss._scores_decode_kernel, 16
     else:
         fn = ss._scores_prefill_kernel
-        const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, KEYS_M=t.keys_m, SAMPLE=0, WHOLE=t.whole)
+        const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, SAMPLE=0, WHOLE=t.whole)
     types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, bt_ptr="*i32", req_ptr="*i32", vis_ptr="*i32", s_ptr="*fp32",
                  samp_ptr="*i32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
@@ -355,8 +353,8 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
                                                                   row_samples and t.block_r == 1 and not t.request_rows
                                                                   else None)))
     ptx = k.asm["ptx"]
-    # (the dot's M: the key tile with keys_m, else rows x heads)
-    print(decode and (t.block_r == 1 or t.request_rows) or (t.block_r * 4 < 64 and not t.keys_m),
+    # (the dot's M: rows x heads in the decode kernels, the key tile in the packed one)
+    print(decode and (t.block_r == 1 or t.request_rows),
           ptx.count("wgmma.mma_async"),
           ptx.count("mma.sync.aligned"), ptx.count("cp.async"), k.metadata.shared)
 """
