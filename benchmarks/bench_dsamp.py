@@ -59,7 +59,9 @@ VARIANTS = {"skip": dict(skip=1), "skip4k": dict(skip=1, seg=4096), "seg4k": dic
             "fast-seg4k": dict(bound=2, sbits=3, rsbits=3, seg=4096),
             "fast-seg2k": dict(bound=2, sbits=3, rsbits=3, seg=2048),
             "fast-skip4k": dict(bound=2, sbits=3, rsbits=3, skip=1, seg=4096),
-            "fast-w4": dict(bound=2, sbits=3, rsbits=3, warps=4)}
+            "fast-w4": dict(bound=2, sbits=3, rsbits=3, warps=4),
+            # the row's bound searched once, in a bound launch per chunk (bound 3), with narrower segments
+            "b3": dict(bound=3), "b3-seg4k": dict(bound=3, seg=4096), "b3-seg2k": dict(bound=3, seg=2048)}
 TILES = sp.decode_tiles
 
 
