@@ -7,10 +7,12 @@ largest groups, ties to the lowest group index, in ascending group order; rows w
 visible <= Kb take groups 0..visible-1 unscored, -1 padded; or (PACKED) the packed selection
 rows, as `select_radix` writes them (`expand._packed_groups` / `_packed_tail`).
 
-The threshold (the Kb-th largest key) is found by a radix search on counts: per step the
-keys >= each of 2^BITS candidate prefixes are counted at once (`_kth_key`), 31 key bits in
-ceil(31 / BITS) block reductions; no histogram. Then keys above it and the lowest-index
-keys equal to it are written at their ascending positions (one scan).
+The threshold (the Kb-th largest key) is found by counts, no histogram: the bracket search
+(`_kth_bound`: the keys >= each of 2^SBITS candidates counted at once, the bracket narrowed
+until it isolates the threshold); `_kth_key`, a radix search of 2^BITS prefixes a step over
+31 key bits, serves `select_prefill`'s plans that ask for it, and `_resolve_row` streams it
+over a whole row. Then keys above it and the lowest-index keys equal to it are written at
+their ascending positions (one scan).
 
 - Short (`_topk_short_kernel`, grid: rows): num_cols <= CAP; the whole row in registers.
   Its threshold comes from a bracket search (`_kth_bound`) that stops once the bracket
@@ -24,9 +26,9 @@ keys equal to it are written at their ascending positions (one scan).
   that completes the row (its only program, or the last to arrive at the row's counter)
   resolves the row over the lists in registers (the bracket search again). One segment:
   the program samples its row itself (one launch). Several: `_sample_kernel` (grid: rows x
-  segments) writes each segment's subset maxima first (two launches). More than CAP candidates in a row or LCAP in one list (keys crowded near the
-  threshold) send the row to an exact resolve that loops over the whole row
-  (`_resolve_row`): slower, same result. `select._topk_route` picks which decode chunks
+  segments) writes each segment's subset maxima first (two launches). More than CAP
+  candidates in a row or LCAP in one list (keys crowded near the threshold) send the row to
+  an exact resolve that loops over the whole row (`_resolve_row`): slower, same result. `select._topk_route` picks which decode chunks
   come here.
 
 Deterministic and batch-invariant: every count and position is order-independent, lists

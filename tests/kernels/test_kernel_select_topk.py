@@ -234,28 +234,30 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from qsa_kernels import select_topk as stk
-fn = stk._topk_short_kernel
 dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+def usage(fn, const, warps):
+    # "REGISTERS STACK" of fn compiled for sm_90 ("-1 -1": no cuobjdump to read them)
+    types = dict(s_ptr="*fp32", pos_ptr="*i64")
+    sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, launch_pdl=True))
+    if not os.path.exists(dump):
+        return "-1 -1"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\\d+) STACK:(\\d+)", out)
+    return f"{m.group(1)} {m.group(2)}" if m else "-1 -1"
+
 for cols, rows, early, packed in ((2048, 1, 0, True), (2048, 1, 1, False), (4096, 64, 0, True), (8192, 4, 0, True),
                                    (8192, 4, 0, False), (1024, 1, 0, True)):
     t = {**stk.topk_tiles(cols, small=False, rows=rows), "early": early}
     assert stk.short_route(cols, t), (cols, rows)
     const = dict(KB=512, KBP=512, CAP=triton.next_power_of_2(cols), SBITS=t["sbits"], EARLY=early, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1, BLOCK_W=1024 if packed else 1, PDL=2)
-    types = dict(s_ptr="*fp32", pos_ptr="*i64")
-    sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
-    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=t["warps"], launch_pdl=True))
-    usage = "-1 -1"
-    if os.path.exists(dump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            out = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\\d+) STACK:(\\d+)", out)
-        usage = f"{m.group(1)} {m.group(2)}" if m else usage
-    print(cols, rows, early, packed, t["sbits"], usage)
-fn = stk._topk_seg_kernel
+    print(cols, rows, early, packed, t["sbits"], usage(stk._topk_short_kernel, const, t["warps"]))
 for cols, rows in ((1 << 18, 16), (1 << 15, 64), (1 << 17, 16)):  # the segment route's chunks (MTP rows)
     t = stk.topk_tiles(cols, small=False, rows=rows)
     assert not stk.short_route(cols, t), (cols, rows)
@@ -263,20 +265,7 @@ for cols, rows in ((1 << 18, 16), (1 << 15, 64), (1 << 17, 16)):  # the segment 
     const = dict(KB=512, KBP=512, BITS=t["bits"], SBITS=t["ssbits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
                  SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"],
                  RBLOCK=t["rblock"], PACKED=True, R=4, W=2052, BLOCK_W=1024, PDL=2)
-    types = dict(s_ptr="*fp32", pos_ptr="*i64")
-    sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
-    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=t["warps"], launch_pdl=True))
-    usage = "-1 -1"
-    if os.path.exists(dump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            out = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\\d+) STACK:(\\d+)", out)
-        usage = f"{m.group(1)} {m.group(2)}" if m else usage
-    print("seg", cols, rows, t["ssbits"], usage)
+    print("seg", cols, rows, t["ssbits"], usage(stk._topk_seg_kernel, const, t["warps"]))
 """
 
 
