@@ -14,12 +14,14 @@ from hf_oracle import DEVICE  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """`gpu` tests skip without CUDA, `interpreter` tests without TRITON_INTERPRET=1."""
+    gpu = torch.cuda.is_available()
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "interpreter" in item.keywords and not interpreting:
+            item.add_marker(pytest.mark.skip(reason="interpreter test (TRITON_INTERPRET=1, CPU tensors)"))
 
 
 @pytest.fixture(params=["reference", "triton"])

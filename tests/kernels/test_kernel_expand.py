@@ -14,7 +14,7 @@ from qsa_core.reference import qsa_expand as reference_expand  # noqa: E402
 from qsa_kernels.expand import qsa_expand  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (TRITON_INTERPRET=1, CPU tensors)")
+interp = pytest.mark.interpreter  # (TRITON_INTERPRET=1, CPU tensors: tests/conftest.py)
 
 
 def random_rows(T, Kb, r, max_pos, gen, device, num_pad=0):

@@ -17,7 +17,7 @@ from qsa_core.reference import qsa_build_metadata as reference_build  # noqa: E4
 from qsa_kernels.metadata import qsa_build_metadata  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (TRITON_INTERPRET=1, CPU tensors)")
+interp = pytest.mark.interpreter  # (TRITON_INTERPRET=1, CPU tensors: tests/conftest.py)
 
 FIELDS = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot")
 

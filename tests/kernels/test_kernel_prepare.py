@@ -25,7 +25,7 @@ from qsa_core import QSAPlanner, QSAStepInputs  # noqa: E402
 from qsa_kernels import prepare as kernels  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-interp = pytest.mark.skipif(not INTERPRET, reason="interpreter test (TRITON_INTERPRET=1, CPU tensors)")
+interp = pytest.mark.interpreter  # (TRITON_INTERPRET=1, CPU tensors: tests/conftest.py)
 
 # Max |a - b| allowed per dtype: one unit in the last place (relative) plus a subnormal step.
 TOL = {
