@@ -49,6 +49,10 @@ SHAPES = {
     "32k-b256": ([32 * K] * 256, 1),
     "64k-b128": ([64 * K] * 128, 1),
     "128k-b16x4": ([128 * K] * 16, 4),
+    # chunks of 16-64 rows, where main takes the segment route
+    "32k-b16": ([32 * K] * 16, 1), "32k-b64": ([32 * K] * 64, 1), "64k-b32": ([64 * K] * 32, 1),
+    "128k-b16": ([128 * K] * 16, 1), "128k-b32": ([128 * K] * 32, 1), "256k-b16": ([256 * K] * 16, 1),
+    "256k-b64": ([256 * K] * 64, 1), "512k-b16": ([512 * K] * 16, 1), "1m-b16": ([M] * 16, 1),
     "tiny": ([6000, 2100, 100], 2),  # --dry
 }
 VARIANTS = {"skip": dict(skip=1), "skip4k": dict(skip=1, seg=4096), "seg4k": dict(seg=4096), "seg16k": dict(seg=16384), "w16": dict(warps=16), "w4": dict(warps=4),

@@ -421,6 +421,7 @@ class ScoreTiles:
     per program, its heads padded to 16 on the dot's M; more = the row-tile kernel packed, as
     prefill, for at most 4 heads); block_g: columns per tile (N); span: columns per program (a multiple
     of block_g), 0 = chosen per launch (`_span`); stages: pipeline depth of the tile loop;
+    max_span_tiles, min_programs (span 0): `_span`'s bounds;
     pack: rows x heads on one dot (for at most 4 heads); fast_div: the division by sqrt(Di)
     as `_finish_fast` (Di a power of two); whole (pack): tiles that every row of a program
     sees whole take an unmasked body; max_regs: registers per thread (0: the compiler's choice);
@@ -437,6 +438,8 @@ class ScoreTiles:
     whole: bool = False
     max_regs: int = 0
     request_rows: bool = False
+    max_span_tiles: int = 32
+    min_programs: int = 1024
 
 
 # Prefill rows of at least this many columns (1M context) score in 128-column tiles (H200,
@@ -455,9 +458,12 @@ def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, 
     """The score tiles: the schedule's small tiles under the interpreter (tests cross tile and
     span borders), else the H200's, measured (W2, L2 flushed; main = the one-tile-per-program
     kernels before this sweep):
-    - decode, one row per request: one row per program, 128-column tiles; a span of one tile
-      for bf16 keys (main's 79 us at 1M B4, 145 us at 128K B64), two for fp8 (1M B4 73 -> 68 us,
-      128K B64 137 -> 124 us);
+    - decode, one row per request: one row per program, 128-column tiles; spans of up to two
+      tiles for bf16 keys, four for fp8, while >= 512 programs remain (session 15, with the
+      per-row samples, us, one tile / two / four: bf16 1M B4 83.5 / 82.8 / 84.3, 128K B64 157.2 /
+      150.3 / 153.0, 128K B4 19.8 / 19.2 / 21.2; fp8 1M B4 59.2 / 54.9 / 52.9, 128K B64 109.8 /
+      96.9 / 92.0, 128K B4 15.0 / 14.2 / 16.9); 2 stages (bf16 two tiles, 3 -> 2 stages: 1M B4
+      82.8 -> 81.6, 128K B64 150.2 -> 148.3, 128K B4 19.6 -> 19.1; fp8 within 0.6 either way);
     - decode with tiles["rows_per_request"] > 1 (MTP): 4 rows x 4 heads on one dot, so a
       request's rows read each key once (1M B4 x 4 rows 224 -> 111 us); in a decode-only step
       (tiles["rows_aligned"]) the request-rows kernel (`_scores_mtp_kernel`: the rows x heads on
@@ -482,20 +488,21 @@ def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, 
     if rows_tiles:
         return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True, fast_div=True, whole=True)
     if decode:
-        return ScoreTiles(block_r=1, block_g=128, span=256 if key_bytes == 1 else 128, stages=3, num_warps=4,
-                          fast_div=True)
+        return ScoreTiles(block_r=1, block_g=128, span=0, stages=2, num_warps=4, fast_div=True,
+                          max_span_tiles=4 if key_bytes == 1 else 2, min_programs=512)
     wide = num_cols >= PREFILL_WIDE_COLS
     return ScoreTiles(block_r=32, block_g=128 if wide else 64, span=0, stages=3, num_warps=4, pack=True, fast_div=True,
                       whole=True, max_regs=0 if wide else 168)
 
 
-def _span(t: ScoreTiles, row_tiles: int, num_cols: int, min_programs: int = 1024) -> int:
+def _span(t: ScoreTiles, row_tiles: int, num_cols: int) -> int:
     """Columns per program: the fixed span, or (span 0) the longest power-of-two multiple of
-    block_g up to 32 tiles that still leaves >= min_programs programs (row tiles x spans)."""
+    block_g up to max_span_tiles tiles that still leaves >= min_programs programs (row tiles x
+    spans)."""
     if t.span:
         return t.span
     span = t.block_g
-    while span < 32 * t.block_g and row_tiles * triton.cdiv(num_cols, 2 * span) >= min_programs:
+    while span < t.max_span_tiles * t.block_g and row_tiles * triton.cdiv(num_cols, 2 * span) >= t.min_programs:
         span *= 2
     return span
 
@@ -509,6 +516,19 @@ _FREE = ("q_ptr", "bt_ptr", "row0", "stride_qt", "stride_qh", "stride_qd", "stri
 def exact_dot(q_idx: torch.Tensor, compressed: torch.Tensor, interpret: bool) -> bool:
     """Whether the score dots may take bf16 operands exactly (both sides bf16 or fp8), else fp32."""
     return not interpret and q_idx.dtype in _EXACT_DOT_DTYPES and compressed.dtype in _EXACT_DOT_DTYPES
+
+
+def dot_dtype(q_idx: torch.Tensor, compressed: torch.Tensor, interpret: bool) -> tl.dtype:
+    """The score dots' operand dtype: fp16 where both sides are fp8 (every e4m3 / e5m2 value is
+    an fp16 one and sm_90 converts a pair in one instruction, bf16 in several; H200, session 15:
+    fp8 1M B4's score launch 59.2 -> 47.4 us, its scores bit-equal), bf16 where both are bf16
+    or fp8 (`exact_dot`), else fp32."""
+    if not exact_dot(q_idx, compressed, interpret):
+        return tl.float32
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if q_idx.dtype in fp8 and compressed.dtype in fp8:
+        return tl.float16
+    return tl.bfloat16
 
 
 class ScoreLaunch:
@@ -542,7 +562,7 @@ class ScoreLaunch:
             raise ValueError(f"score span {span} must be a multiple of block_g {t.block_g}")
         common = dict(HI=Hi, DI=Di, DP=triton.next_power_of_2(Di), PAGE=page_size, R=compress_ratio, KB=block_topk,
                       BLOCK_G=t.block_g, STAGES=t.stages, SPAN_TILES=span // t.block_g if interpret else 0,
-                      DOT_DTYPE=tl.bfloat16 if exact_dot(q_idx, compressed, interpret) else tl.float32)
+                      DOT_DTYPE=dot_dtype(q_idx, compressed, interpret))
         spans = triton.cdiv(num_cols, span)
         log_g = t.block_g.bit_length() - 1
         if row_samples and (samples is None or sample_sub or not decode or t.block_g != 1 << log_g

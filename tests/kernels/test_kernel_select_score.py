@@ -150,7 +150,7 @@ def test_request_rows_kernel_bitwise(kind, first):
                   reference_scores(problem, rows, cols, 8), True)
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="compiled dots: the interpreter's fp32 dots sum in an order of their shape")
+@pytest.mark.gpu  # compiled dots: the interpreter's fp32 dots sum in an order of their shape
 def test_request_rows_and_fast_division_keep_the_one_row_kernels_bits_on_random_data():
     """Gaussian bf16 data (not exact in fp32): the request-rows kernel sums each row's heads as
     the one-row kernel does, and the Markstein division gives the IEEE quotient, bit for bit."""
@@ -163,6 +163,25 @@ def test_request_rows_and_fast_division_keep_the_one_row_kernels_bits_on_random_
     assert (~mtp.isnan()).sum() > 4000
     assert torch.equal(mtp.view(torch.int32), ieee.view(torch.int32))
     assert torch.equal(fast.view(torch.int32), ieee.view(torch.int32))
+
+
+@pytest.mark.gpu  # compiled dots: fp8 data takes fp16 operands only there (the interpreter's are fp32)
+@pytest.mark.parametrize("route", ["decode", "request_rows", "packed", "prefill"])
+def test_fp8_scores_equal_the_scores_of_their_bf16_values(route):
+    """fp8 data's dots take fp16 operands, bf16 data's bf16 ones: every e4m3 value is exact in
+    both, so Gaussian fp8 data scores bit for bit as the same values in bf16 (fp32 accumulation
+    either way), in every score kernel (and spans of 4 tiles for fp8 keys, 2 for bf16)."""
+    decode = route != "prefill"
+    problem = make_problem([3000, 1200, 800, 2000], [4] * 4 if decode else [300, 100, 50, 200], kind="randn",
+                           Di=128, pad_rows=3, seed=12)
+    q, comp, table, to_req, vis = problem
+    as8 = (q.to(torch.float8_e4m3fn), comp.to(torch.float8_e4m3fn), table, to_req, vis)
+    as16 = (as8[0].to(torch.bfloat16), as8[1].to(torch.bfloat16), table, to_req, vis)
+    kw = dict(decode=decode, rows_per_request=1 if route in ("decode", "prefill") else 4,
+              rows_aligned=route == "request_rows")
+    got, want = (kernel_scores(p, range(0, q.shape[0]), 3000 // 4, 8, **kw) for p in (as8, as16))
+    assert (~want.isnan()).sum() > 4000
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_aligned_chunks_hold_whole_requests(monkeypatch):
@@ -282,6 +301,11 @@ def test_auto_span_keeps_programs_and_whole_tiles():
     assert ss._span(t, 4, 1 << 15) == 128  # few rows, short context: one tile per program
     assert ss._span(t, 64, 1 << 15) == 2048
     assert ss._span(t, 10**6, 1 << 20) == 32 * 128  # at most 32 tiles per program
+    # decode rows: up to 2 tiles (bf16 keys) or 4 (fp8) while >= 512 programs remain
+    bf16, fp8 = (ss.score_tiles(True, {}, False, key_bytes) for key_bytes in (2, 1))
+    assert ss._span(bf16, 4, 1 << 18) == 256 and ss._span(fp8, 4, 1 << 18) == 512  # 1M B4
+    assert ss._span(bf16, 4, 1 << 15) == 256 and ss._span(fp8, 4, 1 << 15) == 256  # 128K B4: 512 programs
+    assert ss._span(fp8, 2, 1 << 15) == 128 and ss._span(bf16, 1, 1 << 11) == 128  # fewer: one tile
 
 
 @triton.jit
@@ -293,7 +317,7 @@ def _finish_kernel(x_ptr, out_ptr, norm, rcp, FAST: tl.constexpr, N: tl.constexp
 
 @pytest.mark.skipif(DEV == "cpu" and not ss.INTERPRETER_FMA_FUSED,
                     reason="triton 3.6's interpreter rounds tl.fma twice (CI runs this test under triton 3.9's "
-                           "interpreter and scripts/test_gpu.sh compiled on the GPU)")
+                           "interpreter, scripts/test_gpu.sh compiled on the GPU)")
 @pytest.mark.parametrize("Di", [32, 64, 128, 256])
 def test_fast_division_is_the_ieee_quotient(Di):
     """`_finish_fast` (Markstein) equals fp32 division by sqrt(Di) bit for bit on random fp32
@@ -331,8 +355,8 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
     t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request, rows_aligned=aligned), False,
                        1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
-                 DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1,
-                 FAST_DIV=t.fast_div, PDL=2, **{n: 1 for n, v in VALUES.items() if v == 1})
+                 DOT_DTYPE=tl.float16 if kdt.startswith("fp8") else tl.bfloat16, SPAN_TILES=0,
+                 ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1, FAST_DIV=t.fast_div, PDL=2, **{n: 1 for n, v in VALUES.items() if v == 1})
     if t.request_rows:
         fn = ss._scores_mtp_kernel
         const.update(HM=16, RPR=rows_per_request, RP=rows_per_request)
