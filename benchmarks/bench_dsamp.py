@@ -65,7 +65,10 @@ VARIANTS = {"skip": dict(skip=1), "skip4k": dict(skip=1, seg=4096), "seg4k": dic
             "fast-skip4k": dict(bound=2, sbits=3, rsbits=3, skip=1, seg=4096),
             "fast-w4": dict(bound=2, sbits=3, rsbits=3, warps=4),
             # the row's bound searched once, in a bound launch per chunk (bound 3), with narrower segments
-            "b3": dict(bound=3), "b3-seg4k": dict(bound=3, seg=4096), "b3-seg2k": dict(bound=3, seg=2048)}
+            "b3": dict(bound=3), "b3-seg4k": dict(bound=3, seg=4096), "b3-seg2k": dict(bound=3, seg=2048),
+            # 2^row_s samples per row (the least with >= 4 Kb is the default: 2^11 at Kb 512)
+            "rs12": dict(row_s=12), "rs13": dict(row_s=13), "rs12-seg16k": dict(row_s=12, seg=16384),
+            "rs12-cap512": dict(row_s=12, cap=512)}
 TILES = sp.decode_tiles
 
 
