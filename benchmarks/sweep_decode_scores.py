@@ -10,8 +10,8 @@ warps, max registers; MTP shapes: the packed kernel's tiles, `PACKED`) and optio
 per-row samples of the decode route (`row_samples`); its scores are compared with the default
 tiles' bit for bit (and its samples with the default samples launch's; "exact" column, a
 different body such as session 15's keys-on-M try may differ in the last bit) and it is
-timed: CUDA-graph replay median, L2 flushed before each replay. Bytes: the compressed keys each request reads
-once, so GB/s is the launch's share of the HBM bandwidth.
+timed: CUDA-graph replay median, L2 flushed before each replay. Bytes: the compressed keys
+each request reads once, so GB/s is the launch's share of the HBM bandwidth.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from .launch import Launcher, pdl_end, pdl_start
 # triton 3.6's interpreter rounds tl.fma twice (the product, then the sum), so the fast
 # division is exact there only when compiled: its interpreter runs take the IEEE division.
 INTERPRETER_FMA_FUSED = not triton.__version__.startswith("3.6.")
-_EXACT_DOT_DTYPES = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
@@ -513,22 +513,15 @@ _mtp = Launcher(_scores_mtp_kernel)
 _FREE = ("q_ptr", "bt_ptr", "row0", "stride_qt", "stride_qh", "stride_qd", "stride_btr", "stride_btp")
 
 
-def exact_dot(q_idx: torch.Tensor, compressed: torch.Tensor, interpret: bool) -> bool:
-    """Whether the score dots may take bf16 operands exactly (both sides bf16 or fp8), else fp32."""
-    return not interpret and q_idx.dtype in _EXACT_DOT_DTYPES and compressed.dtype in _EXACT_DOT_DTYPES
-
-
 def dot_dtype(q_idx: torch.Tensor, compressed: torch.Tensor, interpret: bool) -> tl.dtype:
-    """The score dots' operand dtype: fp16 where both sides are fp8 (every e4m3 / e5m2 value is
-    an fp16 one and sm_90 converts a pair in one instruction, bf16 in several; H200, session 15:
-    fp8 1M B4's score launch 59.2 -> 47.4 us, its scores bit-equal), bf16 where both are bf16
-    or fp8 (`exact_dot`), else fp32."""
-    if not exact_dot(q_idx, compressed, interpret):
+    """The score dots' operand dtype, one that holds both sides' values exactly: fp16 where both
+    are fp8 (every e4m3 / e5m2 value is an fp16 one, and sm_90 converts a pair in one
+    instruction, bf16 in several; H200, session 15: fp8 1M B4's score launch 59.2 -> 47.4 us,
+    its scores bit-equal), bf16 where each is bf16 or fp8, else (and in the interpreter) fp32."""
+    dtypes = (q_idx.dtype, compressed.dtype)
+    if interpret or not all(d == torch.bfloat16 or d in _FP8 for d in dtypes):
         return tl.float32
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if q_idx.dtype in fp8 and compressed.dtype in fp8:
-        return tl.float16
-    return tl.bfloat16
+    return tl.float16 if all(d in _FP8 for d in dtypes) else tl.bfloat16
 
 
 class ScoreLaunch:

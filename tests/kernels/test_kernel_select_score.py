@@ -356,7 +356,8 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
                        1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
                  DOT_DTYPE=tl.float16 if kdt.startswith("fp8") else tl.bfloat16, SPAN_TILES=0,
-                 ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1, FAST_DIV=t.fast_div, PDL=2, **{n: 1 for n, v in VALUES.items() if v == 1})
+                 ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1, FAST_DIV=t.fast_div, PDL=2,
+                 **{n: 1 for n, v in VALUES.items() if v == 1})
     if t.request_rows:
         fn = ss._scores_mtp_kernel
         const.update(HM=16, RPR=rows_per_request, RP=rows_per_request)
