@@ -55,11 +55,16 @@ def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.cons
     segs = tl.arange(0, SEGP)
     cnt = tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg")
     total = tl.sum(cnt, 0)
-    # Candidate j of the row: list sj, entry j - the list's start.
+    # Candidate j of the row: entry j - first[sj] of list sj, the last list starting at or
+    # before j (it is not empty where j < total), found by binary lifting over the starts
+    # (non-decreasing; a gather a step, not a [CAP, SEGP] comparison: registers).
     j = tl.arange(0, CAP)
     first = tl.cumsum(cnt, 0) - cnt
-    sj = tl.sum((first[None, :] <= j[:, None]).to(tl.int32), 1) - 1
-    src = sj * CAP + j - tl.sum(tl.where(segs[None, :] == sj[:, None], first[None, :], 0), 1)
+    sj = j * 0
+    for b in tl.static_range(SEGP.bit_length() - 1):
+        step = SEGP >> (b + 1)
+        sj = tl.where(tl.gather(first, sj + step, 0) <= j, sj + step, sj)
+    src = sj * CAP + j - tl.gather(first, sj, 0)
     m = j < total
     key = tl.load(c_key + src, mask=m, other=-1, cache_modifier=".cg")
     idx = tl.load(c_idx + src, mask=m, other=0, cache_modifier=".cg")
