@@ -68,7 +68,12 @@ VARIANTS = {"skip": dict(skip=1), "skip4k": dict(skip=1, seg=4096), "seg4k": dic
             "b3": dict(bound=3), "b3-seg4k": dict(bound=3, seg=4096), "b3-seg2k": dict(bound=3, seg=2048),
             # 2^row_s samples per row (the least with >= 4 Kb is the default: 2^11 at Kb 512)
             "rs12": dict(row_s=12), "rs13": dict(row_s=13), "rs12-seg16k": dict(row_s=12, seg=16384),
-            "rs12-cap512": dict(row_s=12, cap=512)}
+            "rs12-cap512": dict(row_s=12, cap=512),
+            # the candidate kernel's registers capped (4 / 3 / 2 programs of 8 warps an SM)
+            "r64": dict(regs=64), "r80": dict(regs=80), "r96": dict(regs=96),
+            "sb4": dict(sbits=4, rsbits=4), "b3-w4": dict(bound=3, warps=4),
+            "b3-seg4k-w4": dict(bound=3, seg=4096, warps=4),
+            "again": {}}  # the default tiles timed a second time (the shape's noise)
 TILES = sp.decode_tiles
 
 
@@ -203,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         sel._DECODE_SAMPLES_MAX_ROWS = args.max_rows
     if args.mtp_score:
         from sweep_decode_scores import PACKED
-        fields = PACKED[args.mtp_score][0]
+        fields = PACKED[args.mtp_score]
         default = ss.score_tiles
         ss.score_tiles = lambda decode, tiles, interpret, *a, **k: (
             ss.ScoreTiles(**fields) if decode and tiles.get("rows_per_request", 1) > 1 and not interpret

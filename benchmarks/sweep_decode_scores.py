@@ -6,8 +6,8 @@
 bench_qsa's geometry (indexer 4 x 128, r 4, page 64; random keys in pages of one shuffled pool);
 one row per request, or 4 (an MTP shape, "x4": a request's rows see cols - 3 .. cols groups).
 Each variant is a `select_score.ScoreTiles` (one-row shapes: block_g, span in tiles, stages,
-warps, max registers; MTP shapes: the packed kernel's tiles, `PACKED`) and optionally the
-per-row samples of the decode route (`row_samples`); its scores are compared with the default
+warps, max registers; MTP shapes: the packed kernel's tiles, `PACKED`) and, one row per
+request, optionally the per-row samples of the decode route (`row_samples`); its scores are compared with the default
 tiles' bit for bit (and its samples with the default samples launch's; "exact" column, a
 different body such as session 15's keys-on-M try may differ in the last bit) and it is
 timed: CUDA-graph replay median, L2 flushed before each replay. Bytes: the compressed keys
@@ -53,27 +53,22 @@ VARIANTS = {
     "samp-s2st2-r64-fd": (128, 2, 2, 4, 64, 1, True), "samp-s4st2-r64-fd": (128, 4, 2, 4, 64, 1, True),
     "samp-s2st4-r64-fd": (128, 2, 4, 4, 64, 1, True), "samp-s4st4-r64-fd": (128, 4, 4, 4, 64, 1, True),
 }
-# MTP shapes: name: (ScoreTiles fields, row samples). "km": the packed kernel, 4 rows x 4 heads on
-# the wgmma's N, the keys on its M (prefill's body; the route of mixed steps); "rq": the request-rows
-# kernel (decode-only steps, `select_score.MTP_TILES`); "row1": the one-row kernel per row (a bitwise
-# cross-check).
+# MTP shapes: name: ScoreTiles fields (their samples come from select_prefill's sample launch).
+# "km": the packed kernel, 4 rows x 4 heads on the wgmma's N, the keys on its M (prefill's body; the
+# route of mixed steps); "rq": the request-rows kernel (decode-only steps, `select_score.MTP_TILES`);
+# "row1": the one-row kernel per row (a bitwise cross-check).
 _KM = dict(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True, whole=True, fast_div=True)
 _RQ = dict(block_r=1, block_g=128, span=128, stages=3, num_warps=4, request_rows=True)
 PACKED = {
-    "km": (_KM, 0), "km-s1": (dict(_KM, span=128), 0),
-    "rq": (_RQ, 0), "rq-s2": (dict(_RQ, span=256), 0), "rq-s4": (dict(_RQ, span=512), 0),
-    "rq-st2": (dict(_RQ, stages=2), 0), "rq-s2st2": (dict(_RQ, span=256, stages=2), 0),
-    "rq-w8": (dict(_RQ, num_warps=8), 0), "rq-g64s2": (dict(_RQ, block_g=64, span=128), 0),
-    "row1": (dict(block_r=1, block_g=128, span=128, stages=3, num_warps=4), 0),
-    "rq-fd": (dict(_RQ, fast_div=True), 0), "rq-fd-s2st2": (dict(_RQ, fast_div=True, span=256, stages=2), 0),
-    "rq-fd-s2": (dict(_RQ, fast_div=True, span=256), 0),
-    "km-st2": (dict(_KM, stages=2), 0), "km-st4": (dict(_KM, stages=4), 0), "km-g64": (dict(_KM, block_g=64), 0),
-    "km-r128": (dict(_KM, max_regs=128), 0), "km-s2": (dict(_KM, span=256), 0), "km-s4": (dict(_KM, span=512), 0),
-    "km-samp-st2": (dict(_KM, stages=2), 1), "km-samp-g64": (dict(_KM, block_g=64), 1),
-    "rq-fd-samp-r128": (dict(_RQ, fast_div=True, max_regs=128), 1),
-    "km-samp": (_KM, 1), "rq-samp": (_RQ, 1), "rq-samp-r128": (dict(_RQ, max_regs=128), 1),
-    "rq-samp-r96": (dict(_RQ, max_regs=96), 1), "rq-s2-samp": (dict(_RQ, span=256), 1),
-    "rq-s2-samp-r128": (dict(_RQ, span=256, max_regs=128), 1),
+    "km": _KM, "km-s1": dict(_KM, span=128),
+    "rq": _RQ, "rq-s2": dict(_RQ, span=256), "rq-s4": dict(_RQ, span=512),
+    "rq-st2": dict(_RQ, stages=2), "rq-s2st2": dict(_RQ, span=256, stages=2),
+    "rq-w8": dict(_RQ, num_warps=8), "rq-g64s2": dict(_RQ, block_g=64, span=128),
+    "row1": dict(block_r=1, block_g=128, span=128, stages=3, num_warps=4),
+    "rq-fd": dict(_RQ, fast_div=True), "rq-fd-s2st2": dict(_RQ, fast_div=True, span=256, stages=2),
+    "rq-fd-s2": dict(_RQ, fast_div=True, span=256),
+    "km-st2": dict(_KM, stages=2), "km-st4": dict(_KM, stages=4), "km-g64": dict(_KM, block_g=64),
+    "km-r128": dict(_KM, max_regs=128), "km-s2": dict(_KM, span=256), "km-s4": dict(_KM, span=512),
 }
 
 
@@ -136,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
             if (v in PACKED) != (p.rpr > 1):
                 continue  # a one-row variant of an MTP shape or the reverse
             if p.rpr > 1:
-                fields, rs = PACKED[v]
+                fields, rs = PACKED[v], 0
                 t = ss.ScoreTiles(**(dict(fields, block_g=16, span=32, stages=1) if args.dry else fields))
                 g = t.block_g
             else:

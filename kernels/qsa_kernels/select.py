@@ -56,44 +56,47 @@ _PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
 # The per-row-samples decode route (the score launch also writes per-row samples, then one
-# `select_prefill` top-k launch: `select_prefill.decode_tiles`) takes decode chunks of up to
-# _DECODE_SAMPLES_MAX_ROWS rows longer than the short route's: two launches where the radix
-# route takes seven. QSA_DECODE_SAMPLES (read when a workspace or schedule is made; or
-# plan_select(decode_samples=...)): unset / "auto" = chunks of one row per request, "1" = MTP
-# rows too, "0" = never. H200, session 12 (select alone, us, radix or segment route -> this
-# route with the bracket searches and the tile skip; exact on random and tied data): 128K B4
-# 45.9 -> 37.0, 1M B4 123.1 -> 113.4, 128K B64 203.3 -> 193.6, 1M + 3 x 64K 75.2 -> 58.8; but
-# 1M B4 x 4 MTP rows 167.2 -> 196.8 (the MTP score kernel with samples), so MTP keeps its route;
-# session 13 with the request-rows score kernel still 161.6 (segments) -> 275.8.
-# Session 13, chunks of more rows (radix -> this; exact on random and tied data): 128K B128 398.9 ->
-# 358.7, 128K B256 770.6 -> 714.7, 32K B256 218.6 -> 204.5, 64K B128 213.9 -> 192.1.
+# `select_prefill` top-k launch: `select_prefill.decode_tiles`; MTP rows' samples come from a
+# launch of their own over the score scratch) takes decode chunks of up to
+# _DECODE_SAMPLES_MAX_ROWS rows longer than the short route's: two or three launches where the
+# radix route takes seven. QSA_DECODE_SAMPLES (read when a workspace or schedule is made; or
+# plan_select(decode_samples=...)): unset / "auto" / "1" = taken, "0" = never. H200, session 12
+# (select alone, us, radix or segment route -> this route with the bracket searches and the tile
+# skip; exact on random and tied data): 128K B4 45.9 -> 37.0, 1M B4 123.1 -> 113.4, 128K B64
+# 203.3 -> 193.6, 1M + 3 x 64K 75.2 -> 58.8. Session 13, chunks of more rows (radix -> this):
+# 128K B128 398.9 -> 358.7, 128K B256 770.6 -> 714.7, 32K B256 218.6 -> 204.5, 64K B128 213.9 ->
+# 192.1. MTP rows (session 16, whole step, segment route -> this, with the resolve's gather by
+# binary lifting): 1M B4 x 4 170.9 -> 156.6, 128K B16 x 4 174.8 -> 169.2; their score kernels
+# with samples had lost (1M B4 x 4 select 161.6 -> 275.8, session 13), and the sample launch lost
+# while the resolve gathered 32 lists by a [cap, lists] compare (session 14).
 _DECODE_SAMPLES_MAX_ROWS = 256
 
 
 def decode_samples_mode() -> str:
-    """QSA_DECODE_SAMPLES: "auto" (unset or empty: one row per request), "1" (every decode
-    chunk) or "0" (none)."""
+    """QSA_DECODE_SAMPLES: "auto" (unset or empty), "1" (both: long decode chunks take the
+    per-row-samples route) or "0" (none)."""
     mode = os.environ.get("QSA_DECODE_SAMPLES", "") or "auto"
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"QSA_DECODE_SAMPLES must be auto, 0 or 1, got {mode!r}")
     return mode
 
 
-def decode_samples_enabled(rows_per_request: int) -> bool:
-    """Whether decode chunks of rows_per_request rows per request take the per-row-samples
-    route (`decode_samples_mode`)."""
-    mode = decode_samples_mode()
-    return mode == "1" or (mode == "auto" and rows_per_request <= 1)
+def decode_samples_enabled() -> bool:
+    """Whether long decode chunks take the per-row-samples route (`decode_samples_mode`)."""
+    return decode_samples_mode() != "0"
 
 
-def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool) -> dict | None:
+def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool,
+                          rows_per_request: int = 1) -> dict | None:
     """The `select_prefill.decode_tiles` where a decode chunk takes the per-row-samples route
-    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None."""
+    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None;
+    MTP rows (rows_per_request > 1) take their samples from a launch of their own."""
     small = _interpreting()
     if not (on and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
             n_cols, select_topk.topk_tiles(n_cols, small, chunk)):
         return None
-    return select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small)
+    return dict(select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small, chunk),
+                sample_launch=int(rows_per_request > 1))
 
 
 def _decode_block_g() -> int:
@@ -185,7 +188,7 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         topk=_topk_scratch(max_rows, cols, block_topk, dev),
         prefill=_prefill_scratch(max_rows, cols, block_topk, dev),
         decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev) if (
-            decode_samples_mode() != "0" if decode_samples is None else decode_samples) else None,
+            decode_samples_enabled() if decode_samples is None else decode_samples) else None,
     )
 
 
@@ -312,7 +315,7 @@ def plan_select(
     inert rows (a decode-only step: no request of 0 rows shifts another's); MTP rows then take
     the request-rows score kernel, in chunks of whole requests.
     decode_samples: long decode chunks take the per-row-samples route (`_decode_samples_route`;
-    None: `decode_samples_enabled(rows_per_request)`, read now).
+    None: `decode_samples_enabled()`, read now).
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
@@ -347,8 +350,8 @@ def plan_select(
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
         scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
-    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, decode_samples_enabled(rows_per_request)
-                                        if decode_samples is None else decode_samples) if scored else None
+    on = decode_samples_enabled() if decode_samples is None else decode_samples
+    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, on, rows_per_request) if scored else None
     dsamp = None
     if dsamp_tiles is not None:
         need = select_prefill.prefill_scratch_elems(chunk, chunk, n_cols, dsamp_tiles, _decode_block_g())
@@ -401,12 +404,14 @@ class SelectLaunch:
                 if s.decode_samples is not None:
                     samples = select_prefill.samples_view(s.decode_samples, s.chunk, s.num_cols,
                                                           s.decode_samples_tiles, _decode_block_g())
+                scored_samples = s.decode_samples is not None and not s.decode_samples_tiles["sample_launch"]
                 score = ScoreLaunch(
                     q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, row0=row0, rows=n,
                     num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio, block_topk=block_topk,
-                    decode=s.decode, tiles=s.tiles, interpret=s.interpret, samples=samples,
+                    decode=s.decode, tiles=s.tiles, interpret=s.interpret,
+                    samples=samples if s.prefill is not None or scored_samples else None,
                     sample_sub=0 if s.prefill is None else s.prefill_tiles["sub"],
-                    row_samples=0 if s.decode_samples is None else s.decode_samples_tiles["row_s"],
+                    row_samples=s.decode_samples_tiles["row_s"] if scored_samples else 0,
                 ) if s.scored else None
                 if s.prefill is not None:
                     topk = select_prefill.PrefillTopkLaunch(

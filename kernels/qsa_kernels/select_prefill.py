@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .launch import Launcher, pdl_end, pdl_start
 from .select_radix import ChunkLaunches, packed_write
-from .select_score import _sample_shift
+from .select_score import _sample_shift, _store_row_samples
 from .select_topk import (_compact_segment, _compact_step, _emit, _emit_above, _keys, _kth_bound, _kth_key,
                           _resolve_row, _samples_bound, _write_short, _write_tail)
 
@@ -172,12 +172,12 @@ def _topk_prefill_kernel(
     resets it). The last arriver resolves the row from its lists, or (more than CAP
     candidates) from its scores; DEFER: only the latter, `_resolve_prefill_kernel` does the
     rest after the chunk's scores are gone. ROW_SAMPLES = WBITS > 0 (decode; no DEFER): a row's
-    samples are one per 2^`_sample_shift(vis, WBITS, LOG_G)` columns (the decode score
-    launch's), not per S; with RUNS, rows of at most RUNS runs per segment read only their live
-    runs, others the segment. The row's bound: BOUND_IN, read from bound int32 [chunk rows]
-    (`_bound_prefill_kernel`, before this launch), else each program's own `_chunk_row_bound`
-    (SBITS: the bracket search). RSBITS: the last arriver's resolve by the bracket search
-    (`_resolve_lists`; 0: `_kth_key`)."""
+    samples are one per 2^`_sample_shift(vis, WBITS, LOG_G)` columns (the decode score launch's or,
+    MTP rows, `_row_samples_kernel`'s), not per S; with RUNS, rows of at most RUNS runs per segment
+    read only their live runs, others the segment. The row's bound: BOUND_IN, read from bound int32
+    [chunk rows] (`_bound_prefill_kernel`, before this launch), else each program's own
+    `_chunk_row_bound` (SBITS: the bracket search). RSBITS: the last arriver's resolve by the
+    bracket search (`_resolve_lists`; 0: `_kth_key`)."""
     pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
@@ -262,6 +262,32 @@ def _resolve_prefill_kernel(
     pdl_end(PDL)
 
 
+@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr"])
+def _row_samples_kernel(
+    s_ptr, vis_ptr, samp_ptr, row0, n_cols, stride_sr, stride_pr,
+    KB: tl.constexpr, WBITS: tl.constexpr, BLOCK: tl.constexpr, LOG_G: tl.constexpr,
+    PDL: tl.constexpr = 0,
+):
+    """Per-row samples of scores already in the scratch (grid: chunk rows x blocks of BLOCK
+    columns, a multiple of 2^LOG_G): s fp32 [chunk rows, n_cols] -> samp int32 [chunk rows,
+    2^WBITS], what the decode score launch's ROW_SAMPLES writes (`_store_row_samples`) for rows
+    with visible > KB, from the columns below visible."""
+    pdl_start(PDL)
+    lr = tl.program_id(0)
+    g0 = tl.program_id(1) * BLOCK
+    vis = tl.load(vis_ptr + row0 + lr)
+    vis = tl.where(vis > KB, tl.minimum(vis, n_cols), 0)
+    if g0 < vis:
+        g = g0 + tl.arange(0, BLOCK)
+        m = g < vis
+        s = tl.load(s_ptr + lr.to(tl.int64) * stride_sr + g, mask=m, other=0.0)
+        one = tl.arange(0, 1)
+        _store_row_samples(samp_ptr, lr + one, g0, s[:, None], m[:, None], vis + one, stride_pr, WBITS, BLOCK, 1,
+                           LOG_G)
+    pdl_end(PDL)
+
+
+_row_samples = Launcher(_row_samples_kernel)
 _prefill_bound = Launcher(_bound_prefill_kernel)
 _prefill_topk = Launcher(_topk_prefill_kernel)
 _prefill_resolve = Launcher(_resolve_prefill_kernel)
@@ -312,7 +338,12 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
                 rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=1 if num_cols > seg else 2, sbits=2)
 
 
-def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
+# Decode chunks of at least this many rows search each row's bound once, in a bound launch (tile
+# bound 3), and run their segment programs at 4 warps (`decode_tiles`).
+DECODE_BOUND_ROWS = 16
+
+
+def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool, rows: int = 1) -> dict[str, int]:
     """Launch shapes of the decode route (`select.plan_select`, `QSA_DECODE_SAMPLES`): the
     decode score launch writes each row's samples at a stride of its own (`ScoreLaunch`'s
     row_samples = row_s = WBITS, `_sample_shift`): 2^WBITS slots per row, WBITS the least with
@@ -321,20 +352,29 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     per column (its bound is its Kb-th key) and a longer one more than 2 Kb: a short row of a
     long plan keeps a tight bound. One launch per chunk (no deferred resolve). skip: rows of at
     least 2^skip_shift columns per sample read only the runs whose sample reaches the bound
-    (`seg_runs`), others their whole segment. bound 2: each program's bracket search of its
-    row's samples; rsbits: the resolve's bracket search (`_resolve_lists`). The other fields as
-    `prefill_tiles`'. small: the interpreter's tiles."""
+    (`seg_runs`), others their whole segment. bound 2: each program's bracket search of its row's
+    samples; bound 3 (chunks of >= DECODE_BOUND_ROWS rows): a bound launch's; rsbits: the resolve's
+    bracket search (`_resolve_lists`). sample_launch (set by the plan): the samples come from a
+    launch of their own over the score scratch (`_row_samples_kernel`, sblock columns a program),
+    not from the score launch. The other fields as `prefill_tiles`'. rows: the chunk's. small: the
+    interpreter's tiles."""
     log_g = score_block_g.bit_length() - 1
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,
-             bound=2)
+             bound=2, sample_launch=0, sblock=max(2048, score_block_g))
     if small:
-        return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, skip=0, sbits=2, rsbits=2)
+        return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, skip=0, sbits=2, rsbits=2,
+                    sblock=2 * score_block_g)
     # H200, session 12 (select alone, us; bound 0, the 16-step resolve, no skip, seg 8192 ->
     # this): 128K B4 44.3 -> 35.5, 1M B4 131.9 -> 113.4, 128K B64 205.2 -> 193.6. Segments of
     # 4096 won at 128K (37.0 -> 35.5) and lost at 1M (113.4 -> 202.0: 64 lists to gather).
+    # Session 16 (select, us, bench_dsamp; default -> bound launch -> that at 4 warps): 1M B4 x 4
+    # MTP (16 rows) 119.9 -> 114.8 -> 112.8, 128K B16 x 4 85.8 -> 76.4 -> 73.6, 128K B64 175.8 ->
+    # 171.3 -> 170.1; but chunks of 4 rows lost (1M B4 100.7 -> 102.2 -> 107.5, 1M + 3 x 64K 52.7 ->
+    # 54.0 -> 57.5): programs repeating the search pay off only where a chunk runs in one wave.
+    many = rows >= DECODE_BOUND_ROWS
     return dict(t, seg=4096 if num_cols <= 32768 else 8192, cap=1024, block=2048, rblock=1024, bits=2, lbits=16,
-                warps=8, skip=1, sbits=3, rsbits=3)
+                warps=4 if many else 8, skip=1, sbits=3, rsbits=3, bound=3 if many else 2)
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
@@ -440,10 +480,15 @@ class PrefillTopkLaunch(ChunkLaunches):
         common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], **write)
         runs = seg_runs(num_cols, t, score_block_g)
         row_s = t.get("row_s", 0)
-        if row_s and (t["defer"] or samples.shape[1] != 1 << row_s):
+        if row_s and (t["defer"] or samples.shape[1] != 1 << row_s) or t.get("sample_launch", 0) and not row_s:
             raise ValueError(f"per-row sample strides (row_s {row_s}) take no deferred resolve, and samples "
-                             f"[rows, 2^row_s]; got {tuple(samples.shape)}")
+                             f"[rows, 2^row_s] (a sample launch writes only those); got {tuple(samples.shape)}")
         S, SAMPP = sample_cols(t, score_block_g), triton.next_power_of_2(samples.shape[1])
+        self._samples = _row_samples.bind(
+            (rows, triton.cdiv(num_cols, t["sblock"])), scores, visible_blocks, samples, row0, num_cols,
+            scores.stride(0), samples.stride(0), free=("row0",), KB=Kb, WBITS=row_s, BLOCK=t["sblock"],
+            LOG_G=t["log_g"], num_warps=4,
+        ) if t.get("sample_launch", 0) else None
         sbits = t["sbits"] if t["bound"] >= 2 else 0
         self._bound = _prefill_bound.bind(
             (rows,), visible_blocks, samples, scratch.bound, row0, num_cols, samples.stride(0), free=("row0",),
@@ -469,6 +514,8 @@ class PrefillTopkLaunch(ChunkLaunches):
 
     def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int) -> None:
         crow0 = (row0 - self.first) % self.group
+        if self._samples is not None:
+            self._samples(row0)
         if self._bound is not None:
             self._bound(row0)
         self._topk(row0, crow0, out, out_row_stride)

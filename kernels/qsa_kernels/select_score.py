@@ -109,7 +109,7 @@ def _sample_shift(vis, WBITS: tl.constexpr, MAX_SHIFT: tl.constexpr):
 def _store_row_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
     """Per-row samples of a score tile s fp32 [BLOCK_G, BLOCK_R] (columns g0 + i, g0 a multiple
-    of BLOCK_G = 2^LOG_G; rows lr int32 [BLOCK_R], their visible vis; mask: the cells
+    of BLOCK_G, a multiple of 2^LOG_G; rows lr int32 [BLOCK_R], their visible vis; mask: the cells
     written): row lr's runs of 2^shift columns (`_sample_shift`) -> samples int32 [chunk rows,
     2^WBITS] at (lr, g0 / 2^shift + run) = the largest key of the run's columns below vis.
     Only the run widths of the tile's rows are reduced (one for a single row, or the rows of
@@ -182,7 +182,7 @@ def _scores_mtp_kernel(
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, RPR: tl.constexpr, RP: tl.constexpr,
-    FAST_DIV: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
+    FAST_DIV: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):
     """Scores of the RPR decode rows [row0 + pid0*RPR, +RPR) x groups [pid1*span, +span) in
@@ -191,8 +191,9 @@ def _scores_mtp_kernel(
     the keys of the first row's request): rows x heads on the dot's M (slot m
     = r * HM / RP + h, RP = next_pow2(RPR) row slots), so the rows share each key tile; each
     row's heads sum over its slots as the one-row kernel sums its heads. q [T, HI, DI] -> s fp32
-    [chunk rows, n_cols]; ROW_SAMPLES, LOG_G, SPAN_TILES as `_scores_decode_kernel`. (A loop
-    over the requests of a program, as the prefill kernel's, costs 80 -> 168 registers.)"""
+    [chunk rows, n_cols]; SPAN_TILES as `_scores_decode_kernel`; samp_ptr, stride_pr unread (the
+    rows' samples come from `select_prefill`'s sample launch). (A loop over the requests of a
+    program, as the prefill kernel's, costs 80 -> 168 registers.)"""
     pdl_start(PDL)
     HR: tl.constexpr = HM // RP  # slots per row (>= HI)
     slot = tl.arange(0, RP)
@@ -219,11 +220,7 @@ def _scores_mtp_kernel(
                               stride_btp, DI, PAGE, R, DOT_DTYPE)
             acc = tl.sum(tl.reshape(_relu_dot(q, keys), (RP, HR, BLOCK_G)), 1)  # [RP, BLOCK_G]
             s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-            written = g[None, :] < vis[:, None]
-            tl.store(s_rows + g[None, :], s, mask=written)
-            if ROW_SAMPLES:
-                _store_row_samples(samp_ptr, lr, g0, tl.trans(s), tl.trans(written), vis, stride_pr, ROW_SAMPLES,
-                                   BLOCK_G, RP, LOG_G)
+            tl.store(s_rows + g[None, :], s, mask=g[None, :] < vis[:, None])
     pdl_end(PDL)
 
 
@@ -261,13 +258,12 @@ def _keys_m_tile(k_ptr, bt_ptr, req, g0, g_end, qa, d, cols, stride_kp, stride_k
                  norm, rcp, s_ptr, s_tile, s_offs, samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr,
                  DI: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, DOT_DTYPE: tl.constexpr,
                  BLOCK_G: tl.constexpr, BLOCK_R: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
-                 SAMPLE: tl.constexpr, ROW_SAMPLES: tl.constexpr, LOG_G: tl.constexpr, WHOLE: tl.constexpr):
+                 SAMPLE: tl.constexpr, WHOLE: tl.constexpr):
     """One score tile of the prefill kernel with keys on the dot's M: groups g0 + [0, BLOCK_G) of
     request req against qa [HP * BLOCK_R, DP] (rows x heads, heads outermost), s^T [BLOCK_G,
     BLOCK_R] stored at row lr, column g (and SAMPLE samples). WHOLE: every row is req's and sees
     every group of the tile (no masks; s_tile + g0 + s_offs int32 [BLOCK_G, BLOCK_R] addresses
-    the cells, samp_tile [1, BLOCK_R] the rows' samples); else cells of g < vis of mine rows.
-    ROW_SAMPLES (decode rows of a request): each row's samples (`_store_row_samples`)."""
+    the cells, samp_tile [1, BLOCK_R] the rows' samples); else cells of g < vis of mine rows."""
     g = g0 + cols
     if WHOLE:
         keys = _load_keys_whole(k_ptr, bt_ptr, req, g, d, stride_kp, stride_kr, stride_kd, stride_btr, stride_btp,
@@ -282,17 +278,11 @@ def _keys_m_tile(k_ptr, bt_ptr, req, g0, g_end, qa, d, cols, stride_kp, stride_k
         tl.store(s_tile + g0 + s_offs, s)
         if SAMPLE:
             _store_samples_whole(samp_tile, g0, s, BLOCK_G, BLOCK_R, SAMPLE)
-        if ROW_SAMPLES:
-            _store_row_samples(samp_ptr, lr, g0, s, g[:, None] < vis[None, :], vis, stride_pr, ROW_SAMPLES, BLOCK_G,
-                               BLOCK_R, LOG_G)
     else:
         written = mine[None, :] & (g[:, None] < vis[None, :])
         tl.store(s_ptr + lr.to(tl.int64)[None, :] * stride_sr + g[:, None], s, mask=written)
         if SAMPLE:
             _store_samples(samp_ptr, lr, g0, s, written, tl.where(mine, vis, 0), stride_pr, BLOCK_G, BLOCK_R, SAMPLE)
-        if ROW_SAMPLES:
-            _store_row_samples(samp_ptr, lr, g0, s, written, tl.where(mine, vis, 0), stride_pr, ROW_SAMPLES,
-                               BLOCK_G, BLOCK_R, LOG_G)
 
 
 @triton.jit(do_not_specialize=["row0", "n_rows", "n_cols", "stride_pr"])
@@ -304,8 +294,7 @@ def _scores_prefill_kernel(
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, STAGES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PACK: tl.constexpr, HP: tl.constexpr, FAST_DIV: tl.constexpr,
-    SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
-    LOG_G: tl.constexpr = 0, WHOLE: tl.constexpr = 0,
+    SPAN_TILES: tl.constexpr, SAMPLE: tl.constexpr, WHOLE: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):
     """Scores of rows [row0 + pid0*BLOCK_R, +BLOCK_R) x groups [pid1*span, +span) in
@@ -314,9 +303,7 @@ def _scores_prefill_kernel(
     one dot per head, heads 0..3 keeping their q for the whole span (further heads reload theirs
     per tile). A row tile may span requests: each request in it streams its own keys.
     SPAN_TILES: as the decode kernel. SAMPLE > 0: also the top-k's samples of each tile
-    (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]. ROW_SAMPLES =
-    WBITS > 0 (decode rows of a request, PACK; SAMPLE 0): each row's samples at a
-    stride of its own (`_store_row_samples`, BLOCK_G = 2^LOG_G) into samp int32 [chunk rows, 2^WBITS]."""
+    (`_store_samples`, SAMPLE subsets per tile) into samp int32 [chunk rows, ...]."""
     pdl_start(PDL)
     lr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     col0 = tl.program_id(1) * span
@@ -363,27 +350,24 @@ def _scores_prefill_kernel(
                             _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
                                          stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                          samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
-                                         ROW_SAMPLES, LOG_G, True)
+                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, True)
                         else:
                             _keys_m_tile(k_ptr, bt_ptr, cur, col0 + off, g_end, qa, d, cols, stride_kp, stride_kr,
                                          stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                          samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
-                                         ROW_SAMPLES, LOG_G, False)
+                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, False)
                 else:
                     if WHOLE:
                         for g0 in tl.range(col0, g_full, BLOCK_G, num_stages=STAGES):
                             _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
                                          stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                          samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE,
-                                         ROW_SAMPLES, LOG_G, True)
+                                         DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, True)
                     for g0 in tl.range(g_full, g_end, BLOCK_G, num_stages=STAGES):
                         _keys_m_tile(k_ptr, bt_ptr, cur, g0, g_end, qa, d, cols, stride_kp, stride_kr,
                                      stride_kd, stride_btr, stride_btp, norm, rcp, s_ptr, s_tile, s_offs,
                                      samp_ptr, samp_tile, lr, mine, vis, stride_sr, stride_pr, DI, PAGE, R,
-                                     DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, ROW_SAMPLES, LOG_G, False)
+                                     DOT_DTYPE, BLOCK_G, BLOCK_R, HP, FAST_DIV, SAMPLE, False)
             else:
                 q_mask = mine[:, None] & (d < DI)[None, :]
                 q0 = _q_head(q_row, 0, stride_qh, q_mask, HI, DOT_DTYPE)
@@ -532,7 +516,7 @@ class ScoreLaunch:
     the tiles (`score_tiles`; benchmarks). samples int32 [>= rows, cdiv(num_cols, block_g /
     sample_sub)] (prefill only): the launch also writes the top-k's samples there
     (`select_prefill`: sample_sub per score tile of block_g columns). row_samples = WBITS > 0
-    (decode, with samples int32 [>= rows, 2^WBITS], sample_sub 0): the launch also writes each
+    (the one-row decode kernel, with samples int32 [>= rows, 2^WBITS], sample_sub 0): it also writes each
     row's samples at a stride of its own (`_sample_shift`: a power of two up to block_g, from
     the row's visible count), for `select_prefill`'s decode route."""
 
@@ -558,12 +542,11 @@ class ScoreLaunch:
                       DOT_DTYPE=dot_dtype(q_idx, compressed, interpret))
         spans = triton.cdiv(num_cols, span)
         log_g = t.block_g.bit_length() - 1
-        if row_samples and (samples is None or sample_sub or not decode or t.block_g != 1 << log_g
-                            or (not per_row and not mtp and (not t.pack or Hi > 4))
+        if row_samples and (samples is None or sample_sub or not per_row or t.block_g != 1 << log_g
                             or samples.shape[1] < 1 << row_samples or num_cols > 1 << (row_samples + log_g)):
-            raise ValueError(f"per-row score samples need a decode launch (per row, a request's rows, or rows x heads "
-                             f"packed), "
-                             f"samples [rows, >= 2^{row_samples}] and num_cols <= 2^{row_samples} x block_g "
+            raise ValueError(f"per-row score samples need the one-row decode launch (MTP rows: select_prefill's "
+                             f"sample launch), samples [rows, >= 2^{row_samples}] and num_cols <= "
+                             f"2^{row_samples} x block_g "
                              f"{t.block_g}, got {None if samples is None else tuple(samples.shape)}")
         if samples is not None and not row_samples and (
                 per_row or mtp or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)

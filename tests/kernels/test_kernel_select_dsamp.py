@@ -27,6 +27,7 @@ from test_kernel_select import make_problem  # noqa: E402
 from qsa_core.reference import select as ref  # noqa: E402
 from qsa_kernels import select as ker  # noqa: E402
 from qsa_kernels import select_prefill as sp  # noqa: E402
+from qsa_kernels.select_score import ScoreLaunch  # noqa: E402
 
 # The shapes below take the route with the interpreter's small tiles only (the H200's short
 # route covers them): on the GPU, benchmarks/device/dsamp_measure.sh checks the real shapes.
@@ -124,7 +125,9 @@ def sample_shift(v: int, wbits: int, log_g: int) -> int:
 
 @small_tiles
 @pytest.mark.parametrize("mix, rpr, aligned", ROUTES)
-def test_score_launch_writes_per_row_samples(nan_scratch, mix, rpr, aligned):
+def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, mix, rpr, aligned):
+    # One row per request: the score launch writes them; MTP rows: a launch of their own
+    # (`_row_samples_kernel`, over the score scratch) after the score launch.
     problem = make_problem(**mix, kind="int", pad_rows=2, seed=3)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
@@ -136,6 +139,10 @@ def test_score_launch_writes_per_row_samples(nan_scratch, mix, rpr, aligned):
     samples = sp.samples_view(s.decode_samples, s.chunk, s.num_cols, t, ker._decode_block_g())
     samples.fill_(-7)
     launch._chunks[0][1](q, table, 0)  # the score launch alone
+    assert t["sample_launch"] == (rpr > 1)
+    if rpr > 1:
+        assert (samples.cpu() == -7).all(), "MTP rows' score launch wrote samples"
+        launch._chunks[0][2]._samples(0)
     keys = s.scores.cpu().view(torch.int32) & 0x7FFFFFFF
     got = samples.cpu()
     shifts = set()
@@ -208,6 +215,22 @@ def test_the_workspace_holds_every_decode_plan_of_this_route(nan_scratch):
 
 
 @small_tiles
+@pytest.mark.parametrize("aligned", [False, True], ids=["packed", "request_rows"])
+def test_mtp_score_kernels_refuse_per_row_samples(aligned):
+    # MTP rows take their samples from the sample launch; their score kernels write none.
+    q, comp, table, to_req, vis, max_seq = make_problem(**MIXED_MTP, kind="int", pad_rows=0, seed=5)
+    T = q.shape[0]
+    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=4, decode_samples=True,
+                        rows_aligned=aligned)
+    t = s.decode_samples_tiles
+    samples = sp.samples_view(s.decode_samples, s.chunk, s.num_cols, t, ker._decode_block_g())
+    with pytest.raises(ValueError, match="per-row score samples need the one-row decode launch"):
+        ScoreLaunch(q, comp, table, to_req, vis, s.scores, row0=0, rows=T, num_cols=s.num_cols, page_size=PAGE,
+                    compress_ratio=R, block_topk=KB, decode=True, tiles=s.tiles, interpret=s.interpret,
+                    samples=samples, row_samples=t["row_s"])
+
+
+@small_tiles
 def test_the_switch_is_read_when_a_schedule_is_made(monkeypatch):
     monkeypatch.setenv("QSA_DECODE_SAMPLES", "1")
     assert ker.plan_select(4, 256, KB, decode=True, device=DEV).decode_samples is not None
@@ -217,15 +240,17 @@ def test_the_switch_is_read_when_a_schedule_is_made(monkeypatch):
 
 
 
-def test_the_route_takes_one_row_per_request_by_default(monkeypatch):
-    # H200 (session 12): faster than the radix and segment routes with one row per request
-    # (128K B4, 1M B4, 128K B64; session 13: chunks of up to 256 rows), slower with MTP rows
-    # (1M B4 x 4), which keep their route.
+def test_the_route_takes_long_decode_chunks_by_default(monkeypatch):
+    # H200: faster than the radix and segment routes with one row per request (session 12: 128K
+    # B4, 1M B4, 128K B64; session 13: chunks of up to 256 rows) and, with their samples from a
+    # launch of their own, with MTP rows (session 16: 1M B4 x 4, 128K B16 x 4).
     monkeypatch.delenv("QSA_DECODE_SAMPLES", raising=False)
     assert ker.select_workspace(64, 1 << 15, KB, "meta").decode_samples is not None
     for rows, cols in ((4, 1 << 15), (15, 20480), (64, 1 << 18)):
-        assert ker.plan_select(rows, cols, KB, decode=True, device="meta").decode_samples is not None
-        assert ker.plan_select(rows, cols, KB, decode=True, device="meta", rows_per_request=4).decode_samples is None
+        s = ker.plan_select(rows, cols, KB, decode=True, device="meta")
+        assert s.decode_samples is not None and not s.decode_samples_tiles["sample_launch"]
+        s = ker.plan_select(rows * 4, cols, KB, decode=True, device="meta", rows_per_request=4)
+        assert s.decode_samples is not None and s.decode_samples_tiles["sample_launch"]
     assert ker.plan_select(256, 1 << 15, KB, decode=True, device="meta").decode_samples is not None
     assert ker.plan_select(257, 1 << 15, KB, decode=True, device="meta").decode_samples is None  # > 256 rows a chunk
     monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")
@@ -246,27 +271,42 @@ def sig(fn, const, types):
     return {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
             for n in fn.arg_names}
 
-for cols in (32768, 262144):  # 128K and 1M context
-    t = sp.decode_tiles(cols, 512, 128, small=False)
-    for packed, skip in ((False, 0), (True, 0), (True, 1)):
+for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M context; 64 rows: the bound launch
+    t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
+    for packed, skip in ((False, 0), (True, 0), (True, 1)) if rows < 16 else ((True, 1),):
         t["skip"] = skip
         const = dict(KB=512, KBP=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SEG=t["seg"],
                      SEGP=triton.next_power_of_2(triton.cdiv(cols, t["seg"])), CAP=t["cap"], BLOCK=t["block"],
                      RBLOCK=t["rblock"], DEFER=0, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1,
                      BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"],
-                     BOUND_IN=0, SBITS=t["sbits"], RSBITS=t["rsbits"], PDL=2)
+                     BOUND_IN=t["bound"] & 1, SBITS=t["sbits"], RSBITS=t["rsbits"], PDL=2)
         fn = sp._topk_prefill_kernel
         assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
         triton.compile(ASTSource(fn, sig(fn, const, dict(s_ptr="*fp32", pos_ptr="*i64")), const), target=target,
                        options=dict(num_warps=t["warps"], launch_pdl=True))
         print("compiled topk", cols, packed, skip)
+    if t["bound"] & 1:
+        fn = sp._bound_prefill_kernel
+        const = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SBITS=t["sbits"],
+                     ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"], PDL=2)
+        assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
+        triton.compile(ASTSource(fn, sig(fn, const, {}), const), target=target,
+                       options=dict(num_warps=t["warps"], launch_pdl=True))
+        print("compiled bound", cols)
+    fn = sp._row_samples_kernel  # MTP rows' sample launch
+    const = dict(KB=512, WBITS=t["row_s"], BLOCK=t["sblock"], LOG_G=t["log_g"], PDL=2)
+    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
+    triton.compile(ASTSource(fn, sig(fn, const, dict(s_ptr="*fp32")), const), target=target,
+                   options=dict(num_warps=4, launch_pdl=True))
+    print("compiled samples", cols)
 """
 
 
 def test_route_compiles_for_sm90():
-    """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M columns)
-    compiles for sm_90 here without a GPU (its score kernels: test_kernel_select_score)."""
+    """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M
+    columns), the bound launch of chunks of many rows and MTP rows' sample launch compile for
+    sm_90 here without a GPU (its score kernels: test_kernel_select_score)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len([x for x in run.stdout.splitlines() if x.startswith("compiled")]) == 6, run.stdout
+    assert len([x for x in run.stdout.splitlines() if x.startswith("compiled")]) == 11, run.stdout

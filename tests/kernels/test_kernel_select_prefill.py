@@ -358,7 +358,7 @@ fn = ss._scores_prefill_kernel
 for st, sub in [(ss.score_tiles(False, {}, False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
-                 SAMPLE=sub, ROW_SAMPLES=0, LOG_G=0, WHOLE=st.whole,
+                 SAMPLE=sub, WHOLE=st.whole,
                  stride_qd=1, stride_kd=1, stride_btp=1, PDL=2)
     types = dict(q_ptr="*bf16", k_ptr="*bf16", s_ptr="*fp32", norm="fp32", rcp="fp32")
     sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
