@@ -7,10 +7,10 @@ bench_qsa's geometry (indexer 4 x 128, r 4, page 64; random keys in pages of one
 one row per request, or 4 (an MTP shape, "x4": a request's rows see cols - 3 .. cols groups).
 Each variant is a `select_score.ScoreTiles` (one-row shapes: block_g, span in tiles, stages,
 warps, max registers; MTP shapes: the packed kernel's tiles, `PACKED`) and, one row per
-request, optionally the per-row samples of the decode route (`row_samples`); its scores are compared with the default
-tiles' bit for bit (and its samples with the default samples launch's; "exact" column, a
-different body such as session 15's keys-on-M try may differ in the last bit) and it is
-timed: CUDA-graph replay median, L2 flushed before each replay. Bytes: the compressed keys
+request, optionally the per-row samples of the decode route (`row_samples`); its scores are
+compared with the default tiles' bit for bit (and its samples with the default samples
+launch's; "exact" column, a different body such as session 15's keys-on-M try may differ in the
+last bit) and it is timed: CUDA-graph replay median, L2 flushed before each replay. Bytes: the compressed keys
 each request reads once, so GB/s is the launch's share of the HBM bandwidth.
 """
 

@@ -89,14 +89,12 @@ def decode_samples_enabled() -> bool:
 def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool,
                           rows_per_request: int = 1) -> dict | None:
     """The `select_prefill.decode_tiles` where a decode chunk takes the per-row-samples route
-    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None;
-    MTP rows (rows_per_request > 1) take their samples from a launch of their own."""
+    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None."""
     small = _interpreting()
     if not (on and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
             n_cols, select_topk.topk_tiles(n_cols, small, chunk)):
         return None
-    return dict(select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small, chunk),
-                sample_launch=int(rows_per_request > 1))
+    return select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small, chunk, rows_per_request)
 
 
 def _decode_block_g() -> int:

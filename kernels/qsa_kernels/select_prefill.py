@@ -343,7 +343,8 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
 DECODE_BOUND_ROWS = 16
 
 
-def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool, rows: int = 1) -> dict[str, int]:
+def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool, rows: int = 1,
+                 rows_per_request: int = 1) -> dict[str, int]:
     """Launch shapes of the decode route (`select.plan_select`, `QSA_DECODE_SAMPLES`): the
     decode score launch writes each row's samples at a stride of its own (`ScoreLaunch`'s
     row_samples = row_s = WBITS, `_sample_shift`): 2^WBITS slots per row, WBITS the least with
@@ -354,14 +355,14 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     least 2^skip_shift columns per sample read only the runs whose sample reaches the bound
     (`seg_runs`), others their whole segment. bound 2: each program's bracket search of its row's
     samples; bound 3 (chunks of >= DECODE_BOUND_ROWS rows): a bound launch's; rsbits: the resolve's
-    bracket search (`_resolve_lists`). sample_launch (set by the plan): the samples come from a
-    launch of their own over the score scratch (`_row_samples_kernel`, sblock columns a program),
-    not from the score launch. The other fields as `prefill_tiles`'. rows: the chunk's. small: the
-    interpreter's tiles."""
+    bracket search (`_resolve_lists`). sample_launch (MTP rows, rows_per_request > 1): the samples
+    come from a launch of their own over the score scratch (`_row_samples_kernel`, sblock columns a
+    program), not from the score launch. The other fields as `prefill_tiles`'. rows: the chunk's.
+    small: the interpreter's tiles."""
     log_g = score_block_g.bit_length() - 1
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,
-             bound=2, sample_launch=0, sblock=max(2048, score_block_g))
+             bound=2, sample_launch=int(rows_per_request > 1), sblock=max(2048, score_block_g))
     if small:
         return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, skip=0, sbits=2, rsbits=2,
                     sblock=2 * score_block_g)

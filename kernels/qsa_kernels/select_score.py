@@ -516,9 +516,9 @@ class ScoreLaunch:
     the tiles (`score_tiles`; benchmarks). samples int32 [>= rows, cdiv(num_cols, block_g /
     sample_sub)] (prefill only): the launch also writes the top-k's samples there
     (`select_prefill`: sample_sub per score tile of block_g columns). row_samples = WBITS > 0
-    (the one-row decode kernel, with samples int32 [>= rows, 2^WBITS], sample_sub 0): it also writes each
-    row's samples at a stride of its own (`_sample_shift`: a power of two up to block_g, from
-    the row's visible count), for `select_prefill`'s decode route."""
+    (the one-row decode kernel, with samples int32 [>= rows, 2^WBITS], sample_sub 0): it also
+    writes each row's samples at a stride of its own (`_sample_shift`: a power of two up to
+    block_g, from the row's visible count), for `select_prefill`'s decode route."""
 
     def __init__(self, q_idx: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor, visible_blocks: torch.Tensor, scores: torch.Tensor, *, row0: int,
@@ -546,8 +546,8 @@ class ScoreLaunch:
                             or samples.shape[1] < 1 << row_samples or num_cols > 1 << (row_samples + log_g)):
             raise ValueError(f"per-row score samples need the one-row decode launch (MTP rows: select_prefill's "
                              f"sample launch), samples [rows, >= 2^{row_samples}] and num_cols <= "
-                             f"2^{row_samples} x block_g "
-                             f"{t.block_g}, got {None if samples is None else tuple(samples.shape)}")
+                             f"2^{row_samples} x block_g {t.block_g}, "
+                             f"got {None if samples is None else tuple(samples.shape)}")
         if samples is not None and not row_samples and (
                 per_row or mtp or sample_sub < 1 or t.block_g % sample_sub or sample_sub & (sample_sub - 1)
                 or samples.shape[1] < triton.cdiv(num_cols, t.block_g // sample_sub)):
