@@ -52,6 +52,10 @@ VARIANTS = {
     "samp-s2-r64-fd": (128, 2, 3, 4, 64, 1, True), "samp-s4-r64-fd": (128, 4, 3, 4, 64, 1, True),
     "samp-s2st2-r64-fd": (128, 2, 2, 4, 64, 1, True), "samp-s4st2-r64-fd": (128, 4, 2, 4, 64, 1, True),
     "samp-s2st4-r64-fd": (128, 2, 4, 4, 64, 1, True), "samp-s4st4-r64-fd": (128, 4, 4, 4, 64, 1, True),
+    "samp-s4st2-r80-fd": (128, 4, 2, 4, 80, 1, True), "samp-s4st2-r96-fd": (128, 4, 2, 4, 96, 1, True),
+    "samp-s2st2-r80-fd": (128, 2, 2, 4, 80, 1, True), "samp-s2st2-r96-fd": (128, 2, 2, 4, 96, 1, True),
+    "samp-s8st2-r64-fd": (128, 8, 2, 4, 64, 1, True), "samp-s4st3-r64-fd": (128, 4, 3, 4, 64, 1, True),
+    "samp-s2st3-r64-fd": (128, 2, 3, 4, 64, 1, True),
 }
 # MTP shapes: name: ScoreTiles fields (their samples come from select_prefill's sample launch).
 # "km": the packed kernel, 4 rows x 4 heads on the wgmma's N, the keys on its M (prefill's body; the

@@ -157,6 +157,10 @@ def _scores_decode_kernel(
                     mask=(h < HI)[:, None] & (d < DI)[None, :], other=0.0).to(DOT_DTYPE)
         g_end = tl.minimum(vis, col0 + span)
         s_row = s_ptr + lr.to(tl.int64) * stride_sr
+        samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
+        # Rows of one sample a tile (the longest) take its maximum in the tile loop; shorter runs
+        # are read back after it (a multi-width reduction in the loop costs ~40 registers).
+        tile_samples = _sample_shift(vis, ROW_SAMPLES, LOG_G) == LOG_G  # (unread without ROW_SAMPLES)
         for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
                             num_stages=STAGES):
             g0 = col0 + off if SPAN_TILES else off
@@ -167,10 +171,22 @@ def _scores_decode_kernel(
             acc = tl.sum(_relu_dot(q, keys), 0)  # fp32 [BLOCK_G]
             s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
             tl.store(s_row + g, s, mask=g_mask)
-            if ROW_SAMPLES:  # the row as a tile of one: [BLOCK_G, 1]
+            if ROW_SAMPLES:
+                if tile_samples:
+                    key = tl.where(g_mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
+                    tl.store(samp_row + (g0 >> LOG_G), tl.max(key, 0), mask=g0 < g_end)
+        if ROW_SAMPLES:
+            if not tile_samples:
+                tl.debug_barrier()  # this program's scores, stored by all its threads, before they are read
                 one = tl.arange(0, 1)
-                _store_row_samples(samp_ptr, lr + one, g0, s[:, None], g_mask[:, None], vis + one, stride_pr,
-                                   ROW_SAMPLES, BLOCK_G, 1, LOG_G)
+                for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
+                                    num_stages=1):
+                    g0 = col0 + off if SPAN_TILES else off
+                    g = g0 + tl.arange(0, BLOCK_G)
+                    g_mask = g < g_end
+                    s = tl.load(s_row + g, mask=g_mask, other=0.0, cache_modifier=".cg")
+                    _store_row_samples(samp_ptr, lr + one, g0, s[:, None], g_mask[:, None], vis + one, stride_pr,
+                                       ROW_SAMPLES, BLOCK_G, 1, LOG_G)
     pdl_end(PDL)
 
 
@@ -432,9 +448,13 @@ class ScoreTiles:
 PREFILL_WIDE_COLS = 1 << 18
 # The request-rows kernel's tiles (MTP rows of a decode-only step).
 MTP_TILES = ScoreTiles(block_r=1, block_g=128, span=256, stages=2, num_warps=4, fast_div=True, request_rows=True)
-# Registers per thread of the decode kernel with per-row samples (96 by the compiler's choice,
-# 59 without samples). H200, session 12, the score launch alone, us (none / samples / samples at
-# 64 registers): 1M B4 80.6 / 91.1 / 86.0, 128K B64 149.0 / 170.1 / 161.0, 128K B4 19.2 / 20.5 / 19.9.
+# Registers per thread of the decode kernel with per-row samples. H200, session 12, the score
+# launch alone, us (none / samples / samples at 64 registers): 1M B4 80.6 / 91.1 / 86.0, 128K B64
+# 149.0 / 170.1 / 161.0, 128K B4 19.2 / 20.5 / 19.9. Session 17 (sm_90, cuobjdump): the
+# multi-width samples in the tile loop took ~40 registers (fp8 / bf16 keys: 110 / 106 by the
+# compiler's choice, spilling 56 / 24 bytes at 64); with only the tile maximum there (88 / 96,
+# none spilled at 64) the whole step went fp8 1M B4 92.5 -> 88.7 us, 1M B4 121.2 -> 119.4, 128K
+# B64 255.8 -> 252.8; 80 or 96 registers were no faster (launch alone, fp8 1M B4 48.8 / 50.6 / 52.8).
 SAMPLES_MAX_REGS = 64
 
 

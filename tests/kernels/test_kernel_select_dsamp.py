@@ -91,6 +91,9 @@ def skip(request, monkeypatch):
 # MTP rows of a mixed step (the packed score kernel) and of a decode-only step (aligned: the
 # request-rows kernel).
 ROUTES = [(MIXED, 1, False), (MIXED_MTP, 4, False), (MIXED_MTP, 4, True)]
+# A plan of 500 columns: its longest row takes one sample a score tile (stride 16, the score
+# kernel's in-loop tile maximum), the others strides 8, 4 and 1 (read back after the tile loop).
+MIXED_LONG = dict(seq_lens=[2000, 600, 300, 100, 20], query_lens=[1, 1, 1, 1, 1])
 
 
 @small_tiles
@@ -124,7 +127,7 @@ def sample_shift(v: int, wbits: int, log_g: int) -> int:
 
 
 @small_tiles
-@pytest.mark.parametrize("mix, rpr, aligned", ROUTES)
+@pytest.mark.parametrize("mix, rpr, aligned", ROUTES + [(MIXED_LONG, 1, False)])
 def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, mix, rpr, aligned):
     # One row per request: the score launch writes them; MTP rows: a launch of their own
     # (`_row_samples_kernel`, over the score scratch) after the score launch.
@@ -159,6 +162,8 @@ def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, m
         assert torch.equal(got[r, :n], want), (r, S)
         assert (got[r, n:] == -7).all(), r
     assert len(shifts) >= 3, shifts
+    if mix is MIXED_LONG:
+        assert shifts == {1, 4, 8, 1 << t["log_g"]}, shifts
 
 
 @small_tiles
