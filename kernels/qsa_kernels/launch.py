@@ -208,18 +208,23 @@ class BoundLaunch:
         self._variants: dict[tuple, tuple] = {}
         self.source = ""
         self.direct = False  # whether the fast path calls the C launch itself (`direct_launch`)
-        self._call: Callable[..., None] = self._slow
+        # The generated fast call (native kernels) refers to nothing that refers back to this
+        # binding: a binding its owner drops frees the caches and workspace it holds at once, not
+        # when Python's cycle collector runs (a bound method stored here would make a cycle).
+        self._fast: Callable[..., bool | None] | None = None
         if self.native:
             self.device = driver.active.get_current_device()
             self._stream: Callable[[int], int] = driver.active.get_current_stream
             free_values = [values[i] for i in self.free_index]
             key = self.key(free_values)
-            self._call = self._generate(self._variant(key, values), free_values)
+            self._fast = self._generate(self._variant(key, values), free_values)
         for i in self.free_index:  # every call passes its own: never keep the first call's tensors alive
             values[i] = None
 
     def __call__(self, *free: Any) -> None:
-        self._call(*free)
+        fast = self._fast
+        if fast is None or fast(*free) is False:
+            self._slow(*free)
 
     def key(self, free: Sequence[Any]) -> tuple:
         """The specialization key of free argument values."""
@@ -247,11 +252,11 @@ class BoundLaunch:
         g = tuple(self.grid) + (1,) * (3 - len(self.grid))
         run(*g, self._stream(self.device), function, packed, None, None, None, *values)
 
-    def _generate(self, entry: tuple, free_values: list) -> Callable[..., None]:
-        """The fast call for the bound key: inline key checks, then the compiled run."""
+    def _generate(self, entry: tuple, free_values: list) -> Callable[..., bool | None]:
+        """The fast call for the bound key: inline key checks, then the compiled run; False
+        (nothing launched) where the checks fail or the fast path is off."""
         names = {"RUN": entry[0], "FN": entry[1], "PACKED": entry[2], "STREAM": self._stream, "DEV": self.device,
-                 "SLOW": self._slow, "FAST": _fast,
-                 "KIND": _int_kind}
+                 "FAST": _fast, "KIND": _int_kind}
         params = [f"f{j}" for j in range(len(self.free_index))]
         checks, prep, args, aligned = [], [], [], []
         for j, (x, (spec, align)) in enumerate(zip(free_values, self.free_flags)):
@@ -302,7 +307,7 @@ class BoundLaunch:
             f"def fast({sig}):",
             *(f"    {line}" for line in prep),
             f"    if not ({' and '.join(checks) or 'True'}) or not FAST():",
-            f"        return SLOW({sig})",
+            "        return False",
             f"    {launch}",
         ])
         exec(compile(self.source, f"<bound {self.launcher.fn.__name__}>", "exec"), names)

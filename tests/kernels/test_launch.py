@@ -158,6 +158,48 @@ def test_a_binding_keeps_no_free_argument_alive(fake_device):
     assert calls[-1][1][9] == y.data_ptr() and calls[-1][1][10] == refs[1]().data_ptr()
 
 
+def _dropped_frees_without_the_collector(make_binding) -> None:
+    """A binding (and the fixed tensors only it holds) dies with its owner's last reference,
+    with Python's cycle collector off: no reference cycle keeps a dropped plan's caches and
+    workspace (GPU memory) alive until the collector happens to run."""
+    gc.collect()
+    gc.disable()
+    try:
+        bound, fixed = make_binding()
+        refs = weakref.ref(bound), weakref.ref(fixed)
+        del bound, fixed
+        assert refs[0]() is None and refs[1]() is None
+    finally:
+        gc.enable()
+
+
+def test_a_dropped_binding_frees_its_fixed_arguments_at_once(fake_device):
+    launcher = fake_device[0]
+
+    def make():
+        x, out = torch.randn(4, 64), torch.empty(4, 32)
+        bound = launcher.bind((4,), x, out, 64, 32, 2.0, free=("x_ptr",), BLOCK=32)
+        bound(x)
+        bound(x[:, 1:])  # another key: the slow path's variant too
+        fake_device[2].clear()  # the fake kernel's and compiler's own records of the values
+        fake_device[3].clear()
+        return bound, out
+
+    _dropped_frees_without_the_collector(make)
+
+
+@pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(), reason="needs the interpreter or a GPU")
+def test_a_dropped_binding_of_a_real_kernel_frees_its_fixed_arguments_at_once():
+    def make():
+        x = torch.randn(4, 64, device=_device())
+        out = torch.empty(4, 32, device=_device())
+        bound = Launcher(scale_rows).bind((4,), x, out, 64, 32, 2.0, free=("x_ptr",), BLOCK=32)
+        bound(x)
+        return bound, out
+
+    _dropped_frees_without_the_collector(make)
+
+
 def test_free_arguments_must_be_runtime_parameters(fake_device):
     launcher = fake_device[0]
     x, out = torch.randn(4, 64), torch.empty(4, 32)
