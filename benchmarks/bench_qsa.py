@@ -22,6 +22,7 @@ rerun goes on without it (benchmarks/device/run_bench.sh loops on that).
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import math
 import os
@@ -604,7 +605,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.budget_s and elapsed > args.budget_s:
             print(f"[{i}/{len(results)}] {r.case.label}: not started ({elapsed:.0f} s > --budget-s); rerun to resume")
             continue
-        print(f"[{i}/{len(results)}] {r.case.label} ({r.case.index_dtype}) at {elapsed:.0f} s ...", flush=True)
+        mem = ""
+        if device.type == "cuda":  # what earlier configurations left behind (the allocator's and the driver's view)
+            free, total = torch.cuda.mem_get_info(device)
+            mem = (f" (GPU memory: {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated, "
+                   f"{torch.cuda.memory_reserved(device) / 2**30:.2f} reserved, {(total - free) / 2**30:.2f} in use)")
+        print(f"[{i}/{len(results)}] {r.case.label} ({r.case.index_dtype}) at {elapsed:.0f} s ...{mem}", flush=True)
         if why and why not in r.notes:
             r.notes.append(why)
         watchdog = None
@@ -622,7 +628,8 @@ def main(argv: list[str] | None = None) -> None:
             watchdog.cancel()
         r.done = True
         save()
-        if device.type == "cuda":
+        if device.type == "cuda":  # the next configuration starts from an empty allocator, as a run of it alone
+            gc.collect()
             torch.cuda.empty_cache()
         print(f"    {r.check}; us: " + ", ".join(f"{k} {v:.1f}" for k, v in r.us.items())
               + (f"; agreement {r.agreement}" if r.agreement else "") + "".join(f"\n    note: {n}" for n in r.notes),
