@@ -5,9 +5,7 @@
 #   bash benchmarks/device/stage_wheels.sh [DEST]
 #
 # Env: TOPK_SO (FlashInfer's prebuilt top-k module for sm_90a; default /tmp/bench-topk/topk.so,
-# see ../shared/peers/flashinfer_topk_sm90/; seen here: topk.cu needs curand headers, which
-# /usr/local/cuda lacks (the nvidia-cu13 pip wheel's include/ has them), and the final link needs
-# `-lcudart` only: the objects use no driver symbols and there is no libcuda stub), SGLANG_SITE (a site-packages that holds sglang 0.5.23;
+# which `benchmarks/device/build_topk.sh` builds in ~28 minutes), SGLANG_SITE (a site-packages that holds sglang 0.5.23;
 # default this worktree's .venv-sglang), STAGE_TREE=1 also copies this worktree's files to
 # DEST/.stage-bench (needed while the branch is not on main), WHEEL_CACHE (download folder).
 #
@@ -76,7 +74,7 @@ if [ -f "$TOPK_SO" ]; then
 elif [ "${ALLOW_NO_TOPK:-0}" = 1 ]; then  # staged later; without it the SGLang columns say why
   echo "WARNING: no $TOPK_SO yet: staged without it" >&2
 else
-  echo "no $TOPK_SO: build it first (../shared/peers/flashinfer_topk_sm90/), or ALLOW_NO_TOPK=1" >&2; exit 1
+  echo "no $TOPK_SO: build it first (benchmarks/device/build_topk.sh), or ALLOW_NO_TOPK=1" >&2; exit 1
 fi
 
 # SGLang 0.5.23's QSA files the benchmark loads by path (no SGLang import chain).
