@@ -142,7 +142,9 @@ def _scores_decode_kernel(
     SPAN_TILES > 0 (the interpreter only): the tile loop runs over constant bounds (triton
     3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
     ROW_SAMPLES = WBITS > 0: also the row's samples (`_store_row_samples`, BLOCK_G = 2^LOG_G)
-    into samp int32 [chunk rows, 2^WBITS]. FAST_DIV: the division as `_finish_fast`."""
+    into samp int32 [chunk rows, 2^WBITS]: a row of one sample a tile stores each tile's maximum
+    in the tile loop, a row of shorter runs reads its span's scores back after it. FAST_DIV: the
+    division as `_finish_fast`."""
     pdl_start(PDL)
     lr = tl.program_id(0)
     row = row0 + lr
