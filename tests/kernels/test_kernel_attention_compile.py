@@ -2,8 +2,9 @@
 
 The interpreter accepts code the compiler rejects (non-constexpr globals, branch-shaped
 variables), so the production variants are compiled here for the H200's
-target, in a fresh process without TRITON_INTERPRET. Prints each variant's registers and
-spill stack (cuobjdump) for the record; asserts only that it compiles.
+target, in a fresh process without TRITON_INTERPRET. Compiled with the launcher's specialization (16-byte
+alignment, ints of value 1 as constants); prints each variant's registers and spill stack
+(cuobjdump) for the record; asserts only that it compiles.
 """
 
 from __future__ import annotations
@@ -15,15 +16,29 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _signature(fn, pointers: dict[str, str]) -> dict[str, str]:
-    """Triton signature of a kernel: the named pointer types, fp32 scales, i32 for the other
-    runtime parameters, constexpr for the constexprs."""
+# Runtime ints as a served step passes them (Hq 24, Hkv 2, D 256, page 64, 2048 pages a request, W
+# 2051): the launcher specializes ints of value 1 as constants and the others by divisibility by 16,
+# which sets the width of every K/V load (without it each thread loads 2 bytes at a time and spills).
+VALUES = dict(stride_qt=6144, stride_qh=256, stride_gt=6144, stride_gh=256, stride_ot=6144, stride_kp=32768,
+              stride_ks=512, stride_kh=256, stride_vp=32768, stride_vs=512, stride_vh=256, stride_btr=2048,
+              stride_btp=1, stride_st=2052, stride_sc=1)
+
+
+def _source(fn, pointers: dict[str, str], consts: dict):
+    """ASTSource of a kernel as the launcher specializes it: the named pointer types (16-byte
+    aligned), fp32 scales, i32 for the other runtime parameters (VALUES: == 1 as constants,
+    divisible by 16 marked so), the constexprs from consts."""
+    from triton.compiler import ASTSource
+
+    consts = dict(consts, **{n: 1 for n, v in VALUES.items() if v == 1 and n in fn.arg_names})
     sig = {}
     for p in fn.params:
         name = p.name
-        sig[name] = ("constexpr" if p.is_constexpr else pointers[name] if name.endswith("_ptr")
+        sig[name] = ("constexpr" if name in consts else pointers[name] if name.endswith("_ptr")
                      else "fp32" if name.endswith("_scale") else "i32")
-    return sig
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and VALUES.get(n, 1) % 16 == 0 and n in VALUES)}
+    return ASTSource(fn, sig, consts, attrs=attrs)
 
 
 def compile_all() -> list[str]:
@@ -34,7 +49,6 @@ def compile_all() -> list[str]:
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from qsa_kernels import attention as ker
 
@@ -49,18 +63,16 @@ def compile_all() -> list[str]:
                       INTERPRET=False, PDL=2)
         ptrs = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr=kv, v_ptr=kv, bt_ptr="*i32", req_ptr="*i32",
                     seq_ptr="*i32", sel_ptr="*i32", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32")
-        variants.append((name, ker._attn_kernel, _signature(ker._attn_kernel, ptrs), consts,
-                         dict(num_warps=warps, num_stages=stages, launch_pdl=True)))
+        variants.append((name, ker._attn_kernel, ptrs, consts, dict(num_warps=warps, num_stages=stages, launch_pdl=True)))
     consts = dict(HQ=24, D=256, DP=256, SP=64, PDL=2)
-    sig = _signature(ker._combine_kernel, dict(gate_ptr="*bf16", out_ptr="*bf16", part_ml_ptr="*fp32",
-                                                   part_acc_ptr="*fp32"))
-    variants.append(("combine", ker._combine_kernel, sig, consts, dict(launch_pdl=True)))
+    ptrs = dict(gate_ptr="*bf16", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32")
+    variants.append(("combine", ker._combine_kernel, ptrs, consts, dict(launch_pdl=True)))
     lines = []
-    for name, fn, sig, consts, options in variants:
+    for name, fn, ptrs, consts, options in variants:
         # ASTSource compiles a constexpr left out of consts as None, silently: name every one.
         missing = {p.name for p in fn.params if p.is_constexpr} - set(consts)
         assert not missing, f"{name}: constexprs without a value: {sorted(missing)}"
-        kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
+        kernel = triton.compile(_source(fn, ptrs, consts), target=target, options=options)
         usage = "resource usage unavailable"
         if os.path.exists(cuobjdump):
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
