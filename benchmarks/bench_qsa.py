@@ -10,7 +10,6 @@ the byte/FLOP model, the issue's targets and the table writers.
     python benchmarks/bench_qsa.py --out DIR [--sglang-dir SITE] [--markdown BENCHMARKS.md --readme README.md]
     python benchmarks/bench_qsa.py --smoke --out DIR ...     # two small configurations
     python benchmarks/bench_qsa.py --dry-run --out DIR       # CPU: tiny shapes, reference ops, no timing
-    python benchmarks/bench_qsa.py --sweep-attention         # the attention kernel's launch configs
 
 DIR/results.json is written after every measurement; a rerun with the same --out resumes
 (configurations already there are skipped), so a run cut by a time limit continues in the next
@@ -443,42 +442,6 @@ def versions() -> str:
     return ", ".join(out)
 
 
-# -- attention launch-config sweep (a tuning aid) -------------------------------------------------
-
-SWEEP_CASES = [Case("prefill", 131072, 1, 16384), Case("decode", 131072, 64, 4), Case("decode", 131072, 4, 1)]
-
-
-def sweep_attention() -> None:
-    """Time every (BLOCK_N, num_warps, num_stages) of the sparse attention kernel on three
-    128K cases; each output must equal the default configuration's."""
-    import itertools
-
-    from qsa_kernels import attention
-
-    timer = GraphTimer()
-    default = attention._launch_config
-    for case in SWEEP_CASES:
-        step = Step(case, torch.device("cuda"))
-        step.select()
-        want = step.attention().clone()
-        results = []
-        for cfg in itertools.product((16, 32, 64), (2, 4, 8), (1, 2)):
-            attention._launch_config = lambda r, dp, cfg=cfg: cfg
-            try:
-                same = torch.allclose(step.attention().float(), want.float(), atol=2e-2, rtol=2e-2)
-                results.append((timer(step.attention), cfg, same))
-            except Exception as e:  # noqa: BLE001 - a config the compiler rejects
-                results.append((float("inf"), cfg, type(e).__name__))
-            finally:
-                attention._launch_config = default
-        results.sort(key=lambda x: x[0])
-        print(f"{case.label}: default {default(step.q.shape[0], 256)} = {timer(step.attention):.1f} us")
-        for us, cfg, same in results[:6]:
-            print(f"  BLOCK_N {cfg[0]:>2} warps {cfg[1]} stages {cfg[2]}: {us:8.1f} us  same={same}", flush=True)
-        del step
-        torch.cuda.empty_cache()
-
-
 # -- command line ------------------------------------------------------------------------------
 
 ABORTED = "aborted:"
@@ -511,8 +474,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--dry-run", action="store_true",
                       help="on the CPU: tiny shapes through the reference ops (and SGLang's torch fallbacks), "
                       "wall-clock times that mean nothing; checks the benchmark's own logic and writers")
-    mode.add_argument("--sweep-attention", action="store_true",
-                      help="instead of the table: time the sparse attention kernel's 18 launch configs")
     ap.add_argument("--only", nargs="+", metavar="KEY", help="only these configurations (keys as in results.json)")
     ap.add_argument("--sglang-dir", type=Path, metavar="SITE",
                     help="a folder holding SGLang 0.5.23's sglang/srt/layers/attention/qsa/{mqa,kernel,sparse_attn}.py "
@@ -535,7 +496,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.dry_run and not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (torch.cuda.is_available() is False): it times the kernels under CUDA graphs. "
                  "--dry-run checks the benchmark's logic on the CPU; `python -m qsa_core` runs QSA there.")
-    if not args.no_plot and not args.sweep_attention and importlib.util.find_spec("matplotlib") is None:
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
         ap.error("the plot needs matplotlib: pip install -e '.[bench]' (or pass --no-plot; "
                  "bench_report.py DIR renders it later from results.json)")
     if args.sglang_dir is not None and not (args.sglang_dir / SGLANG_MARK).is_file():
@@ -563,9 +524,6 @@ def load_peer(args, device: torch.device):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.sweep_attention:
-        sweep_attention()
-        return
     t_start = time.perf_counter()
     device = torch.device("cpu" if args.dry_run else "cuda")
     cases = dry_cases() if args.dry_run else smoke_cases() if args.smoke else full_cases()
