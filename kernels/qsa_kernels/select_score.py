@@ -106,6 +106,15 @@ def _sample_shift(vis, WBITS: tl.constexpr, MAX_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _store_scores(ptr, s, mask, KEEP: tl.constexpr):
+    """Store decode scores; KEEP: with an L2 evict_last hint (`SCORES_L2_BYTES`)."""
+    if KEEP:
+        tl.store(ptr, s, mask=mask, eviction_policy="evict_last")
+    else:
+        tl.store(ptr, s, mask=mask)
+
+
+@triton.jit
 def _store_row_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
     """Per-row samples of a score tile s fp32 [BLOCK_G, BLOCK_R] (columns g0 + i, g0 a multiple
@@ -134,7 +143,7 @@ def _scores_decode_kernel(
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, ROW_SAMPLES: tl.constexpr = 0,
-    LOG_G: tl.constexpr = 0, FAST_DIV: tl.constexpr = 0,
+    LOG_G: tl.constexpr = 0, FAST_DIV: tl.constexpr = 0, KEEP: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):
     """Scores of one row x groups [pid1*span, +span) in BLOCK_G tiles: its heads (padded
@@ -144,7 +153,7 @@ def _scores_decode_kernel(
     ROW_SAMPLES = WBITS > 0: also the row's samples (`_store_row_samples`, BLOCK_G = 2^LOG_G)
     into samp int32 [chunk rows, 2^WBITS]: a row of one sample a tile stores each tile's maximum
     in the tile loop, a row of shorter runs reads its span's scores back after it. FAST_DIV: the
-    division as `_finish_fast`."""
+    division as `_finish_fast`. KEEP: scores stored with an L2 evict_last hint (samples always)."""
     pdl_start(PDL)
     lr = tl.program_id(0)
     row = row0 + lr
@@ -172,9 +181,7 @@ def _scores_decode_kernel(
                               stride_btp, DI, PAGE, R, DOT_DTYPE)
             acc = tl.sum(_relu_dot(q, keys), 0)  # fp32 [BLOCK_G]
             s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-            # evict_last: the top-k launch reads these next, and the keys streaming through L2
-            # behind them would evict them first (1M B4: its top-k 20.1 -> 17.7 us).
-            tl.store(s_row + g, s, mask=g_mask, eviction_policy="evict_last")
+            _store_scores(s_row + g, s, g_mask, KEEP)
             if ROW_SAMPLES:
                 if tile_samples:
                     key = tl.where(g_mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
@@ -202,7 +209,7 @@ def _scores_mtp_kernel(
     HI: tl.constexpr, DI: tl.constexpr, HM: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, KB: tl.constexpr, BLOCK_G: tl.constexpr,
     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, SPAN_TILES: tl.constexpr, RPR: tl.constexpr, RP: tl.constexpr,
-    FAST_DIV: tl.constexpr = 0,
+    FAST_DIV: tl.constexpr = 0, KEEP: tl.constexpr = 0,
     PDL: tl.constexpr = 0,
 ):
     """Scores of the RPR decode rows [row0 + pid0*RPR, +RPR) x groups [pid1*span, +span) in
@@ -212,8 +219,8 @@ def _scores_mtp_kernel(
     = r * HM / RP + h, RP = next_pow2(RPR) row slots), so the rows share each key tile; each
     row's heads sum over its slots as the one-row kernel sums its heads. q [T, HI, DI] -> s fp32
     [chunk rows, n_cols]; SPAN_TILES as `_scores_decode_kernel`; samp_ptr, stride_pr unread (the
-    rows' samples come from `select_prefill`'s sample launch). (A loop over the requests of a
-    program, as the prefill kernel's, costs 80 -> 168 registers.)"""
+    rows' samples come from `select_prefill`'s sample launch); KEEP as `_scores_decode_kernel`. (A
+    loop over the requests of a program, as the prefill kernel's, costs 80 -> 168 registers.)"""
     pdl_start(PDL)
     HR: tl.constexpr = HM // RP  # slots per row (>= HI)
     slot = tl.arange(0, RP)
@@ -240,7 +247,7 @@ def _scores_mtp_kernel(
                               stride_btp, DI, PAGE, R, DOT_DTYPE)
             acc = tl.sum(tl.reshape(_relu_dot(q, keys), (RP, HR, BLOCK_G)), 1)  # [RP, BLOCK_G]
             s = _finish_fast(acc, norm, rcp) if FAST_DIV else _finish(acc, norm)
-            tl.store(s_rows + g[None, :], s, mask=g[None, :] < vis[:, None], eviction_policy="evict_last")
+            _store_scores(s_rows + g[None, :], s, g[None, :] < vis[:, None], KEEP)
     pdl_end(PDL)
 
 
@@ -521,6 +528,15 @@ _mtp = Launcher(_scores_mtp_kernel)
 _FREE = ("q_ptr", "bt_ptr", "row0", "stride_qt", "stride_qh", "stride_qd", "stride_btr", "stride_btp")
 
 
+# Decode and MTP score launches whose chunk's scores take at most this many bytes store them with
+# an L2 evict_last hint: the top-k launch reads them next, and the index keys streaming through L2
+# behind them evicted them at 1M context (H200, session 18, whole step, bit-equal: 1M B4 118.3 ->
+# 113.1 us, its top-k 20.1 -> 17.7; 128K B64 251.1 -> 245.0; smaller steps unchanged). A quarter of
+# the H200's 60 MB L2 (every measured chunk, 16 MiB at 1M x 16 rows): larger chunks would hold most
+# of L2 at high priority until the next layer overwrites them. Per-row samples (<= 2 MiB) always.
+SCORES_L2_BYTES = 16 << 20
+
+
 def dot_dtype(q_idx: torch.Tensor, compressed: torch.Tensor, interpret: bool) -> tl.dtype:
     """The score dots' operand dtype, one that holds both sides' values exactly: fp16 where both
     are fp8 (every e4m3 / e5m2 value is an fp16 one, and sm_90 converts a pair in one
@@ -591,14 +607,15 @@ class ScoreLaunch:
         whole = t.whole and t.pack and Hi <= 4 and Di == triton.next_power_of_2(Di) \
             and block_r * scores.stride(0) + num_cols < 2**31
         fast_div = t.fast_div and Di & (Di - 1) == 0 and (INTERPRETER_FMA_FUSED or not interpret)
+        keep = rows * num_cols * scores.element_size() <= SCORES_L2_BYTES
         if mtp:
             rp = triton.next_power_of_2(rpr)
             self._launch = _mtp.bind((row_tiles, spans), *args, free=_FREE, HM=max(16, HP * rp), RPR=rpr, RP=rp,
-                                     FAST_DIV=fast_div, **common, num_warps=t.num_warps,
+                                     FAST_DIV=fast_div, KEEP=keep, **common, num_warps=t.num_warps,
                                      **({"maxnreg": t.max_regs} if t.max_regs else {}))
         elif per_row:
             regs = t.max_regs or (SAMPLES_MAX_REGS if row_samples else 0)
-            self._launch = _decode.bind((rows, spans), *args, free=_FREE, FAST_DIV=fast_div,
+            self._launch = _decode.bind((rows, spans), *args, free=_FREE, FAST_DIV=fast_div, KEEP=keep,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps,
                                         **({"maxnreg": regs} if regs else {}))
         else:  # prefill, or MTP rows of a mixed step sharing each key tile (rows x heads packed)

@@ -360,10 +360,10 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
                  FAST_DIV=t.fast_div, PDL=2, **{n: 1 for n, v in VALUES.items() if v == 1})
     if t.request_rows:
         fn = ss._scores_mtp_kernel
-        const.update(HM=16, RPR=rows_per_request, RP=rows_per_request)
+        const.update(HM=16, RPR=rows_per_request, RP=rows_per_request, KEEP=1)
     elif t.block_r == 1:
         fn = ss._scores_decode_kernel
-        const.update(HM=16, ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1)
+        const.update(HM=16, ROW_SAMPLES=row_samples, LOG_G=t.block_g.bit_length() - 1, KEEP=1)
     else:
         fn = ss._scores_prefill_kernel
         const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, SAMPLE=0, WHOLE=t.whole)
@@ -382,7 +382,8 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
     # (the dot's M: rows x heads in the decode kernels, the key tile in the packed one)
     print(decode and (t.block_r == 1 or t.request_rows),
           ptx.count("wgmma.mma_async"),
-          ptx.count("mma.sync.aligned"), ptx.count("cp.async"), k.metadata.shared)
+          ptx.count("mma.sync.aligned"), ptx.count("cp.async"), k.metadata.shared,
+          ptx.count("L2::evict_last"))
 """
 
 
@@ -397,12 +398,15 @@ def test_production_tiles_compile_for_sm90_on_tensor_cores():
     """The H200 tiles compile here without a GPU (what the interpreter accepts and the compiler
     rejects shows in CI), with the launcher's specialization; dots of 64+ on M (rows x heads, or
     the key tile) are wgmma, smaller ones mma, key loads asynchronous (the pipelined tile loop), shared memory
-    within the H200's 227 KiB per program; also with the decode route's per-row samples."""
+    within the H200's 227 KiB per program; also with the decode route's per-row samples; the
+    decode kernels' stores with KEEP carry an L2 evict_last hint (SCORES_L2_BYTES)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
     assert len(lines) == 6, run.stdout
-    for small_m, wgmma, mma, cp_async, shared in lines:
+    for small_m, wgmma, mma, cp_async, shared, keep in lines:
         assert int(mma if small_m == "True" else wgmma) > 0 and int(cp_async) > 0, lines
         assert int(shared) <= 227 * 1024, lines
+        # decode scores with KEEP (and the decode kernel's samples) carry the L2 hint; prefill's none
+        assert (int(keep) > 0) == (small_m == "True"), lines
