@@ -19,6 +19,7 @@ idle time between its kernels.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -128,6 +129,7 @@ def main() -> None:
                     for k, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0] * kv[1][1]):
                         print(f"    {us * n:8.1f} us  {k}" + (f" ({n} launches of {us:.1f})" if n > 1 else ""))
             del steps
+            gc.collect()  # as bench_qsa: the next case starts from an empty allocator
             torch.cuda.empty_cache()
         except Exception as e:  # one failing case must not stop the others
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
