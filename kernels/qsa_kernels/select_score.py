@@ -533,7 +533,8 @@ _FREE = ("q_ptr", "bt_ptr", "row0", "stride_qt", "stride_qh", "stride_qd", "stri
 # behind them evicted them at 1M context (H200, session 18, whole step, bit-equal: 1M B4 118.3 ->
 # 113.1 us, its top-k 20.1 -> 17.7; 128K B64 251.1 -> 245.0; smaller steps unchanged). A quarter of
 # the H200's 60 MB L2 (every measured chunk, 16 MiB at 1M x 16 rows): larger chunks would hold most
-# of L2 at high priority until the next layer overwrites them. Per-row samples (<= 2 MiB) always.
+# of L2 at high priority until the next layer overwrites them. Per-row samples always (2 MiB at
+# 256 rows up to 1M context).
 SCORES_L2_BYTES = 16 << 20
 
 
