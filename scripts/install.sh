@@ -9,6 +9,7 @@
 # - without one: the CPU build (about 200 MB instead of several GB), from the index in
 #   QSA_TORCH_INDEX, by default the PyTorch CPU index. The CPU build brings no triton: the
 #   kernels' interpreter (TRITON_INTERPRET=1) then uses the newest triton pyproject allows.
+# When the default CPU index fails (unreachable), torch comes from pip's own configuration.
 # QSA_TORCH_INDEX="" takes torch from pip's own configuration (a mirror, local wheels);
 # QSA_TORCH is the torch requirement (default "torch>=2.10"). A .venv whose torch imports
 # keeps it. Nothing else is pinned here: pyproject's ranges are torch's own.
@@ -31,7 +32,13 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
         echo "install.sh: no NVIDIA GPU: torch from ${index:-the pip configuration} (CPU build)"
     fi
     if [ -n "$index" ]; then
-        pip install -q --index-url "$index" "$TORCH_REQ"
+        if ! pip install -q --retries 1 --timeout 30 --index-url "$index" "$TORCH_REQ"; then
+            [ "$index" = "$CPU_INDEX" ] || exit 1  # an index the user named: its failure stands
+            echo "install.sh: the PyTorch CPU index failed (unreachable?): torch from the pip configuration" \
+                 "instead (from plain PyPI that is a CUDA build, several GB; QSA_TORCH_INDEX=URL names" \
+                 "another index)" >&2
+            pip install -q "$TORCH_REQ"
+        fi
     else
         pip install -q "$TORCH_REQ"
     fi
