@@ -37,7 +37,7 @@ def _source(fn, pointers: dict[str, str], consts: dict):
         sig[name] = ("constexpr" if name in consts else pointers[name] if name.endswith("_ptr")
                      else "fp32" if name.endswith("_scale") else "i32")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and VALUES.get(n, 1) % 16 == 0 and n in VALUES)}
+             if sig[n].startswith("*") or (sig[n] == "i32" and VALUES.get(n, 1) % 16 == 0)}
     return ASTSource(fn, sig, consts, attrs=attrs)
 
 
