@@ -296,7 +296,8 @@ class QSAPlanner:
                 pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
             attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
                                   device=self.device, partials=self._partials, compress_ratio=cfg.compress_ratio,
-                                  shared_prefill=self._shared_prefill, prefill_workspace=self._attn_prefill_ws)
+                                  shared_prefill=self._shared_prefill, prefill_workspace=self._attn_prefill_ws,
+                                  context=num_cols * cfg.compress_ratio)
         rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols, fuse_ring=fuse_ring,

@@ -36,6 +36,8 @@ _LOG2E = 1.4426950408889634
 # the H200 they win where neighbouring rows' selections overlap (16K rows, overlap 0.98 / 0.95:
 # 11.07 -> 7.81 ms at 16K, 12.08 -> 10.30 at 128K) and lost 2-4 % on random selections.
 _PREFILL_MIN_ROWS = 1024
+# Longest request (tokens) for which the one pass takes its short-context launch shape (`_launch_config`).
+_SHORT_CONTEXT = 32768
 
 
 def shared_prefill_enabled() -> bool:
@@ -82,10 +84,12 @@ def _attend_block(
     safe = tl.where(valid, idx, 0)
     page = tl.maximum(tl.load(bt_row + (safe // PAGE) * stride_btp, mask=valid, other=0), 0).to(tl.int64)
     off = (safe % PAGE).to(tl.int64)
-    kv_mask = valid[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [GP, BLOCK_N], log2 units
+    # K gathered as its transpose [DP, BLOCK_N], the dot's operand as loaded (H200, session 19, 16K
+    # prefill rows: 11.0 -> 10.6 ms at 64 columns / 2 warps / 1 stage, and it lets the 2-stage
+    # configurations pipeline both K and V, `_launch_config`).
+    k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
+                mask=d_mask[:, None] & valid[None, :], other=0.0).to(DOT_DTYPE)
+    s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [GP, BLOCK_N], log2 units
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     # A head with nothing valid yet keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
@@ -94,7 +98,7 @@ def _attend_block(
     p = tl.math.exp2(s - m_shift[:, None])
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0).to(DOT_DTYPE)
+                mask=valid[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
     return m_new, l, acc
 
@@ -241,15 +245,21 @@ def _num_splits(rows: int, kv_heads: int, width: int, block_n: int, device: torc
     return triton.cdiv(blocks, triton.cdiv(blocks, n))
 
 
-def _launch_config(dp: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the attention kernel; K and V stages share memory.
+def _launch_config(dp: int, split: bool, context: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the attention kernel for head dim dp, split (decode,
+    flash-decoding) or one pass, requests of at most `context` tokens (0: unknown).
 
-    D 256 on the H200 (benchmarks/sweep_attention.py, 18 configs): 2 warps, no pipelining
-    was fastest for prefill (16K rows at 128K: 12.4 vs 16.4 ms for 8 warps / 2 stages),
-    decode of 256 rows (267 vs 354 us) and decode of 4 rows (10.4 vs 11.2 us)."""
+    D 256 on the H200: decode splits hold 1-8 blocks, 64 columns / 2 warps / no pipelining (the
+    first speed pass's sweep: 4 rows 10.4 vs 11.2 us for 8 warps / 2 stages). The one pass (prefill), 16K rows, ms (session 19, main's 64 / 2 / 1
+    -> 32 / 1 / 2 -> 64 / 2 / 2): at 16K context 11.02 -> 7.96 -> 8.61, 128K 12.45 -> 12.03 ->
+    11.80, 1M 15.53 -> 15.70 -> 15.32; so 32 / 1 / 2 up to _SHORT_CONTEXT tokens."""
     if _interpreting():
         return 32, 4, 1
-    return (64, 2, 1) if dp >= 256 else (64, 4, 3)
+    if dp < 256:
+        return 64, 4, 3
+    if split:
+        return 64, 2, 1
+    return (32, 1, 2) if 0 < context <= _SHORT_CONTEXT else (64, 2, 2)
 
 
 @dataclass(frozen=True)
@@ -276,7 +286,7 @@ def partials_size(max_rows: int, num_heads: int, num_kv_heads: int, head_dim: in
     """Elements of part_acc any `plan_attention` with num_rows <= max_rows needs (part_ml:
     2 / head_dim of it)."""
     dev = torch.device(device)
-    block_n, _, _ = _launch_config(triton.next_power_of_2(head_dim))
+    block_n, _, _ = _launch_config(triton.next_power_of_2(head_dim), True, 0)
     most = 0
     for rows in range(1, min(max_rows, _SPLIT_MAX_ROWS) + 1):
         most = max(most, rows * _num_splits(rows, num_kv_heads, width, block_n, dev))
@@ -295,8 +305,12 @@ def plan_attention(
     compress_ratio: int | None = None,
     shared_prefill: bool = False,
     prefill_workspace: torch.Tensor | None = None,
+    context: int = 0,
 ) -> AttentionSchedule:
     """Schedule of a sparse attention over num_rows rows of W = width selection columns.
+
+    context: about the step's longest request in tokens (the planner's column bound x r; 0:
+    unknown), which picks the one pass's launch shape (`_launch_config`).
 
     partials: flat fp32 (ml, acc) buffers of a workspace (`partials_size`), else allocated.
     shared_prefill with compress_ratio given and at least _PREFILL_MIN_ROWS rows: the
@@ -304,8 +318,10 @@ def plan_attention(
     if given).
     """
     dev = torch.device(device)
-    block_n, num_warps, num_stages = _launch_config(triton.next_power_of_2(head_dim))
+    dp = triton.next_power_of_2(head_dim)
+    block_n, _, _ = _launch_config(dp, True, context)
     n_splits = _num_splits(num_rows, num_kv_heads, width, block_n, dev)
+    block_n, num_warps, num_stages = _launch_config(dp, n_splits > 1, context)
     part_ml = part_acc = None
     if n_splits > 1:
         n = num_rows * num_heads * n_splits

@@ -55,10 +55,12 @@ def compile_all() -> list[str]:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     target = GPUTarget("cuda", 90, 32)
     variants = []
-    for name, dp, split, kv in [("decode", 256, True, "*bf16"), ("decode fp8", 256, True, "*fp8e4nv"),
-                                ("decode D128", 128, True, "*bf16"), ("one pass", 256, False, "*bf16"),
-                                ("one pass fp8", 256, False, "*fp8e5")]:
-        bn, warps, stages = ker._launch_config(dp)
+    for name, dp, split, kv, context in [
+            ("decode", 256, True, "*bf16", 0), ("decode fp8", 256, True, "*fp8e4nv", 0),
+            ("decode D128", 128, True, "*bf16", 0), ("one pass", 256, False, "*bf16", 0),
+            ("one pass fp8", 256, False, "*fp8e5", 0), ("one pass short", 256, False, "*bf16", 16384),
+            ("one pass short fp8", 256, False, "*fp8e4nv", 16384)]:
+        bn, warps, stages = ker._launch_config(dp, split, context)
         consts = dict(HQ=24, G=12, GP=16, D=dp, DP=dp, PAGE=64, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, SPLIT=split,
                       INTERPRET=False, PDL=2)
         ptrs = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr=kv, v_ptr=kv, bt_ptr="*i32", req_ptr="*i32",
@@ -91,7 +93,7 @@ def test_kernels_compile_for_sm90():
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [x for x in done.stdout.splitlines() if x.startswith("compiled ")]
     print("\n".join(lines))
-    assert len(lines) == 6, done.stdout
+    assert len(lines) == 8, done.stdout
 
 
 if __name__ == "__main__":
