@@ -56,6 +56,12 @@ VARIANTS = {
     "samp-s2st2-r80-fd": (128, 2, 2, 4, 80, 1, True), "samp-s2st2-r96-fd": (128, 2, 2, 4, 96, 1, True),
     "samp-s8st2-r64-fd": (128, 8, 2, 4, 64, 1, True), "samp-s4st3-r64-fd": (128, 4, 3, 4, 64, 1, True),
     "samp-s2st3-r64-fd": (128, 2, 3, 4, 64, 1, True),
+    # session 19: 256-column tiles (fp8 keys: a tile's 32 KB in flight, as bf16's 128 columns)
+    "s4st2fd": (128, 4, 2, 4, 0, 0, True), "s2st2fd": (128, 2, 2, 4, 0, 0, True),
+    "g256s1st2fd": (256, 1, 2, 4, 0, 0, True), "g256s2st2fd": (256, 2, 2, 4, 0, 0, True),
+    "g256s1st3fd": (256, 1, 3, 4, 0, 0, True), "g256s2st2w8fd": (256, 2, 2, 8, 0, 0, True),
+    "g256s1st2r96fd": (256, 1, 2, 4, 96, 0, True), "samp-g256s2st2-r64-fd": (256, 2, 2, 4, 64, 1, True),
+    "samp-g256s1st2-r96-fd": (256, 1, 2, 4, 96, 1, True),
 }
 # MTP shapes: name: ScoreTiles fields (their samples come from select_prefill's sample launch).
 # "km": the packed kernel, 4 rows x 4 heads on the wgmma's N, the keys on its M (prefill's body; the
