@@ -252,7 +252,9 @@ def _launch_config(dp: int, split: bool, context: int) -> tuple[int, int, int]:
     D 256 on the H200: decode splits hold 1-8 blocks, 64 columns / 2 warps / no pipelining (the
     first speed pass's sweep: 4 rows 10.4 vs 11.2 us for 8 warps / 2 stages). The one pass (prefill), 16K rows, ms (session 19, main's 64 / 2 / 1
     -> 32 / 1 / 2 -> 64 / 2 / 2): at 16K context 11.02 -> 7.96 -> 8.61, 128K 12.45 -> 12.03 ->
-    11.80, 1M 15.53 -> 15.70 -> 15.32; so 32 / 1 / 2 up to _SHORT_CONTEXT tokens."""
+    11.80, 1M 15.53 -> 15.70 -> 15.32; so 32 / 1 / 2 up to _SHORT_CONTEXT tokens. Decode batches
+    of > 128 rows (the one pass too), us: 8K B256 276.8 -> 325.8 -> 279.8, 32K B256 310.0 -> 330.5
+    -> 284.2, 128K B160 217.0 -> 179.8 -> 232.7 (BENCHMARKS.md session 19)."""
     if _interpreting():
         return 32, 4, 1
     if dp < 256:
