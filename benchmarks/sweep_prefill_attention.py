@@ -134,7 +134,7 @@ def runner(name: str, prob, out: torch.Tensor):
     cfg = VARIANTS[name]
     T = prob[0].shape[0]
     if cfg is None:
-        sched = per_row.plan_attention(T, HQ, HKV, D, W, device=DEV)
+        sched = per_row.plan_attention(T, HQ, HKV, D, W, device=DEV, context=int(prob[6].max()))  # the planner's shape
         bound = per_row.AttentionLaunch(*prob, softmax_scale=D**-0.5, out=out, schedule=sched)
         return (lambda: bound(prob[0], prob[1], prob[4], prob[5], prob[6], prob[7], out)), None
     br, bg, warps, stages, ratio = cfg[:5]

@@ -34,7 +34,9 @@ _LOG2E = 1.4426950408889634
 # Rows from which `plan_attention`, given the compress ratio and shared_prefill, runs the
 # shared-tile prefill kernels (attention_prefill.py) instead of the one pass. Off by default: on
 # the H200 they win where neighbouring rows' selections overlap (16K rows, overlap 0.98 / 0.95:
-# 11.07 -> 7.81 ms at 16K, 12.08 -> 10.30 at 128K) and lost 2-4 % on random selections.
+# 11.07 -> 7.81 ms at 16K, 12.08 -> 10.30 at 128K) and lost 2-4 % on random selections. Those
+# figures are against the one pass before session 19's K gather (16K at 16K: 11.0 -> 8.0 ms on
+# random selections); not measured against it since.
 _PREFILL_MIN_ROWS = 1024
 # Longest request (tokens) for which the one pass takes its short-context launch shape (`_launch_config`).
 _SHORT_CONTEXT = 32768
