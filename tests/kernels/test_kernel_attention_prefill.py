@@ -2,8 +2,6 @@
 CPU, compiled on GPU)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -297,54 +295,39 @@ def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels(monkeypatch):
     torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
 
 
-# The production variants compiled for sm_90 in a fresh process (no TRITON_INTERPRET): the
-# interpreter accepts code the compiler rejects. Prints registers / spill stack per kernel.
+# The production variants compiled for sm_90 in a fresh process (no TRITON_INTERPRET), as the
+# launcher specializes them (`sm90`): the interpreter accepts code the compiler rejects. Prints
+# registers / spill stack per kernel.
 _COMPILE = """
-import math, os, re, subprocess, tempfile
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import math
+import triton.language as tl
 from qsa_kernels import attention_prefill as ker
+from sm90 import compile_sm90, usage_text
+from test_kernel_attention_compile import VALUES
 
 W, R, BR, G = 2051, 4, 5, 12
 NG = math.ceil(W / R)
-bf = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16")
-def sig(fn):
-    return {p.name: "constexpr" if p.is_constexpr else bf.get(p.name, "*i32") if p.name.endswith("_ptr")
-            else "fp32" if p.name.endswith("_scale") or p.name in ("max_ratio", "min_share") else "i32"
-            for p in fn.params}
+bf = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", qk_scale="fp32",
+          v_scale="fp32", max_ratio="fp32", min_share="fp32")
 bg, warps, stages = ker._launch_config(256, False)
+bn, rwarps, rstages = ker._row_launch_config(256, False)
 variants = [
     ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=BR * NG, BLOCK_C=512, BLOCK_G=1024,
-     PRE=64, LOG=10, PDL=2),
-     dict(num_warps=4, launch_pdl=True)),
+     PRE=64, LOG=10, PDL=2), dict(num_warps=4, launch_pdl=True)),
     ("shared", ker._shared_kernel, dict(BR=BR, G=G, M=64, D=256, DP=256, PAGE=64, R=R, CAP=BR * NG, BLOCK_G=bg,
      DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=2), dict(num_warps=warps, num_stages=stages, launch_pdl=True)),
-    ("per-row", ker._per_row_kernel, dict(BR=BR, G=G, GP=16, D=256, DP=256, PAGE=64, BLOCK_N=64,
-     DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=2), dict(num_warps=2, num_stages=1, launch_pdl=True)),
+    ("per-row", ker._per_row_kernel, dict(BR=BR, G=G, GP=16, D=256, DP=256, PAGE=64, BLOCK_N=bn,
+     DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=2), dict(num_warps=rwarps, num_stages=rstages, launch_pdl=True)),
 ]
-cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 for name, fn, consts, options in variants:
-    missing = {p.name for p in fn.params if p.is_constexpr} - set(consts)
-    assert not missing, (name, missing)
-    kernel = triton.compile(ASTSource(fn, sig(fn), consts), target=GPUTarget("cuda", 90, 32), options=options)
-    usage = "resource usage unavailable"
-    if os.path.exists(cuobjdump):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(kernel.asm["cubin"])
-            f.flush()
-            dump = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True)
-        found = re.search(r"REG:(\\d+) STACK:(\\d+)", dump.stdout)
-        usage = f"{found.group(1)} registers, {found.group(2)} B stack" if found else usage
-    print(f"compiled {name} {options}: {usage}")
+    print(f"compiled {name} {options}: {usage_text(compile_sm90(fn, consts, bf, dict(VALUES, T=16384), **options))}")
 """
 
 
 def test_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=600)
+    from sm90 import run
+
+    done = run(_COMPILE, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [x for x in done.stdout.splitlines() if x.startswith("compiled ")]
     assert len(lines) == 3, done.stdout

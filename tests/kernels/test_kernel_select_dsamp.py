@@ -12,8 +12,6 @@ candidate lists, the packed rows.
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -267,14 +265,8 @@ def test_the_route_takes_long_decode_chunks_by_default(monkeypatch):
 
 SM90_COMPILE = """
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from qsa_kernels import select_prefill as sp
-target = GPUTarget("cuda", 90, 32)
-
-def sig(fn, const, types):
-    return {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
-            for n in fn.arg_names}
+from sm90 import compile_sm90
 
 for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M context; 64 rows: the bound launch
     t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
@@ -285,24 +277,16 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M contex
                      RBLOCK=t["rblock"], DEFER=0, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1,
                      BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"],
                      BOUND_IN=t["bound"] & 1, SBITS=t["sbits"], RSBITS=t["rsbits"], PDL=2)
-        fn = sp._topk_prefill_kernel
-        assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-        triton.compile(ASTSource(fn, sig(fn, const, dict(s_ptr="*fp32", pos_ptr="*i64")), const), target=target,
-                       options=dict(num_warps=t["warps"], launch_pdl=True))
+        compile_sm90(sp._topk_prefill_kernel, const, dict(s_ptr="*fp32", pos_ptr="*i64"), num_warps=t["warps"],
+                     launch_pdl=True)
         print("compiled topk", cols, packed, skip)
     if t["bound"] & 1:
-        fn = sp._bound_prefill_kernel
         const = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SBITS=t["sbits"],
                      ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"], PDL=2)
-        assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-        triton.compile(ASTSource(fn, sig(fn, const, {}), const), target=target,
-                       options=dict(num_warps=t["warps"], launch_pdl=True))
+        compile_sm90(sp._bound_prefill_kernel, const, num_warps=t["warps"], launch_pdl=True)
         print("compiled bound", cols)
-    fn = sp._row_samples_kernel  # MTP rows' sample launch
-    const = dict(KB=512, WBITS=t["row_s"], BLOCK=t["sblock"], LOG_G=t["log_g"], PDL=2)
-    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-    triton.compile(ASTSource(fn, sig(fn, const, dict(s_ptr="*fp32")), const), target=target,
-                   options=dict(num_warps=4, launch_pdl=True))
+    const = dict(KB=512, WBITS=t["row_s"], BLOCK=t["sblock"], LOG_G=t["log_g"], PDL=2)  # MTP rows' sample launch
+    compile_sm90(sp._row_samples_kernel, const, dict(s_ptr="*fp32"), num_warps=4, launch_pdl=True)
     print("compiled samples", cols)
 """
 
@@ -311,7 +295,8 @@ def test_route_compiles_for_sm90():
     """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M
     columns), the bound launch of chunks of many rows and MTP rows' sample launch compile for
     sm_90 here without a GPU (its score kernels: test_kernel_select_score)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=900)
+    from sm90 import run as run_script
+
+    run = run_script(SM90_COMPILE, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len([x for x in run.stdout.splitlines() if x.startswith("compiled")]) == 11, run.stdout

@@ -8,8 +8,6 @@ whole-row resolve when candidates overflow, rows at or below Kb, padding rows, t
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -328,10 +326,9 @@ def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkey
 
 
 SM90_COMPILE = """
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import triton.language as tl
 from qsa_kernels import select_prefill as sp, select_score as ss
+from sm90 import compile_sm90
 t = sp.prefill_tiles(32768, 512, 64, small=False)
 write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
              stride_oc=1, PDL=2)
@@ -348,11 +345,8 @@ for fn, const, warps in (  # the candidate launch without and with tile skip (ro
         (sp._resolve_prefill_kernel, dict(write), t["rwarps"]),
         (sp._bound_prefill_kernel, dict(bound, SBITS=0), t["warps"]),
         (sp._bound_prefill_kernel, dict(bound, SBITS=t["sbits"]), t["warps"])):
-    sig = {n: "constexpr" if n in const else "*i64" if n == "pos_ptr" else "*fp32" if n == "s_ptr"
-           else "*i32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
-    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, maxnreg=t["regs"] or None, launch_pdl=True))
+    k = compile_sm90(fn, const, dict(pos_ptr="*i64", s_ptr="*fp32"), num_warps=warps, maxnreg=t["regs"] or None,
+                     launch_pdl=True)
     print("topk", k.metadata.shared)
 fn = ss._scores_prefill_kernel
 for st, sub in [(ss.score_tiles(False, {}, False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
@@ -360,13 +354,8 @@ for st, sub in [(ss.score_tiles(False, {}, False, num_cols=c), sub) for c in (1 
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
                  SAMPLE=sub, WHOLE=st.whole,
                  stride_qd=1, stride_kd=1, stride_btp=1, PDL=2)
-    types = dict(q_ptr="*bf16", k_ptr="*bf16", s_ptr="*fp32", norm="fp32", rcp="fp32")
-    sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
-           for n in fn.arg_names}
-    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=st.num_warps, num_stages=st.stages, launch_pdl=True,
-                                    maxnreg=st.max_regs or None))
+    k = compile_sm90(fn, const, dict(q_ptr="*bf16", k_ptr="*bf16", s_ptr="*fp32", norm="fp32", rcp="fp32"),
+                     num_warps=st.num_warps, num_stages=st.stages, launch_pdl=True, maxnreg=st.max_regs or None)
     print("score", sub, k.asm["ptx"].count("wgmma.mma_async"), k.metadata.shared)
 """
 
@@ -376,8 +365,9 @@ def test_production_tiles_compile_for_sm90():
     (what the interpreter accepts and the compiler rejects shows in CI); the score kernel keeps
     its wgmma, shared memory within the H200's 227 KiB per program (64- and, from 1M context,
     128-column tiles)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    from sm90 import run as run_script
+
+    run = run_script(SM90_COMPILE, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
     assert len(lines) == 13 and all(line[0] == "topk" for line in lines[:7]), run.stdout

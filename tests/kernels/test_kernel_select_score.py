@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -340,11 +338,10 @@ def test_fast_division_is_the_ieee_quotient(Di):
 
 
 SM90_COMPILE = """
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import triton.language as tl
 from qsa_kernels import select_score as ss
-# Runtime ints as Triton's launcher specializes them: == 1 -> constant, % 16 == 0 -> divisibility.
+from sm90 import compile_sm90
+# Runtime ints as a served step passes them (`sm90`: == 1 -> constant, % 16 == 0 -> divisibility).
 VALUES = dict(stride_qt=512, stride_qh=128, stride_qd=1, stride_kp=4096, stride_kr=128, stride_kd=1,
               stride_btr=2048, stride_btp=1, span=256)
 # row_samples: the per-row samples of the decode route from samples (QSA_DECODE_SAMPLES; one row per
@@ -357,7 +354,7 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
                        1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
                  DOT_DTYPE=tl.float16 if kdt.startswith("fp8") else tl.bfloat16, SPAN_TILES=0,
-                 FAST_DIV=t.fast_div, PDL=2, **{n: 1 for n, v in VALUES.items() if v == 1})
+                 FAST_DIV=t.fast_div, PDL=2)
     if t.request_rows:
         fn = ss._scores_mtp_kernel
         const.update(HM=16, RPR=rows_per_request, RP=rows_per_request, KEEP=1)
@@ -367,17 +364,10 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
     else:
         fn = ss._scores_prefill_kernel
         const.update(BLOCK_R=t.block_r, PACK=t.pack, HP=4, FAST_DIV=t.fast_div, SAMPLE=0, WHOLE=t.whole)
-    types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, bt_ptr="*i32", req_ptr="*i32", vis_ptr="*i32", s_ptr="*fp32",
-                 samp_ptr="*i32", norm="fp32", rcp="fp32")
-    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in const and (types.get(n, "").startswith("*") or VALUES.get(n, 1) % 16 == 0)}
-    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=t.num_warps, num_stages=t.stages, launch_pdl=True,
-                                                                  maxnreg=t.max_regs or (ss.SAMPLES_MAX_REGS if
-                                                                  row_samples and t.block_r == 1 and not t.request_rows
-                                                                  else None)))
+    types = dict(q_ptr="*" + kdt, k_ptr="*" + kdt, s_ptr="*fp32", norm="fp32", rcp="fp32")
+    k = compile_sm90(fn, const, types, VALUES, num_warps=t.num_warps, num_stages=t.stages, launch_pdl=True,
+                     maxnreg=t.max_regs or (ss.SAMPLES_MAX_REGS if row_samples and t.block_r == 1
+                                            and not t.request_rows else None))
     ptx = k.asm["ptx"]
     # (the dot's M: rows x heads in the decode kernels, the key tile in the packed one)
     print(decode and (t.block_r == 1 or t.request_rows),
@@ -400,8 +390,9 @@ def test_production_tiles_compile_for_sm90_on_tensor_cores():
     the key tile) are wgmma, smaller ones mma, key loads asynchronous (the pipelined tile loop), shared memory
     within the H200's 227 KiB per program; also with the decode route's per-row samples; the
     decode kernels' stores with KEEP carry an L2 evict_last hint (SCORES_L2_BYTES)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    from sm90 import run as run_script
+
+    run = run_script(SM90_COMPILE, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
     assert len(lines) == 6, run.stdout

@@ -229,35 +229,21 @@ def test_the_select_workspace_holds_every_decode_plan_of_this_route():
 
 
 SM90_COMPILE = """
-import re, subprocess, sys, tempfile, os
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from qsa_kernels import select_topk as stk
-dump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+from sm90 import compile_sm90, usage
 
-def usage(fn, const, warps):
+def regs_stack(fn, const, warps):
     # "REGISTERS STACK" of fn compiled for sm_90 ("-1 -1": no cuobjdump to read them)
-    types = dict(s_ptr="*fp32", pos_ptr="*i64")
-    sig = {n: "constexpr" if n in const else types.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
-    assert {p.name for p in fn.params if p.is_constexpr} <= set(const), "a constexpr without a value"
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, launch_pdl=True))
-    if not os.path.exists(dump):
-        return "-1 -1"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        out = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\\d+) STACK:(\\d+)", out)
-    return f"{m.group(1)} {m.group(2)}" if m else "-1 -1"
+    u = usage(compile_sm90(fn, const, dict(s_ptr="*fp32", pos_ptr="*i64"), num_warps=warps, launch_pdl=True))
+    return f"{u[0]} {u[1]}" if u else "-1 -1"
 
 for cols, rows, early, packed in ((2048, 1, 0, True), (2048, 1, 1, False), (4096, 64, 0, True), (8192, 4, 0, True),
                                    (8192, 4, 0, False), (1024, 1, 0, True)):
     t = {**stk.topk_tiles(cols, small=False, rows=rows), "early": early}
     assert stk.short_route(cols, t), (cols, rows)
     const = dict(KB=512, KBP=512, CAP=triton.next_power_of_2(cols), SBITS=t["sbits"], EARLY=early, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1, BLOCK_W=1024 if packed else 1, PDL=2)
-    print(cols, rows, early, packed, t["sbits"], usage(stk._topk_short_kernel, const, t["warps"]))
+    print(cols, rows, early, packed, t["sbits"], regs_stack(stk._topk_short_kernel, const, t["warps"]))
 for cols, rows in ((1 << 18, 16), (1 << 15, 64), (1 << 17, 16)):  # the segment route's chunks (MTP rows)
     t = stk.topk_tiles(cols, small=False, rows=rows)
     assert not stk.short_route(cols, t), (cols, rows)
@@ -265,7 +251,7 @@ for cols, rows in ((1 << 18, 16), (1 << 15, 64), (1 << 17, 16)):  # the segment 
     const = dict(KB=512, KBP=512, BITS=t["bits"], SBITS=t["ssbits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
                  SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"],
                  RBLOCK=t["rblock"], PACKED=True, R=4, W=2052, BLOCK_W=1024, PDL=2)
-    print("seg", cols, rows, t["ssbits"], usage(stk._topk_seg_kernel, const, t["warps"]))
+    print("seg", cols, rows, t["ssbits"], regs_stack(stk._topk_seg_kernel, const, t["warps"]))
 """
 
 
@@ -274,11 +260,9 @@ def test_short_and_segment_routes_compile_for_sm90_without_spills():
     loads at 2048 columns) and the segment route's (MTP chunks at 128K and 1M, 64 rows at 32K)
     compile here without a GPU; the bracket search's sbits keep its compare's keys in
     registers (no spill stack)."""
-    import subprocess
-    import sys
+    from sm90 import run as run_script
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    run = run_script(SM90_COMPILE, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
     assert len(lines) == 9 and [line[0] for line in lines].count("seg") == 3, run.stdout

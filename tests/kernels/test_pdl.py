@@ -6,10 +6,6 @@ suites run every kernel in the default mode; `test_cuda_graph_step` compares ste
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def compile_combine() -> str:
@@ -17,20 +13,14 @@ def compile_combine() -> str:
     `PDL=<mode> wait=<count> launch=<count> order=<griddepcontrol and global accesses, first, second, last>`."""
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from qsa_kernels import attention as ker
+    from sm90 import compile_sm90
 
-    sig = {p.name: "constexpr" if p.is_constexpr else "*fp32" if p.name.startswith("part") else
-           "*bf16" if p.name.endswith("_ptr") else "fp32" if p.name.endswith("_scale") else "i32"
-           for p in ker._combine_kernel.params}
+    types = dict(gate_ptr="*bf16", out_ptr="*bf16", part_ml_ptr="*fp32", part_acc_ptr="*fp32", v_scale="fp32")
     lines = []
     for pdl in (1, 2, 0):
-        consts = dict(HQ=24, D=256, DP=256, SP=64, PDL=pdl)
-        k = triton.compile(ASTSource(ker._combine_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
-                           options=dict(launch_pdl=pdl > 0))
+        k = compile_sm90(ker._combine_kernel, dict(HQ=24, D=256, DP=256, SP=64, PDL=pdl), types,
+                         launch_pdl=pdl > 0)
         ptx = k.asm["ptx"]
         seen = re.findall(r"griddepcontrol\.\w+|ld\.global|st\.global", ptx)
         lines.append(f"PDL={pdl} wait={ptx.count('griddepcontrol.wait')} "
@@ -39,8 +29,9 @@ def compile_combine() -> str:
 
 
 def test_pdl_instructions_wait_first_and_signal_in_their_mode():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    from sm90 import run
+
+    done = run(os.path.abspath(__file__), timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split() == [
         "PDL=1", "wait=1", "launch=1", "order=griddepcontrol.wait,griddepcontrol.launch_dependents,st.global",
