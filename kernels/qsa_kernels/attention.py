@@ -252,11 +252,12 @@ def _launch_config(dp: int, split: bool, context: int) -> tuple[int, int, int]:
     flash-decoding) or one pass, requests of at most `context` tokens (0: unknown).
 
     D 256 on the H200: decode splits hold 1-8 blocks, 64 columns / 2 warps / no pipelining (the
-    first speed pass's sweep: 4 rows 10.4 vs 11.2 us for 8 warps / 2 stages). The one pass (prefill), 16K rows, ms (session 19, main's 64 / 2 / 1
-    -> 32 / 1 / 2 -> 64 / 2 / 2): at 16K context 11.02 -> 7.96 -> 8.61, 128K 12.45 -> 12.03 ->
-    11.80, 1M 15.53 -> 15.70 -> 15.32; so 32 / 1 / 2 up to _SHORT_CONTEXT tokens. Decode batches
-    of > 128 rows (the one pass too), us: 8K B256 276.8 -> 325.8 -> 279.8, 32K B256 310.0 -> 330.5
-    -> 284.2, 128K B160 217.0 -> 179.8 -> 232.7 (BENCHMARKS.md session 19)."""
+    first speed pass's sweep: 4 rows 10.4 vs 11.2 us for 8 warps / 2 stages); their shape does not
+    depend on the context. The one pass (prefill), 16K rows, ms (session 19, main's 64 / 2 / 1 ->
+    32 / 1 / 2 -> 64 / 2 / 2): at 16K context 11.02 -> 7.96 -> 8.61, 128K 12.45 -> 12.03 -> 11.80,
+    1M 15.53 -> 15.70 -> 15.32; so 32 / 1 / 2 up to _SHORT_CONTEXT tokens. Decode batches of > 128
+    rows (the one pass too), us: 8K B256 276.8 -> 325.8 -> 279.8, 32K B256 310.0 -> 330.5 -> 284.2,
+    128K B160 217.0 -> 179.8 -> 232.7 (BENCHMARKS.md session 19)."""
     if _interpreting():
         return 32, 4, 1
     if dp < 256:
@@ -264,6 +265,11 @@ def _launch_config(dp: int, split: bool, context: int) -> tuple[int, int, int]:
     if split:
         return 64, 2, 1
     return (32, 1, 2) if 0 < context <= _SHORT_CONTEXT else (64, 2, 2)
+
+
+def _split_block_n(dp: int) -> int:
+    """Columns per block of the split (decode) kernel, which the split count is planned in."""
+    return _launch_config(dp, True, 0)[0]
 
 
 @dataclass(frozen=True)
@@ -290,7 +296,7 @@ def partials_size(max_rows: int, num_heads: int, num_kv_heads: int, head_dim: in
     """Elements of part_acc any `plan_attention` with num_rows <= max_rows needs (part_ml:
     2 / head_dim of it)."""
     dev = torch.device(device)
-    block_n, _, _ = _launch_config(triton.next_power_of_2(head_dim), True, 0)
+    block_n = _split_block_n(triton.next_power_of_2(head_dim))
     most = 0
     for rows in range(1, min(max_rows, _SPLIT_MAX_ROWS) + 1):
         most = max(most, rows * _num_splits(rows, num_kv_heads, width, block_n, dev))
@@ -323,8 +329,7 @@ def plan_attention(
     """
     dev = torch.device(device)
     dp = triton.next_power_of_2(head_dim)
-    block_n, _, _ = _launch_config(dp, True, context)
-    n_splits = _num_splits(num_rows, num_kv_heads, width, block_n, dev)
+    n_splits = _num_splits(num_rows, num_kv_heads, width, _split_block_n(dp), dev)
     block_n, num_warps, num_stages = _launch_config(dp, n_splits > 1, context)
     part_ml = part_acc = None
     if n_splits > 1:
