@@ -32,20 +32,19 @@ _PROGRAMS_PER_SM = 3
 _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
 # Rows from which `plan_attention`, given the compress ratio and shared_prefill, runs the
-# shared-tile prefill kernels (attention_prefill.py) instead of the one pass. Off by default: on
-# the H200 they win where neighbouring rows' selections overlap (16K rows, overlap 0.98 / 0.95:
-# 11.07 -> 7.81 ms at 16K, 12.08 -> 10.30 at 128K) and lost 2-4 % on random selections. Those
-# figures are against the one pass before session 19's K gather (16K at 16K: 11.0 -> 8.0 ms on
-# random selections); not measured against it since.
+# shared-tile prefill kernels (attention_prefill.py) instead of the one pass; planners do so unless
+# QSA_SHARED_PREFILL=0. H200, 16K rows, attention alone (session 20): where neighbouring rows'
+# selections overlap 0.95-0.98, 8.05 -> 5.95 ms at 16K and 9.31 -> 6.94 at 128K; within 1 % of the
+# one pass elsewhere (random selections, overlap 0.02-0.90; BENCHMARKS.md session 20).
 _PREFILL_MIN_ROWS = 1024
 # Longest request (tokens) for which the one pass takes its short-context launch shape (`_launch_config`).
 _SHORT_CONTEXT = 32768
 
 
 def shared_prefill_enabled() -> bool:
-    """QSA_SHARED_PREFILL=1: planners made now plan the shared-tile prefill kernels (read once,
-    when a `QSAPlanner` is made)."""
-    return os.environ.get("QSA_SHARED_PREFILL", "0") == "1"
+    """Whether planners made now plan the shared-tile prefill kernels: yes unless
+    QSA_SHARED_PREFILL=0 (read once, when a `QSAPlanner` is made)."""
+    return os.environ.get("QSA_SHARED_PREFILL", "1") != "0"
 
 
 def _interpreting() -> bool:
@@ -347,7 +346,7 @@ def plan_attention(
         from .attention_prefill import plan_prefill_attention
 
         prefill = plan_prefill_attention(num_rows, num_heads, num_kv_heads, head_dim, width, compress_ratio,
-                                         device=dev, workspace=prefill_workspace)
+                                         device=dev, workspace=prefill_workspace, context=context)
     return AttentionSchedule(num_rows, n_splits, block_n, num_warps, num_stages, _interpreting(), part_ml, part_acc,
                              prefill)
 

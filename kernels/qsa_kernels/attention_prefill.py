@@ -23,7 +23,8 @@ are cut into blocks of BR consecutive rows (BR x G query heads fill the MMA's M)
 Rows with nothing valid (padding) give exact 0. Within a shared block a non-finite V entry
 that some row selects reaches the block's other rows too (0 * NaN in the shared P @ V); tokens
 >= seq_len are never loaded. `PrefillAttentionLaunch` binds the three launches once;
-`attention.plan_attention` plans this path only with QSA_SHARED_PREFILL=1 (see there).
+`attention.plan_attention` plans this path for chunks of >= 1024 rows unless QSA_SHARED_PREFILL=0
+(see there).
 """
 
 from __future__ import annotations
@@ -36,13 +37,16 @@ import triton
 import triton.language as tl
 
 from .attention import _LOG2E, _attend, _dot_dtype, _gated_store, _interpreting
+from .attention import _launch_config as _row_launch_config
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 
-# Blocks whose runs number at most this fraction of their rows' groups run shared. H200 (W2,
-# 16K rows at 16K / 128K): the shared kernel (5 rows x 12 heads on M = 64) costs 3.0-3.4x the
-# per-row kernel per gathered token, so it wins below about 0.30-0.33; 2 rows on M = 32 lost
-# at every overlap measured (3 stages) or won less (2 stages, W1).
-MAX_UNION_RATIO = 0.3
+# Blocks whose runs number at most this fraction of their rows' groups run shared. H200, 16K rows
+# (session 20, `sweep_prefill_attention.py`): the shared kernel (5 rows x 12 heads on M = 64) costs
+# 2.8-3.9x the per-row kernel per gathered token. 0.3 took 16K rows at 128K with neighbour overlap
+# 0.81 from 9.65 to 9.92 ms (blocks that pass the first look and fail the full pass); 0.25 stays
+# within 1 % of the per-row kernel on every data set measured. Blocks of 2 rows (M = 32) and of 10
+# (M = 128) lost to 5 at every overlap measured.
+MAX_UNION_RATIO = 0.25
 
 
 @triton.jit
@@ -167,10 +171,10 @@ def _shared_tile(
     real = inu & (tok < seq_len)
     page = tl.maximum(tl.load(bt_row + (tok // PAGE) * stride_btp, mask=real, other=0), 0).to(tl.int64)
     off = (tok % PAGE).to(tl.int64)
-    kv_mask = real[:, None] & (d < D)[None, :]
-    k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0).to(DOT_DTYPE)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [M, BLOCK_N], log2 units
+    # K gathered as its transpose [DP, BLOCK_N], as `attention._attend_block` does.
+    k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
+                mask=(d < D)[:, None] & real[None, :], other=0.0).to(DOT_DTYPE)
+    s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, BLOCK_N], log2 units
     allowed = (((bits[None, :] >> local[:, None]) & 1) != 0) & (tok[None, :] <= last[:, None]) & real[None, :]
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -179,7 +183,7 @@ def _shared_tile(
     p = tl.math.exp2(s - m_shift[:, None])
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0).to(DOT_DTYPE)
+                mask=real[:, None] & (d < D)[None, :], other=0.0).to(DOT_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
     return m_new, l, acc
 
@@ -301,19 +305,13 @@ class PrefillSchedule:
 
 def _launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
     """(BLOCK_G groups per shared tile, num_warps, num_stages) of the shared kernel. D 256, M 64
-    on the H200 (triton 3.6): 16 groups (64 tokens), 8 warps, 2 stages, the fastest of the
-    configurations measured (W1, W2); compiled as launched (triton 3.6), 247 registers and no spill
-    (the ~1 KB of spill once quoted here came from a compile without the launcher's alignment)."""
+    on the H200 (triton 3.6, session 20, every block shared, 16K rows at 16K with overlap 0.98, ms,
+    each with a trial union pass 0.72 ms slower than the kept one): 8 groups (32 tokens), 4 warps,
+    3 stages 6.54 (5.81 with the kept pass); 2 stages 6.55; 8 warps 10.13; 4 groups 7.89; 16
+    groups / 8 warps / 2 stages (the shape before K was gathered as its transpose) 8.71."""
     if interpret:
         return 8, 4, 1
-    return (16, 8, 2) if dp >= 256 else (16, 4, 2)
-
-
-def _row_launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the per-row kernel: `attention.py`'s one pass."""
-    if interpret:
-        return 32, 4, 1
-    return (64, 2, 1) if dp >= 256 else (64, 4, 3)
+    return (8, 4, 3) if dp >= 256 else (16, 4, 2)
 
 
 def workspace_size(num_rows: int, num_heads: int, num_kv_heads: int, width: int, compress_ratio: int,
@@ -343,19 +341,20 @@ def plan_prefill_attention(
     workspace: torch.Tensor | None = None,
     launch: tuple[int, int, int] | None = None,
     row_launch: tuple[int, int, int] | None = None,
+    context: int = 0,
 ) -> PrefillSchedule:
     """Schedule of a shared-tile attention over num_rows rows of W = width selection columns
     of groups of r = compress_ratio tokens. workspace: flat int32 of `workspace_size`, else
     allocated. launch: the shared kernel's (BLOCK_G, num_warps, num_stages), else
     `_launch_config`; row_launch: the per-row kernel's (BLOCK_N, num_warps, num_stages), else
-    `_row_launch_config`."""
+    `attention.py`'s one-pass shape for requests of at most `context` tokens (0: unknown)."""
     dev = torch.device(device)
     br = block_rows or default_block_rows(num_heads, num_kv_heads)
     if not 1 <= br <= 31:
         raise ValueError(f"block_rows must be in [1, 31] (a row bitmask of int32), got {br}")
     interpret = _interpreting()
     block_g, warps, stages = launch or _launch_config(triton.next_power_of_2(head_dim), interpret)
-    row = row_launch or _row_launch_config(triton.next_power_of_2(head_dim), interpret)
+    row = row_launch or _row_launch_config(triton.next_power_of_2(head_dim), False, context)
     blocks = triton.cdiv(num_rows, br)
     cap = br * triton.cdiv(width, compress_ratio)
     need = workspace_size(num_rows, num_heads, num_kv_heads, width, compress_ratio, br)

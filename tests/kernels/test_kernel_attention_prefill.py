@@ -270,18 +270,18 @@ def test_bad_workspace_and_block_rows():
 
 
 def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels(monkeypatch):
-    """With shared_prefill (QSA_SHARED_PREFILL=1 when a planner is made), `plan_attention` given
-    the compress ratio plans the shared-tile kernels for chunks of at least _PREFILL_MIN_ROWS
-    rows, and `AttentionLaunch` runs them (exact); fewer rows, no ratio or the switch off (the
-    default): the one pass as before."""
+    """With shared_prefill (on when a planner is made unless QSA_SHARED_PREFILL=0), `plan_attention`
+    given the compress ratio plans the shared-tile kernels for chunks of at least _PREFILL_MIN_ROWS
+    rows, and `AttentionLaunch` runs them (exact); fewer rows, no ratio or the switch off: the one
+    pass."""
     monkeypatch.setattr(per_row, "_PREFILL_MIN_ROWS", 16)
     problem = make_prefill([60], [18], overlap=0.9, pad_rows=1, seed=13)
     q, sel = problem[0], problem[-1]
     T, Hq, D = q.shape
-    monkeypatch.delenv("QSA_SHARED_PREFILL", raising=False)
+    monkeypatch.setenv("QSA_SHARED_PREFILL", "0")
     assert not per_row.shared_prefill_enabled()
     assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R).prefill is None
-    monkeypatch.setenv("QSA_SHARED_PREFILL", "1")
+    monkeypatch.delenv("QSA_SHARED_PREFILL")
     assert per_row.shared_prefill_enabled()
     on = dict(device=q.device, shared_prefill=True)
     assert per_row.plan_attention(15, Hq, 2, D, sel.shape[1] - 1, compress_ratio=R, **on).prefill is None
@@ -310,7 +310,7 @@ NG = math.ceil(W / R)
 bf = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", qk_scale="fp32",
           v_scale="fp32", max_ratio="fp32", min_share="fp32")
 bg, warps, stages = ker._launch_config(256, False)
-bn, rwarps, rstages = ker._row_launch_config(256, False)
+bn, rwarps, rstages = ker._row_launch_config(256, False, 16384)
 variants = [
     ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=BR * NG, BLOCK_C=512, BLOCK_G=1024,
      PRE=64, LOG=10, PDL=2), dict(num_warps=4, launch_pdl=True)),
