@@ -265,23 +265,27 @@ def correlated_rows(rows: int, width: int, period: int, device: torch.device) ->
     return (torch.cos(th) * u[t // period] + torch.sin(th) * u[t // period + 1]).to(BF16)
 
 
-def neighbour_overlap(sel: torch.Tensor, visible: torch.Tensor, max_rows: int = 4096) -> float:
-    """Mean over neighbouring rows t, t+1 (of the first max_rows) that both choose fewer groups
-    than they see of |chosen(t) & chosen(t+1)| / |chosen(t)| (complete groups, tails excluded)."""
-    n = min(max_rows, sel.shape[0])
+def neighbour_overlap(sel: torch.Tensor, visible: torch.Tensor, max_pairs: int = 4096) -> float:
+    """Mean over neighbouring rows t, t+1 (max_pairs pairs spread evenly over the chunk) that both
+    choose fewer groups than they see of |chosen(t) & chosen(t+1)| / |chosen(t)| (complete groups,
+    tails excluded). Until session 20 the pairs were the chunk's first rows, which see fewest groups."""
+    if sel.shape[0] < 2:
+        return float("nan")
+    first = torch.linspace(0, sel.shape[0] - 2, min(max_pairs, sel.shape[0] - 1), device=sel.device).long()
+    rows = torch.stack([first, first + 1], 1).flatten()
     W = sel.shape[1] - 1
-    vis = visible[:n].long()
-    ng = int(vis.max()) + 1 if n else 1
-    tok = sel[:n, :W].long()
-    valid = (torch.arange(W, device=sel.device)[None, :] < sel[:n, W:].long()) & (tok < vis[:, None] * 4)
-    m = torch.zeros(n, ng + 1, dtype=torch.bool, device=sel.device)
+    vis = visible[rows].long()
+    ng = int(vis.max()) + 1
+    tok = sel[rows, :W].long()
+    valid = (torch.arange(W, device=sel.device)[None, :] < sel[rows, W:].long()) & (tok < vis[:, None] * 4)
+    m = torch.zeros(rows.numel(), ng + 1, dtype=torch.bool, device=sel.device)
     m.scatter_(1, torch.where(valid, tok // 4, ng), True)
-    m = m[:, :ng]
-    size = m.sum(1)
-    both = (size[1:] < vis[1:]) & (size[:-1] < vis[:-1]) & (size[:-1] > 0)
+    m = m[:, :ng].view(-1, 2, ng)
+    size, vis = m.sum(2), vis.view(-1, 2)
+    both = (size < vis).all(1) & (size[:, 0] > 0)
     if not both.any():
         return float("nan")
-    return float(((m[1:] & m[:-1]).sum(1)[both].float() / size[:-1][both].float()).mean())
+    return float(((m[:, 0] & m[:, 1]).sum(1)[both].float() / size[both, 0].float()).mean())
 
 
 def chosen_groups(packed_row: torch.Tensor, visible: int) -> torch.Tensor:

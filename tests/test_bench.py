@@ -4,10 +4,12 @@ target verdicts, the writers, and one configuration of the dry run end to end.""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -98,3 +100,21 @@ def test_dry_run_checks_and_writes_one_configuration(tmp_path):
     assert r.model["selected_tokens"] == r.model["kv_tokens"] == G.token_topk
     assert r.model["scored_groups"] == 4096 // 4
     assert "| decode 4K, B1 |" in (tmp_path / "table.md").read_text()
+
+
+def test_neighbour_overlap_samples_pairs_across_the_chunk():
+    """Rows 0-99 choose the same 4 of 8 groups, rows 100-999 alternate between it and a disjoint
+    set (row 100 takes the first): pairs spread over the chunk see both parts (~0.1), not the
+    first rows' 1.0; rows that take every group they see count for nothing."""
+    from bench_qsa import neighbour_overlap
+
+    T, W = 1000, 16
+    sets = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    which = torch.where(torch.arange(T) < 100, 0, torch.arange(T) % 2)
+    groups = sets[which]
+    sel = torch.cat([(groups[:, :, None] * 4 + torch.arange(4)).flatten(1), torch.full((T, 1), W)], 1).int()
+    visible = torch.full((T,), 8, dtype=torch.int32)
+    assert neighbour_overlap(sel, visible, max_pairs=T) == pytest.approx(100 / 999, abs=1e-6)
+    assert neighbour_overlap(sel, visible, max_pairs=50) == pytest.approx(0.1, abs=0.05)
+    everything = torch.cat([torch.arange(16).expand(T, 16), torch.full((T, 1), W)], 1).int()
+    assert math.isnan(neighbour_overlap(everything, torch.full((T,), 4, dtype=torch.int32)))

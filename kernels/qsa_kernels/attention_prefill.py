@@ -44,8 +44,9 @@ from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 # (session 20, `sweep_prefill_attention.py`): the shared kernel (5 rows x 12 heads on M = 64) costs
 # 2.8-3.9x the per-row kernel per gathered token. 0.3 took 16K rows at 128K with neighbour overlap
 # 0.81 from 9.65 to 9.92 ms (blocks that pass the first look and fail the full pass); 0.25 stays
-# within 1 % of the per-row kernel on every data set measured. Blocks of 2 rows (M = 32) and of 10
-# (M = 128) lost to 5 at every overlap measured.
+# within 1 % of the per-row kernel on every data set measured. Blocks of 2 rows (M = 32) lost to 5
+# everywhere; 10 (M = 128, 16 groups / 8 warps) won only at 16K with overlap 0.98 (5.54 against
+# 5.80 ms) and lost at 0.90-0.95 (16K 7.60 against 7.01, 128K 7.71 against 6.86).
 MAX_UNION_RATIO = 0.25
 
 
