@@ -143,8 +143,8 @@ def _union_kernel(
                     j += 1
                 k32 = start.to(tl.int32)
                 pos = n_union + tl.cumsum(k32, 0) - k32
-                tl.store(base + pos, gt, mask=start)
-                tl.store(mbase + pos, bits, mask=start)
+                tl.store(base + pos, gt, mask=start & (pos < CAP))
+                tl.store(mbase + pos, bits, mask=start & (pos < CAP))
                 n_union += tl.sum(k32, 0)
             i += 1
         shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= limit)
@@ -287,7 +287,7 @@ class PrefillSchedule:
     """How one shared-tile prefill attention runs, fixed when the step is planned.
 
     Workspace views: info int32 [blocks, 2], last int32 [T], union_tokens / union_masks int32
-    [blocks, cap] (cap = block_rows * ceil(W / r))."""
+    [blocks, cap] (`union_capacity`)."""
 
     num_rows: int
     block_rows: int
@@ -315,12 +315,22 @@ def _launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
     return (8, 4, 3) if dp >= 256 else (16, 4, 2)
 
 
+def union_capacity(block_rows: int, width: int, compress_ratio: int, max_union_ratio: float) -> int:
+    """Runs a block's union can hold. The union pass starts a row only while its runs number at
+    most max_union_ratio x the block's groups, and a row adds at most ceil(W / r) runs: so
+    ratio x block_rows x ceil(W / r) + ceil(W / r) (+ 1 for fp32 rounding), at most every row's
+    groups (Hq 24 / Hkv 2, ratio 0.25: 2.25 of 5 rows' groups)."""
+    ng = triton.cdiv(width, compress_ratio)
+    return min(block_rows * ng, math.floor(max_union_ratio * block_rows * ng) + ng + 1)
+
+
 def workspace_size(num_rows: int, num_heads: int, num_kv_heads: int, width: int, compress_ratio: int,
-                   block_rows: int | None = None) -> int:
-    """int32 elements of the workspace a `plan_prefill_attention` of num_rows needs."""
+                   block_rows: int | None = None, max_union_ratio: float = MAX_UNION_RATIO) -> int:
+    """int32 elements of the workspace a `plan_prefill_attention` of num_rows needs (~1.8 KB a
+    row at Hq 24 / Hkv 2, W 2051, r 4)."""
     br = block_rows or default_block_rows(num_heads, num_kv_heads)
     blocks = triton.cdiv(num_rows, br)
-    return blocks * 2 + num_rows + 2 * blocks * br * triton.cdiv(width, compress_ratio)
+    return blocks * 2 + num_rows + 2 * blocks * union_capacity(br, width, compress_ratio, max_union_ratio)
 
 
 def default_block_rows(num_heads: int, num_kv_heads: int) -> int:
@@ -357,8 +367,8 @@ def plan_prefill_attention(
     block_g, warps, stages = launch or _launch_config(triton.next_power_of_2(head_dim), interpret)
     row = row_launch or _row_launch_config(triton.next_power_of_2(head_dim), False, context)
     blocks = triton.cdiv(num_rows, br)
-    cap = br * triton.cdiv(width, compress_ratio)
-    need = workspace_size(num_rows, num_heads, num_kv_heads, width, compress_ratio, br)
+    cap = union_capacity(br, width, compress_ratio, max_union_ratio)
+    need = workspace_size(num_rows, num_heads, num_kv_heads, width, compress_ratio, br, max_union_ratio)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.int32, device=dev)
     if workspace.dtype != torch.int32 or workspace.numel() < need:

@@ -204,6 +204,28 @@ def test_first_look_sends_independent_blocks_per_row_at_once():
         assert (sched.last == -7).all().item() is not shared
 
 
+def test_union_writes_stay_within_the_planned_capacity():
+    """The union pass stops a block once its runs pass the ratio, so a block holds at most the
+    ratio's share of its groups plus one row's: the workspace is planned for that (2.25 of 5 rows'
+    groups at 0.25), and blocks that pass the first look and then outgrow the ratio write nothing
+    past it (the workspace's tail keeps its poison), still exact."""
+    assert ker.union_capacity(5, 2051, 4, 0.25) == 641 + 513 + 1
+    assert ker.union_capacity(5, 2051, 4, 1e9) == 5 * 513
+    problem = make_prefill([4000], [40], overlap=0.8, Kb=64, seed=21)
+    q, sel = problem[0], problem[-1]
+    T, Hq, D = q.shape
+    need = ker.workspace_size(T, Hq, 2, sel.shape[1] - 1, R, 5, 0.3)
+    ws = torch.full((need + 4096,), -9, dtype=torch.int32, device=q.device)
+    sched = ker.plan_prefill_attention(T, Hq, 2, D, sel.shape[1] - 1, R, device=q.device, block_rows=5,
+                                       max_union_ratio=0.3, workspace=ws)
+    out = torch.empty(T, Hq * D, device=q.device)
+    ker.qsa_prefill_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
+    torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
+    ran_full = sched.last.view(-1, 5)[:, 0] != -9  # the full pass writes the rows' last entries
+    assert (ran_full & ~shared_blocks(sched)).any(), "no block outgrew the ratio: the case tests nothing"
+    assert (ws[need:] == -9).all()
+
+
 def test_malformed_rows_fall_back_exactly():
     """Rows the union cannot describe (holes, entries >= seq_len, a duplicate, unaligned tokens,
     entries past the count) send their block per-row, still exact; other blocks stay shared."""
