@@ -212,7 +212,8 @@ def main() -> None:
         bound = pre.PrefillAttentionLaunch(*prob, softmax_scale=D**-0.5, out=torch.empty(
             ROWS, HQ * D, device=DEV, dtype=torch.bfloat16), schedule=sched)
         union_launch = bound._launches[0][0]
-        row["union_pass_us"] = timer(lambda p=prob: union_launch(p[5], p[6], p[7], p[7].stride(0)))
+        row["union_pass_us"] = timer(lambda p=prob: union_launch(p[5], p[6], p[7], p[4], p[7].stride(0),
+                                                                 p[4].stride(0), p[4].stride(1)))
         results.append(row)
         best = min((n for n in names if n != "per-row"), key=lambda n: row[n]["us"])
         summary.append(f"{label:20s} ov {stats['overlap']:.2f} u2 {stats['union2_over_sum']:.2f} "

@@ -34,7 +34,7 @@ _LOG2E = 1.4426950408889634
 # Rows from which `plan_attention`, given the compress ratio and shared_prefill, runs the
 # shared-tile prefill kernels (attention_prefill.py) instead of the one pass; planners do so unless
 # QSA_SHARED_PREFILL=0. H200, 16K rows, attention alone (session 20): where neighbouring rows'
-# selections overlap 0.95-0.98, 8.05 -> 5.95 ms at 16K and 9.31 -> 6.94 at 128K; within 1 % of the
+# selections overlap 0.95-0.98, 8.02 -> 5.72 ms at 16K and 9.28 -> 6.64 at 128K; within 1 % of the
 # one pass elsewhere (random selections, overlap 0.02-0.90; BENCHMARKS.md session 20).
 _PREFILL_MIN_ROWS = 1024
 # Longest request (tokens) for which the one pass takes its short-context launch shape (`_launch_config`).

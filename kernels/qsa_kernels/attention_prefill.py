@@ -8,14 +8,17 @@ are cut into blocks of BR consecutive rows (BR x G query heads fill the MMA's M)
    checks that each row of the block is a packed row as the top-k writes it (entries
    ascending, whole groups g*r .. g*r + r - 1, then the open tail from a group boundary, all
    in [0, seq_len); the active rows of one request), and writes
-   the block's groups as runs: a group (its first token) with the bitmask of the consecutive
-   rows holding it, so that each (row, group) lies in one run; plus each row's last entry. A
-   block is *shared* when it is well formed and its runs number at most `max_union_ratio` x
-   the sum of its rows' groups; else -1.
+   the block's groups as runs: a group (the KV slot of its first token, resolved through the
+   request's block table) with the bitmask of the consecutive rows holding it, so that each
+   (row, group) lies in one run; plus the slots of each row's last entry and of the request's
+   last token. A block is *shared* when it is well formed and its runs number at most
+   `max_union_ratio` x the sum of its rows' groups; else -1.
 2. `_shared_kernel`, (block, KV head): walks the runs in tiles of BLOCK_G groups, gathers each
-   K/V tile once for the whole block and masks row i to the groups of its bit and the tokens
-   <= its last entry, which is exactly its own selection (a row's chosen groups all lie below
-   its tail). Fallback blocks return at once.
+   K/V tile once for the whole block (no page lookups: the runs hold slots) and masks row i to
+   the groups of its bit and, in the group of its last entry, the tokens up to it, which is
+   exactly its own selection (a row's chosen groups all lie below its tail). Fallback blocks
+   return at once. A request's block-table row must name distinct pages (as engines' do): the
+   slots stand for tokens.
 3. `_per_row_kernel`, (row, KV head): `attention.py`'s one-pass online softmax, for the rows
    of fallback blocks only (holes, junk and duplicates handled as there); rows of shared
    blocks return at once.
@@ -65,16 +68,27 @@ def _holds(sel_row, n, gt, active, R: tl.constexpr, LOG: tl.constexpr):
     return active & (lo < n) & (tl.load(sel_row + lo * R, mask=active & (lo < n), other=-1) == gt)
 
 
+@triton.jit
+def _slot(bt_row, tok, valid, stride_btp, PAGE: tl.constexpr):
+    """int32 KV slot (page x PAGE + offset) of token tok through a request's block-table row,
+    where valid (else 0)."""
+    page = tl.maximum(tl.load(bt_row + (tok // PAGE) * stride_btp, mask=valid, other=0), 0)
+    return tl.where(valid, page * PAGE + tok % PAGE, 0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _union_kernel(
-    req_ptr, seq_ptr, sel_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, T, max_ratio, min_share, stride_st,
+    req_ptr, seq_ptr, sel_ptr, bt_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, T, max_ratio, min_share, stride_st,
+    stride_btr, stride_btp,
     BR: tl.constexpr, BRP: tl.constexpr, W: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, PRE: tl.constexpr, LOG: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, PRE: tl.constexpr, LOG: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
-    """Grid (blocks,). info int32 [blocks, 2]: (number of runs or -1 = per-row, request);
-    last int32 [T]: a shared block's rows' last entries (-1: empty); ug / um int32 [blocks, CAP]:
-    the runs' group first tokens and row bitmasks. selection with unit column stride.
+    """Grid (blocks,). info int32 [blocks, 2]: (number of runs or -1 = per-row, the KV slot of
+    the block's request's last token); last int32 [T]: the KV slot of a fully passed block's
+    rows' last entries (-1: empty or the block not well formed); ug / um int32 [blocks, CAP]: the
+    runs' group first KV slots (page-resolved through the block table) and row bitmasks.
+    selection with unit column stride.
 
     First look: of row 0's first PRE groups, the share the block's last row holds. Runs within
     max_ratio x the groups need about 2 - BR * max_ratio of it (two rows' union already counts);
@@ -95,7 +109,7 @@ def _union_kernel(
     hit = _holds(sel_l, tl.sum(tl.where(jr == lr, n_groups, 0), 0), tl.load(sel_0 + pk * R, mask=pv, other=0),
                  pv, R, LOG)
     info = -1
-    block_req = 0
+    block_end = 0
     if tl.sum(hit.to(tl.int32), 0) >= min_share * tl.sum(pv.to(tl.int32), 0):
         reqs = tl.load(req_ptr + tl.minimum(rows, T - 1))
         seq_lens = tl.load(seq_ptr + reqs)
@@ -111,8 +125,15 @@ def _union_kernel(
         active = counts > 0
         req_lo = tl.min(tl.where(active, reqs, 2147483647), 0)
         req_hi = tl.max(tl.where(active, reqs, -1), 0)
-        last = tl.load(sel_rows + counts - 1, mask=active, other=-1)
-        tl.store(last_ptr + rows, tl.where(active, last, -1), mask=inb)
+        # Well formed, one request: its tokens resolve to KV slots through that request's pages.
+        ok = (bad == 0) & (req_lo >= req_hi) & (req_hi >= 0)
+        block_req = tl.where(req_hi >= 0, req_hi, 0)
+        bt_row = bt_ptr + block_req.to(tl.int64) * stride_btr
+        has_last = tl.where(ok, active, False)  # not `active & ok`: the interpreter makes that int32
+        last = tl.load(sel_rows + counts - 1, mask=has_last, other=0)
+        tl.store(last_ptr + rows, tl.where(has_last, _slot(bt_row, last, has_last, stride_btp, PAGE), -1), mask=inb)
+        end = tl.load(seq_ptr + block_req) - 1
+        end_slot = tl.where(ok, _slot(bt_row, end, ok, stride_btp, PAGE), 0)
         total = tl.sum(n_groups, 0)
         # Runs: row i's group opens an entry unless row i - 1 holds it too; the entry's mask has
         # the bits of the consecutive rows i, i + 1, ... holding it (binary searches over the
@@ -143,40 +164,49 @@ def _union_kernel(
                     j += 1
                 k32 = start.to(tl.int32)
                 pos = n_union + tl.cumsum(k32, 0) - k32
-                tl.store(base + pos, gt, mask=start & (pos < CAP))
+                tl.store(base + pos, _slot(bt_row, gt, tl.where(ok, start, False), stride_btp, PAGE), mask=start & (pos < CAP))
                 tl.store(mbase + pos, bits, mask=start & (pos < CAP))
                 n_union += tl.sum(k32, 0)
             i += 1
         shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= limit)
         info = tl.where(shared, n_union, -1)
-        block_req = tl.where(req_hi >= 0, req_hi, 0)
+        block_end = end_slot
     tl.store(info_ptr + blk * 2, info)
-    tl.store(info_ptr + blk * 2 + 1, block_req)
+    tl.store(info_ptr + blk * 2 + 1, block_end)
     pdl_end(PDL)
 
 
 @triton.jit
 def _shared_tile(
-    q, m, l, acc, t0, n_union, ug_row, um_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale, local, last,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp,
+    q, m, l, acc, t0, n_union, ug_row, um_row, end_slot, kvh, k_ptr, v_ptr, qk_scale, local, last,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr, R: tl.constexpr, BLOCK_G: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """Online-softmax update of the block's M query heads with union groups [t0, t0 + BLOCK_G)."""
+    """Online-softmax update of the block's M query heads with union groups [t0, t0 + BLOCK_G).
+
+    A group's R tokens lie in one page at consecutive slots (page_size % R == 0), so slots stand
+    for tokens: the only group a row holds in part is the one of its last entry (its open tail),
+    and the only group with tokens >= seq_len is the one of the request's last token (end_slot);
+    those are found by their first slot (a request's pages are distinct)."""
     d = tl.arange(0, DP)
     n = tl.arange(0, BLOCK_G * R)
     gi = t0 + n // R
     inu = gi < n_union
-    tok = tl.load(ug_row + gi, mask=inu, other=0) + n % R
+    first = tl.load(ug_row + gi, mask=inu, other=0)
     bits = tl.load(um_row + gi, mask=inu, other=0)
-    real = inu & (tok < seq_len)
-    page = tl.maximum(tl.load(bt_row + (tok // PAGE) * stride_btp, mask=real, other=0), 0).to(tl.int64)
-    off = (tok % PAGE).to(tl.int64)
+    nr = n % R
+    real = inu & ((first != end_slot - end_slot % R) | (nr <= end_slot % R))
+    slot = first + nr
+    page = (slot // PAGE).to(tl.int64)
+    off = (slot % PAGE).to(tl.int64)
     # K gathered as its transpose [DP, BLOCK_N], as `attention._attend_block` does.
     k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
                 mask=(d < D)[:, None] & real[None, :], other=0.0).to(DOT_DTYPE)
     s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, BLOCK_N], log2 units
-    allowed = (((bits[None, :] >> local[:, None]) & 1) != 0) & (tok[None, :] <= last[:, None]) & real[None, :]
+    in_tail = first[None, :] == (last - last % R)[:, None]
+    allowed = ((((bits[None, :] >> local[:, None]) & 1) != 0) & (~in_tail | (nr[None, :] <= (last % R)[:, None]))
+               & real[None, :])
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -191,10 +221,10 @@ def _shared_tile(
 
 @triton.jit(do_not_specialize=["T"])
 def _shared_kernel(
-    q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, out_ptr,
+    q_ptr, gate_ptr, k_ptr, v_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, out_ptr,
     T, qk_scale, v_scale,
     stride_qt, stride_qh, stride_gt, stride_gh, stride_ot,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btr, stride_btp,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
     BR: tl.constexpr, G: tl.constexpr, M: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
     PAGE: tl.constexpr, R: tl.constexpr, CAP: tl.constexpr, BLOCK_G: tl.constexpr,
     DOT_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
@@ -206,8 +236,7 @@ def _shared_kernel(
     kvh = tl.program_id(1)
     n_union = tl.load(info_ptr + blk * 2)
     if n_union >= 0:
-        req = tl.load(info_ptr + blk * 2 + 1)
-        seq_len = tl.load(seq_ptr + req)
+        end_slot = tl.load(info_ptr + blk * 2 + 1)
         mi = tl.arange(0, M)
         local = mi // G
         row = blk * BR + local
@@ -224,21 +253,20 @@ def _shared_kernel(
         acc = tl.zeros((M, DP), tl.float32)
         ug_row = ug_ptr + blk.to(tl.int64) * CAP
         um_row = um_ptr + blk.to(tl.int64) * CAP
-        bt_row = bt_ptr + req.to(tl.int64) * stride_btr
         if INTERPRET:  # the interpreter cannot range over tensor bounds
             t0 = 0
             while t0 < n_union:
                 m, l, acc = _shared_tile(
-                    q, m, l, acc, t0, n_union, ug_row, um_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
-                    local, last, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp,
+                    q, m, l, acc, t0, n_union, ug_row, um_row, end_slot, kvh, k_ptr, v_ptr, qk_scale,
+                    local, last, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                     D, DP, PAGE, R, BLOCK_G, DOT_DTYPE,
                 )
                 t0 += BLOCK_G
         else:
             for t0 in range(0, n_union, BLOCK_G):
                 m, l, acc = _shared_tile(
-                    q, m, l, acc, t0, n_union, ug_row, um_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
-                    local, last, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp,
+                    q, m, l, acc, t0, n_union, ug_row, um_row, end_slot, kvh, k_ptr, v_ptr, qk_scale,
+                    local, last, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                     D, DP, PAGE, R, BLOCK_G, DOT_DTYPE,
                 )
         has_any = (l > 0.0)[:, None]
@@ -394,9 +422,8 @@ def _min_share(block_rows: int, max_ratio: float) -> float:
     return 2.0 - block_rows * max_ratio - 0.15
 
 
-_UNION_FREE = ("req_ptr", "seq_ptr", "sel_ptr", "stride_st")
-_SHARED_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "seq_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_gt",
-                "stride_gh", "stride_ot", "stride_btr", "stride_btp")
+_UNION_FREE = ("req_ptr", "seq_ptr", "sel_ptr", "bt_ptr", "stride_st", "stride_btr", "stride_btp")
+_SHARED_FREE = ("q_ptr", "gate_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_gt", "stride_gh", "stride_ot")
 _ROW_FREE = ("q_ptr", "gate_ptr", "bt_ptr", "req_ptr", "seq_ptr", "sel_ptr", "out_ptr", "stride_qt", "stride_qh",
              "stride_gt", "stride_gh", "stride_ot", "stride_btr", "stride_btp", "stride_st", "stride_sc")
 
@@ -433,18 +460,20 @@ class PrefillAttentionLaunch:
         dot = _dot_dtype(q, k_cache, s.interpret)
         qk_scale = softmax_scale * k_scale * _LOG2E
         self._launches.append((_union.bind(
-            (blocks,), token_to_req, seq_lens, selection, s.info, s.last, s.union_tokens, s.union_masks, T,
-            s.max_union_ratio, _min_share(BR, s.max_union_ratio), selection.stride(0), free=_UNION_FREE,
-            BR=BR, BRP=triton.next_power_of_2(BR), W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], BLOCK_C=min(4096 // triton.next_power_of_2(BR), triton.next_power_of_2(W)),
+            (blocks,), token_to_req, seq_lens, selection, block_table, s.info, s.last, s.union_tokens,
+            s.union_masks, T, s.max_union_ratio, _min_share(BR, s.max_union_ratio), selection.stride(0),
+            block_table.stride(0), block_table.stride(1), free=_UNION_FREE,
+            BR=BR, BRP=triton.next_power_of_2(BR), W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], PAGE=page,
+            BLOCK_C=min(4096 // triton.next_power_of_2(BR), triton.next_power_of_2(W)),
             BLOCK_G=min(1024, triton.next_power_of_2(ng)), PRE=min(_FIRST_LOOK, triton.next_power_of_2(ng)),
             LOG=max(1, math.ceil(math.log2(ng + 1))), num_warps=4,
         ), "union"))
         kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                       v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
         self._launches.append((_shared.bind(
-            (blocks, Hkv), q, gate, k_cache, v_cache, block_table, seq_lens, s.info, s.last, s.union_tokens,
-            s.union_masks, out, T, qk_scale, v_scale, q.stride(0), q.stride(1), gate.stride(0), gate.stride(1),
-            out.stride(0), *kv_strides, block_table.stride(0), block_table.stride(1), free=_SHARED_FREE,
+            (blocks, Hkv), q, gate, k_cache, v_cache, s.info, s.last, s.union_tokens, s.union_masks, out, T,
+            qk_scale, v_scale, q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0), *kv_strides,
+            free=_SHARED_FREE,
             BR=BR, G=G, M=max(16, triton.next_power_of_2(BR * G)), D=D, DP=DP, PAGE=page, R=R,
             CAP=s.union_tokens.shape[1], BLOCK_G=s.block_groups, DOT_DTYPE=dot, INTERPRET=s.interpret,
             num_warps=s.num_warps, num_stages=s.num_stages,
@@ -469,9 +498,9 @@ class PrefillAttentionLaunch:
         qs, gs, bs, os = q.stride(), gate.stride(), block_table.stride(), out.stride()
         for launch, kind in self._launches:
             if kind == "union":
-                launch(token_to_req, seq_lens, selection, ss[0])
+                launch(token_to_req, seq_lens, selection, block_table, ss[0], bs[0], bs[1])
             elif kind == "shared":
-                launch(q, gate, block_table, seq_lens, out, qs[0], qs[1], gs[0], gs[1], os[0], bs[0], bs[1])
+                launch(q, gate, out, qs[0], qs[1], gs[0], gs[1], os[0])
             else:
                 launch(q, gate, block_table, token_to_req, seq_lens, selection, out, qs[0], qs[1], gs[0], gs[1],
                        os[0], bs[0], bs[1], ss[0], ss[1])

@@ -125,6 +125,18 @@ def runs_of_block(sel: torch.Tensor, rows: range) -> list[tuple[int, int]]:
     return sorted(runs)
 
 
+def slot_of(problem, req: int, token: int) -> int:
+    """The KV slot of a request's token through the block table (page x page_size + offset)."""
+    table, page = problem[4].cpu(), problem[2].shape[1]
+    return int(table[req, token // page]) * page + token % page
+
+
+def slot_runs(problem, rows: range) -> list[tuple[int, int]]:
+    """`runs_of_block` with each group's first token as its KV slot, as the union pass writes it."""
+    req = int(problem[5][rows[0]])
+    return sorted((slot_of(problem, req, first), bits) for first, bits in runs_of_block(problem[-1].cpu(), rows))
+
+
 def block_runs(sched, b: int) -> list[tuple[int, int]]:
     n = int(sched.info[b, 0])
     return sorted(zip(sched.union_tokens[b, :n].tolist(), sched.union_masks[b, :n].tolist()))
@@ -132,17 +144,20 @@ def block_runs(sched, b: int) -> list[tuple[int, int]]:
 
 def test_identical_rows_share_one_union():
     """A chunk whose rows see at most Kb groups selects everything: every block is shared (at
-    ratio 0.5) and its runs are the groups of its last row, each once, with the bits of the rows that see it."""
+    ratio 0.5) and its runs are the groups of its last row, each once (as the KV slot of its first
+    token), with the bits of the rows that see it; each row's last entry and the request's last
+    token go with them as KV slots."""
     problem = make_prefill([23], [23], seed=1)
     out, sched = compare(problem, block_rows=5, ratio=0.5)
     sel = problem[-1].cpu()
     assert shared_blocks(sched).all()
     for b in range(sched.info.shape[0]):
         rows = range(5 * b, min(5 * b + 5, 23))
-        runs = runs_of_block(sel, rows)
+        runs = slot_runs(problem, rows)
         assert block_runs(sched, b) == runs
         assert len(runs) == len({first for first, _ in runs})  # one run per group
-    assert torch.equal(sched.last.cpu(), sel[torch.arange(23), sel[:, -1].long() - 1])
+        assert int(sched.info[b, 1]) == slot_of(problem, 0, 22)
+    assert sched.last.tolist() == [slot_of(problem, 0, int(sel[t, int(sel[t, -1]) - 1])) for t in range(23)]
 
 
 @pytest.mark.parametrize("overlap", [0.0, 0.7, 1.0])
@@ -160,7 +175,7 @@ def test_runs_of_groups_that_skip_rows():
     out, sched = compare(problem, ratio=1e9, block_rows=5)
     sel = problem[-1].cpu()
     for b in range(2):
-        assert block_runs(sched, b) == runs_of_block(sel, range(5 * b, 5 * b + 5))
+        assert block_runs(sched, b) == slot_runs(problem, range(5 * b, 5 * b + 5))
     assert any(len(runs_of_block(sel, range(5 * b, 5 * b + 5))) > len({f for f, _ in runs_of_block(
         sel, range(5 * b, 5 * b + 5))}) for b in range(2))
 
@@ -334,7 +349,7 @@ bf = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr
 bg, warps, stages = ker._launch_config(256, False)
 bn, rwarps, rstages = ker._row_launch_config(256, False, 16384)
 variants = [
-    ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=BR * NG, BLOCK_C=512, BLOCK_G=1024,
+    ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=BR * NG, PAGE=64, BLOCK_C=512, BLOCK_G=1024,
      PRE=64, LOG=10, PDL=2), dict(num_warps=4, launch_pdl=True)),
     ("shared", ker._shared_kernel, dict(BR=BR, G=G, M=64, D=256, DP=256, PAGE=64, R=R, CAP=BR * NG, BLOCK_G=bg,
      DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=2), dict(num_warps=warps, num_stages=stages, launch_pdl=True)),
