@@ -164,7 +164,8 @@ def _union_kernel(
                     j += 1
                 k32 = start.to(tl.int32)
                 pos = n_union + tl.cumsum(k32, 0) - k32
-                tl.store(base + pos, _slot(bt_row, gt, tl.where(ok, start, False), stride_btp, PAGE), mask=start & (pos < CAP))
+                first = _slot(bt_row, gt, tl.where(ok, start, False), stride_btp, PAGE)
+                tl.store(base + pos, first, mask=start & (pos < CAP))
                 tl.store(mbase + pos, bits, mask=start & (pos < CAP))
                 n_union += tl.sum(k32, 0)
             i += 1
