@@ -162,6 +162,28 @@ def _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask):
     tl.store(out_ptr + o_off, tl.where(has_any, gated, 0.0).to(out_dtype), mask=mask)
 
 
+@triton.jit
+def _normalized_store(acc, l, v_scale, gate_ptr, out_ptr, g_off, o_off, mask):
+    """`_gated_store` of acc / l * v_scale for M heads: acc fp32 [M, DP], l fp32 [M] (their
+    softmax sums; 0: nothing valid, stored as exact 0)."""
+    has_any = (l > 0.0)[:, None]
+    o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
+    _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+
+
+@triton.jit
+def _store_row(acc, l, row, kvh, v_scale, gate_ptr, out_ptr, stride_gt, stride_gh, stride_ot,
+               G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """`_normalized_store` of one row's G query heads of KV head kvh (acc [GP, DP], l [GP])."""
+    g = tl.arange(0, GP)
+    d = tl.arange(0, DP)
+    heads = kvh * G + g
+    mask = (g < G)[:, None] & (d < D)[None, :]
+    g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
+    o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
+    _normalized_store(acc, l, v_scale, gate_ptr, out_ptr, g_off, o_off, mask)
+
+
 @triton.jit(do_not_specialize=["n_splits", "W"])
 def _attn_kernel(
     q_ptr, gate_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
@@ -186,21 +208,16 @@ def _attn_kernel(
         stride_btr, stride_btp, stride_st, stride_sc,
         G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, INTERPRET,
     )
-    g = tl.arange(0, GP)
-    d = tl.arange(0, DP)
-    heads = kvh * G + g
-    mask = (g < G)[:, None] & (d < D)[None, :]
     if SPLIT:
+        g = tl.arange(0, GP)
+        d = tl.arange(0, DP)
+        heads = kvh * G + g
         slot = (row.to(tl.int64) * HQ + heads) * n_splits + split
         tl.store(part_ml_ptr + slot * 2, m, mask=g < G)
         tl.store(part_ml_ptr + slot * 2 + 1, l, mask=g < G)
-        tl.store(part_acc_ptr + slot[:, None] * D + d[None, :], acc, mask=mask)
+        tl.store(part_acc_ptr + slot[:, None] * D + d[None, :], acc, mask=(g < G)[:, None] & (d < D)[None, :])
     else:
-        has_any = (l > 0.0)[:, None]
-        o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
-        g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
-        o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
-        _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+        _store_row(acc, l, row, kvh, v_scale, gate_ptr, out_ptr, stride_gt, stride_gh, stride_ot, G, GP, D, DP)
     pdl_end(PDL)
 
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _LOG2E, _attend, _dot_dtype, _gated_store, _interpreting
+from .attention import _LOG2E, _attend, _dot_dtype, _interpreting, _normalized_store, _store_row
 from .attention import _launch_config as _row_launch_config
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 
@@ -270,11 +270,9 @@ def _shared_kernel(
                     local, last, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                     D, DP, PAGE, R, BLOCK_G, DOT_DTYPE,
                 )
-        has_any = (l > 0.0)[:, None]
-        o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
         g_off = (rows64 * stride_gt + heads * stride_gh)[:, None] + d[None, :]
         o_off = (rows64 * stride_ot + heads * D)[:, None] + d[None, :]
-        _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+        _normalized_store(acc, l, v_scale, gate_ptr, out_ptr, g_off, o_off, mask)
     pdl_end(PDL)
 
 
@@ -299,15 +297,7 @@ def _per_row_kernel(
             stride_btr, stride_btp, stride_st, stride_sc,
             G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, INTERPRET,
         )
-        g = tl.arange(0, GP)
-        d = tl.arange(0, DP)
-        heads = kvh * G + g
-        mask = (g < G)[:, None] & (d < D)[None, :]
-        has_any = (l > 0.0)[:, None]
-        o = acc / tl.where(has_any, l[:, None], 1.0) * v_scale
-        g_off = row.to(tl.int64) * stride_gt + heads[:, None] * stride_gh + d[None, :]
-        o_off = row.to(tl.int64) * stride_ot + heads[:, None] * D + d[None, :]
-        _gated_store(o, has_any, gate_ptr, out_ptr, g_off, o_off, mask)
+        _store_row(acc, l, row, kvh, v_scale, gate_ptr, out_ptr, stride_gt, stride_gh, stride_ot, G, GP, D, DP)
     pdl_end(PDL)
 
 
