@@ -45,8 +45,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # None: attention.py per row. "rows": ratio 0, every block per row (this module's per-row kernel).
 VARIANTS = {
     "per-row": None,
-    "auto": (5, 8, 4, 3, 0.25),
-    "auto r0.3": (5, 8, 4, 3, 0.3),
+    "auto": (5, 8, 4, 3, 0.3),
+    "auto r0.25": (5, 8, 4, 3, 0.25),
     "shared b5 g8 w4 s3": (5, 8, 4, 3, 1e9),
     "rows": (5, 8, 4, 3, 0.0),
 }

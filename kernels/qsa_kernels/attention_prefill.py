@@ -44,13 +44,14 @@ from .attention import _launch_config as _row_launch_config
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 
 # Blocks whose runs number at most this fraction of their rows' groups run shared. H200, 16K rows
-# (session 20, `sweep_prefill_attention.py`): the shared kernel (5 rows x 12 heads on M = 64) costs
-# 2.8-3.9x the per-row kernel per gathered token. 0.3 took 16K rows at 128K with neighbour overlap
-# 0.81 from 9.65 to 9.92 ms (blocks that pass the first look and fail the full pass); 0.25 stays
-# within 1 % of the per-row kernel on every data set measured. Blocks of 2 rows (M = 32) lost to 5
-# everywhere; 10 (M = 128, 16 groups / 8 warps) won only at 16K with overlap 0.98 (5.54 against
-# 5.80 ms) and lost at 0.90-0.95 (16K 7.60 against 7.01, 128K 7.71 against 6.86).
-MAX_UNION_RATIO = 0.25
+# (`sweep_prefill_attention.py`): the shared kernel (5 rows x 12 heads on M = 64) costs 2.8-3.9x the
+# per-row kernel per gathered token. Session 21, with the first look of `_min_share` (ms, per-row /
+# 0.25 / 0.3): neighbour overlap 0.90 at 16K 7.99 / 7.84 / 7.21, 0.98 at 16K 7.99 / 5.59 / 5.44, 0.95
+# at 128K 9.27 / 6.54 / 6.44; the indexer's own scores on random data at 16K 8.00 / 7.98 / 8.02 and
+# at 128K 11.68 / 11.59 / 11.67, overlap 0.81 at 128K 9.66 / 9.68 / 9.70. Blocks of 2 rows (M = 32)
+# lost to 5 everywhere; 10 (M = 128, 16 groups / 8 warps) won only at 16K with overlap 0.98 (5.54
+# against 5.80 ms, session 20) and lost at 0.90-0.95 (16K 7.60 against 7.01, 128K 7.71 against 6.86).
+MAX_UNION_RATIO = 0.3
 
 
 @triton.jit
@@ -76,13 +77,42 @@ def _slot(bt_row, tok, valid, stride_btp, PAGE: tl.constexpr):
     return tl.where(valid, page * PAGE + tok % PAGE, 0)
 
 
+@triton.jit
+def _row_runs(sel_ptr, sel_i, sel_p, ng_i, ng_p, n_groups, jr, blk, i, c0, n_union, T, stride_st, bt_row, ok,
+              stride_btp, base, mbase, BR: tl.constexpr, R: tl.constexpr, LOG: tl.constexpr, CAP: tl.constexpr,
+              PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """The runs that row i of block blk opens among its groups c0 .. c0 + BLOCK - 1 (first tokens
+    at columns c0 * R, ...): a group opens one unless row i - 1 holds it too; its mask has the
+    bits of the consecutive rows i, i + 1, ... holding it (binary searches over the rows'
+    ascending group tokens). Writes them at n_union, n_union + 1, ... (below CAP) and returns
+    the new count."""
+    kk = c0 + tl.arange(0, BLOCK)
+    gv = kk < ng_i
+    gt = tl.load(sel_i + kk * R, mask=gv, other=0)
+    start = gv & ~_holds(sel_p, ng_p, gt, gv, R, LOG)
+    bits = tl.where(start, 1 << i, 0)
+    alive = start
+    j = i + 1
+    while (j < BR) & (tl.max(alive.to(tl.int32), 0) > 0):
+        sel_j = sel_ptr + tl.minimum(blk * BR + j, T - 1).to(tl.int64) * stride_st
+        alive = alive & _holds(sel_j, tl.sum(tl.where(jr == j, n_groups, 0), 0), gt, alive, R, LOG)
+        bits = bits | tl.where(alive, 1 << j, 0)
+        j += 1
+    k32 = start.to(tl.int32)
+    pos = n_union + tl.cumsum(k32, 0) - k32
+    first = _slot(bt_row, gt, tl.where(ok, start, False), stride_btp, PAGE)
+    tl.store(base + pos, first, mask=start & (pos < CAP))
+    tl.store(mbase + pos, bits, mask=start & (pos < CAP))
+    return n_union + tl.sum(k32, 0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _union_kernel(
     req_ptr, seq_ptr, sel_ptr, bt_ptr, info_ptr, last_ptr, ug_ptr, um_ptr, T, max_ratio, min_share, stride_st,
     stride_btr, stride_btp,
     BR: tl.constexpr, BRP: tl.constexpr, W: tl.constexpr, R: tl.constexpr, NG: tl.constexpr, CAP: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, PRE: tl.constexpr, LOG: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PAGE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, PRE: tl.constexpr,
+    LOG: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Grid (blocks,). info int32 [blocks, 2]: (number of runs or -1 = per-row, the KV slot of
     the block's request's last token); last int32 [T]: the KV slot of a fully passed block's
@@ -90,9 +120,8 @@ def _union_kernel(
     runs' group first KV slots (page-resolved through the block table) and row bitmasks.
     selection with unit column stride.
 
-    First look: of row 0's first PRE groups, the share the block's last row holds. Runs within
-    max_ratio x the groups need about 2 - BR * max_ratio of it (two rows' union already counts);
-    below min_share (that, less a margin, host-side) the block goes per row at once."""
+    First look: of row 0's first PRE groups, the share the block's last row with entries holds;
+    below min_share (host-side, `_min_share`) the block goes per row at once."""
     pdl_start(PDL)
     blk = tl.program_id(0)
     jr = tl.arange(0, BRP)  # the block's rows on axis 0
@@ -101,7 +130,7 @@ def _union_kernel(
     sel_rows = sel_ptr + tl.minimum(rows, T - 1).to(tl.int64) * stride_st
     counts = tl.where(inb, tl.minimum(tl.maximum(tl.load(sel_rows + W), 0), W), 0)
     n_groups = (counts + R - 1) // R
-    lr = tl.minimum(BR - 1, T - 1 - blk * BR)  # the block's last row
+    lr = tl.max(tl.where(counts > 0, jr, 0), 0)  # the block's last row with entries (padding has none)
     sel_l = sel_ptr + (blk * BR + lr).to(tl.int64) * stride_st
     pk = tl.arange(0, PRE)
     pv = pk < tl.sum(tl.where(jr == 0, n_groups, 0), 0)
@@ -125,8 +154,10 @@ def _union_kernel(
         active = counts > 0
         req_lo = tl.min(tl.where(active, reqs, 2147483647), 0)
         req_hi = tl.max(tl.where(active, reqs, -1), 0)
-        # Well formed, one request: its tokens resolve to KV slots through that request's pages.
-        ok = (bad == 0) & (req_lo >= req_hi) & (req_hi >= 0)
+        # Well formed and of one request (or none: padding, shared with nothing to do); with a
+        # request (ok), its tokens resolve to KV slots through that request's pages.
+        well = (bad == 0) & (req_lo >= req_hi)
+        ok = well & (req_hi >= 0)
         block_req = tl.where(req_hi >= 0, req_hi, 0)
         bt_row = bt_ptr + block_req.to(tl.int64) * stride_btr
         has_last = tl.where(ok, active, False)  # not `active & ok`: the interpreter makes that int32
@@ -135,10 +166,8 @@ def _union_kernel(
         end = tl.load(seq_ptr + block_req) - 1
         end_slot = tl.where(ok, _slot(bt_row, end, ok, stride_btp, PAGE), 0)
         total = tl.sum(n_groups, 0)
-        # Runs: row i's group opens an entry unless row i - 1 holds it too; the entry's mask has
-        # the bits of the consecutive rows i, i + 1, ... holding it (binary searches over the
-        # rows' ascending group tokens). Each (row, group) lies in exactly one run, so a group
-        # that skips a row gets one entry per run. Stops once the entries outgrow the ratio.
+        # Runs, row by row (`_row_runs`): each (row, group) lies in exactly one, so a group that
+        # skips a row gets one run per stretch of rows. Stops once they outgrow the ratio.
         limit = max_ratio * total
         n_union = 0
         base = ug_ptr + blk.to(tl.int64) * CAP
@@ -149,28 +178,15 @@ def _union_kernel(
             sel_p = sel_ptr + tl.minimum(blk * BR + tl.maximum(i - 1, 0), T - 1).to(tl.int64) * stride_st
             ng_i = tl.sum(tl.where(jr == i, n_groups, 0), 0)
             ng_p = tl.sum(tl.where(jr == i - 1, n_groups, 0), 0)  # 0 for row 0
-            for c0 in range(0, NG, BLOCK_G):
-                kk = c0 + tl.arange(0, BLOCK_G)
-                gv = kk < ng_i
-                gt = tl.load(sel_i + kk * R, mask=gv, other=0)
-                start = gv & ~_holds(sel_p, ng_p, gt, gv, R, LOG)
-                bits = tl.where(start, 1 << i, 0)
-                alive = start
-                j = i + 1
-                while (j < BR) & (tl.max(alive.to(tl.int32), 0) > 0):
-                    sel_j = sel_ptr + tl.minimum(blk * BR + j, T - 1).to(tl.int64) * stride_st
-                    alive = alive & _holds(sel_j, tl.sum(tl.where(jr == j, n_groups, 0), 0), gt, alive, R, LOG)
-                    bits = bits | tl.where(alive, 1 << j, 0)
-                    j += 1
-                k32 = start.to(tl.int32)
-                pos = n_union + tl.cumsum(k32, 0) - k32
-                first = _slot(bt_row, gt, tl.where(ok, start, False), stride_btp, PAGE)
-                tl.store(base + pos, first, mask=start & (pos < CAP))
-                tl.store(mbase + pos, bits, mask=start & (pos < CAP))
-                n_union += tl.sum(k32, 0)
+            for c0 in range(0, NG // BLOCK_G * BLOCK_G, BLOCK_G):
+                n_union = _row_runs(sel_ptr, sel_i, sel_p, ng_i, ng_p, n_groups, jr, blk, i, c0, n_union, T,
+                                    stride_st, bt_row, ok, stride_btp, base, mbase, BR, R, LOG, CAP, PAGE, BLOCK_G)
+            if NG % BLOCK_G:  # the groups past the last whole tile (the open tail's) in a narrow one
+                n_union = _row_runs(sel_ptr, sel_i, sel_p, ng_i, ng_p, n_groups, jr, blk, i,
+                                    NG // BLOCK_G * BLOCK_G, n_union, T, stride_st, bt_row, ok, stride_btp, base,
+                                    mbase, BR, R, LOG, CAP, PAGE, BLOCK_T)
             i += 1
-        shared = (bad == 0) & (req_lo >= req_hi) & (n_union <= limit)
-        info = tl.where(shared, n_union, -1)
+        info = tl.where(well & (n_union <= limit), n_union, -1)
         block_end = end_slot
     tl.store(info_ptr + blk * 2, info)
     tl.store(info_ptr + blk * 2 + 1, block_end)
@@ -338,14 +354,14 @@ def union_capacity(block_rows: int, width: int, compress_ratio: int, max_union_r
     """Runs a block's union can hold. The union pass starts a row only while its runs number at
     most max_union_ratio x the block's groups, and a row adds at most ceil(W / r) runs: so
     ratio x block_rows x ceil(W / r) + ceil(W / r) (+ 1 for fp32 rounding), at most every row's
-    groups (Hq 24 / Hkv 2, ratio 0.25: 2.25 of 5 rows' groups)."""
+    groups (Hq 24 / Hkv 2, ratio 0.3: 2.5 of 5 rows' groups)."""
     ng = triton.cdiv(width, compress_ratio)
     return min(block_rows * ng, math.floor(max_union_ratio * block_rows * ng) + ng + 1)
 
 
 def workspace_size(num_rows: int, num_heads: int, num_kv_heads: int, width: int, compress_ratio: int,
                    block_rows: int | None = None, max_union_ratio: float = MAX_UNION_RATIO) -> int:
-    """int32 elements of the workspace a `plan_prefill_attention` of num_rows needs (~1.8 KB a
+    """int32 elements of the workspace a `plan_prefill_attention` of num_rows needs (~2.1 KB a
     row at Hq 24 / Hkv 2, W 2051, r 4)."""
     br = block_rows or default_block_rows(num_heads, num_kv_heads)
     blocks = triton.cdiv(num_rows, br)
@@ -402,15 +418,32 @@ def plan_prefill_attention(
                            row, info, last, ut, um)
 
 
+def union_tiles(num_groups: int) -> tuple[int, int]:
+    """(BLOCK_G, BLOCK_T) of the union pass over a row's num_groups groups: whole tiles of BLOCK_G
+    and, for the groups past them, one of BLOCK_T; or one padded tile where that has no more
+    lanes. Every lane pays each search's steps: 513 groups (W 2051) take 512 + 16 lanes, not 1024."""
+    tile = min(1024, 1 << (num_groups.bit_length() - 1))
+    rest = num_groups % tile
+    tail = max(16, triton.next_power_of_2(rest)) if rest else 0
+    if num_groups <= 1024 and triton.next_power_of_2(num_groups) <= num_groups - rest + tail:
+        return triton.next_power_of_2(num_groups), 16
+    return tile, tail or 16
+
+
 # Groups of a block's first row looked up in its last row before the full pass.
 _FIRST_LOOK = 64
 
 
 def _min_share(block_rows: int, max_ratio: float) -> float:
-    """Share of the first look's groups the last row must hold for the full pass: a union of
-    two rows within max_ratio x the block's groups needs 2 - block_rows x max_ratio of them
-    (rows of equal size), less 0.15 for the sample and unequal rows."""
-    return 2.0 - block_rows * max_ratio - 0.15
+    """Share of the first look's groups the last row must hold for the full pass. Where each row
+    keeps a share o of the previous row's n groups, a block's union is about n (1 + (BR - 1)(1 - o))
+    and its first and last rows share about o^(BR - 1): the share at which that union meets the
+    ratio (BR 5, ratio 0.3: 0.59). Session 21 (H200): taking 2 - BR x ratio less 0.15 instead (0.35)
+    let blocks of overlap 0.81 at 128K through to fail the full pass (attention 9.70 -> 9.87 ms)."""
+    if block_rows == 1:
+        return 0.0
+    keep = min(1.0, max(0.0, 1.0 - (block_rows * max_ratio - 1.0) / (block_rows - 1)))
+    return keep ** (block_rows - 1)
 
 
 _UNION_FREE = ("req_ptr", "seq_ptr", "sel_ptr", "bt_ptr", "stride_st", "stride_btr", "stride_btp")
@@ -456,7 +489,7 @@ class PrefillAttentionLaunch:
             block_table.stride(0), block_table.stride(1), free=_UNION_FREE,
             BR=BR, BRP=triton.next_power_of_2(BR), W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], PAGE=page,
             BLOCK_C=min(4096 // triton.next_power_of_2(BR), triton.next_power_of_2(W)),
-            BLOCK_G=min(1024, triton.next_power_of_2(ng)), PRE=min(_FIRST_LOOK, triton.next_power_of_2(ng)),
+            BLOCK_G=union_tiles(ng)[0], BLOCK_T=union_tiles(ng)[1], PRE=min(_FIRST_LOOK, triton.next_power_of_2(ng)),
             LOG=max(1, math.ceil(math.log2(ng + 1))), num_warps=4,
         ), "union"))
         kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -169,15 +169,27 @@ def test_overlap_two_requests_padding(overlap, block_rows):
     assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
 
 
-def test_runs_of_groups_that_skip_rows():
-    """A group held by rows 0 and 2 of a block but not row 1 gets two runs (each row once)."""
-    problem = make_prefill([200], [10], overlap=0.5, seed=14)
+@pytest.mark.parametrize("kb", [6, 32])
+def test_runs_of_groups_that_skip_rows(kb):
+    """A group held by rows 0 and 2 of a block but not row 1 gets two runs (each row once). Kb 32:
+    a row's 33 groups are searched as a tile of 32 and one of 16 (`union_tiles`)."""
+    problem = make_prefill([400], [10], overlap=0.5, Kb=kb, seed=14)
     out, sched = compare(problem, ratio=1e9, block_rows=5)
     sel = problem[-1].cpu()
     for b in range(2):
         assert block_runs(sched, b) == slot_runs(problem, range(5 * b, 5 * b + 5))
     assert any(len(runs_of_block(sel, range(5 * b, 5 * b + 5))) > len({f for f, _ in runs_of_block(
         sel, range(5 * b, 5 * b + 5))}) for b in range(2))
+
+
+def test_union_tiles_pad_less_than_one_tile():
+    """A row's groups are searched in whole tiles plus one narrow tile, where that has fewer
+    lanes than one padded tile: W 2051 (513 groups) takes 512 + 16 lanes."""
+    assert ker.union_tiles(513) == (512, 16)
+    assert ker.union_tiles(33) == (32, 16)
+    assert ker.union_tiles(7) == (8, 16)  # 4 + 16 lanes would be more
+    assert ker.union_tiles(1000) == (1024, 16)
+    assert ker.union_tiles(1025) == (1024, 16)
 
 
 def test_every_block_shared_or_per_row():
@@ -202,7 +214,7 @@ def test_decision_by_union_size():
 
 
 def test_first_look_sends_independent_blocks_per_row_at_once():
-    """At ratio 0.3 a block of 5 rows needs its first and last rows to share about half their
+    """At ratio 0.3 a block of 5 rows needs its first and last rows to share about 0.6 of their
     groups: independent rows fail that first look (the full pass never runs: their last entries
     stay unwritten), identical rows pass it and share."""
     for overlap, shared in [(0.0, False), (1.0, True)]:
@@ -219,11 +231,12 @@ def test_first_look_sends_independent_blocks_per_row_at_once():
         assert (sched.last == -7).all().item() is not shared
 
 
-def test_union_writes_stay_within_the_planned_capacity():
+def test_union_writes_stay_within_the_planned_capacity(monkeypatch):
     """The union pass stops a block once its runs pass the ratio, so a block holds at most the
     ratio's share of its groups plus one row's: the workspace is planned for that (2.25 of 5 rows'
-    groups at 0.25), and blocks that pass the first look and then outgrow the ratio write nothing
-    past it (the workspace's tail keeps its poison), still exact."""
+    groups at 0.25), and blocks that run the full pass (the first look off) and outgrow the ratio
+    write nothing past it (the workspace's tail keeps its poison), still exact."""
+    monkeypatch.setattr(ker, "_min_share", lambda block_rows, ratio: 0.0)
     assert ker.union_capacity(5, 2051, 4, 0.25) == 641 + 513 + 1
     assert ker.union_capacity(5, 2051, 4, 1e9) == 5 * 513
     problem = make_prefill([4000], [40], overlap=0.8, Kb=64, seed=21)
@@ -309,10 +322,10 @@ def test_bad_workspace_and_block_rows():
 def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels(monkeypatch):
     """With shared_prefill (on when a planner is made unless QSA_SHARED_PREFILL=0), `plan_attention`
     given the compress ratio plans the shared-tile kernels for chunks of at least _PREFILL_MIN_ROWS
-    rows, and `AttentionLaunch` runs them (exact); fewer rows, no ratio or the switch off: the one
-    pass."""
+    rows, and `AttentionLaunch` runs them (exact; the one block of 21 rows ends in a padding row,
+    which the first look passes over); fewer rows, no ratio or the switch off: the one pass."""
     monkeypatch.setattr(per_row, "_PREFILL_MIN_ROWS", 16)
-    problem = make_prefill([60], [18], overlap=0.9, pad_rows=1, seed=13)
+    problem = make_prefill([60], [18], overlap=1.0, pad_rows=1, seed=13)
     q, sel = problem[0], problem[-1]
     T, Hq, D = q.shape
     monkeypatch.setenv("QSA_SHARED_PREFILL", "0")
@@ -350,8 +363,9 @@ bf = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr
 bg, warps, stages = ker._launch_config(256, False)
 bn, rwarps, rstages = ker._row_launch_config(256, False, 16384)
 variants = [
-    ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=CAP, PAGE=64, BLOCK_C=512, BLOCK_G=1024,
-     PRE=64, LOG=10, PDL=2), dict(num_warps=4, launch_pdl=True)),
+    ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=CAP, PAGE=64, BLOCK_C=512,
+     BLOCK_G=ker.union_tiles(NG)[0], BLOCK_T=ker.union_tiles(NG)[1], PRE=64, LOG=10, PDL=2),
+     dict(num_warps=4, launch_pdl=True)),
     ("shared", ker._shared_kernel, dict(BR=BR, G=G, M=64, D=256, DP=256, PAGE=64, R=R, CAP=CAP, BLOCK_G=bg,
      DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=2), dict(num_warps=warps, num_stages=stages, launch_pdl=True)),
     ("per-row", ker._per_row_kernel, dict(BR=BR, G=G, GP=16, D=256, DP=256, PAGE=64, BLOCK_N=bn,
