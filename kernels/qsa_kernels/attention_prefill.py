@@ -4,7 +4,7 @@ Contract: `qsa_core/reference/attention.py`, the same op as `attention.py`'s ker
 are cut into blocks of BR consecutive rows (BR x G query heads fill the MMA's M), three launches:
 
 1. `_union_kernel`, one program per block: a first look (row 0's first groups searched in the
-   block's last row) sends blocks whose union cannot meet the ratio per row at once; else it
+   block's last row with entries) sends blocks unlikely to meet the ratio per row at once; else it
    checks that each row of the block is a packed row as the top-k writes it (entries
    ascending, whole groups g*r .. g*r + r - 1, then the open tail from a group boundary, all
    in [0, seq_len); the active rows of one request), and writes
