@@ -49,6 +49,7 @@ from qsa_core.reference.select import compressed_rows, group_scores, paged_rows 
 GEOM = Geometry()
 BF16 = torch.bfloat16
 SGLANG_MARK = Path("sglang/srt/layers/attention/qsa/sparse_attn.py")
+OVERLAP_PERIOD = 8  # default rows between the anchors of `correlated_rows` (--overlap-period)
 
 
 def qsa_config(index_dtype: str) -> QSAConfig:
@@ -134,9 +135,11 @@ class WallTimer:
 class Step:
     """Caches, plan and projections of one step of `case` (random data, seeded). prefill_data
     "overlap": the prefill rows' indexer queries are correlated along positions
-    (`correlated_rows`), so neighbouring rows choose mostly the same groups."""
+    (`correlated_rows` with anchors overlap_period rows apart), so neighbouring rows choose mostly
+    the same groups."""
 
-    def __init__(self, case: Case, device: torch.device, seed: int = 0, prefill_data: str = "random") -> None:
+    def __init__(self, case: Case, device: torch.device, seed: int = 0, prefill_data: str = "random",
+                 overlap_period: int = OVERLAP_PERIOD) -> None:
         torch.manual_seed(seed)
         cfg = self.cfg = qsa_config(case.index_dtype)
         self.case = case
@@ -179,7 +182,7 @@ class Step:
         Hi, Hq = cfg.index_n_heads, cfg.num_heads
         self.index_qk = torch.randn(T, (Hi + 1) * Di, device=dev, dtype=BF16)
         if prefill_data == "overlap" and not self.decode:
-            self.index_qk[:, : Hi * Di] = correlated_rows(T, Hi * Di, OVERLAP_PERIOD, dev)
+            self.index_qk[:, : Hi * Di] = correlated_rows(T, Hi * Di, overlap_period, dev)
         self.q_gate = torch.randn(T, Hq * 2 * D, device=dev, dtype=BF16)
         self.k = torch.randn(T, Hkv * D, device=dev, dtype=BF16)
         self.v = torch.randn(T, Hkv * D, device=dev, dtype=BF16)
@@ -250,9 +253,6 @@ class Step:
         distinct = torch.unique((req * self.context + tok)[valid]).numel()
         scored = int(self.meta.visible_blocks[:T].long().sum())
         return rep.traffic(self.case, GEOM, float(distinct), float(scored), float(valid.sum()))
-
-
-OVERLAP_PERIOD = 8  # rows between the anchors of `correlated_rows`
 
 
 def correlated_rows(rows: int, width: int, period: int, device: torch.device) -> torch.Tensor:
@@ -366,9 +366,9 @@ def sglang_check(step: Step, path, rows: int = 2) -> float:
 # -- one configuration -------------------------------------------------------------------------
 
 def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save, warm_timer=None,
-            prefill_data: str = "random") -> Result:
+            prefill_data: str = "random", overlap_period: int = OVERLAP_PERIOD) -> Result:
     """Fill result column by column (save() after each, so a killed run keeps what it has)."""
-    step = Step(case, device, prefill_data=prefill_data)
+    step = Step(case, device, prefill_data=prefill_data, overlap_period=overlap_period)
     step.select()
     if not result.check:
         result.check = step.check()
@@ -486,6 +486,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "peer columns are left out")
     ap.add_argument("--prefill-data", choices=("random", "overlap"), default="random",
                     help="prefill indexer queries: iid (random) or correlated along positions (Step, correlated_rows)")
+    ap.add_argument("--overlap-period", type=int, default=OVERLAP_PERIOD, metavar="L",
+                    help="with --prefill-data overlap: rows between the anchors of correlated_rows (default %(default)s; "
+                    "larger: neighbouring rows' queries closer)")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense FlashInfer column")
     ap.add_argument("--warm-l2", action="store_true", help="do not flush L2 between replays")
     ap.add_argument("--budget-s", type=float, default=0.0,
@@ -537,12 +540,13 @@ def main(argv: list[str] | None = None) -> None:
     path = args.out / "results.json"
     meta, done = rep.load(path) if path.exists() else ({}, [])
     code = code_fingerprint()
-    if done and (meta.get("code") != code or meta.get("prefill_data", "random") != args.prefill_data):
+    data = args.prefill_data + (f" period {args.overlap_period}" if args.prefill_data == "overlap" else "")
+    if done and (meta.get("code") != code or meta.get("prefill_data", "random") != data):
         print(f"{path}: written by other code or data ({meta.get('code')} != {code}); starting over")
         meta, done = {}, []
     by_key = {r.case.key: r for r in done}
     meta["code"] = code
-    meta["prefill_data"] = args.prefill_data
+    meta["prefill_data"] = data
     meta.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)",
                 versions=versions(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 method="one CPU wall-clock call (dry run: not a measurement)" if args.dry_run else
@@ -582,7 +586,7 @@ def main(argv: list[str] | None = None) -> None:
             watchdog.start()
         try:
             measure(r.case, device, timer, sg, dense=not args.no_dense and not args.dry_run, result=r, save=save,
-                    warm_timer=warm_timer, prefill_data=args.prefill_data)
+                    warm_timer=warm_timer, prefill_data=args.prefill_data, overlap_period=args.overlap_period)
         except Exception as e:  # noqa: BLE001 - a failed check stops this configuration only
             r.notes.append(f"FAILED: {type(e).__name__}: {e}"[:300])
             failed.append(r.case.key)
