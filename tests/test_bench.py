@@ -118,3 +118,20 @@ def test_neighbour_overlap_samples_pairs_across_the_chunk():
     assert neighbour_overlap(sel, visible, max_pairs=50) == pytest.approx(0.1, abs=0.05)
     everything = torch.cat([torch.arange(16).expand(T, 16), torch.full((T, 1), W)], 1).int()
     assert math.isnan(neighbour_overlap(everything, torch.full((T,), 4, dtype=torch.int32)))
+
+
+def test_overlap_data_and_its_period_belong_to_the_run(tmp_path, capsys):
+    """`--prefill-data overlap --overlap-period L` is recorded with the results, and a rerun on
+    other data starts over instead of resuming them."""
+    import bench_qsa
+
+    key = Case("prefill", 4096, 1, 8).key
+    args = ["--dry-run", "--no-plot", "--out", str(tmp_path), "--only", key, "--prefill-data", "overlap"]
+    bench_qsa.main(args + ["--overlap-period", "32"])
+    meta, (r,) = rep.load(tmp_path / "results.json")
+    assert meta["prefill_data"] == "overlap period 32" and r.check.startswith("ok")
+    bench_qsa.main(args + ["--overlap-period", "32"])
+    assert "starting over" not in capsys.readouterr().out
+    bench_qsa.main(args + ["--overlap-period", "8"])
+    assert "starting over" in capsys.readouterr().out
+    assert rep.load(tmp_path / "results.json")[0]["prefill_data"] == "overlap period 8"
