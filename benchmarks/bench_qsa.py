@@ -542,7 +542,8 @@ def main(argv: list[str] | None = None) -> None:
     code = code_fingerprint()
     data = args.prefill_data + (f" period {args.overlap_period}" if args.prefill_data == "overlap" else "")
     if done and (meta.get("code") != code or meta.get("prefill_data", "random") != data):
-        print(f"{path}: written by other code or data ({meta.get('code')} != {code}); starting over")
+        print(f"{path}: written by other code or data (code {meta.get('code')}, data {meta.get('prefill_data')!r}; "
+              f"now code {code}, data {data!r}); starting over")
         meta, done = {}, []
     by_key = {r.case.key: r for r in done}
     meta["code"] = code

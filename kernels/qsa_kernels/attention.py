@@ -33,9 +33,9 @@ _SPLIT_MAX_ROWS = 128
 _LOG2E = 1.4426950408889634
 # Rows from which `plan_attention`, given the compress ratio and shared_prefill, runs the
 # shared-tile prefill kernels (attention_prefill.py) instead of the one pass; planners do so unless
-# QSA_SHARED_PREFILL=0. H200, 16K rows, attention alone (session 20): where neighbouring rows'
-# selections overlap 0.95-0.98, 8.02 -> 5.72 ms at 16K and 9.28 -> 6.64 at 128K; within 1 % of the
-# one pass elsewhere (random selections, overlap 0.02-0.90; BENCHMARKS.md session 20).
+# QSA_SHARED_PREFILL=0. H200, 16K rows, attention alone (session 21): where neighbouring rows'
+# selections overlap 0.90-0.98, 7.99 -> 7.21-5.45 ms at 16K and 9.27 -> 6.41 at 128K; within 1 % of
+# the one pass on random selections (`attention_prefill.MAX_UNION_RATIO`, BENCHMARKS.md session 21).
 _PREFILL_MIN_ROWS = 1024
 # Longest request (tokens) for which the one pass takes its short-context launch shape (`_launch_config`).
 _SHORT_CONTEXT = 32768

@@ -481,6 +481,7 @@ class PrefillAttentionLaunch:
         R, BR = s.compress_ratio, s.block_rows
         blocks = s.info.shape[0]
         ng = triton.cdiv(W, R)
+        block_g, block_t = union_tiles(ng)
         dot = _dot_dtype(q, k_cache, s.interpret)
         qk_scale = softmax_scale * k_scale * _LOG2E
         self._launches.append((_union.bind(
@@ -489,7 +490,7 @@ class PrefillAttentionLaunch:
             block_table.stride(0), block_table.stride(1), free=_UNION_FREE,
             BR=BR, BRP=triton.next_power_of_2(BR), W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], PAGE=page,
             BLOCK_C=min(4096 // triton.next_power_of_2(BR), triton.next_power_of_2(W)),
-            BLOCK_G=union_tiles(ng)[0], BLOCK_T=union_tiles(ng)[1], PRE=min(_FIRST_LOOK, triton.next_power_of_2(ng)),
+            BLOCK_G=block_g, BLOCK_T=block_t, PRE=min(_FIRST_LOOK, triton.next_power_of_2(ng)),
             LOG=max(1, math.ceil(math.log2(ng + 1))), num_warps=4,
         ), "union"))
         kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -358,13 +358,14 @@ from test_kernel_attention_compile import VALUES
 W, R, BR, G = 2051, 4, 5, 12
 NG = math.ceil(W / R)
 CAP = ker.union_capacity(BR, W, R, ker.MAX_UNION_RATIO)
+BG_UNION, BT_UNION = ker.union_tiles(NG)
 bf = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", qk_scale="fp32",
           v_scale="fp32", max_ratio="fp32", min_share="fp32")
 bg, warps, stages = ker._launch_config(256, False)
 bn, rwarps, rstages = ker._row_launch_config(256, False, 16384)
 variants = [
     ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=CAP, PAGE=64, BLOCK_C=512,
-     BLOCK_G=ker.union_tiles(NG)[0], BLOCK_T=ker.union_tiles(NG)[1], PRE=64, LOG=10, PDL=2),
+     BLOCK_G=BG_UNION, BLOCK_T=BT_UNION, PRE=64, LOG=10, PDL=2),
      dict(num_warps=4, launch_pdl=True)),
     ("shared", ker._shared_kernel, dict(BR=BR, G=G, M=64, D=256, DP=256, PAGE=64, R=R, CAP=CAP, BLOCK_G=bg,
      DOT_DTYPE=tl.bfloat16, INTERPRET=False, PDL=2), dict(num_warps=warps, num_stages=stages, launch_pdl=True)),
