@@ -487,8 +487,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-data", choices=("random", "overlap"), default="random",
                     help="prefill indexer queries: iid (random) or correlated along positions (Step, correlated_rows)")
     ap.add_argument("--overlap-period", type=int, default=OVERLAP_PERIOD, metavar="L",
-                    help="with --prefill-data overlap: rows between the anchors of correlated_rows (default %(default)s; "
-                    "larger: neighbouring rows' queries closer)")
+                    help="with --prefill-data overlap: rows between the anchors of correlated_rows "
+                    "(default %(default)s; larger: neighbouring rows' queries closer)")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense FlashInfer column")
     ap.add_argument("--warm-l2", action="store_true", help="do not flush L2 between replays")
     ap.add_argument("--budget-s", type=float, default=0.0,
