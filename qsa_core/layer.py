@@ -263,7 +263,7 @@ def _select_launches(plan: QSAPlan, q_idx: torch.Tensor, cache: QSALayerCache, o
     kw = dict(page_size=meta.page_size, compress_ratio=cfg.compress_ratio, block_topk=cfg.block_topk)
     return tuple(
         SelectLaunch(sched, q_idx, cache.compressed, meta.block_table, meta.token_to_req, meta.visible_blocks,
-                     out, first_row=lo, positions=meta.positions, **kw)
+                     out, first_row=lo, positions=meta.positions, kv_cache=(cache.k, cache.v), **kw)
         for sched, lo, hi in ((s.select_decode, 0, nd), (s.select_prefill, nd, T)) if lo < hi
     )
 

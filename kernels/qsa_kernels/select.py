@@ -27,6 +27,7 @@ from .select_radix import BINS as _BINS
 from .select_radix import ChunkLaunches, TopkLaunch
 from .select_score import ScoreLaunch, score_tiles
 from . import select_prefill, select_topk
+from .warm import kv_warm
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
@@ -380,13 +381,18 @@ class SelectLaunch:
     block_table, out)` launches them (q_idx's dtype fixed) into out: int32 [N, Kb] (the
     chosen groups) or, with `positions` int64 [N] given, the packed selection int32
     [N, W + 1] (groups expanded to tokens, the open tail, the count: no expand launch).
-    `out` at binding gives the shape and dtype every call's out must have."""
+    `out` at binding gives the shape and dtype every call's out must have. kv_cache: the
+    layer's (K, V) caches, which a decode chunk's top-k may warm in L2 for the attention
+    (`warm.kv_warm`)."""
 
     def __init__(self, schedule: "SelectSchedule", q_idx: torch.Tensor, compressed: torch.Tensor,
                  block_table: torch.Tensor, token_to_req: torch.Tensor, visible_blocks: torch.Tensor,
                  out: torch.Tensor, *, page_size: int, compress_ratio: int, block_topk: int,
-                 first_row: int = 0, positions: torch.Tensor | None = None) -> None:
+                 first_row: int = 0, positions: torch.Tensor | None = None,
+                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         s = schedule
+        kv = kv_warm(*kv_cache, token_to_req, compress_ratio, s.num_rows, block_topk) \
+            if kv_cache is not None and s.decode else None
         self.rows, self.q_dtype, self.out_shape = first_row + s.num_rows, q_idx.dtype, out.shape
         for name, t in (("q_idx", q_idx), ("token_to_req", token_to_req), ("visible_blocks", visible_blocks),
                         ("out", out)):
@@ -423,7 +429,7 @@ class SelectLaunch:
                         s.scores, samples, visible_blocks, out, s.decode_samples, row0=row0, rows=n,
                         num_cols=s.num_cols, block_topk=block_topk, tiles=s.decode_samples_tiles,
                         score_block_g=_decode_block_g(), first_row=first_row, num_rows=s.num_rows, chunk=s.chunk,
-                        positions=positions, compress_ratio=compress_ratio,
+                        positions=positions, compress_ratio=compress_ratio, kv=kv, block_table=block_table,
                     )
                 elif s.topk is not None:
                     topk = select_topk.TopkLaunch(
@@ -449,7 +455,7 @@ class SelectLaunch:
         for row0, score, topk in self._chunks:
             if score is not None:
                 score(q_idx, block_table, row0)
-            topk(row0, out, out_stride)
+            topk(row0, out, out_stride, block_table)
         return out
 
 

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .launch import Launcher, pdl_end, pdl_start
+from .warm import KVWarm, warm_kv_groups
 from .select_radix import ChunkLaunches, packed_write
 from .select_score import _sample_shift, _store_row_samples
 from .select_topk import (_compact_segment, _compact_step, _emit, _emit_above, _keys, _kth_bound, _kth_key,
@@ -159,11 +160,13 @@ def _bound_prefill_kernel(
 def _topk_prefill_kernel(
     s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr, runs_ptr, bound_ptr,
     row0, crow0, n_cols, stride_sr, stride_pr, stride_cr, stride_or, stride_oc,
+    req_ptr, bt_ptr, stride_btr, stride_btp, kc_ptr, vc_ptr, stride_kp, stride_ks, stride_vp, stride_vs,
     KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
     SAMPP: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
-    BOUND_IN: tl.constexpr = 0, SBITS: tl.constexpr = 0, RSBITS: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    BOUND_IN: tl.constexpr = 0, SBITS: tl.constexpr = 0, RSBITS: tl.constexpr = 0, WARM_K: tl.constexpr = 0,
+    WARM_V: tl.constexpr = 0, PAGE: tl.constexpr = 1, PDL: tl.constexpr = 0,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
@@ -177,7 +180,10 @@ def _topk_prefill_kernel(
     read only their live runs, others the segment. The row's bound: BOUND_IN, read from bound int32
     [chunk rows] (`_bound_prefill_kernel`, before this launch), else each program's own
     `_chunk_row_bound` (SBITS: the bracket search). RSBITS: the last arriver's resolve by the
-    bracket search (`_resolve_lists`; 0: `_kth_key`)."""
+    bracket search (`_resolve_lists`; 0: `_kth_key`). WARM_K > 0 (`warm.KV`): a program that
+    does not resolve its row then hints its candidates' K and V rows into L2 (req, bt:
+    token_to_req and the block table; kc / vc: the K / V caches, PAGE tokens a page; WARM_K /
+    WARM_V: `warm.warm_kv_groups`' K_BYTES / V_BYTES)."""
     pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
@@ -233,6 +239,12 @@ def _topk_prefill_kernel(
             else:
                 _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+        elif WARM_K:
+            j = tl.arange(0, CAP)
+            m = j < n
+            groups = tl.load(c_idx + seg * CAP + j, mask=m, other=0)
+            warm_kv_groups(groups, m, tl.load(req_ptr + row), bt_ptr, stride_btr, stride_btp, kc_ptr, vc_ptr,
+                           stride_kp, stride_ks, stride_vp, stride_vs, PAGE, R, WARM_K, WARM_V)
     pdl_end(PDL)
 
 
@@ -464,12 +476,15 @@ class PrefillTopkLaunch(ChunkLaunches):
     after the last chunk of a `defer_rows` group, the group's resolve) into out: int32 [T, Kb]
     (any strides; `out` at binding fixes its column stride) or, with `positions` int64 [T]
     given, the packed selection int32 [T, W + 1] (contiguous rows; r = compress_ratio). Tile
-    bound 1 / 3: the chunk's bound launch first."""
+    bound 1 / 3: the chunk's bound launch first. kv (decode rows, packed output): the top-k
+    also warms the attention's K/V (`warm.KVWarm`); then block_table (the first call's) and
+    every call's block table are required."""
 
     def __init__(self, scores: torch.Tensor, samples: torch.Tensor, visible_blocks: torch.Tensor,
                  out: torch.Tensor, scratch: PrefillScratch, *, row0: int, rows: int, num_cols: int,
                  block_topk: int, tiles: dict, score_block_g: int, first_row: int, num_rows: int, chunk: int,
-                 positions: torch.Tensor | None = None, compress_ratio: int = 1) -> None:
+                 positions: torch.Tensor | None = None, compress_ratio: int = 1, kv: KVWarm | None = None,
+                 block_table: torch.Tensor | None = None) -> None:
         Kb, t = block_topk, tiles
         write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
         segs = triton.cdiv(num_cols, t["seg"])
@@ -491,6 +506,10 @@ class PrefillTopkLaunch(ChunkLaunches):
             LOG_G=t["log_g"], num_warps=4,
         ) if t.get("sample_launch", 0) else None
         sbits = t["sbits"] if t["bound"] >= 2 else 0
+        # Decode rows of packed output may warm the attention's K/V (`warm.KV`): block_table per call.
+        self.kv = kv if kv is not None and row_s and not t["defer"] and positions is not None else None
+        warm_args = self.kv.args(block_table) if self.kv is not None else (visible_blocks, visible_blocks, 0, 0,
+                                                                               scores, scores, 0, 0, 0, 0)
         self._bound = _prefill_bound.bind(
             (rows,), visible_blocks, samples, scratch.bound, row0, num_cols, samples.stride(0), free=("row0",),
             KB=Kb, BITS=t["bits"], LBITS=t["lbits"], S=S, SAMPP=SAMPP, SBITS=sbits, ROW_SAMPLES=row_s,
@@ -499,8 +518,10 @@ class PrefillTopkLaunch(ChunkLaunches):
         self._topk = _prefill_topk.bind(
             (rows, segs), scores, visible_blocks, samples, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
             scratch.runs, scratch.bound, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
-            out.stride(0), out.stride(1),
-            free=("row0", "crow0", "out_ptr", "stride_or"),
+            out.stride(0), out.stride(1), *warm_args,
+            free=("row0", "crow0", "out_ptr", "stride_or") + (("bt_ptr", "stride_btr", "stride_btp") if self.kv else ()),
+            WARM_K=self.kv.k_bytes if self.kv else 0, WARM_V=self.kv.v_bytes if self.kv else 0,
+            PAGE=self.kv.k.shape[1] if self.kv else 1,
             KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=S, SAMPP=SAMPP, BLOCK=t["block"], RBLOCK=t["rblock"],
             DEFER=bool(t["defer"]), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.get("log_g", 0),
             BOUND_IN=bool(t["bound"] & 1), SBITS=sbits, RSBITS=t.get("rsbits", 0), **common,
@@ -513,13 +534,19 @@ class PrefillTopkLaunch(ChunkLaunches):
             **common, num_warps=t["rwarps"], **({"maxnreg": t["rregs"]} if t["rregs"] else {}),
         ) if t["defer"] else None
 
-    def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int) -> None:
+    def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int,
+                 block_table: torch.Tensor | None = None) -> None:
         crow0 = (row0 - self.first) % self.group
         if self._samples is not None:
             self._samples(row0)
         if self._bound is not None:
             self._bound(row0)
-        self._topk(row0, crow0, out, out_row_stride)
+        if self.kv is not None:
+            if block_table is None:
+                raise ValueError("this top-k launch warms the attention's K/V: pass the step's block table")
+            self._topk(row0, crow0, out, out_row_stride, block_table, block_table.stride(0), block_table.stride(1))
+        else:
+            self._topk(row0, crow0, out, out_row_stride)
         done = crow0 + self.rows
         if self._resolve is not None and (done >= self.group or row0 + self.rows >= self.end):
             self._resolve(row0 - crow0, done, out, out_row_stride)

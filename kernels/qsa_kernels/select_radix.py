@@ -295,11 +295,12 @@ def packed_write(out: torch.Tensor, positions: torch.Tensor | None, visible_bloc
 
 class ChunkLaunches:
     """The bound top-k launches of one chunk of rows, each with whether it writes `out`;
-    `__call__(row0, out, out_row_stride)` runs them in order."""
+    `__call__(row0, out, out_row_stride[, block_table])` runs them in order (the block table:
+    for launches bound to warm the attention's K/V, `select_prefill.PrefillTopkLaunch`)."""
 
     _launches: list[tuple[BoundLaunch, bool]]
 
-    def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int) -> None:
+    def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int, block_table: torch.Tensor | None = None) -> None:
         for launch, writes in self._launches:
             if writes:
                 launch(row0, out, out_row_stride)

@@ -5,7 +5,7 @@ tensors on the device and runs four layers, and must equal the same step run eag
 bitwise: outputs and every cache (K/V, compressed keys, ring). Later steps carry CUDA-graph
 padding requests (no rows, inert padding rows with NaN hidden states). The same steps run with
 programmatic dependent launch (the default on the H200) and without it (`QSA_PDL=0`) give the
-same bits.
+same bits, and so do they with the top-k's L2 warm of the K/V (`qsa_kernels.warm`) on and off.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import qsa_kernels.launch as launch
+import qsa_kernels.warm as warm
 from qsa_core import QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs
 
 pytestmark = pytest.mark.gpu
@@ -29,21 +30,21 @@ DEV = "cuda"
 class Engine:
     """A toy engine owning static step inputs (what a CUDA graph reads) and paged caches."""
 
-    def __init__(self) -> None:
+    def __init__(self, pages_per_req: int = PAGES_PER_REQ) -> None:
         dev, g = DEV, torch.Generator(device=DEV).manual_seed(0)
         torch.manual_seed(0)
         self.layers = [QSAAttention(CONFIG).to(dev, torch.bfloat16) for _ in range(LAYERS)]
         for layer in self.layers:
             for p in layer.parameters():
                 p.data.normal_(0, 0.02 if p.dim() == 2 else 0.3, generator=g)
-        layout = QSACacheLayout(num_layers=LAYERS, page_size=PAGE, num_pages=BATCH * PAGES_PER_REQ + 1, ring_rows=BATCH)
+        layout = QSACacheLayout(num_layers=LAYERS, page_size=PAGE, num_pages=BATCH * pages_per_req + 1, ring_rows=BATCH)
         self.caches = layout.allocate(CONFIG, torch.bfloat16, dev)
         for cache in self.caches:
             for name in ("k", "v", "compressed", "ring"):
                 t = getattr(cache, name)
                 t.copy_(torch.randn(t.shape, device=dev, generator=g).to(t.dtype))
-        self.pages = (torch.randperm(BATCH * PAGES_PER_REQ, device=dev, generator=g) + 1).view(BATCH, PAGES_PER_REQ)
-        self.max_seq_len = PAGES_PER_REQ * PAGE
+        self.pages = (torch.randperm(BATCH * pages_per_req, device=dev, generator=g) + 1).view(BATCH, pages_per_req)
+        self.max_seq_len = pages_per_req * PAGE
         i32 = dict(dtype=torch.int32, device=dev)
         self.query_start_loc = torch.zeros(BATCH + 1, **i32)
         self.seq_lens = torch.zeros(BATCH, **i32)
@@ -137,23 +138,63 @@ def test_decode_step_replays_bitwise_as_eager(pdl, monkeypatch):
     engine.planner.check_guard()
 
 
+def eager_steps(engine: Engine, steps: list) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """(each step's output, the caches after the last) of the steps run eagerly."""
+    outs = []
+    with torch.no_grad():
+        for seq_lens, seed in steps:
+            engine.set_step(seq_lens, seed)
+            engine.step()
+            outs.append(engine.out.clone())
+    torch.cuda.synchronize()
+    return outs, engine.snapshot()
+
+
+def assert_same_bits(want: tuple, got: tuple, what: str) -> None:
+    """Two `eager_steps` results: finite outputs, equal bit for bit, and equal caches."""
+    for i, (a, b) in enumerate(zip(want[0], got[0])):
+        assert torch.isfinite(a).all(), f"step {i}: output not finite"
+        assert torch.equal(a, b), f"step {i}: output differs {what}"
+    for i, (a, b) in enumerate(zip(want[1], got[1])):
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"layer {i}: {name} differs {what}"
+
+
 def test_pdl_changes_no_bits(monkeypatch):
     """Eager steps with PDL (either signal) and without: the same outputs and caches, bit for bit."""
     runs = []
     for pdl in (0, 1, 2):
         monkeypatch.setattr(launch, "_pdl", pdl)
-        engine, outs = Engine(), []
-        with torch.no_grad():
-            for seq_lens, seed in STEPS:
-                engine.set_step(seq_lens, seed)
-                engine.step()
-                outs.append(engine.out.clone())
-        torch.cuda.synchronize()
-        runs.append((outs, engine.snapshot()))
-    (outs0, caches0), *with_pdl = runs
-    for mode, (outs1, caches1) in enumerate(with_pdl, 1):
-        for i, (a, b) in enumerate(zip(outs0, outs1)):
-            assert torch.equal(a, b), f"step {i}: output differs with PDL {mode}"
-        for i, (a, b) in enumerate(zip(caches0, caches1)):
-            for name in a:
-                assert torch.equal(a[name], b[name]), f"layer {i}: {name} differs with PDL {mode}"
+        runs.append(eager_steps(Engine(), STEPS))
+    for mode, run in enumerate(runs[1:], 1):
+        assert_same_bits(runs[0], run, f"with PDL {mode}")
+
+
+# Contexts up to 40960 tokens: decode rows past the short top-k's 8192 columns, so the top-k's
+# K/V warm applies too.
+LONG_PAGES = 640
+LONG_STEPS = [([40960, 33000, 2049, 40001, 9000, 36000, 35001, 34567], 1),
+              ([40000, 20000, 38000], 2)]  # 5 padding requests
+
+
+def bound_topks(engine: Engine):
+    """The top-k launches the engine's planner bound, every schedule and layer."""
+    for schedule in engine.planner._schedules.values():
+        for key, entry in schedule.launches.items():
+            if key != "by_views":
+                for select in entry[1].get("select", ()):
+                    yield from (topk for _, _, topk in select._chunks)
+
+
+def test_l2_warm_changes_no_bits(monkeypatch):
+    """Eager steps with the top-k's K/V warm bound (QSA_L2_WARM unset; its byte cap lifted for
+    8 rows) and without (QSA_L2_WARM=0): the same outputs and caches, bit for bit."""
+    monkeypatch.setattr(warm, "KV_WARM_BYTES", 1 << 30)
+    runs = []
+    for mask in ("", "0"):
+        monkeypatch.setenv("QSA_L2_WARM", mask)
+        engine = Engine(LONG_PAGES)
+        runs.append(eager_steps(engine, LONG_STEPS))
+        warmed = [getattr(topk, "kv", None) is not None for topk in bound_topks(engine)]
+        assert warmed and any(warmed) == (mask == ""), "the K/V warm must be bound as asked"
+    assert_same_bits(runs[0], runs[1], "without the K/V warm")

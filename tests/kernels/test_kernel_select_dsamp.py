@@ -277,9 +277,14 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M contex
                      RBLOCK=t["rblock"], DEFER=0, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1,
                      BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"],
                      BOUND_IN=t["bound"] & 1, SBITS=t["sbits"], RSBITS=t["rsbits"], PDL=2)
-        compile_sm90(sp._topk_prefill_kernel, const, dict(s_ptr="*fp32", pos_ptr="*i64"), num_warps=t["warps"],
-                     launch_pdl=True)
-        print("compiled topk", cols, packed, skip)
+        # packed rows of few rows also warm the attention's bf16 K/V (warm.KV: 4 tokens x 2 heads x 2 x 256,
+        # QSACacheLayout's paired pages)
+        for warm in (0, 8192) if packed and rows < 16 else (0,):
+            const.update(WARM_K=warm, WARM_V=0, PAGE=64)
+            k = compile_sm90(sp._topk_prefill_kernel, const, dict(s_ptr="*fp32", pos_ptr="*i64", kc_ptr="*bf16",
+                                                                  vc_ptr="*bf16"), num_warps=t["warps"],
+                             launch_pdl=True)
+            print("compiled topk", cols, packed, skip, "warm", warm, k.asm["ptx"].count("cp.async.bulk.prefetch"))
     if t["bound"] & 1:
         const = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SBITS=t["sbits"],
                      ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"], PDL=2)
@@ -294,9 +299,13 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M contex
 def test_route_compiles_for_sm90():
     """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M
     columns), the bound launch of chunks of many rows and MTP rows' sample launch compile for
-    sm_90 here without a GPU (its score kernels: test_kernel_select_score)."""
+    sm_90 here without a GPU (its score kernels: test_kernel_select_score); the K/V warm
+    (`warm.KV`) issues bulk L2 prefetches, and only where bound."""
     from sm90 import run as run_script
 
     run = run_script(SM90_COMPILE, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len([x for x in run.stdout.splitlines() if x.startswith("compiled")]) == 11, run.stdout
+    lines = [x for x in run.stdout.splitlines() if x.startswith("compiled")]
+    assert len(lines) == 15, run.stdout
+    warms = [x.split()[-3:] for x in lines if " warm " in x]
+    assert len(warms) == 11 and all((w == "0") == (n == "0") for _, w, n in warms), run.stdout

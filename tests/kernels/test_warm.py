@@ -1,0 +1,98 @@
+"""The decode top-k's L2 warm of the attention's K/V (`qsa_kernels.warm`).
+
+Whether the warm changes any bit is a GPU question (`test_cuda_graph_step.test_l2_warm_changes_no_bits`);
+here: QSA_L2_WARM's parsing, the K/V layouts and the byte cap the warm takes, that nothing warms
+without a GPU of sm_90, and (compiled for sm_90 on the CPU) that the top-k kernel bound with the
+warm issues bulk L2 prefetches after the PDL wait, each guarded by its mask and a 16-byte
+alignment test, and none when bound without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from qsa_kernels import warm
+
+
+def test_qsa_l2_warm_is_a_bit_mask(monkeypatch):
+    for raw, want in (("", warm.KV), ("0", 0), ("1", warm.KV)):
+        monkeypatch.setenv("QSA_L2_WARM", raw)
+        assert warm.warm_mask() == want
+    monkeypatch.delenv("QSA_L2_WARM")
+    assert warm.warm_mask() == warm.KV
+    for raw in ("2", "-1", "all"):
+        monkeypatch.setenv("QSA_L2_WARM", raw)
+        with pytest.raises(ValueError, match=f"QSA_L2_WARM must be an integer bit mask in \\[0, 1\\], got '{raw}'"):
+            warm.warm_mask()
+
+
+def test_nothing_warms_without_an_sm90_gpu(monkeypatch):
+    monkeypatch.delenv("QSA_L2_WARM", raising=False)
+    k = torch.zeros(4, 64, 2, 256, dtype=torch.bfloat16)
+    assert not warm.warm_enabled(warm.KV, torch.device("cpu"))
+    assert warm.kv_warm(k, k, torch.zeros(4, dtype=torch.int32), 4, rows=4, block_topk=512) is None
+
+
+def test_kv_warm_takes_contiguous_group_runs(monkeypatch):
+    monkeypatch.setattr(warm, "warm_enabled", lambda part, device: True)
+    to_req = torch.zeros(4, dtype=torch.int32)
+    paired = torch.zeros(8, 64, 2, 512, dtype=torch.bfloat16)  # QSACacheLayout: [K | V] per head
+    k, v = paired[..., :256], paired[..., 256:]
+    got = warm.kv_warm(k, v, to_req, 4, rows=4, block_topk=512)
+    assert (got.k_bytes, got.v_bytes) == (4 * 2 * 512 * 2, 0)  # a group's K and V rows: one run
+    sep = torch.zeros(2, 8, 64, 2, 256, dtype=torch.bfloat16)
+    got = warm.kv_warm(sep[0], sep[1], to_req, 4, rows=4, block_topk=512)
+    assert (got.k_bytes, got.v_bytes) == (4 * 2 * 256 * 2, 4 * 2 * 256 * 2)
+    heads_first = torch.zeros(8, 2, 64, 256, dtype=torch.bfloat16).transpose(1, 2)  # a group's rows apart
+    assert warm.kv_warm(heads_first, heads_first, to_req, 4, rows=4, block_topk=512) is None
+    assert warm.kv_warm(k, v, to_req, 4, rows=8, block_topk=512) is None  # 32 MiB of chosen K/V > 24 MiB
+
+
+def compile_topk() -> list[str]:
+    """PTX facts of the 1M-context decode top-k without and with the warm, one line each:
+    `topk warm=<K bytes> prefetch=<count> guarded=<alignment tests> first=<first two of wait /
+    prefetch / global load>` (the wait must come first)."""
+    import re
+
+    import triton
+
+    from qsa_kernels import select_prefill as sp
+    from sm90 import compile_sm90
+
+    cols = 1 << 18
+    t = sp.decode_tiles(cols, 512, 128, small=False, rows=4)
+    lines = []
+    for k_bytes in (0, 8192):
+        const = dict(KB=512, KBP=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SEG=t["seg"],
+                     SEGP=triton.next_power_of_2(triton.cdiv(cols, t["seg"])), CAP=t["cap"], BLOCK=t["block"],
+                     RBLOCK=t["rblock"], DEFER=0, PACKED=True, R=4, W=2051, BLOCK_W=1024,
+                     RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"], BOUND_IN=0,
+                     SBITS=t["sbits"], RSBITS=t["rsbits"], WARM_K=k_bytes, WARM_V=0, PAGE=64, PDL=2)
+        k = compile_sm90(sp._topk_prefill_kernel, const, dict(s_ptr="*fp32", pos_ptr="*i64", kc_ptr="*bf16",
+                                                              vc_ptr="*bf16"), num_warps=t["warps"], launch_pdl=True)
+        ptx = k.asm["ptx"]
+        order = re.findall(r"griddepcontrol\.wait|cp\.async\.bulk\.prefetch|ld\.global", ptx)
+        lines.append(f"topk warm={k_bytes} prefetch={ptx.count('cp.async.bulk.prefetch.L2.global')} "
+                     f"guarded={ptx.count('and.b64 a, ')} first={','.join(order[:2])}")
+    return lines
+
+
+def test_warm_issues_guarded_prefetches_after_the_wait():
+    from sm90 import run
+
+    done = run(os.path.abspath(__file__), timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = [x.split() for x in done.stdout.splitlines() if x.startswith("topk ")]
+    assert [x[1] for x in got] == ["warm=0", "warm=8192"], done.stdout
+    for _, on, prefetch, guarded, first in got:
+        n = int(prefetch.split("=")[1])
+        assert (n > 0) == (on != "warm=0") and guarded == f"guarded={n}", done.stdout
+        assert first.split("=")[1].startswith("griddepcontrol.wait"), done.stdout
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)
+    print("\n".join(compile_topk()))
