@@ -7,7 +7,8 @@ when a planner and its launches are made: `nopdl`; `pdl` / `late` = programmatic
 launch signalling at each program's start / end, `launch`'s modes 1 / 2; `samples` =
 QSA_DECODE_SAMPLES=1 with PDL 2; `auto` = the default routes with PDL 2, `auto-early` with PDL 1;
 the others force
-QSA_DECODE_SAMPLES=0), the step (`bench_qsa.Step.full`:
+QSA_DECODE_SAMPLES=0; a suffix `-w<mask>` sets QSA_L2_WARM, the L2 warms of `qsa_kernels.warm`,
+else they take its default), the step (`bench_qsa.Step.full`:
 prepare + select + attention, every launch in one CUDA graph) is built anew, its attention
 output must equal the first variant's bit for bit, and its graph replays are timed (median us,
 L2 flushed), variants interleaved over `--rounds` rounds so that drift hits them alike.
@@ -50,9 +51,14 @@ VARIANTS = {"nopdl": (0, "0"), "pdl": (1, "0"), "late": (2, "0"), "samples": (2,
 
 def build(case: Case, variant: str) -> bq.Step:
     """The step of `case` with the variant's switches (read while its planner and launches are made)."""
-    pdl, samples = VARIANTS[variant]
+    base, _, warm = variant.partition("-w")
+    pdl, samples = VARIANTS[base]
     launch._pdl = pdl
     os.environ["QSA_DECODE_SAMPLES"] = samples
+    if warm:
+        os.environ["QSA_L2_WARM"] = warm
+    else:
+        os.environ.pop("QSA_L2_WARM", None)
     step = bq.Step(case, torch.device("cuda"))
     step.full()  # binds and compiles under these switches
     torch.cuda.synchronize()
