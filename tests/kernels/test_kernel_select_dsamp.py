@@ -264,26 +264,16 @@ def test_the_route_takes_long_decode_chunks_by_default(monkeypatch):
 
 
 SM90_COMPILE = """
-import triton
 from qsa_kernels import select_prefill as sp
-from sm90 import compile_sm90
+from sm90 import compile_decode_topk, compile_sm90
 
 for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M context; 64 rows: the bound launch
     t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
     for packed, skip in ((False, 0), (True, 0), (True, 1)) if rows < 16 else ((True, 1),):
-        t["skip"] = skip
-        const = dict(KB=512, KBP=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SEG=t["seg"],
-                     SEGP=triton.next_power_of_2(triton.cdiv(cols, t["seg"])), CAP=t["cap"], BLOCK=t["block"],
-                     RBLOCK=t["rblock"], DEFER=0, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1,
-                     BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"],
-                     BOUND_IN=t["bound"] & 1, SBITS=t["sbits"], RSBITS=t["rsbits"], PDL=2)
         # packed rows of few rows also warm the attention's bf16 K/V (warm.KV: 4 tokens x 2 heads x 2 x 256,
         # QSACacheLayout's paired pages)
         for warm in (0, 8192) if packed and rows < 16 else (0,):
-            const.update(WARM_K=warm, WARM_V=0, PAGE=64)
-            k = compile_sm90(sp._topk_prefill_kernel, const, dict(s_ptr="*fp32", pos_ptr="*i64", kc_ptr="*bf16",
-                                                                  vc_ptr="*bf16"), num_warps=t["warps"],
-                             launch_pdl=True)
+            k = compile_decode_topk(cols, rows, packed, skip, warm)
             print("compiled topk", cols, packed, skip, "warm", warm, k.asm["ptx"].count("cp.async.bulk.prefetch"))
     if t["bound"] & 1:
         const = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SBITS=t["sbits"],

@@ -57,22 +57,11 @@ def compile_topk() -> list[str]:
     prefetch / global load>` (the wait must come first)."""
     import re
 
-    import triton
+    from sm90 import compile_decode_topk
 
-    from qsa_kernels import select_prefill as sp
-    from sm90 import compile_sm90
-
-    cols = 1 << 18
-    t = sp.decode_tiles(cols, 512, 128, small=False, rows=4)
     lines = []
     for k_bytes in (0, 8192):
-        const = dict(KB=512, KBP=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SEG=t["seg"],
-                     SEGP=triton.next_power_of_2(triton.cdiv(cols, t["seg"])), CAP=t["cap"], BLOCK=t["block"],
-                     RBLOCK=t["rblock"], DEFER=0, PACKED=True, R=4, W=2051, BLOCK_W=1024,
-                     RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"], BOUND_IN=0,
-                     SBITS=t["sbits"], RSBITS=t["rsbits"], WARM_K=k_bytes, WARM_V=0, PAGE=64, PDL=2)
-        k = compile_sm90(sp._topk_prefill_kernel, const, dict(s_ptr="*fp32", pos_ptr="*i64", kc_ptr="*bf16",
-                                                              vc_ptr="*bf16"), num_warps=t["warps"], launch_pdl=True)
+        k = compile_decode_topk(1 << 18, 4, packed=True, skip=1, warm_k=k_bytes)
         ptx = k.asm["ptx"]
         order = re.findall(r"griddepcontrol\.wait|cp\.async\.bulk\.prefetch|ld\.global", ptx)
         lines.append(f"topk warm={k_bytes} prefetch={ptx.count('cp.async.bulk.prefetch.L2.global')} "
