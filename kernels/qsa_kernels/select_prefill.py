@@ -84,19 +84,26 @@ def _row_total(cnt_row, n_seg, SEGP: tl.constexpr):
 
 
 @triton.jit
-def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, run0, hi, run_end, S, RUNS: tl.constexpr,
+def _cdiv_pow2(x, LOG):
+    """cdiv(x, 2^LOG) of x >= 0 by shifts (LOG a constexpr or a runtime int32: no division)."""
+    return (x + (1 << LOG) - 1) >> LOG
+
+
+@triton.jit
+def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, run0, hi, run_end, LOG_S, RUNS: tl.constexpr,
                   CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy the keys >= bound of a segment's columns below hi (its runs of S columns: [run0,
-    run0 + RUNS) below run_end; S a constexpr, or a row's own stride) and their columns,
+    """Copy the keys >= bound of a segment's columns below hi (its runs of 2^LOG_S columns:
+    [run0, run0 + RUNS) below run_end; LOG_S a constexpr, or a row's own) and their columns,
     ascending, to l_key / l_idx (the first CAP of them); returns how many. A run whose sample
     (its largest key) is below bound holds none: only the others are read, their ids first
     listed ascending at runs_row (int32 [RUNS], scratch) and then swept BLOCK columns per step
-    (flat position f: run f // S, column f % S)."""
+    (flat position f: run f >> LOG_S, column f & (2^LOG_S - 1); shifts, as a runtime divisor
+    compiles to a division sequence per element)."""
     r = tl.arange(0, RUNS)
     run = run0 + r
     live = (tl.load(samp_row + run, mask=run < run_end, other=-1) >= bound).to(tl.int32)
     tl.store(runs_row + tl.cumsum(live, 0) - live, run, mask=live > 0)
-    n_flat = tl.sum(live, 0) * S
+    n_flat = tl.sum(live, 0) << LOG_S
     tl.debug_barrier()  # the run list before its reads
     f = tl.arange(0, BLOCK)
     n = n_flat * 0
@@ -104,23 +111,24 @@ def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, run0, hi, run_
     while start < n_flat:  # (while: the interpreter cannot range over loaded values)
         fi = start + f
         m = fi < n_flat
-        cols = tl.load(runs_row + fi // S, mask=m, other=0, cache_modifier=".cg") * S + fi % S
+        run_f = tl.load(runs_row + (fi >> LOG_S), mask=m, other=0, cache_modifier=".cg")
+        cols = (run_f << LOG_S) + (fi & ((1 << LOG_S) - 1))
         n = _compact_step(cols, _keys(s_row, cols, m & (cols < hi)), bound, n, l_idx, l_key, CAP)
         start += BLOCK
     return n
 
 
 @triton.jit
-def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S, SAMPP: tl.constexpr,
-               SBITS: tl.constexpr):
-    """A lower bound of a row's KB-th largest key from its samples int32 (one per S columns: a
-    constexpr, or the row's own stride; cdiv(vis, S) of them, SAMPP >= that, a power of two).
+def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, LOG_S,
+               SAMPP: tl.constexpr, SBITS: tl.constexpr):
+    """A lower bound of a row's KB-th largest key from its samples int32 (one per 2^LOG_S
+    columns, LOG_S a constexpr or the row's own; cdiv(vis, 2^LOG_S) of them, SAMPP >= that, a
+    power of two).
     SBITS 0: the KB-th largest sample to its LBITS high bits (`_kth_key`, ceil(LBITS / BITS)
     block reductions); else the bracket search (`select_topk._samples_bound`, 2^SBITS counts
     a step, until isolated). Either way >= KB samples reach it: <= the row's KB-th key."""
     p = tl.arange(0, SAMPP)
-    n = tl.cdiv(vis, S)
-    samples = tl.load(samp_row + p, mask=p < n, other=-1)
+    samples = tl.load(samp_row + p, mask=p < _cdiv_pow2(vis, LOG_S), other=-1)
     if SBITS:
         return _samples_bound(samples, KB, SBITS)
     return _kth_key(samples, KB, BITS, LBITS)
@@ -129,12 +137,12 @@ def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.co
 @triton.jit
 def _chunk_row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
                      SAMPP: tl.constexpr, SBITS: tl.constexpr, ROW_SAMPLES: tl.constexpr, LOG_G: tl.constexpr):
-    """`_row_bound` of a row with samples per S columns, or (ROW_SAMPLES = WBITS > 0) per
-    2^`_sample_shift(vis, WBITS, LOG_G)` columns."""
+    """`_row_bound` of a row with samples per S columns (a power of two), or (ROW_SAMPLES = WBITS
+    > 0) per 2^`_sample_shift(vis, WBITS, LOG_G)` columns."""
     if ROW_SAMPLES:
-        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, 1 << _sample_shift(vis, ROW_SAMPLES, LOG_G), SAMPP, SBITS)
+        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, _sample_shift(vis, ROW_SAMPLES, LOG_G), SAMPP, SBITS)
     else:
-        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S, SAMPP, SBITS)
+        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S.bit_length() - 1, SAMPP, SBITS)
     return bound
 
 
@@ -147,6 +155,7 @@ def _bound_prefill_kernel(
     """The bound of each row of a chunk, once (grid: chunk rows; tile bound 1 / 3): samp int32
     [chunk rows, >= its samples] -> bound int32 [chunk rows] (`_chunk_row_bound`; rows with
     visible <= KB: not written), which the chunk's `_topk_prefill_kernel` programs then read."""
+    tl.static_assert((S & (S - 1)) == 0, "S: a power of two")
     pdl_start(PDL)
     lr = tl.program_id(0)
     vis = tl.minimum(tl.load(vis_ptr + row0 + lr), n_cols)
@@ -184,6 +193,7 @@ def _topk_prefill_kernel(
     does not resolve its row then hints its candidates' K and V rows into L2 (req, bt:
     token_to_req and the block table; kc / vc: the K / V caches, PAGE tokens a page; WARM_K /
     WARM_V: `warm.warm_kv_groups`' K_BYTES / V_BYTES)."""
+    tl.static_assert((S & (S - 1)) == 0, "S: a power of two")
     pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
@@ -214,13 +224,13 @@ def _topk_prefill_kernel(
                 n_runs = SEG >> shift
                 if n_runs <= RUNS:
                     n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound,
-                                      seg * n_runs, hi, tl.minimum(tl.cdiv(vis, 1 << shift), (seg + 1) * n_runs),
-                                      1 << shift, RUNS, CAP, BLOCK)
+                                      seg * n_runs, hi, tl.minimum(_cdiv_pow2(vis, shift), (seg + 1) * n_runs),
+                                      shift, RUNS, CAP, BLOCK)
                 else:
                     n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
             else:
                 n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound, seg * RUNS,
-                                  hi, tl.cdiv(vis, S), S, RUNS, CAP, BLOCK)
+                                  hi, tl.cdiv(vis, S), S.bit_length() - 1, RUNS, CAP, BLOCK)
         else:
             n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
         tl.store(cnt_row + seg, n)

@@ -69,6 +69,12 @@ def usage(kernel) -> tuple[int, int] | None:
     return (int(found.group(1)), int(found.group(2))) if found else None
 
 
+def int_divisions(kernel) -> int:
+    """Integer divisions and remainders in a compiled kernel's PTX: each by a runtime divisor is a
+    sequence of ~20 SASS instructions (a constant power of two compiles to a shift)."""
+    return len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:div|rem)\.[su](?:32|64)\b", kernel.asm["ptx"], re.M))
+
+
 def usage_text(kernel) -> str:
     """`usage` as printed by the compile tests."""
     u = usage(kernel)

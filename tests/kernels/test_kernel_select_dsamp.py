@@ -265,7 +265,7 @@ def test_the_route_takes_long_decode_chunks_by_default(monkeypatch):
 
 SM90_COMPILE = """
 from qsa_kernels import select_prefill as sp
-from sm90 import compile_decode_topk, compile_sm90
+from sm90 import compile_decode_topk, compile_sm90, int_divisions
 
 for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M context; 64 rows: the bound launch
     t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
@@ -274,12 +274,13 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M contex
         # QSACacheLayout's paired pages)
         for warm in (0, 8192) if packed and rows < 16 else (0,):
             k = compile_decode_topk(cols, rows, packed, skip, warm)
-            print("compiled topk", cols, packed, skip, "warm", warm, k.asm["ptx"].count("cp.async.bulk.prefetch"))
+            print("compiled topk", cols, packed, skip, "divisions", int_divisions(k), "warm", warm,
+                  k.asm["ptx"].count("cp.async.bulk.prefetch"))
     if t["bound"] & 1:
         const = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SBITS=t["sbits"],
                      ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"], PDL=2)
-        compile_sm90(sp._bound_prefill_kernel, const, num_warps=t["warps"], launch_pdl=True)
-        print("compiled bound", cols)
+        k = compile_sm90(sp._bound_prefill_kernel, const, num_warps=t["warps"], launch_pdl=True)
+        print("compiled bound", cols, "divisions", int_divisions(k))
     const = dict(KB=512, WBITS=t["row_s"], BLOCK=t["sblock"], LOG_G=t["log_g"], PDL=2)  # MTP rows' sample launch
     compile_sm90(sp._row_samples_kernel, const, dict(s_ptr="*fp32"), num_warps=4, launch_pdl=True)
     print("compiled samples", cols)
@@ -290,7 +291,8 @@ def test_route_compiles_for_sm90():
     """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M
     columns), the bound launch of chunks of many rows and MTP rows' sample launch compile for
     sm_90 here without a GPU (its score kernels: test_kernel_select_score); the K/V warm
-    (`warm.KV`) issues bulk L2 prefetches, and only where bound."""
+    (`warm.KV`) issues bulk L2 prefetches, and only where bound; the top-k and the bound launch
+    divide by no runtime value (a row's sample stride is a power of two: shifts)."""
     from sm90 import run as run_script
 
     run = run_script(SM90_COMPILE, timeout=900)
@@ -299,3 +301,5 @@ def test_route_compiles_for_sm90():
     assert len(lines) == 15, run.stdout
     warms = [x.split()[-3:] for x in lines if " warm " in x]
     assert len(warms) == 11 and all((w == "0") == (n == "0") for _, w, n in warms), run.stdout
+    divisions = [x.split()[x.split().index("divisions") + 1] for x in lines if "divisions" in x]
+    assert len(divisions) == 12 and set(divisions) == {"0"}, run.stdout
