@@ -78,6 +78,19 @@ def _slot(bt_row, tok, valid, stride_btp, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _sel_row(sel_ptr, blk, i, T, stride_st, BR: tl.constexpr):
+    """Selection row of the block's row i (clamped to the last row T - 1: padding reads a real
+    row, masked after)."""
+    return sel_ptr + tl.minimum(blk * BR + i, T - 1).to(tl.int64) * stride_st
+
+
+@triton.jit
+def _at(v, jr, i):
+    """Entry i of the block's per-row vector v [BRP] (jr = arange(BRP); 0 where i is no row)."""
+    return tl.sum(tl.where(jr == i, v, 0), 0)
+
+
+@triton.jit
 def _row_runs(sel_ptr, sel_i, sel_p, ng_i, ng_p, n_groups, jr, blk, i, c0, n_union, T, stride_st, bt_row, ok,
               stride_btp, base, mbase, BR: tl.constexpr, R: tl.constexpr, LOG: tl.constexpr, CAP: tl.constexpr,
               PAGE: tl.constexpr, BLOCK: tl.constexpr):
@@ -94,8 +107,7 @@ def _row_runs(sel_ptr, sel_i, sel_p, ng_i, ng_p, n_groups, jr, blk, i, c0, n_uni
     alive = start
     j = i + 1
     while (j < BR) & (tl.max(alive.to(tl.int32), 0) > 0):
-        sel_j = sel_ptr + tl.minimum(blk * BR + j, T - 1).to(tl.int64) * stride_st
-        alive = alive & _holds(sel_j, tl.sum(tl.where(jr == j, n_groups, 0), 0), gt, alive, R, LOG)
+        alive = alive & _holds(_sel_row(sel_ptr, blk, j, T, stride_st, BR), _at(n_groups, jr, j), gt, alive, R, LOG)
         bits = bits | tl.where(alive, 1 << j, 0)
         j += 1
     k32 = start.to(tl.int32)
@@ -127,16 +139,14 @@ def _union_kernel(
     jr = tl.arange(0, BRP)  # the block's rows on axis 0
     rows = blk * BR + jr
     inb = (jr < BR) & (rows < T)
-    sel_rows = sel_ptr + tl.minimum(rows, T - 1).to(tl.int64) * stride_st
+    sel_rows = _sel_row(sel_ptr, blk, jr, T, stride_st, BR)
     counts = tl.where(inb, tl.minimum(tl.maximum(tl.load(sel_rows + W), 0), W), 0)
     n_groups = (counts + R - 1) // R
     lr = tl.max(tl.where(counts > 0, jr, 0), 0)  # the block's last row with entries (padding has none)
-    sel_l = sel_ptr + (blk * BR + lr).to(tl.int64) * stride_st
     pk = tl.arange(0, PRE)
-    pv = pk < tl.sum(tl.where(jr == 0, n_groups, 0), 0)
-    sel_0 = sel_ptr + tl.minimum(blk * BR, T - 1).to(tl.int64) * stride_st
-    hit = _holds(sel_l, tl.sum(tl.where(jr == lr, n_groups, 0), 0), tl.load(sel_0 + pk * R, mask=pv, other=0),
-                 pv, R, LOG)
+    pv = pk < _at(n_groups, jr, 0)
+    hit = _holds(_sel_row(sel_ptr, blk, lr, T, stride_st, BR), _at(n_groups, jr, lr),
+                 tl.load(_sel_row(sel_ptr, blk, 0, T, stride_st, BR) + pk * R, mask=pv, other=0), pv, R, LOG)
     info = -1
     block_end = 0
     if tl.sum(hit.to(tl.int32), 0) >= min_share * tl.sum(pv.to(tl.int32), 0):
@@ -174,10 +184,10 @@ def _union_kernel(
         mbase = um_ptr + blk.to(tl.int64) * CAP
         i = 0
         while (i < BR) & (n_union <= limit):
-            sel_i = sel_ptr + tl.minimum(blk * BR + i, T - 1).to(tl.int64) * stride_st
-            sel_p = sel_ptr + tl.minimum(blk * BR + tl.maximum(i - 1, 0), T - 1).to(tl.int64) * stride_st
-            ng_i = tl.sum(tl.where(jr == i, n_groups, 0), 0)
-            ng_p = tl.sum(tl.where(jr == i - 1, n_groups, 0), 0)  # 0 for row 0
+            sel_i = _sel_row(sel_ptr, blk, i, T, stride_st, BR)
+            sel_p = _sel_row(sel_ptr, blk, tl.maximum(i - 1, 0), T, stride_st, BR)
+            ng_i = _at(n_groups, jr, i)
+            ng_p = _at(n_groups, jr, i - 1)  # 0 for row 0
             for c0 in range(0, NG // BLOCK_G * BLOCK_G, BLOCK_G):
                 n_union = _row_runs(sel_ptr, sel_i, sel_p, ng_i, ng_p, n_groups, jr, blk, i, c0, n_union, T,
                                     stride_st, bt_row, ok, stride_btp, base, mbase, BR, R, LOG, CAP, PAGE, BLOCK_G)
