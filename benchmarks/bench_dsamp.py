@@ -73,6 +73,9 @@ VARIANTS = {"skip": dict(skip=1), "skip4k": dict(skip=1, seg=4096), "seg4k": dic
             "r64": dict(regs=64), "r80": dict(regs=80), "r96": dict(regs=96),
             "sb4": dict(sbits=4, rsbits=4), "b3-w4": dict(bound=3, warps=4),
             "b3-seg4k-w4": dict(bound=3, seg=4096, warps=4),
+            # one compaction step where 1M rows' slowest segment takes two (2048-column steps; a 1M row's
+            # ~512 live runs of 128 columns over 32 segments: the fullest holds ~23)
+            "blk4k": dict(block=4096), "blk4k-w16": dict(block=4096, warps=16),
             "again": {}}  # the default tiles timed a second time (the shape's noise)
 TILES = sp.decode_tiles
 
