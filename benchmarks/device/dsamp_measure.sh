@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Measure the per-row-samples decode selection (QSA_DECODE_SAMPLES, issue 12 item 1) against
-# main's routes on the H200 (written without GPU time, never run). Run from any directory:
+# main's routes on the H200 (session 12's results/session12/dsamp_variants.txt came from it).
+# Run from any directory:
 #
 #   OUT_DIR=/tmp/out bash benchmarks/device/dsamp_measure.sh [SECONDS]   # default 240
 #
@@ -13,17 +14,7 @@
 # 2. With the time left: tile variants of the new route (tile skip, segment width, warps) on the few-row
 #    shapes, each checked against main first.
 # Logs: $OUT_DIR/dsamp_*.txt; the summary table is the last lines of stage 1.
-set -uo pipefail
-LIMIT=${1:-240}
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$REPO"
-OUT=${OUT_DIR:-${OUT:-/tmp/out}}
-mkdir -p "$OUT"
-export PYTHONPATH=$REPO:$REPO/kernels:$REPO/adapters:${PYTHONPATH:-/tmp/site} PYTHONUNBUFFERED=1
-t0=$(date +%s)
-left() { echo $((LIMIT - ($(date +%s) - t0))); }
-stamp() { echo "[$(date -u +%T) +$(($(date +%s) - t0))s] $*"; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee "$OUT/dsamp_gpu.txt"
+. "$(dirname "$0")/probe_env.sh" dsamp 240 "$@"
 
 stamp "1. bench_dsamp: bits, then select main vs dsamp" | tee "$OUT/dsamp_bench.txt"
 timeout $(( $(left) * 3 / 4 )) python3 -u benchmarks/bench_dsamp.py 2>&1 | tee -a "$OUT/dsamp_bench.txt"

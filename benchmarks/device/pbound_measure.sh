@@ -17,17 +17,7 @@
 #    rows to the whole-row resolve.
 # 2. With >= 45 s left: the same at 16K context.
 # Logs: $OUT_DIR/pbound_*.txt (+ .json); the summary ("best ...") is printed last.
-set -uo pipefail
-LIMIT=${1:-200}
-REPO=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$REPO"
-OUT=${OUT_DIR:-${OUT:-/tmp/out}}
-mkdir -p "$OUT"
-export PYTHONPATH=$REPO:$REPO/kernels:$REPO/adapters:${PYTHONPATH:-/tmp/site} PYTHONUNBUFFERED=1
-t0=$(date +%s)
-left() { echo $((LIMIT - ($(date +%s) - t0))); }
-stamp() { echo "[$(date -u +%T) +$(($(date +%s) - t0))s] $*"; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee "$OUT/pbound_gpu.txt"
+. "$(dirname "$0")/probe_env.sh" pbound 200 "$@"
 VARIANTS=plan,b1,b3,b2
 
 stamp "1. select of 16384 prefill rows at 1M and 128K: radix, $VARIANTS" | tee "$OUT/pbound_long.txt"
