@@ -85,12 +85,32 @@ def dry_cases() -> list[Case]:
 
 # -- timing ------------------------------------------------------------------------------------
 
-class GraphTimer:
-    """Median us of CUDA-graph replays of fn, each replay after an L2 flush (not timed)."""
+# How GraphTimer flushes L2 before a replay: "write" zeroes a 256 MB buffer, as torch's and
+# Triton's do_bench do, leaving L2 full of dirty lines that the timed work's misses must write
+# back to DRAM first; "read" reads the buffer, leaving clean lines (as a served step finds L2
+# after the previous layers' weight reads).
+FLUSHES = ("write", "read")
 
-    def __init__(self, flush_l2: bool = True, reps: int = 25, budget_ms: float = 600.0) -> None:
-        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
+
+class GraphTimer:
+    """Median us of CUDA-graph replays of fn, each replay after an L2 flush (not timed; `flush`:
+    one of FLUSHES)."""
+
+    def __init__(self, flush_l2: bool = True, reps: int = 25, budget_ms: float = 600.0, flush: str = "write") -> None:
+        if flush not in FLUSHES:
+            raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
+        self.flush = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
+        self.mode = flush
         self.reps, self.budget_ms = reps, budget_ms
+
+    def flush_l2(self) -> None:
+        """Evict L2 (enqueued on the current stream; nothing when made with flush_l2=False)."""
+        if self.flush is None:
+            return
+        if self.mode == "write":
+            self.flush.zero_()
+        else:
+            torch.amax(self.flush.view(torch.int64))
 
     def __call__(self, fn) -> float:
         side = torch.cuda.Stream()
@@ -111,8 +131,7 @@ class GraphTimer:
         reps = max(3, min(self.reps, int(self.budget_ms / max(one_ms, 1e-3))))
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for a, b in ev:
-            if self.flush is not None:
-                self.flush.zero_()
+            self.flush_l2()
             a.record()
             graph.replay()
             b.record()
@@ -491,6 +510,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(default %(default)s; larger: neighbouring rows' queries closer)")
     ap.add_argument("--no-dense", action="store_true", help="leave out the dense FlashInfer column")
     ap.add_argument("--warm-l2", action="store_true", help="do not flush L2 between replays")
+    ap.add_argument("--flush", choices=FLUSHES, default="write",
+                    help="how L2 is flushed before a replay: write 256 MB (dirty lines, do_bench's way; the table "
+                    "of record so far) or read it (clean lines)")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no configuration after this many seconds (0: no limit); rerun to resume")
     ap.add_argument("--config-timeout", type=float, default=0.0, metavar="S",
@@ -541,19 +563,22 @@ def main(argv: list[str] | None = None) -> None:
     meta, done = rep.load(path) if path.exists() else ({}, [])
     code = code_fingerprint()
     data = args.prefill_data + (f" period {args.overlap_period}" if args.prefill_data == "overlap" else "")
-    if done and (meta.get("code") != code or meta.get("prefill_data", "random") != data):
-        print(f"{path}: written by other code or data (code {meta.get('code')}, data {meta.get('prefill_data')!r}; "
-              f"now code {code}, data {data!r}); starting over")
+    method = ("one CPU wall-clock call (dry run: not a measurement)" if args.dry_run else
+              "CUDA-graph replays" + ("" if args.warm_l2 else ", L2 flushed before each replay"
+                                      + ("" if args.flush == "write" else " (by a 256 MB read)")))
+    if done and (meta.get("code") != code or meta.get("prefill_data", "random") != data
+                 or meta.get("method", method) != method):
+        print(f"{path}: written by other code, data or method (code {meta.get('code')}, data "
+              f"{meta.get('prefill_data')!r}, {meta.get('method')!r}; now code {code}, data {data!r}, {method!r}); "
+              "starting over")
         meta, done = {}, []
     by_key = {r.case.key: r for r in done}
     meta["code"] = code
     meta["prefill_data"] = data
     meta.update(device=torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)",
-                versions=versions(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                method="one CPU wall-clock call (dry run: not a measurement)" if args.dry_run else
-                "CUDA-graph replays" + ("" if args.warm_l2 else ", L2 flushed before each replay"))
+                versions=versions(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), method=method)
     sg, why = load_peer(args, device)
-    timer = WallTimer() if args.dry_run else GraphTimer(flush_l2=not args.warm_l2)
+    timer = WallTimer() if args.dry_run else GraphTimer(flush_l2=not args.warm_l2, flush=args.flush)
     warm_timer = None if args.dry_run or args.warm_l2 else GraphTimer(flush_l2=False)
     results = [by_key.get(c.key) or Result(c) for c in cases]
 

@@ -11,7 +11,8 @@ QSA_DECODE_SAMPLES=0; a suffix `-w<mask>` sets QSA_L2_WARM, the L2 warms of `qsa
 else they take its default), the step (`bench_qsa.Step.full`:
 prepare + select + attention, every launch in one CUDA graph) is built anew, its attention
 output must equal the first variant's bit for bit, and its graph replays are timed (median us,
-L2 flushed), variants interleaved over `--rounds` rounds so that drift hits them alike.
+L2 flushed; `--flush write,read` times each variant after both of bench_qsa's flushes), variants
+interleaved over `--rounds` rounds so that drift hits them alike.
 `--profile` also records `--replays` replays per variant with torch.profiler (CUPTI) and prints
 each kernel's time per step (and launches per step), the step's span (first kernel start to last kernel end) and the
 idle time between its kernels.
@@ -104,9 +105,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--flush", default="write",
+                    help="comma list of bench_qsa.FLUSHES: how L2 is flushed before a replay; with two, every "
+                    "variant is timed under each (columns VARIANT/FLUSH), interleaved")
     args = ap.parse_args()
     variants = args.variants.split(",")
-    timer = bq.GraphTimer(reps=25)
+    flushes = args.flush.split(",")
+    timers = {f: bq.GraphTimer(reps=25, flush=f) for f in flushes}
+    columns = [v if len(flushes) == 1 else f"{v}/{f}" for v in variants for f in flushes]
     table = []
     for name in args.cases.split(","):
         case = CASES[name]
@@ -123,11 +129,12 @@ def main() -> None:
             times = defaultdict(list)
             for _ in range(args.rounds):
                 for v, step in steps.items():
-                    times[v].append(timer(step.full))
-            row = {v: statistics.median(t) for v, t in times.items()}
-            table.append((name, row, {v: (min(t), max(t)) for v, t in times.items()}))
-            print(f"{name}: " + "  ".join(f"{v} {row[v]:.1f} us ({min(times[v]):.1f}-{max(times[v]):.1f})"
-                                          for v in variants), flush=True)
+                    for f, timer in timers.items():
+                        times[v if len(flushes) == 1 else f"{v}/{f}"].append(timer(step.full))
+            row = {c: statistics.median(t) for c, t in times.items()}
+            table.append((name, row, {c: (min(t), max(t)) for c, t in times.items()}))
+            print(f"{name}: " + "  ".join(f"{c} {row[c]:.1f} us ({min(times[c]):.1f}-{max(times[c]):.1f})"
+                                          for c in columns), flush=True)
             if args.profile:
                 for v, step in steps.items():
                     kernels, span, idle = profile(step, args.replays)
@@ -139,9 +146,9 @@ def main() -> None:
             torch.cuda.empty_cache()
         except Exception as e:  # one failing case must not stop the others
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-    print("\ncase      " + "".join(f"{v:>16}" for v in variants))
+    print("\ncase      " + "".join(f"{c:>16}" for c in columns))
     for name, row, _ in table:
-        print(f"{name:10}" + "".join(f"{row[v]:16.1f}" for v in variants))
+        print(f"{name:10}" + "".join(f"{row[c]:16.1f}" for c in columns))
 
 
 if __name__ == "__main__":

@@ -135,3 +135,23 @@ def test_overlap_data_and_its_period_belong_to_the_run(tmp_path, capsys):
     bench_qsa.main(args + ["--overlap-period", "8"])
     assert "starting over" in capsys.readouterr().out
     assert rep.load(tmp_path / "results.json")[0]["prefill_data"] == "overlap period 8"
+
+
+def test_results_timed_another_way_are_not_resumed(tmp_path, capsys):
+    """A results.json whose timing method differs (another L2 flush, `--flush`) starts over
+    instead of mixing figures of two methods in one table; an unknown flush is refused."""
+    import bench_qsa
+
+    key = Case("decode", 4096, 1, 1).key
+    args = ["--dry-run", "--no-plot", "--out", str(tmp_path), "--only", key]
+    bench_qsa.main(args)
+    bench_qsa.main(args)
+    assert "starting over" not in capsys.readouterr().out
+    meta, results = rep.load(tmp_path / "results.json")
+    read = "CUDA-graph replays, L2 flushed before each replay (by a 256 MB read)"
+    rep.save(tmp_path / "results.json", dict(meta, method=read), results)
+    bench_qsa.main(args)
+    assert "starting over" in capsys.readouterr().out
+    assert rep.load(tmp_path / "results.json")[0]["method"] != read
+    with pytest.raises(ValueError, match=r"flush must be one of \('write', 'read'\), got 'dirty'"):
+        bench_qsa.GraphTimer(flush="dirty")
