@@ -30,12 +30,13 @@ def ring_capacity(compress_ratio: int, num_speculative_tokens: int = 0) -> int:
     return r * math.ceil((r + num_speculative_tokens) / r)
 
 
-def ring_store_fuses(max_query_len: int, ring_capacity: int) -> bool:
+def ring_store_fuses(max_query_len: int, ring_capacity: int, compress_ratio: int) -> bool:
     """Whether a step's ring store may run in prepare's first launch: no request has
-    C - 2 rows or more. A request's compressions read ring slots of positions s-3..s-1 (s:
-    its first row's position) and its rows write slots of positions in [s, s + n); those
-    slots (mod C) meet only if C <= n + 2. Decode steps qualify (C >= r + draft rows)."""
-    return max_query_len <= ring_capacity - 3
+    C - r + 2 rows or more. A request's compressions read ring slots of positions
+    s-(r-1)..s-1 (s: its first row's position; the group its rows close first began before
+    them) and its rows write slots of positions in [s, s + n); those slots (mod C) meet only
+    if C <= n + r - 2. Decode steps qualify (C >= r + draft rows)."""
+    return max_query_len <= ring_capacity - compress_ratio + 1
 
 
 def check_page_size(page_size: int, compress_ratio: int) -> None:

@@ -383,7 +383,8 @@ class QSAPlanner:
             inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
         cfg = self.config
         schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(max_seq_len // cfg.compress_ratio),
-                                  inputs.decode_query_len, ring_store_fuses(inputs.max_query_len, self.ring_capacity),
+                                  inputs.decode_query_len,
+                                  ring_store_fuses(inputs.max_query_len, self.ring_capacity, cfg.compress_ratio),
                                   inputs.num_decodes == inputs.num_reqs)
         if static:
             qsl, seq, table, slots, ring, rope = self._stage(inputs)

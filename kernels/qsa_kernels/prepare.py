@@ -9,7 +9,7 @@ task 0 the indexer query, task 1 the compression of the group the row closes (if
 task 2 the row's K/V store, tasks 3.. blocks of main query heads. The raw keys (and MRoPE
 positions) go into the ring in launch 2, after launch 1: compression reads ring rows of
 earlier steps, and a chunk's last C rows map onto those same ring slots. Where no request
-of the step has C - 2 rows or more (every decode step), those slots cannot meet and task 2
+of the step has C - r + 2 rows or more (every decode step), those slots cannot meet and task 2
 stores the ring row too: one launch (`ring_store_fuses`).
 `PrepareLaunch` binds them (`qsa_kernels.launch`) once per step shape and layer cache; the
 standalone stores and compression (not on a layer's path) launch the ordinary way.
@@ -536,7 +536,7 @@ _RING_FREE = ("raw_ptr", "stride_raw", "rope_ptr", "rope_stride_axis", "rope_str
 
 class PrepareLaunch:
     """`qsa_prepare` bound to one step shape (T rows, the plan's workspace) and one layer
-    cache: one launch where `ring_store_fuses(meta.max_query_len, C)` (fuse_ring), else two;
+    cache: one launch where `ring_store_fuses(meta.max_query_len, C, r)` (fuse_ring), else two;
     `__call__` takes what changes per layer call.
 
     Fixed at binding: the metadata's derived per-row fields (slot_mapping, compressed_slot,
@@ -659,5 +659,6 @@ def qsa_prepare(
     launch = PrepareLaunch(index_q, raw_keys, q_gate, k, v, rope_positions, index_q_norm=norms[0],
                            index_k_norm=norms[1], q_norm=norms[2], k_norm=norms[3], eps=eps, inv_freq=inv_freq,
                            rope_axes=rope_axes, cache=cache, meta=meta, q_idx_out=q_idx, q_out=q,
-                           fuse_ring=ring_store_fuses(meta.max_query_len, meta.ring_capacity))
+                           fuse_ring=ring_store_fuses(meta.max_query_len, meta.ring_capacity,
+                                                      meta.compress_ratio))
     return launch(index_q, raw_keys, q_gate, k, v, rope_positions, *norms, meta.query_start_loc, meta.ring_index)

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from qsa_core import reference  # noqa: E402
-from qsa_core.cache import QSACacheLayout, QSALayerCache  # noqa: E402
+from qsa_core.cache import QSACacheLayout, QSALayerCache, ring_capacity  # noqa: E402
 from qsa_core.config import QSAConfig, resolve_dtype  # noqa: E402
 from qsa_core import QSAPlanner, QSAStepInputs  # noqa: E402
 from qsa_kernels import prepare as kernels  # noqa: E402
@@ -282,20 +282,24 @@ def chunked_schedule(spec: int) -> list:
 
 def test_ring_store_fuses_only_where_the_step_reads_no_slot_it_writes():
     """Prepare stores ring rows in its first launch only if no request's compression reads a
-    ring slot (positions s-3..s-1, from earlier steps) that its rows (the last C of the
-    step, positions < s + n) write: true for every n <= C - 3, and the bound is tight."""
+    ring slot (positions s-(r-1)..s-1, from earlier steps) that its rows (the last C of the
+    step, positions < s + n) write: true for every n <= C - r + 1 at every ratio, and the
+    bound is tight."""
 
-    def meet(s: int, n: int, C: int) -> bool:
-        reads = {(s - j) % C for j in (1, 2, 3) if s - j >= 0}
+    def meet(s: int, n: int, C: int, r: int) -> bool:
+        reads = {(s - j) % C for j in range(1, r) if s - j >= 0}
         writes = {p % C for p in range(max(s, s + n - C), s + n)}
         return bool(reads & writes)
 
-    for C in (4, 8, 12):
-        for n in range(1, 2 * C + 2):
-            if kernels.ring_store_fuses(n, C):
-                assert not any(meet(s, n, C) for s in range(3 * C))
-        assert any(meet(s, C - 2, C) for s in range(3 * C))  # one row more and they can meet
-    assert kernels.ring_store_fuses(1, 4) and kernels.ring_store_fuses(4, 8)  # decode, 3-draft MTP
+    for r in (2, 4, 5, 8):
+        for C in (ring_capacity(r, spec) for spec in (0, 1, 3, 7)):
+            for n in range(1, 2 * C + 2):
+                if kernels.ring_store_fuses(n, C, r):
+                    assert not any(meet(s, n, C, r) for s in range(3 * C)), (r, C, n)
+            fused = max(n for n in range(1, 2 * C + 2) if kernels.ring_store_fuses(n, C, r))
+            assert any(meet(s, fused + 1, C, r) for s in range(3 * C)), (r, C)  # one row more and they meet
+    assert kernels.ring_store_fuses(1, 4, 4) and kernels.ring_store_fuses(4, 8, 4)  # decode, 3-draft MTP
+    assert kernels.ring_store_fuses(8, 16, 8) and not kernels.ring_store_fuses(5, 8, 8)  # 7-draft; r 8 chunk
 
 
 CASES = [
