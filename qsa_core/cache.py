@@ -122,6 +122,10 @@ def validate_layer_cache(
             raise ValueError(
                 f"cache.{name} must be [num_pages, {page_size}, {Hkv}, {D}], got {tuple(t.shape)}"
             )
+    if cache.v.shape[0] != cache.k.shape[0]:
+        raise ValueError(  # the K/V store bounds both by K's slots
+            f"cache.v must have as many pages as cache.k ({cache.k.shape[0]}), got {cache.v.shape[0]}"
+        )
     rows_per_page = page_size // config.compress_ratio
     comp = cache.compressed
     if comp.dim() != 3 or tuple(comp.shape[1:]) != (rows_per_page, Di):

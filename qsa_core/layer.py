@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import ops
-from .cache import QSALayerCache
+from .cache import QSALayerCache, validate_layer_cache
 from .config import QSAConfig
 from .planner import QSAPlan
 
@@ -208,6 +208,14 @@ def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tens
     from qsa_kernels.prepare import PrepareLaunch
 
     meta, s, cfg = plan.meta, plan.schedule, plan.config
+    # Once per binding: the kernels bound their stores by these shapes (K's slots for V, the
+    # plan's C for the ring, the projections' head counts for the caches').
+    validate_layer_cache(cache, cfg, meta.page_size, meta.ring_capacity)
+    widths = (("index_qk", index_qk, split + cfg.index_head_dim), ("q_gate", q_gate, 2 * cfg.num_heads * cfg.head_dim),
+              ("k", k, cfg.num_kv_heads * cfg.head_dim), ("v", v, cfg.num_kv_heads * cfg.head_dim))
+    for name, x, width in widths:
+        if x.dim() != 2 or x.shape[1] != width:
+            raise ValueError(f"{name} must be [T, {width}] for this layer's heads, got {tuple(x.shape)}")
     # index_qk as both index_q (its first Hi*Di columns) and raw_keys (from column Hi*Di).
     return PrepareLaunch(
         index_qk, index_qk, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,

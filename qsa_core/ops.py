@@ -249,8 +249,13 @@ def expand(
     backend: str | None = None,
 ) -> torch.Tensor:
     """block_indices int32 [T, Kb] -> out int32 [T, W + 1]: the chosen groups' tokens, the
-    open tail, -1 padding and the count column (SPEC.md 2.8). positions int64 [T],
-    visible_blocks int32 [T]."""
+    open tail, -1 padding and the count column (SPEC.md 2.8; W >= Kb * r + r - 1, the
+    layer's K + r - 1, so that the groups and an open tail of up to r - 1 tokens fit).
+    positions int64 [T], visible_blocks int32 [T]."""
+    T, Kb = block_indices.shape
+    width = Kb * compress_ratio + compress_ratio - 1
+    if out.dim() != 2 or out.shape[0] != T or out.shape[1] - 1 < width:
+        raise ValueError(f"out must be [T = {T}, W + 1] with W >= Kb * r + r - 1 = {width}, got {tuple(out.shape)}")
     return _impl(backend, block_indices.device).qsa_expand(
         block_indices, positions, visible_blocks, compress_ratio=compress_ratio, out=out
     )

@@ -118,6 +118,7 @@ def test_engine_owned_cache_views_are_checked_once_at_binding():
     bad = [
         (dict(k=good.k[:, :, :1]), "cache.k must be"),
         (dict(v=good.v.transpose(-1, -2)), "cache.v must be"),
+        (dict(v=good.v[:2]), r"cache.v must have as many pages as cache.k \(4\), got 2"),
         (dict(compressed=good.compressed[:3]), "cache.compressed needs >= 4 pages"),
         (dict(compressed=good.compressed.flatten(0, 1)), "cache.compressed must be \\[num_pages, 2, 128\\]"),
         (dict(ring=good.ring[..., :64]), "cache.ring must be"),

@@ -179,3 +179,40 @@ def test_hidden_states_must_match_the_plan(rows):
     plan = planner().plan(step())
     with pytest.raises(ValueError, match=rf"hidden_states has {rows} rows, expected the plan's num_tokens = 12"):
         layer(torch.zeros(rows, CONFIG.hidden_size, device=DEVICE), plan, cache)
+
+
+def _ring(rows: int, capacity: int, device) -> dict:
+    return dict(ring=torch.zeros(rows, capacity, CONFIG.index_head_dim, device=device),
+                ring_positions=torch.zeros(rows, capacity, 3, dtype=I64, device=device))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: dict(v=c.v[: NUM_PAGES - 2]), rf"cache.v must have as many pages as cache.k \({NUM_PAGES}\), got 10"),
+    (lambda c: _ring(RING_ROWS, 2 * C, c.ring.device), rf"cache.ring must be \[ring_rows, {C}, "),
+    (lambda c: dict(k="narrow"), rf"k must be \[T, {CONFIG.num_kv_heads * CONFIG.head_dim}\] for this layer's heads"),
+    (lambda c: dict(q_gate="narrow"), rf"q_gate must be \[T, {2 * CONFIG.num_heads * CONFIG.head_dim}\]"),
+])
+def test_the_write_side_checks_its_cache_and_projections_when_it_binds(change, message):
+    """The Triton write side bounds its stores by the cache's shapes (V by K's slots, the ring
+    by the plan's C) and its head loops by the projections' widths: where they disagree it is
+    refused once, at binding, naming the tensor (before: writes outside the views)."""
+    import dataclasses
+
+    from qsa_core import qsa_prepare
+
+    layer = QSAAttention.from_hf(random_hf_attention(tiny_config(), 0)).to(DEVICE)
+    good = QSACacheLayout(num_layers=1, page_size=PAGE, num_pages=NUM_PAGES, ring_rows=RING_ROWS).allocate(
+        CONFIG, torch.float32, DEVICE)[0]
+    plan = planner(backend="triton").plan(step())
+    T, D = 12, CONFIG.head_dim
+    hidden = torch.randn(T, CONFIG.hidden_size, device=DEVICE)
+    index_qk = layer.indexer.index_qk_proj(hidden).detach()
+    q_gate = torch.randn(T, 2 * CONFIG.num_heads * D, device=DEVICE)
+    kv = torch.randn(T, CONFIG.num_kv_heads * D, device=DEVICE)
+    args = dict(index_qk=index_qk, q_gate=q_gate, k=kv, v=kv.clone())
+    fields = change(good)
+    cache = dataclasses.replace(good, **{n: x for n, x in fields.items() if not isinstance(x, str)})
+    args.update({n: args[n][:, :-D] for n, x in fields.items() if isinstance(x, str)})
+    with pytest.raises(ValueError, match=message):
+        qsa_prepare(plan, layer.norm_weights(), args["index_qk"], args["q_gate"], args["k"], args["v"], cache)
+    qsa_prepare(plan, layer.norm_weights(), index_qk, q_gate, kv, kv.clone(), good)  # the same step, well formed
