@@ -216,3 +216,23 @@ def test_the_write_side_checks_its_cache_and_projections_when_it_binds(change, m
     with pytest.raises(ValueError, match=message):
         qsa_prepare(plan, layer.norm_weights(), args["index_qk"], args["q_gate"], args["k"], args["v"], cache)
     qsa_prepare(plan, layer.norm_weights(), index_qk, q_gate, kv, kv.clone(), good)  # the same step, well formed
+
+
+def test_padding_rows_never_write_the_slots_they_carry(backend):
+    """CUDA-graph padding rows often carry slot 0 (SPEC trap 6): the metadata gives them slot
+    -1, and a layer step writes no K/V, ring or compressed row for them and outputs 0 there."""
+    layer = QSAAttention.from_hf(random_hf_attention(tiny_config(), 0)).to(DEVICE)
+    cache = QSACacheLayout(num_layers=1, page_size=PAGE, num_pages=NUM_PAGES, ring_rows=RING_ROWS).allocate(
+        CONFIG, torch.float32, DEVICE)[0]
+    for name in ("k", "v", "compressed", "ring"):
+        getattr(cache, name).fill_(3.0)  # a sentinel no write of this step produces
+    plan = planner().plan(step(slot_mapping=torch.tensor(A_SLOTS + B_SLOTS + [0, 0], dtype=I64)))
+    assert plan.meta.slot_mapping[-2:].tolist() == [-1, -1]
+    hidden = torch.randn(12, CONFIG.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    out = layer(hidden, plan, cache)
+    assert torch.equal(out[-2:].cpu(), torch.zeros(2, CONFIG.hidden_size))
+    for name in ("k", "v"):  # page 0 (slot 0) holds no live row: untouched
+        t = getattr(cache, name)
+        assert (t[0] == 3.0).all(), name
+        assert not any((t.flatten(0, 1)[s] == 3.0).all() for s in A_SLOTS + B_SLOTS), name  # live rows written
+    assert (cache.compressed[0] == 3.0).all()
