@@ -134,6 +134,32 @@ def test_int_ties_bitwise(nan_scratch, decode):
     assert torch.equal(out, expect)
 
 
+@pytest.mark.parametrize("decode", [False, True])
+def test_packed_rows_equal_the_expanded_reference_groups(nan_scratch, decode):
+    """The layer's packed selection rows, which the top-k writes itself (no expand launch), on
+    each route (prefill: the fused per-row kernel and the radix passes' emit; decode: the
+    top-k's) equal the reference expansion of the reference groups: tokens of the groups, the
+    open tail, -1 padding, the count; padding rows all -1 with count 0."""
+    from qsa_core.reference import qsa_expand
+
+    r, Kb, page = 4, 8, 16
+    problem = make_problem(**RAGGED, kind="int", pad_rows=3)
+    q, comp, table, to_req, vis, max_seq = problem
+    pos = [s - lq + j for s, lq in zip(RAGGED["seq_lens"], RAGGED["query_lens"]) for j in range(lq)] + [-1] * 3
+    positions = torch.tensor(pos, dtype=torch.int64, device=q.device)
+    T, W = q.shape[0], Kb * r + r - 1
+    out = torch.full((T, W + 1), 7, dtype=torch.int32, device=q.device)
+    sched = schedule(T, max_seq, r, Kb, decode, q.device)
+    ker.SelectLaunch(sched, q, comp, table, to_req, vis, out, page_size=page, compress_ratio=r, block_topk=Kb,
+                     positions=positions)(q, table, out)
+    kw = dict(page_size=page, compress_ratio=r, block_topk=Kb)
+    groups = ref.qsa_select_prefill(*(t.cpu() for t in (q, comp, table, to_req, vis)),
+                                    out=torch.empty(T, Kb, dtype=torch.int32), **kw)
+    want = qsa_expand(groups, positions.cpu(), vis.cpu(), compress_ratio=r, out=torch.empty(T, W + 1, dtype=torch.int32))
+    assert torch.equal(out.cpu(), want)
+    assert (out[-3:, :W] == -1).all() and (out[-3:, W] == 0).all()
+
+
 def test_visible_around_kb(nan_scratch):
     # Kb = 8, r = 4: visible 0 (padding), 7 (< Kb), 8 (== Kb), 9 (just above), and long.
     seq_lens, qlens = [28, 32, 36, 40, 200], [1, 1, 1, 1, 1]
