@@ -99,18 +99,18 @@ class GraphTimer:
     def __init__(self, flush_l2: bool = True, reps: int = 25, budget_ms: float = 600.0, flush: str = "write") -> None:
         if flush not in FLUSHES:
             raise ValueError(f"flush must be one of {FLUSHES}, got {flush!r}")
-        self.flush = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
+        self.buffer = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda") if flush_l2 else None
         self.mode = flush
         self.reps, self.budget_ms = reps, budget_ms
 
-    def flush_l2(self) -> None:
+    def evict(self) -> None:
         """Evict L2 (enqueued on the current stream; nothing when made with flush_l2=False)."""
-        if self.flush is None:
+        if self.buffer is None:
             return
         if self.mode == "write":
-            self.flush.zero_()
+            self.buffer.zero_()
         else:
-            torch.amax(self.flush.view(torch.int64))
+            torch.amax(self.buffer.view(torch.int64))
 
     def __call__(self, fn) -> float:
         side = torch.cuda.Stream()
@@ -131,7 +131,7 @@ class GraphTimer:
         reps = max(3, min(self.reps, int(self.budget_ms / max(one_ms, 1e-3))))
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for a, b in ev:
-            self.flush_l2()
+            self.evict()
             a.record()
             graph.replay()
             b.record()

@@ -8,7 +8,7 @@
 # the timed work finds L2 full of dirty lines, and its misses write them back to DRAM first.
 # A served decode step finds L2 holding mostly clean lines (the previous layers' weight reads).
 # Session 19 found every plain read here cost ~11 us + N / 4.07 TB/s. If the fixed part is the
-# write-back of up to 50 MB of dirty lines (~12 us at the HBM rate), a read flush removes it.
+# write-back of up to 60 MB of dirty lines (<= ~15 us at the HBM rate), a read flush removes it.
 # 1. bench_stream: random 4 KB chunks, 16-256 MiB, after each flush (write, read).
 # 2. bench_step: the decode cases' whole step (default routes), both flushes interleaved.
 # Logs: $OUT_DIR/flush_*.txt. Then: bench_qsa.py --flush read for a whole table, beside the
