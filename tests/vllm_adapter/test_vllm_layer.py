@@ -151,6 +151,29 @@ def test_layers_match_the_core_runner_over_vllm_caches(stack):
                                        core_cache.compressed[pages].flatten(0, 1)[: n // 4], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("field", ["ring_index", "slot_mapping"])
+def test_a_step_past_the_allocated_caches_is_refused_by_name(stack, field):
+    """The builders plan against the caches vLLM bound: a ring block or slot past them is
+    refused (on a GPU, guarded inert) before any layer reads or writes there."""
+    stack.runner.step({"a": torch.randn(1, stack.hf.hidden_size)})  # planned here only: vLLM never runs it
+    common, ring = common_metadata(stack.runner.last_metadata, block_offset=1, ring_offset=RING_BLOCKS)
+    layer = stack.layers[0]
+    cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
+    num_rows, num_slots = cache.ring.shape[0], cache.k.shape[0] * geometry.page_size
+    i = int(common.num_reqs) - 1
+    if field == "ring_index":
+        ring = ring.clone()
+        ring[i, 0] = num_rows
+        match = rf"ring_index\[{i}\] = {num_rows} is outside the ring: expected a ring row in \[0, {num_rows}\)"
+    else:
+        slots = common.slot_mapping.clone()
+        slots[0] = num_slots
+        common = common.replace(slot_mapping=slots)
+        match = rf"slot_mapping\[0\] = {num_slots} is outside the cache: expected -1 or a slot in \[0, {num_slots}\)"
+    with pytest.raises(ValueError, match=match):
+        stack.attn_metadata(common, ring)
+
+
 def test_without_step_metadata_the_layer_is_inert(stack):
     """Profiling and dummy runs carry no metadata: inert selection rows, zero output."""
     layer = stack.layers[0]

@@ -56,6 +56,18 @@ class QSAStepMetadata(AttentionMetadata):
     step: QSAStep
 
 
+@dataclass(frozen=True)
+class BoundLayers:
+    """What the engine's QSA layers of one geometry share: their config and model dtype, and
+    the bounds every step's metadata must stay within (the smallest bound layer's main K/V
+    slots and ring rows)."""
+
+    config: QSAConfig
+    dtype: torch.dtype
+    num_slots: int
+    num_ring_rows: int
+
+
 class QSAStepPairing:
     """Joins the main and ring groups' builds of a step into one `QSAStep` (one per engine)."""
 
@@ -72,7 +84,7 @@ class QSAStepPairing:
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.device = device
         self.current = QSAStep()
-        self._geometries: dict[PagedGeometry, tuple[QSAConfig, torch.dtype]] = {}
+        self._geometries: dict[PagedGeometry, BoundLayers] = {}
         self._key: torch.Tensor | None = None
 
     @classmethod
@@ -82,16 +94,21 @@ class QSAStepPairing:
             cls._by_engine[key] = cls(vllm_config, device)
         return cls._by_engine[key]
 
-    def geometries(self) -> dict[PagedGeometry, tuple[QSAConfig, torch.dtype]]:
+    def geometries(self) -> dict[PagedGeometry, BoundLayers]:
         """The paged geometries of the engine's bound QSA layers (one in practice), each with
-        its layers' config and model dtype. Found at the first step (vLLM binds the caches
-        once, before it) and kept."""
+        what its layers share. Found at the first step (vLLM binds the caches once, before
+        it) and kept."""
         if not self._geometries:
             context = self.vllm_config.compilation_config.static_forward_context
             for layer in context.values():
                 indexer = getattr(layer, "indexer", None)
                 if indexer is not None and getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel():
-                    self._geometries[indexer.layer_cache(layer.kv_cache)[1]] = (indexer.qsa_config, indexer.dtype)
+                    cache, geometry = indexer.layer_cache(layer.kv_cache)
+                    slots, rows = cache.k.shape[0] * geometry.page_size, cache.ring.shape[0]
+                    if geometry in self._geometries:
+                        seen = self._geometries[geometry]
+                        slots, rows = min(slots, seen.num_slots), min(rows, seen.num_ring_rows)
+                    self._geometries[geometry] = BoundLayers(indexer.qsa_config, indexer.dtype, slots, rows)
         return self._geometries
 
     def add(self, common: CommonAttentionMetadata, *, is_ring: bool) -> QSAStep:
@@ -108,12 +125,12 @@ class QSAStepPairing:
         else:
             step.main = common
         if step.main is not None and step.ring_block_table is not None:
-            for geometry, (config, dtype) in self.geometries().items():
+            for geometry, bound in self.geometries().items():
                 if geometry not in self.mappers:
                     self.mappers[geometry] = QSAMetadataMapper(
-                        geometry, config, dtype, self.device,
+                        geometry, bound.config, bound.dtype, self.device,
                         max_num_tokens=self.max_num_tokens, max_model_len=self.max_model_len,
-                        max_num_reqs=self.max_num_reqs,
+                        max_num_reqs=self.max_num_reqs, num_slots=bound.num_slots, num_ring_rows=bound.num_ring_rows,
                     )
                 step.records[geometry] = self.mappers[geometry].map(
                     step.main, step.ring_block_table, decode_threshold=self.decode_threshold

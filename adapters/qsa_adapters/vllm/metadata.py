@@ -68,15 +68,20 @@ class QSAMetadataMapper:
     its tensors are copied into the planner's persistent buffers, so a CUDA graph captured
     on one uniform decode batch replays on the next; a step beyond the sizes is refused.
     Without it (tests), the planner is rebuilt larger when a step exceeds its sizes.
+    num_slots / num_ring_rows: the bound caches' main K/V slots and ring rows; the planner
+    checks (CPU) or guards (GPU) every step's slot_mapping, block table and ring_index
+    against them.
     """
 
     def __init__(
         self, geometry: PagedGeometry, config: QSAConfig, dtype: torch.dtype, device: torch.device | str,
         *, max_num_tokens: int = 256, max_model_len: int = 4096, max_num_reqs: int | None = None,
+        num_slots: int | None = None, num_ring_rows: int | None = None,
     ) -> None:
         self.geometry = geometry
         self.config, self.dtype, self.device = config, dtype, device
         self.max_num_reqs = max_num_reqs
+        self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
         self.planner = self._planner(max_num_tokens, max_model_len)
 
     def _planner(self, max_num_tokens: int, max_model_len: int) -> QSAPlanner:
@@ -84,7 +89,7 @@ class QSAMetadataMapper:
         return QSAPlanner(
             self.config, dtype=self.dtype, page_size=g.page_size, ring_capacity=g.ring_capacity,
             max_num_tokens=max_num_tokens, max_model_len=max_model_len, device=self.device,
-            max_num_reqs=self.max_num_reqs,
+            max_num_reqs=self.max_num_reqs, num_slots=self.num_slots, num_ring_rows=self.num_ring_rows,
         )
 
     def step_inputs(
