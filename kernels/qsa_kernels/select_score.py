@@ -28,6 +28,7 @@ only, never on the tile or span. W2 on the H200: every route's scores bit-equal 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -538,6 +539,12 @@ _FREE = ("q_ptr", "bt_ptr", "row0", "stride_qt", "stride_qh", "stride_qd", "stri
 SCORES_L2_BYTES = 16 << 20
 
 
+def _fp32(x: float) -> float:
+    """x rounded to the nearest fp32. A double quotient of fp32 values rounded so is their fp32
+    quotient (53 >= 2 x 24 + 2 bits): the same bits as dividing fp32 tensors, with no tensor."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def dot_dtype(q_idx: torch.Tensor, compressed: torch.Tensor, interpret: bool) -> tl.dtype:
     """The score dots' operand dtype, one that holds both sides' values exactly: fp16 where both
     are fp8 (every e4m3 / e5m2 value is an fp16 one, and sm_90 converts a pair in one
@@ -599,7 +606,7 @@ class ScoreLaunch:
         args = (
             q_idx, compressed, block_table, token_to_req, visible_blocks, scores, sampled,
             row0, *(() if per_row else (rows,)), num_cols, span, math.sqrt(Di),
-            float(1.0 / torch.tensor(math.sqrt(Di), dtype=torch.float32)),
+            _fp32(1.0 / _fp32(math.sqrt(Di))),  # fp32 1 / sqrt(Di): binding reads no tensor
             *q_idx.stride(), *compressed.stride(), *block_table.stride(), scores.stride(0), sampled.stride(0),
         )
         if row_samples:
