@@ -49,8 +49,8 @@ def check_page_size(page_size: int, compress_ratio: int) -> None:
 class QSALayerCache:
     """The three caches of one QSA layer (views; the owner may be an engine)."""
 
-    k: torch.Tensor  # [num_pages, page_size, Hkv, D]
-    v: torch.Tensor  # [num_pages, page_size, Hkv, D]
+    k: torch.Tensor  # [num_pages, page_size, Hkv, D], kv cache dtype
+    v: torch.Tensor  # [num_pages, page_size, Hkv, D], kv cache dtype
     compressed: torch.Tensor  # [num_pages, page_size / r, Di], index dtype
     ring: torch.Tensor  # [ring_rows, C, Di], model dtype
     ring_positions: torch.Tensor | None  # [ring_rows, C, 3] int64; required for MRoPE
@@ -88,21 +88,21 @@ class QSACacheLayout(BaseModel):
 
     def _allocate(self, config: QSAConfig, dtype: torch.dtype, device: torch.device | str) -> list[QSALayerCache]:
         check_page_size(self.page_size, config.compress_ratio)
-        kv_dtype = resolve_dtype(config.kv_cache_dtype, dtype)
-        index_dtype = resolve_dtype(config.index_dtype, dtype)
+        dtypes = cache_dtypes(config, dtype)
         C = self.ring_capacity(config)
         D, Hkv, Di = config.head_dim, config.num_kv_heads, config.index_head_dim
         caches = []
         for _ in range(self.num_layers):
-            kv = torch.zeros(self.num_pages, self.page_size, Hkv, 2 * D, dtype=kv_dtype, device=device)
+            kv = torch.zeros(self.num_pages, self.page_size, Hkv, 2 * D, dtype=dtypes["k"], device=device)
             caches.append(
                 QSALayerCache(
                     k=kv[..., :D],
                     v=kv[..., D:],
                     compressed=torch.zeros(
-                        self.num_pages, self.page_size // config.compress_ratio, Di, dtype=index_dtype, device=device
+                        self.num_pages, self.page_size // config.compress_ratio, Di, dtype=dtypes["compressed"],
+                        device=device,
                     ),
-                    ring=torch.zeros(self.ring_rows, C, Di, dtype=dtype, device=device),
+                    ring=torch.zeros(self.ring_rows, C, Di, dtype=dtypes["ring"], device=device),
                     # 1-D models too: a group key is rotated at its first token's RoPE
                     # position, which may differ from the logical one (SPEC trap 2).
                     ring_positions=torch.zeros(self.ring_rows, C, 3, dtype=torch.int64, device=device),
@@ -111,10 +111,31 @@ class QSACacheLayout(BaseModel):
         return caches
 
 
+def cache_dtypes(config: QSAConfig, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype of each float cache of a layer whose model (activation) dtype is `dtype`, by
+    `QSALayerCache` field (SPEC section 4): main K/V the config's kv_cache_dtype, compressed
+    keys its index_dtype ("auto": the model dtype), the raw-key ring the model dtype (raw
+    keys are pooled as they are, SPEC 2.3: a narrower ring would round only the keys a group
+    takes from earlier steps). Ring positions are int64."""
+    kv = resolve_dtype(config.kv_cache_dtype, dtype)
+    return dict(k=kv, v=kv, compressed=resolve_dtype(config.index_dtype, dtype), ring=dtype)
+
+
+def _dtype_source(field: str, value: str) -> str:
+    """Where a cache's dtype comes from, for error messages: `field 'value'`."""
+    return f"{field} {value!r}" + (" = the model dtype" if value == "auto" else "")
+
+
 def validate_layer_cache(
-    cache: QSALayerCache, config: QSAConfig, page_size: int, ring_capacity: int | None = None
+    cache: QSALayerCache, config: QSAConfig, page_size: int, ring_capacity: int | None = None, *,
+    dtype: torch.dtype,
 ) -> None:
-    """Shape/dtype checks of cache views (once, at allocation or binding; no tensor reads)."""
+    """Shape/dtype checks of cache views (once, at allocation or binding; no tensor reads).
+
+    dtype: the model (activation) dtype the layer runs in (the planner's); each cache must
+    hold exactly its `cache_dtypes` dtype: every store casts to the cache's dtype, so another
+    one would round or garble (an integer view) what is stored, without an error.
+    """
     D, Hkv, Di = config.head_dim, config.num_kv_heads, config.index_head_dim
     for name in ("k", "v"):
         t = getattr(cache, name)
@@ -138,8 +159,14 @@ def validate_layer_cache(
     if ring.dim() != 3 or ring.shape[2] != Di or (ring_capacity is not None and ring.shape[1] != ring_capacity):
         C = ring_capacity if ring_capacity is not None else "C"
         raise ValueError(f"cache.ring must be [ring_rows, {C}, {Di}], got {tuple(ring.shape)}")
-    for name in ("k", "v", "compressed", "ring"):
-        if getattr(cache, name).stride(-1) != 1:
+    kv = _dtype_source("kv_cache_dtype", config.kv_cache_dtype)
+    sources = dict(k=kv, v=kv, compressed=_dtype_source("index_dtype", config.index_dtype),
+                   ring="the model dtype: raw keys are pooled as they are")
+    for name, want in cache_dtypes(config, dtype).items():
+        t = getattr(cache, name)
+        if t.dtype != want:
+            raise ValueError(f"cache.{name} must be {want} ({sources[name]}), got {t.dtype}")
+        if t.stride(-1) != 1:
             raise ValueError(f"cache.{name} must have a contiguous last dim")
     rp = cache.ring_positions
     if config.uses_mrope and rp is None:

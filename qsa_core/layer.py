@@ -209,8 +209,9 @@ def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tens
 
     meta, s, cfg = plan.meta, plan.schedule, plan.config
     # Once per binding: the kernels bound their stores by these shapes (K's slots for V, the
-    # plan's C for the ring, the projections' head counts for the caches').
-    validate_layer_cache(cache, cfg, meta.page_size, meta.ring_capacity)
+    # plan's C for the ring, the projections' head counts for the caches') and cast them to
+    # the caches' dtypes.
+    validate_layer_cache(cache, cfg, meta.page_size, meta.ring_capacity, dtype=plan.dtype)
     widths = (("index_qk", index_qk, split + cfg.index_head_dim), ("q_gate", q_gate, 2 * cfg.num_heads * cfg.head_dim),
               ("k", k, cfg.num_kv_heads * cfg.head_dim), ("v", v, cfg.num_kv_heads * cfg.head_dim))
     for name, x, width in widths:

@@ -136,6 +136,7 @@ class QSAPlan:
     schedule: StepSchedule
     config: QSAConfig
     backend: str
+    dtype: torch.dtype
     index_dtype: torch.dtype
     inv_freq: torch.Tensor
     rope_axes: torch.Tensor
@@ -206,7 +207,7 @@ class QSAPlanner:
             self.rope_axes = config.rope_axes().to(self.device)
             self._allocate(max_num_reqs)
         self._schedules: dict[tuple, StepSchedule] = {}
-        self._plan_fixed = dict(config=config, backend=self.backend, index_dtype=self.index_dtype,
+        self._plan_fixed = dict(config=config, backend=self.backend, dtype=dtype, index_dtype=self.index_dtype,
                                 inv_freq=self.inv_freq, rope_axes=self.rope_axes)  # every plan's
 
     # -- workspace ------------------------------------------------------------------------

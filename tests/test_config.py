@@ -114,7 +114,7 @@ def test_ring_capacity_and_allocation():
 def test_engine_owned_cache_views_are_checked_once_at_binding():
     cfg = QSAConfig(**GOOD, mrope_section=(6, 5, 5))
     good = QSACacheLayout(num_layers=1, page_size=8, num_pages=4, ring_rows=2).allocate(cfg, torch.float32)[0]
-    validate_layer_cache(good, cfg, page_size=8)
+    validate_layer_cache(good, cfg, page_size=8, dtype=torch.float32)
     bad = [
         (dict(k=good.k[:, :, :1]), "cache.k must be"),
         (dict(v=good.v.transpose(-1, -2)), "cache.v must be"),
@@ -127,4 +127,37 @@ def test_engine_owned_cache_views_are_checked_once_at_binding():
     ]
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
-            validate_layer_cache(dataclasses.replace(good, **change), cfg, page_size=8)
+            validate_layer_cache(dataclasses.replace(good, **change), cfg, page_size=8, dtype=torch.float32)
+
+
+def test_each_cache_must_hold_the_dtype_its_stores_assume():
+    """Main K/V hold kv_cache_dtype, compressed keys index_dtype ("auto": the model dtype), the
+    ring the model dtype, ring positions int64. The stores cast to whatever the cache holds,
+    so a wrong dtype (an fp8 pool's uint8 storage, bf16 keys where fp8 was configured, an fp8
+    ring) would round or garble silently: each is refused, naming the field and its dtype."""
+    cfg = QSAConfig(**GOOD, index_dtype="fp8_e4m3", kv_cache_dtype="fp8_e5m2", mrope_section=(6, 5, 5))
+    good = QSACacheLayout(num_layers=1, page_size=8, num_pages=4, ring_rows=2).allocate(cfg, torch.bfloat16)[0]
+    validate_layer_cache(good, cfg, page_size=8, dtype=torch.bfloat16)
+    kv, index = r"torch.float8_e5m2 \(kv_cache_dtype 'fp8_e5m2'\)", r"torch.float8_e4m3fn \(index_dtype 'fp8_e4m3'\)"
+    ring = r"torch.bfloat16 \(the model dtype: raw keys are pooled as they are\)"
+    bad = [
+        (dict(k=good.k.to(torch.bfloat16)), rf"cache.k must be {kv}, got torch.bfloat16"),
+        (dict(v=good.v.view(torch.uint8)), rf"cache.v must be {kv}, got torch.uint8"),
+        (dict(compressed=good.compressed.to(torch.bfloat16)), rf"cache.compressed must be {index}, got torch.bfloat16"),
+        (dict(compressed=good.compressed.view(torch.float8_e5m2)),
+         rf"cache.compressed must be {index}, got torch.float8_e5m2"),
+        (dict(ring=good.ring.to(torch.float8_e4m3fn)), rf"cache.ring must be {ring}, got torch.float8_e4m3fn"),
+        (dict(ring=good.ring.float()), rf"cache.ring must be {ring}, got torch.float32"),
+        (dict(ring_positions=good.ring_positions.int()), r"cache.ring_positions must be int64 .*, got torch.int32"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            validate_layer_cache(dataclasses.replace(good, **change), cfg, page_size=8, dtype=torch.bfloat16)
+    auto = QSAConfig(**GOOD)  # "auto" caches follow the model dtype the layer runs in
+    caches = QSACacheLayout(num_layers=1, page_size=8, num_pages=4, ring_rows=2).allocate(auto, torch.bfloat16)[0]
+    with pytest.raises(ValueError, match=r"cache.k must be torch.float32 \(kv_cache_dtype 'auto' = the model dtype\)"):
+        validate_layer_cache(caches, auto, page_size=8, dtype=torch.float32)
+    caches.k = caches.k.float()
+    caches.v = caches.v.float()
+    with pytest.raises(ValueError, match=r"cache.compressed must be torch.float32 \(index_dtype 'auto' = the model "):
+        validate_layer_cache(caches, auto, page_size=8, dtype=torch.float32)

@@ -189,13 +189,17 @@ def _ring(rows: int, capacity: int, device) -> dict:
 @pytest.mark.parametrize("change, message", [
     (lambda c: dict(v=c.v[: NUM_PAGES - 2]), rf"cache.v must have as many pages as cache.k \({NUM_PAGES}\), got 10"),
     (lambda c: _ring(RING_ROWS, 2 * C, c.ring.device), rf"cache.ring must be \[ring_rows, {C}, "),
+    (lambda c: dict(compressed=c.compressed.bfloat16()),
+     r"cache.compressed must be torch.float32 \(index_dtype 'auto' = the model dtype\), got torch.bfloat16"),
+    (lambda c: dict(ring=c.ring.bfloat16()), r"cache.ring must be torch.float32 \(the model dtype: .*\), got torch.bfloat16"),
     (lambda c: dict(k="narrow"), rf"k must be \[T, {CONFIG.num_kv_heads * CONFIG.head_dim}\] for this layer's heads"),
     (lambda c: dict(q_gate="narrow"), rf"q_gate must be \[T, {2 * CONFIG.num_heads * CONFIG.head_dim}\]"),
 ])
 def test_the_write_side_checks_its_cache_and_projections_when_it_binds(change, message):
     """The Triton write side bounds its stores by the cache's shapes (V by K's slots, the ring
-    by the plan's C) and its head loops by the projections' widths: where they disagree it is
-    refused once, at binding, naming the tensor (before: writes outside the views)."""
+    by the plan's C) and its head loops by the projections' widths, and casts them to the
+    caches' dtypes: where they disagree it is refused once, at binding, naming the tensor
+    (before: writes outside the views, or silently rounded keys)."""
     import dataclasses
 
     from qsa_core import qsa_prepare

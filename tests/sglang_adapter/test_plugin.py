@@ -181,6 +181,18 @@ def test_refuses_models_and_pools_it_cannot_serve(env):
         check_pool(env.pool, config.model_copy(update={"token_topk": 32}))
 
 
+def test_config_takes_the_cache_dtypes_of_the_pool(env, monkeypatch):
+    """The core checks each cache's dtype against the config when it binds the pool's views:
+    the pool's K/V dtype (fp8 under --kv-cache-dtype) and compressed-key dtype
+    (--qsa-indexer-dtype) become kv_cache_dtype and index_dtype."""
+    config = model_qsa_config(env.runner)
+    assert (config.kv_cache_dtype, config.index_dtype) == ("bf16", "bf16")
+    monkeypatch.setattr(env.pool, "dtype", torch.float8_e5m2)
+    monkeypatch.setattr(env.pool, "qsa_compressed_dtype", torch.float8_e4m3fn)
+    config = model_qsa_config(env.runner)
+    assert (config.kv_cache_dtype, config.index_dtype) == ("fp8_e5m2", "fp8_e4m3")
+
+
 def test_backend_refuses_unhooked_calls_prefill_graphs_and_context_parallel(env):
     env.admit("unhooked")
     fb = env.extend({"unhooked": 5})

@@ -43,7 +43,7 @@ def test_layer_cache_of_a_rank_with_one_kv_head():
         qsa_index_head_dim=cfg.index_head_dim, qsa_compress_ratio=cfg.compress_ratio,
         qsa_token_topk=cfg.token_topk, num_request_slots=requests,
     )
-    cache = checked_layer_cache(pool, 0, cfg, page_size=PAGE, mrope=False)
+    cache = checked_layer_cache(pool, 0, cfg, torch.bfloat16, page_size=PAGE, mrope=False)
     pages = cache.k.shape[0]
     assert tuple(cache.k.shape) == tuple(cache.v.shape) == (pages, PAGE, 1, 256)
     assert cache.k.data_ptr() == pool.get_key_buffer(0).data_ptr()  # a view, no copy

@@ -219,6 +219,6 @@ class QSACoreBackend(AttentionBackend):
         )
         if layer.layer_id in self._checked_layers:
             return layer_cache(self.token_to_kv_pool, layer.layer_id, **kw)
-        cache = checked_layer_cache(self.token_to_kv_pool, layer.layer_id, config, **kw)
+        cache = checked_layer_cache(self.token_to_kv_pool, layer.layer_id, config, self.dtype, **kw)
         self._checked_layers.add(layer.layer_id)
         return cache

@@ -16,6 +16,8 @@ import torch
 from qsa_core import QSAConfig, QSALayerCache, validate_layer_cache
 
 INDEX_DTYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
+# The pool's K/V dtype as a `QSAConfig.kv_cache_dtype` (any other: "auto", the model dtype).
+KV_DTYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 def check_pool(pool, config: QSAConfig) -> None:
@@ -69,8 +71,9 @@ def layer_cache(
     )
 
 
-def checked_layer_cache(pool, layer_id: int, config: QSAConfig, **kw) -> QSALayerCache:
-    """`layer_cache` plus the core's shape checks (run once per layer)."""
+def checked_layer_cache(pool, layer_id: int, config: QSAConfig, dtype: torch.dtype, **kw) -> QSALayerCache:
+    """`layer_cache` plus the core's shape and dtype checks for model dtype `dtype` (run once
+    per layer)."""
     cache = layer_cache(pool, layer_id, **kw)
-    validate_layer_cache(cache, config, kw["page_size"], ring_capacity=config.compress_ratio)
+    validate_layer_cache(cache, config, kw["page_size"], ring_capacity=config.compress_ratio, dtype=dtype)
     return cache

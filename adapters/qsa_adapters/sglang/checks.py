@@ -6,7 +6,7 @@ from typing import Any
 
 from qsa_core import QSAConfig
 
-from .caches import INDEX_DTYPES
+from .caches import INDEX_DTYPES, KV_DTYPES
 
 SPECULATIVE_REFUSAL = (
     "qsa_core does not serve speculative decoding yet. SGLang's raw-key ring holds r rows per request "
@@ -35,13 +35,15 @@ def check_runner(runner: Any) -> None:
 
 
 def model_qsa_config(runner: Any) -> QSAConfig:
-    """The model's `QSAConfig` with the index dtype of the runner's pool (heads: the whole model)."""
+    """The model's `QSAConfig` with the index and K/V dtypes of the runner's pool (heads: the
+    whole model)."""
     model_config = runner.model_config
     hf = getattr(model_config, "hf_text_config", None) or model_config.hf_config
     pool = runner.token_to_kv_pool
     index_dtype = INDEX_DTYPES.get(getattr(pool, "qsa_compressed_dtype", None), "auto")
+    kv_cache_dtype = KV_DTYPES.get(getattr(pool, "dtype", None), "auto")
     try:
-        return QSAConfig.from_hf(hf, index_dtype=index_dtype)
+        return QSAConfig.from_hf(hf, index_dtype=index_dtype, kv_cache_dtype=kv_cache_dtype)
     except ValueError as err:
         arch = getattr(model_config.hf_config, "architectures", None)
         raise ValueError(

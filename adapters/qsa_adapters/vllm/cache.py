@@ -141,12 +141,13 @@ class QSASideCache(nn.Module, AttentionLayerBase):
 
 
 def bind_layer_cache(
-    kv_cache: torch.Tensor, ring: torch.Tensor, config: QSAConfig, index_dtype: torch.dtype
+    kv_cache: torch.Tensor, ring: torch.Tensor, config: QSAConfig, index_dtype: torch.dtype, dtype: torch.dtype
 ) -> tuple[QSALayerCache, PagedGeometry]:
     """The core's cache views of one QSA layer over vLLM's two bound tensors.
 
-    kv_cache [B, Hkv, page, 2D] (compressed keys behind each page); ring [B, 1, C, Di].
-    Returns the views and the `PagedGeometry` the step metadata must use with them.
+    kv_cache [B, Hkv, page, 2D] (compressed keys behind each page, viewed as index_dtype);
+    ring [B, 1, C, Di]; dtype: the model dtype. Returns the views and the `PagedGeometry`
+    the step metadata must use with them.
     """
     if config.uses_mrope:
         raise NotImplementedError("the vLLM adapter keeps no ring positions: MRoPE (mrope_section) is not supported")
@@ -163,5 +164,5 @@ def bind_layer_cache(
     C = ring.shape[2]
     geometry = PagedGeometry(compress_ratio=config.compress_ratio, page_size=page, ring_capacity=C)
     cache = QSALayerCache(k=k, v=v, compressed=compressed[:, 0], ring=ring[:, 0], ring_positions=None)
-    validate_layer_cache(cache, config, page, ring_capacity=C)
+    validate_layer_cache(cache, config, page, ring_capacity=C, dtype=dtype)
     return cache, geometry

@@ -121,7 +121,7 @@ class QSAIndexer(nn.Module):
         """Core views over vLLM's bound main K/V and side caches (rebuilt only on rebinding)."""
         tensors = (kv_cache, self.raw_key_cache.kv_cache)
         if self._bound is None or any(a is not b for a, b in zip(self._bound[0], tensors)):
-            self._bound = (tensors, *bind_layer_cache(*tensors, self.qsa_config, self.index_dtype))
+            self._bound = (tensors, *bind_layer_cache(*tensors, self.qsa_config, self.index_dtype, self.dtype))
         return self._bound[1], self._bound[2]
 
     def step_inputs(self, attn: QSAAttentionLike) -> tuple[QSAPlan, QSALayerCache] | None:
