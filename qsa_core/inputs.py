@@ -48,8 +48,8 @@ class QSAStepInputs:
     requests; max_seq_len is the column bound of selection (a request above it is made inert
     and flagged, never truncated). num_padding_rows: trailing rows past query_start_loc[R].
     rope_positions int64 [T] or [3, T] (MRoPE); None = the logical positions.
-    seq_lens_cpu: optional host copy of seq_lens (int [R], CPU) that the engine already has;
-    with it the max_seq_len bound is checked on every step, with no device read.
+    seq_lens_cpu: optional host copy of seq_lens (int32 or int64 [R], CPU) that the engine
+    already has; with it the max_seq_len bound is checked on every step, with no device read.
     """
 
     query_start_loc: torch.Tensor
@@ -100,7 +100,14 @@ class QSAStepInputs:
             self._explain(device)
         R = self.num_reqs
         host = self.seq_lens_cpu
-        if host is not None and R and int(host.max()) > self.max_seq_len:
+        if host is None:
+            return
+        if (not isinstance(host, torch.Tensor) or host.dtype not in (torch.int32, torch.int64)
+                or host.device.type != "cpu" or tuple(host.shape) != (R,)):
+            got = (f"{host.dtype} {tuple(host.shape)} on {host.device}" if isinstance(host, torch.Tensor)
+                   else type(host).__name__)
+            raise ValueError(f"seq_lens_cpu must be int32 or int64 [num_reqs = {R}] on cpu, got {got}")
+        if R and int(host.max()) > self.max_seq_len:
             raise ValueError(
                 f"max_seq_len ({self.max_seq_len}) is below a request's seq_len ({int(host.max())}): it bounds "
                 "the groups selection scores, so such a request would be cut off"
@@ -223,6 +230,13 @@ class QSAStepInputs:
             raise ValueError(f"max_query_len must be >= every query length ({int(qlen.max())}), got {self.max_query_len}")
         if R and int(seq.max()) > self.max_seq_len:
             raise ValueError(f"max_seq_len must be >= every seq_len ({int(seq.max())}), got {self.max_seq_len}")
+        host = self.seq_lens_cpu
+        if host is not None and not torch.equal(host.long(), seq):
+            i = first(host.long() != seq)
+            raise ValueError(
+                f"seq_lens_cpu[{i}] = {int(host[i])} differs from seq_lens[{i}] = {int(seq[i])}: expected a host copy "
+                "of seq_lens"
+            )
         slots = self.slot_mapping.cpu()[:live]  # padding rows never write (their slot is ignored)
         if num_slots is not None and bool(((slots < -1) | (slots >= num_slots)).any()):
             t = first((slots < -1) | (slots >= num_slots))

@@ -96,6 +96,26 @@ def test_an_understated_max_seq_len_is_refused_on_the_host():
         planner().plan(mixed_step(max_seq_len=9, seq_lens_cpu=torch.tensor([10, 5, 8, 3], dtype=I32)))
 
 
+HOST = "seq_lens_cpu must be int32 or int64 \\[num_reqs = 4\\] on cpu, got "
+
+
+@pytest.mark.parametrize("host, message", [
+    (torch.tensor([10, 5, 8], dtype=I32), HOST + r"torch.int32 \(3,\) on cpu"),
+    (torch.tensor([[10, 5, 8, 3]], dtype=I32), HOST + r"torch.int32 \(1, 4\) on cpu"),
+    (torch.tensor([10.0, 5, 8, 3]), HOST + r"torch.float32 \(4,\) on cpu"),
+    (torch.tensor([10, 5, 8, 3], dtype=I64, device="meta"), HOST + r"torch.int64 \(4,\) on meta"),
+    ([10, 5, 8, 3], HOST + "list"),
+    (torch.tensor([10, 5, 7, 3], dtype=I64), r"seq_lens_cpu\[2\] = 7 differs from seq_lens\[2\] = 8"),
+])
+def test_the_host_copy_of_seq_lens_is_checked(host, message):
+    """seq_lens_cpu feeds the max_seq_len check with no device read: a copy of another length,
+    rank, dtype or device, or (on CPU, where values are read) other values, is refused by
+    name; before, a short, 2-D, float or stale copy passed unseen, the others failed inside torch."""
+    with pytest.raises(ValueError, match=message):
+        planner().plan(mixed_step(seq_lens_cpu=host))
+    planner().plan(mixed_step(seq_lens_cpu=torch.tensor([10, 5, 8, 3], dtype=I64)))  # SGLang's int64 copy
+
+
 def test_an_understated_max_seq_len_makes_rows_inert_on_the_device(backend):
     """Without a host copy the metadata build guards: the long request's rows become inert
     (as padding: nothing selected, nothing written, output 0) and the sticky flag trips."""
