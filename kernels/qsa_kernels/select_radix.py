@@ -199,10 +199,11 @@ def _emit_kernel(
         chosen = above + equal * (tie_rank < need[:, None]).to(tl.int32)
         taken += tl.minimum(equal_before, need)
         pos = taken[:, None] + tl.cumsum(chosen, 1) - chosen
+        put = (chosen > 0) & (pos.to(tl.uint32) < KB)  # the row's KB columns, whatever the counts say
         if PACKED:
-            _packed_groups(out_row, cols + lr[:, None] * 0, pos, chosen > 0, R)
+            _packed_groups(out_row, cols + lr[:, None] * 0, pos, put, R)
         else:
-            tl.store(out_row + pos * stride_oc, cols + lr[:, None] * 0, mask=chosen > 0)
+            tl.store(out_row + pos * stride_oc, cols + lr[:, None] * 0, mask=put)
     pdl_end(PDL)
 
 
@@ -264,10 +265,11 @@ def _topk_row_kernel(
             rank = ties + tl.cumsum(equal, 0) - equal  # ties go to the lowest group indices
             chosen = above + equal * (rank < need).to(tl.int32)
             pos = taken + tl.cumsum(chosen, 0) - chosen
+            put = (chosen > 0) & (pos.to(tl.uint32) < KB)  # the row's KB columns, whatever the counts say
             if PACKED:
-                _packed_groups(out_row, cols, pos, chosen > 0, R)
+                _packed_groups(out_row, cols, pos, put, R)
             else:
-                tl.store(out_row + pos * stride_oc, cols, mask=chosen > 0)
+                tl.store(out_row + pos * stride_oc, cols, mask=put)
             taken += tl.sum(chosen, 0)
             ties += tl.sum(equal, 0)
             start += BLOCK

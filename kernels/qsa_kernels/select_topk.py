@@ -104,41 +104,45 @@ def _emit(key, idx, thr, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.conste
     """Write the chosen of keys/idx [N] (ascending idx; masked keys -1): keys above thr and
     the lowest-index keys equal to it, KB in all, at their ascending positions of out_row
     (PACKED: each group's R tokens at R x its position)."""
-    above = (key > thr).to(tl.int32)
-    equal = (key == thr).to(tl.int32)
-    packed = (above << 16) | equal  # one scan for both ranks (N < 2^15)
-    excl = tl.cumsum(packed, 0) - packed
-    _emit_ranked(idx, above, equal, excl, KB - (tl.sum(packed, 0) >> 16), out_row, stride_oc, PACKED, R)
+    packed = ((key > thr).to(tl.int32) << 16) | (key == thr).to(tl.int32)  # one scan for both ranks (N < 2^15)
+    _emit_ranked(idx, packed, KB - (tl.sum(packed, 0) >> 16), out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
 def _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr,
                 R: tl.constexpr):
     """`_emit` with n_above, the number of keys > thr (<= KB), known: no count of them."""
-    above = (key > thr).to(tl.int32)
-    equal = (key == thr).to(tl.int32)
-    packed = (above << 16) | equal
-    excl = tl.cumsum(packed, 0) - packed
-    _emit_ranked(idx, above, equal, excl, KB - n_above, out_row, stride_oc, PACKED, R)
+    packed = ((key > thr).to(tl.int32) << 16) | (key == thr).to(tl.int32)
+    _emit_ranked(idx, packed, KB - n_above, out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
-def _emit_ranked(idx, above, equal, excl, need, out_row, stride_oc, PACKED: tl.constexpr, R: tl.constexpr):
-    """`_emit`'s writes from the exclusive scan excl of (above << 16) | equal and need, the
-    ties to take: every key above, the first need ties."""
-    ties_before = excl & 0xFFFF
-    chosen = (above > 0) | ((equal > 0) & (ties_before < need))
-    pos = (excl >> 16) + tl.minimum(ties_before, need)
-    _store_groups(out_row, stride_oc, idx, pos, chosen, PACKED, R)
+def _taken(counts, need):
+    """Keys chosen among those counted by counts = (keys above << 16) | ties: every key above,
+    the first need ties."""
+    return (counts >> 16) + tl.minimum(counts & 0xFFFF, need)
 
 
 @triton.jit
-def _store_groups(out_row, stride_oc, groups, pos, chosen, PACKED: tl.constexpr, R: tl.constexpr):
-    """Chosen groups at their positions: out_row[pos] = group, or (PACKED) its R tokens."""
+def _emit_ranked(idx, packed, need, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
+    """`_emit`'s writes from packed = (above << 16) | equal per key and need, the ties to take
+    (every key above, the first need ties): a key's position is the count of chosen keys
+    before it, and it is chosen where the count through it is larger (one compare a key)."""
+    incl = tl.cumsum(packed, 0)
+    pos = _taken(incl - packed, need)
+    _store_groups(out_row, stride_oc, idx, pos, pos < _taken(incl, need), KB, PACKED, R)
+
+
+@triton.jit
+def _store_groups(out_row, stride_oc, groups, pos, chosen, KB: tl.constexpr, PACKED: tl.constexpr,
+                  R: tl.constexpr):
+    """Chosen groups at their positions, only in the row's KB columns (0 <= pos < KB, whatever
+    the counts say): out_row[pos] = group, or (PACKED) its R tokens."""
+    put = chosen & (pos.to(tl.uint32) < KB)
     if PACKED:
-        _packed_groups(out_row, groups, pos, chosen, R)
+        _packed_groups(out_row, groups, pos, put, R)
     else:
-        tl.store(out_row + pos * stride_oc, groups, mask=chosen)
+        tl.store(out_row + pos * stride_oc, groups, mask=put)
 
 
 @triton.jit
@@ -309,7 +313,7 @@ def _resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.cons
         equal = (key == prefix).to(tl.int32)
         rank = ties + tl.cumsum(equal, 0) - equal
         chosen = above + equal * (rank < need).to(tl.int32)
-        _store_groups(out_row, stride_oc, cols, taken + tl.cumsum(chosen, 0) - chosen, chosen > 0, PACKED, R)
+        _store_groups(out_row, stride_oc, cols, taken + tl.cumsum(chosen, 0) - chosen, chosen > 0, KB, PACKED, R)
         taken += tl.sum(chosen, 0)
         ties += tl.sum(equal, 0)
         start += BLOCK
