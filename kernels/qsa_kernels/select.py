@@ -281,6 +281,19 @@ class SelectSchedule:
     decode_samples: select_prefill.PrefillScratch | None = None
     decode_samples_tiles: dict | None = None
 
+    @property
+    def route(self) -> str:
+        """The top-k route `SelectLaunch` binds: "prefill" (`select_prefill`), "dsamp" (the
+        per-row-samples decode route), "topk-short" / "topk-seg" (`select_topk`'s short and
+        segment routes), "fused" or "radix" (`select_radix`'s one program per row or passes)."""
+        if self.prefill is not None:
+            return "prefill"
+        if self.decode_samples is not None:
+            return "dsamp"
+        if self.topk is not None:
+            return "topk-short" if select_topk.short_route(self.num_cols, self.topk_tiles) else "topk-seg"
+        return "fused" if self.fused else "radix"
+
 
 def _route_scratch(workspace: SelectWorkspace | None, name: str, need: dict[str, int], make):
     """A route's scratch: the workspace's field `name` (else `make()`, allocated here), checked

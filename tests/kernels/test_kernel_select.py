@@ -58,22 +58,33 @@ def _values(kind, shape, g):
     return torch.randn(shape, generator=g)
 
 
-def schedule(rows, max_seq_len, r, Kb, decode, device):
-    """The plan's schedule of one select call (scratch allocated, so fixtures can poison it)."""
-    return ker.plan_select(rows, max_seq_len // r, Kb, decode=decode, device=device)
+def schedule(rows, max_seq_len, r, Kb, decode, device, route):
+    """The plan's schedule of one select call (scratch allocated, so fixtures can poison it),
+    asserted to take the top-k route `route` (`SelectSchedule.route`): a plan that moves the
+    case to another route fails the test instead of testing that one."""
+    sched = ker.plan_select(rows, max_seq_len // r, Kb, decode=decode, device=device)
+    assert sched.route == route, (sched.route, route)
+    return sched
 
 
-def run_both(problem, *, r=4, page=16, Kb=8, decode=False, ref_device=None):
-    q, comp, table, to_req, vis, max_seq = problem
-    kw = dict(page_size=page, compress_ratio=r, block_topk=Kb)
-    fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
-    sched = schedule(q.shape[0], max_seq, r, Kb, decode, q.device)
-    out = fn(q, comp, table, to_req, vis, out=torch.full((q.shape[0], Kb), 7, dtype=torch.int32, device=q.device),
-             schedule=sched, **kw)
-    dev = ref_device or q.device
+def reference(problem, *, r=4, page=16, Kb=8, device=None):
+    """The reference selection int32 [T, Kb] of `problem` (computed on `device`, by default the
+    problem's; returned on the problem's)."""
+    q, comp, table, to_req, vis, _ = problem
+    dev = device or q.device
     args = [t.to(dev) for t in (q, comp, table, to_req, vis)]
-    expect = ref.qsa_select_prefill(*args, out=torch.empty(q.shape[0], Kb, dtype=torch.int32, device=dev), **kw)
-    return out, expect.to(out.device)
+    out = torch.empty(q.shape[0], Kb, dtype=torch.int32, device=dev)
+    return ref.qsa_select_prefill(*args, out=out, page_size=page, compress_ratio=r, block_topk=Kb).to(q.device)
+
+
+def run_both(problem, *, route, r=4, page=16, Kb=8, decode=False, ref_device=None):
+    """(kernel selection through a schedule asserted to take `route`, reference selection)."""
+    q, comp, table, to_req, vis, max_seq = problem
+    fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
+    sched = schedule(q.shape[0], max_seq, r, Kb, decode, q.device, route)
+    out = fn(q, comp, table, to_req, vis, out=torch.full((q.shape[0], Kb), 7, dtype=torch.int32, device=q.device),
+             schedule=sched, page_size=page, compress_ratio=r, block_topk=Kb)
+    return out, reference(problem, r=r, page=page, Kb=Kb, device=ref_device)
 
 
 def scores_of(problem, sel, r=4, page=16):
@@ -109,17 +120,37 @@ def assert_same_selection(problem, out, expect, kind):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture(params=["fused", "passes"])
-def nan_scratch(request, monkeypatch):
-    """Poison the score scratch (any read of an unscored column would show up), and run
-    both top-k routes: the fused per-row kernel and the multi-launch radix passes."""
+@pytest.fixture
+def nan_scratch(monkeypatch):
+    """Poison the score scratch: any read of an unscored column would show up."""
     def poisoned(rows, cols, device):
         return torch.full((rows, cols), float("nan"), device=device)
 
     monkeypatch.setattr(ker, "_score_scratch", poisoned)
-    fused = request.param == "fused"
-    monkeypatch.setattr(ker, "_FUSED_MAX_COLS", 1 << 30 if fused else 0)
-    monkeypatch.setattr(ker, "_FUSED_MAX_ROWS", 1 << 30 if fused else 0)
+
+
+@pytest.fixture
+def route(request, monkeypatch):
+    """The top-k route a test's schedules must take (parametrized indirectly; `schedule`
+    asserts it). "fused" / "radix" make chunks that `select_radix` takes run its one program
+    per row or its multi-launch passes; other routes are the plan's own for the test's shape."""
+    if request.param in ("fused", "radix"):
+        fused = request.param == "fused"
+        monkeypatch.setattr(ker, "_FUSED_MAX_COLS", 1 << 30 if fused else 0)
+        monkeypatch.setattr(ker, "_FUSED_MAX_ROWS", 1 << 30 if fused else 0)
+    return request.param
+
+
+def routes(*names):
+    """`route` parametrized indirectly over names (the test ids)."""
+    return pytest.mark.parametrize("route", names, indirect=True)
+
+
+# Prefill chunks below select_prefill's shapes: select_radix's two top-k routes.
+PREFILL = routes("fused", "radix")
+# Decode rows of 33..4096 columns (chunks of <= 256 rows): select_topk's short route on the GPU;
+# under the interpreter's small tiles (a short row holds at most 32 columns) the per-row-samples route.
+MID_DECODE = "dsamp" if DEV == "cpu" else "topk-short"
 
 
 # A 48-token prompt prefilled from 0 (visible crosses Kb = 8 inside it), a 30-token chunk
@@ -127,19 +158,25 @@ def nan_scratch(request, monkeypatch):
 RAGGED = dict(seq_lens=[120, 48, 37, 33], query_lens=[30, 48, 3, 1])
 
 
-@pytest.mark.parametrize("decode", [False, True])
-def test_int_ties_bitwise(nan_scratch, decode):
+# RAGGED's routes: prefill chunks through select_radix's two, decode rows (30 columns) through
+# select_topk's short route.
+RAGGED_ROUTES = pytest.mark.parametrize("decode, route", [(False, "fused"), (False, "radix"), (True, "topk-short")],
+                                        indirect=["route"], ids=["prefill-fused", "prefill-radix", "decode-topk-short"])
+
+
+@RAGGED_ROUTES
+def test_int_ties_bitwise(nan_scratch, decode, route):
     problem = make_problem(**RAGGED, kind="int", pad_rows=3)
-    out, expect = run_both(problem, decode=decode)
+    out, expect = run_both(problem, decode=decode, route=route)
     assert torch.equal(out, expect)
 
 
-@pytest.mark.parametrize("decode", [False, True])
-def test_packed_rows_equal_the_expanded_reference_groups(nan_scratch, decode):
+@RAGGED_ROUTES
+def test_packed_rows_equal_the_expanded_reference_groups(nan_scratch, decode, route):
     """The layer's packed selection rows, which the top-k writes itself (no expand launch), on
-    each route (prefill: the fused per-row kernel and the radix passes' emit; decode: the
-    top-k's) equal the reference expansion of the reference groups: tokens of the groups, the
-    open tail, -1 padding, the count; padding rows all -1 with count 0."""
+    each route (prefill: the fused per-row kernel and the radix passes' emit; decode:
+    select_topk's short route) equal the reference expansion of the reference groups: tokens of
+    the groups, the open tail, -1 padding, the count; padding rows all -1 with count 0."""
     from qsa_core.reference import qsa_expand
 
     r, Kb, page = 4, 8, 16
@@ -149,7 +186,7 @@ def test_packed_rows_equal_the_expanded_reference_groups(nan_scratch, decode):
     positions = torch.tensor(pos, dtype=torch.int64, device=q.device)
     T, W = q.shape[0], Kb * r + r - 1
     out = torch.full((T, W + 1), 7, dtype=torch.int32, device=q.device)
-    sched = schedule(T, max_seq, r, Kb, decode, q.device)
+    sched = schedule(T, max_seq, r, Kb, decode, q.device, route)
     ker.SelectLaunch(sched, q, comp, table, to_req, vis, out, page_size=page, compress_ratio=r, block_topk=Kb,
                      positions=positions)(q, table, out)
     kw = dict(page_size=page, compress_ratio=r, block_topk=Kb)
@@ -160,32 +197,35 @@ def test_packed_rows_equal_the_expanded_reference_groups(nan_scratch, decode):
     assert (out[-3:, :W] == -1).all() and (out[-3:, W] == 0).all()
 
 
-def test_visible_around_kb(nan_scratch):
-    # Kb = 8, r = 4: visible 0 (padding), 7 (< Kb), 8 (== Kb), 9 (just above), and long.
+@routes(MID_DECODE)
+def test_visible_around_kb(nan_scratch, route):
+    # Kb = 8, r = 4: visible 0 (padding), 7 (< Kb), 8 (== Kb), 9 (just above), and long (50 columns).
     seq_lens, qlens = [28, 32, 36, 40, 200], [1, 1, 1, 1, 1]
     problem = make_problem(seq_lens, qlens, kind="int", pad_rows=2, seed=3)
-    out, expect = run_both(problem, decode=True)
+    out, expect = run_both(problem, decode=True, route=route)
     assert torch.equal(out, expect)
     assert out[0].tolist() == list(range(7)) + [-1] and out[1].tolist() == list(range(8))
     assert (out[-2:] == -1).all()
 
 
-def test_all_zero_scores_take_lowest_groups(nan_scratch):
+@PREFILL
+def test_all_zero_scores_take_lowest_groups(nan_scratch, route):
     problem = make_problem([160], [2], kind="int")
     q, comp, *rest = problem
     problem = (torch.zeros_like(q), comp, *rest)  # every score is +0.0
-    out, expect = run_both(problem)
+    out, expect = run_both(problem, route=route)
     assert torch.equal(out, expect) and out[0].tolist() == list(range(8))
 
 
-def test_negative_zero_ties(nan_scratch):
+@PREFILL
+def test_negative_zero_ties(nan_scratch, route):
     # -0.0 products and +0.0 products must tie: the lower group index wins.
     problem = make_problem([96], [1], kind="int", Hi=1)
     q, comp, table, to_req, vis, ms = problem
     q = torch.zeros_like(q)
     q[..., 0] = -1.0
     comp = torch.where(comp.isnan(), comp, comp.clamp(min=0.0))  # q.k in {-2, -1, -0.0}
-    out, expect = run_both((q, comp, table, to_req, vis, ms))
+    out, expect = run_both((q, comp, table, to_req, vis, ms), route=route)
     assert torch.equal(out, expect)
 
 
@@ -199,48 +239,53 @@ def test_prefill_chunks_hold_at_least_256_rows_past_the_cap():
     assert ker._scored_chunk(16384, 1 << 15, False) == 512  # 128K: the cap's chunk, above 256
 
 
-def test_row_chunks_under_memory_cap(nan_scratch, monkeypatch):
+@PREFILL
+def test_row_chunks_under_memory_cap(nan_scratch, route, monkeypatch):
     # A 7-row cap forces many chunks, with row tiles that do not align with them.
     problem = make_problem(**RAGGED, kind="int", pad_rows=1, seed=5)
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 7 * 4 * (RAGGED["seq_lens"][0] // 4))
     monkeypatch.setattr(ker, "PREFILL_MIN_CHUNK_ROWS", 1)
-    out, expect = run_both(problem)
+    out, expect = run_both(problem, route=route)
     assert torch.equal(out, expect)
 
 
-def test_non_power_of_two_heads_and_dim(nan_scratch):
+@PREFILL
+def test_non_power_of_two_heads_and_dim(nan_scratch, route):
     problem = make_problem([100, 60], [20, 5], kind="int", Hi=3, Di=24, seed=7)
-    out, expect = run_both(problem)
+    out, expect = run_both(problem, route=route)
     assert torch.equal(out, expect)
 
 
+@PREFILL
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_float_kinds_by_score_values(nan_scratch, kind):
+def test_float_kinds_by_score_values(nan_scratch, route, kind):
     problem = make_problem(**RAGGED, kind=kind, pad_rows=2, seed=11)
-    out, expect = run_both(problem)
+    out, expect = run_both(problem, route=route)
     check_valid(out, problem[4], 8)
     for a, b in zip(scores_of(problem, out), scores_of(problem, expect)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_one_workspace_serves_consecutive_calls(nan_scratch):
-    """A plan's persistent scratch: histograms and arrival counters are clean again after every call."""
+    """A plan's persistent scratch: histograms and arrival counters are clean again after every
+    call (prefill chunks of 64 columns take select_prefill, decode rows `MID_DECODE`)."""
     ws = ker.select_workspace(max_rows=128, max_cols=64, block_topk=8, device=DEV)
     for seed, decode in ((0, False), (1, True), (2, False)):
         problem = make_problem(**RAGGED, kind="int", pad_rows=2, seed=seed)
         q, comp, table, to_req, vis, ms = problem
         sched = ker.plan_select(q.shape[0], 64, 8, decode=decode, device=DEV, workspace=ws)
+        assert sched.route == (MID_DECODE if decode else "prefill")
         fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
         out = torch.full((q.shape[0], 8), 7, dtype=torch.int32, device=DEV)
         fn(q, comp, table, to_req, vis, page_size=16, compress_ratio=4, block_topk=8, out=out, schedule=sched)
-        _, expect = run_both(problem, decode=decode)
-        assert torch.equal(out, expect)
+        assert torch.equal(out, reference(problem))
         assert not ws.hist.any() and not ws.arrive.any()
 
 
-def test_bigger_kb_and_page(nan_scratch):
+@PREFILL
+def test_bigger_kb_and_page(nan_scratch, route):
     problem = make_problem([300, 90], [6, 90], kind="int", page=32, seed=13)
-    out, expect = run_both(problem, page=32, Kb=20)
+    out, expect = run_both(problem, page=32, Kb=20, route=route)
     assert torch.equal(out, expect)
 
 
@@ -249,7 +294,7 @@ def test_empty_batch():
     q, comp, table, to_req, vis, ms = problem
     out = torch.empty(0, 8, dtype=torch.int32)
     ker.qsa_select_decode(q[:0], comp, table, to_req[:0], vis[:0], page_size=16, compress_ratio=4,
-                          block_topk=8, schedule=schedule(0, ms, 4, 8, True, "cpu"), out=out)
+                          block_topk=8, schedule=schedule(0, ms, 4, 8, True, "cpu", "topk-short"), out=out)
     assert out.shape == (0, 8)
 
 
@@ -264,58 +309,62 @@ def _prod_problem(seq_lens, query_lens, kind, pad_rows=0, seed=0):
 
 
 @pytest.mark.gpu
+@routes("dsamp")
 @pytest.mark.parametrize("kind", ["int", "bf16", "fp8"])
-def test_gpu_decode_long(nan_scratch, kind):
+def test_gpu_decode_long(nan_scratch, route, kind):
     seq_lens = [131072, 65536, 2049, 2048, 2052, 100_000]
     problem = _prod_problem(seq_lens, [1] * len(seq_lens), kind, pad_rows=2)
-    out, expect = run_both(problem, decode=True, **PROD)
+    out, expect = run_both(problem, decode=True, route=route, **PROD)
     check_valid(out.cpu(), problem[4].cpu(), 512)
     assert_same_selection(problem, out, expect, kind)
 
 
 @pytest.mark.gpu
-def test_gpu_decode_1m_and_batch_invariance(nan_scratch):
+@routes("dsamp")
+def test_gpu_decode_1m_and_batch_invariance(nan_scratch, route):
     problem = _prod_problem([1 << 20, 4096, 131072], [4, 1, 2], "bf16", seed=1)
     q, comp, table, to_req, vis, ms = problem
     kw = dict(page_size=64, compress_ratio=4, block_topk=512)
 
     def run(sl):
         o = torch.empty(q[sl].shape[0], 512, dtype=torch.int32, device="cuda")
-        sched = schedule(o.shape[0], ms, 4, 512, True, "cuda")
+        sched = schedule(o.shape[0], ms, 4, 512, True, "cuda", route)
         return ker.qsa_select_decode(q[sl], comp, table, to_req[sl], vis[sl], out=o, schedule=sched, **kw)
 
     full = run(slice(None))
     assert torch.equal(full, run(slice(None)))  # deterministic across runs
     assert torch.equal(full[:4], run(slice(0, 4)))  # same rows, another batch composition
     assert torch.equal(full[4:], run(slice(4, None)))
-    _, expect = run_both(problem, decode=True, **PROD)
+    _, expect = run_both(problem, decode=True, route=route, **PROD)
     check_valid(full.cpu(), vis.cpu(), 512)
     for a, b in zip(scores_of(problem, full, 4, 64), scores_of(problem, expect, 4, 64)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
+@routes("prefill")
 @pytest.mark.parametrize("kind", ["int", "bf16"])
-def test_gpu_prefill_chunked(nan_scratch, monkeypatch, kind):
+def test_gpu_prefill_chunked(nan_scratch, route, monkeypatch, kind):
     # A 64K-token request whose last 1024 tokens are prefilled, a fresh 3000-token prompt,
     # a short one and padding; a 16 MiB cap forces several row chunks.
     problem = _prod_problem([65536, 3000, 700], [1024, 3000, 700], kind, pad_rows=5, seed=2)
     monkeypatch.setattr(ker, "SCORE_SCRATCH_BYTES", 16 << 20)
     monkeypatch.setattr(ker, "PREFILL_MIN_CHUNK_ROWS", 1)
-    out, expect = run_both(problem, **PROD)
+    out, expect = run_both(problem, route=route, **PROD)
     check_valid(out.cpu(), problem[4].cpu(), 512)
     assert_same_selection(problem, out, expect, kind)
 
 
 @pytest.mark.gpu
-def test_gpu_prefill_batch_invariance(nan_scratch):
+@routes("prefill")
+def test_gpu_prefill_batch_invariance(nan_scratch, route):
     problem = _prod_problem([131072, 8192], [512, 2048], "bf16", seed=4)
     q, comp, table, to_req, vis, ms = problem
     kw = dict(page_size=64, compress_ratio=4, block_topk=512)
 
     def run(sl):
         o = torch.empty(q[sl].shape[0], 512, dtype=torch.int32, device="cuda")
-        sched = schedule(o.shape[0], ms, 4, 512, False, "cuda")
+        sched = schedule(o.shape[0], ms, 4, 512, False, "cuda", route)
         return ker.qsa_select_prefill(q[sl], comp, table, to_req[sl], vis[sl], out=o, schedule=sched, **kw)
 
     full = run(slice(None))
@@ -362,15 +411,15 @@ def test_gpu_cuda_graph_and_timing(capsys):
     """Selection replays from a CUDA graph bitwise as run eagerly; prints graph-replay timings
     and a per-kernel breakdown (no assertion on speed)."""
     kw = dict(page_size=64, compress_ratio=4, block_topk=512)
-    for name, seq, ql, fn in [
-        ("decode 4x1M", [1 << 20] * 4, [1] * 4, ker.qsa_select_decode),
-        ("decode 64x128K", [131072] * 64, [1] * 64, ker.qsa_select_decode),
-        ("prefill 8K rows @128K", [131072], [8192], ker.qsa_select_prefill),
+    for name, seq, ql, fn, route in [
+        ("decode 4x1M", [1 << 20] * 4, [1] * 4, ker.qsa_select_decode, "dsamp"),
+        ("decode 64x128K", [131072] * 64, [1] * 64, ker.qsa_select_decode, "dsamp"),
+        ("prefill 8K rows @128K", [131072], [8192], ker.qsa_select_prefill, "prefill"),
     ]:
         q, comp, table, to_req, vis, ms = _prod_problem(seq, ql, "bf16")
         comp = torch.nan_to_num(comp)
         o = torch.empty(q.shape[0], 512, dtype=torch.int32, device="cuda")
-        sched = schedule(q.shape[0], ms, 4, 512, fn is ker.qsa_select_decode, "cuda")
+        sched = schedule(q.shape[0], ms, 4, 512, fn is ker.qsa_select_decode, "cuda", route)
         run = lambda: fn(q, comp, table, to_req, vis, out=o, schedule=sched, **kw)  # noqa: E731
         eager = run().clone()
         replayed, us = graph_replay(run)

@@ -200,11 +200,12 @@ def test_a_long_list_within_the_row_capacity():
     assert torch.equal(run_topk([row], num_cols, 16), reference([row], num_cols, 16))
 
 
-@pytest.mark.parametrize("seq_lens, query_lens", [
-    ([100, 60], [2, 3]),  # <= 32 columns: the short route
-    ([120, 300, 600, 90], [4, 4, 8, 4]),  # 20 rows of up to 150 columns: several segments
+@pytest.mark.parametrize("seq_lens, query_lens, route", [
+    ([100, 60], [2, 3], "topk-short"),  # <= 32 columns
+    # 20 rows of up to 150 columns: several segments (the GPU's short route holds 4096 columns)
+    ([120, 300, 600, 90], [4, 4, 8, 4], "topk-seg" if DEV == "cpu" else "topk-short"),
 ])
-def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, monkeypatch):
+def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, route, monkeypatch):
     from test_kernel_select import make_problem, run_both
     from qsa_kernels import select as ker
 
@@ -212,9 +213,7 @@ def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, m
         (rows, cols), float("nan"), device=device))
     monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")  # (by default one row per request goes to the samples route)
     problem = make_problem(seq_lens, query_lens, kind="int", pad_rows=2)
-    T, max_seq = problem[0].shape[0], problem[-1]
-    assert ker.plan_select(T, max_seq // 4, 8, decode=True, device=DEV).topk is not None
-    out, expect = run_both(problem, decode=True)
+    out, expect = run_both(problem, decode=True, route=route)
     assert torch.equal(out, expect)
 
 
