@@ -3,7 +3,8 @@
 ReLU makes exact zeros, so the rule decides many rows, but the scoring paths seldom emit a
 -0.0 (an fp32 sum that starts at +0.0 absorbs it). The scores are therefore injected where
 the top-k reads them: straight into the reference's `topk_groups`, and into the Triton score
-scratch in place of the score launch (both top-k routes: the fused kernel and radix passes).
+scratch in place of the score launch (prefill: select_radix's fused kernel and radix passes;
+decode: the per-row-samples route, whose sample launch then reads them).
 """
 
 import math
@@ -65,6 +66,20 @@ class InjectedScores:
         return launch
 
 
+def run_select(sched, vis: torch.Tensor, decode: bool) -> torch.Tensor:
+    """The Triton selection int32 [T, Kb] through `sched` over placeholder queries and keys
+    (`InjectedScores` stands in for their scores)."""
+    page, r = 16, 4
+    pages = G * r // page + 1
+    fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
+    return fn(
+        torch.zeros(T, 1, 16, device=DEV), torch.zeros(pages, page // r, 16, device=DEV),
+        torch.arange(pages, dtype=torch.int32, device=DEV)[None, :], torch.zeros(T, dtype=torch.int32, device=DEV),
+        vis.to(DEV), page_size=page, compress_ratio=r, block_topk=KB,
+        out=torch.full((T, KB), 7, dtype=torch.int32, device=DEV), schedule=sched,
+    ).cpu()
+
+
 def test_reference_topk_ties_signed_zeros():
     s, vis = tie_scores(0)
     want = ranked(s, vis, spec_order)
@@ -72,7 +87,7 @@ def test_reference_topk_ties_signed_zeros():
     assert torch.equal(topk_groups(s, vis, KB), want)
 
 
-@pytest.mark.parametrize("route", ["fused", "passes"])
+@pytest.mark.parametrize("route", ["fused", "radix"])
 def test_kernel_topk_ties_signed_zeros(monkeypatch, route):
     s, vis = tie_scores(1)
     want = ranked(s, vis, spec_order)
@@ -82,12 +97,21 @@ def test_kernel_topk_ties_signed_zeros(monkeypatch, route):
     monkeypatch.setattr(ker, "_FUSED_MAX_ROWS", 1 << 30 if fused else 0)
     monkeypatch.setattr(ker, "ScoreLaunch", InjectedScores(s))
     sched = ker.plan_select(T, G, KB, decode=False, device=DEV)
-    assert sched.scored and sched.fused == fused
-    page, r = 16, 4
-    out = ker.qsa_select_prefill(
-        torch.zeros(T, 1, 16, device=DEV), torch.zeros(G * r // page + 1, page // r, 16, device=DEV),
-        torch.arange(G * r // page + 1, dtype=torch.int32, device=DEV)[None, :], torch.zeros(T, dtype=torch.int32, device=DEV),
-        vis.to(DEV), page_size=page, compress_ratio=r, block_topk=KB,
-        out=torch.full((T, KB), 7, dtype=torch.int32, device=DEV), schedule=sched,
-    )
-    assert torch.equal(out.cpu(), want)
+    assert sched.scored and sched.route == route
+    assert torch.equal(run_select(sched, vis, decode=False), want)
+
+
+@pytest.mark.interpreter  # (G columns take this route with the interpreter's small tiles only)
+def test_kernel_dsamp_ties_signed_zeros(monkeypatch):
+    """The per-row-samples decode route: MTP rows (4 a request), whose samples come from the
+    route's own sample launch over the scores. Every zero reaches a row's bound, so rows of at
+    most cap columns resolve from their candidate lists, longer ones by the whole-row resolve."""
+    s, vis = tie_scores(2)
+    want = ranked(s, vis, spec_order)
+    assert not torch.equal(ranked(s, vis, signed_order), want)
+    monkeypatch.setattr(ker, "ScoreLaunch", InjectedScores(s))
+    sched = ker.plan_select(T, G, KB, decode=True, device=DEV, rows_per_request=4, decode_samples=True)
+    assert sched.route == "dsamp" and sched.decode_samples_tiles["sample_launch"]
+    cap = sched.decode_samples_tiles["cap"]
+    assert (vis <= cap).any() and (vis > cap).any()
+    assert torch.equal(run_select(sched, vis, decode=True), want)
