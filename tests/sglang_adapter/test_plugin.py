@@ -169,16 +169,19 @@ def test_refuses_models_and_pools_it_cannot_serve(env):
         model_qsa_config(plain)
     config = model_qsa_config(env.runner)
     with pytest.raises(TypeError, match="QSATokenToKVPool"):
-        check_pool(object(), config)
+        check_pool(object(), config, torch.bfloat16)
     page = env.pool.page_size
     try:
         env.pool.page_size = 66
         with pytest.raises(ValueError, match="page_size to be a multiple of indexer_compress_ratio"):
-            check_pool(env.pool, config)
+            check_pool(env.pool, config, torch.bfloat16)
     finally:
         env.pool.page_size = page
     with pytest.raises(ValueError, match="qsa_token_topk must be 32"):
-        check_pool(env.pool, config.model_copy(update={"token_topk": 32}))
+        check_pool(env.pool, config.model_copy(update={"token_topk": 32}), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"ring's dtype torch.bfloat16 only.*launch with --dtype bfloat16, got model "
+                                         r"dtype torch.float16"):
+        check_pool(env.pool, config, torch.float16)
 
 
 def test_config_takes_the_cache_dtypes_of_the_pool(env, monkeypatch):

@@ -83,7 +83,8 @@ class QSACoreBackend(AttentionBackend):
         self.req_to_token = self.req_to_token_pool.req_to_token
         self.device = self.req_to_token.device
         self.model_config: QSAConfig = model_qsa_config(runner)
-        check_pool(self.token_to_kv_pool, self.model_config)
+        self.dtype = getattr(runner.model_config, "dtype", None) or self.token_to_kv_pool.dtype
+        check_pool(self.token_to_kv_pool, self.model_config, self.dtype)
         # This rank's heads: its planner, workspace and cache checks are sized for them.
         tp_size, tp_rank = attn_tp()
         self.config = rank_config(self.model_config, tp_size, tp_rank, self.token_to_kv_pool.head_num)
@@ -92,7 +93,6 @@ class QSACoreBackend(AttentionBackend):
         self.mrope = self.config.uses_mrope
         # Every position of a request lives in req_to_token: its width bounds seq_len.
         self.max_seq_len = self.req_to_token.shape[1]
-        self.dtype = getattr(runner.model_config, "dtype", None) or pool.dtype
         self.planner = self._planner(max_num_tokens=256)
         self.plan: QSAPlan | None = None
         self.ring_guard = RingContinuity(r, capacity=4 * pool.qsa_num_request_slots, mrope=self.mrope)

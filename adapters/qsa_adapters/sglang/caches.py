@@ -20,8 +20,9 @@ INDEX_DTYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
 KV_DTYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
-def check_pool(pool, config: QSAConfig) -> None:
-    """The pool's QSA geometry must be the model's (checked once, at backend construction)."""
+def check_pool(pool, config: QSAConfig, dtype: torch.dtype) -> None:
+    """The pool's QSA geometry must be the model's, and its raw-key ring the model dtype
+    (checked once, at backend construction)."""
     from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
 
     if not isinstance(pool, QSATokenToKVPool):
@@ -40,6 +41,13 @@ def check_pool(pool, config: QSAConfig) -> None:
         raise ValueError(
             f"qsa_core needs page_size to be a multiple of indexer_compress_ratio "
             f"({config.compress_ratio}); got page_size {pool.page_size}"
+        )
+    ring_dtype = pool.index_state_dtype  # what the pool allocates every layer's raw-key ring in
+    if ring_dtype != dtype:
+        raise ValueError(
+            f"qsa_core serves a QSATokenToKVPool model in its ring's dtype {ring_dtype} only: the pool keeps "
+            f"raw keys in {ring_dtype} and QSA pools them as they are (the core's ring holds the model dtype); "
+            f"launch with --dtype {str(ring_dtype).removeprefix('torch.')}, got model dtype {dtype}"
         )
     if pool.qsa_compressed_dtype not in INDEX_DTYPES:
         raise ValueError(f"QSATokenToKVPool.qsa_compressed_dtype must be one of {list(INDEX_DTYPES)}, got {pool.qsa_compressed_dtype}")
