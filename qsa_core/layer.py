@@ -183,6 +183,7 @@ def qsa_prepare(
                                   ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
     split = cfg.index_n_heads * cfg.index_head_dim
     if plan.backend != "triton" or T == 0:  # the reference (or nothing to do)
+        _bound(s.layer_launches(cache), "checked", lambda: _check_binding(plan, index_qk, q_gate, k, v, cache, split))
         return ops.prepare(
             index_qk[:, :split], index_qk[:, split:], q_gate, k, v, meta.rope_positions,
             index_q_norm=norms.index_q, index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k,
@@ -203,20 +204,27 @@ def _bound(launches: dict, name: str, make: Callable[[], Any]) -> Any:
     return found
 
 
-def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tensor, q_gate: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor, cache: QSALayerCache, split: int) -> Any:
-    from qsa_kernels.prepare import PrepareLaunch
-
-    meta, s, cfg = plan.meta, plan.schedule, plan.config
-    # Once per binding: the kernels bound their stores by these shapes (K's slots for V, the
-    # plan's C for the ring, the projections' head counts for the caches') and cast them to
-    # the caches' dtypes.
+def _check_binding(plan: QSAPlan, index_qk: torch.Tensor, q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   cache: QSALayerCache, split: int) -> bool:
+    """The write side's cache and projections against the plan, once per (schedule, cache):
+    the stores are bounded by these shapes (K's slots for V, the plan's C for the ring, the
+    projections' head counts for the caches') and cast to the caches' dtypes."""
+    meta, cfg = plan.meta, plan.config
     validate_layer_cache(cache, cfg, meta.page_size, meta.ring_capacity, dtype=plan.dtype)
     widths = (("index_qk", index_qk, split + cfg.index_head_dim), ("q_gate", q_gate, 2 * cfg.num_heads * cfg.head_dim),
               ("k", k, cfg.num_kv_heads * cfg.head_dim), ("v", v, cfg.num_kv_heads * cfg.head_dim))
     for name, x, width in widths:
         if x.dim() != 2 or x.shape[1] != width:
             raise ValueError(f"{name} must be [T, {width}] for this layer's heads, got {tuple(x.shape)}")
+    return True
+
+
+def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tensor, q_gate: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, cache: QSALayerCache, split: int) -> Any:
+    from qsa_kernels.prepare import PrepareLaunch
+
+    meta, s, cfg = plan.meta, plan.schedule, plan.config
+    _check_binding(plan, index_qk, q_gate, k, v, cache, split)
     # index_qk as both index_q (its first Hi*Di columns) and raw_keys (from column Hi*Di).
     return PrepareLaunch(
         index_qk, index_qk, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,

@@ -195,11 +195,11 @@ def _ring(rows: int, capacity: int, device) -> dict:
     (lambda c: dict(k="narrow"), rf"k must be \[T, {CONFIG.num_kv_heads * CONFIG.head_dim}\] for this layer's heads"),
     (lambda c: dict(q_gate="narrow"), rf"q_gate must be \[T, {2 * CONFIG.num_heads * CONFIG.head_dim}\]"),
 ])
-def test_the_write_side_checks_its_cache_and_projections_when_it_binds(change, message):
-    """The Triton write side bounds its stores by the cache's shapes (V by K's slots, the ring
-    by the plan's C) and its head loops by the projections' widths, and casts them to the
-    caches' dtypes: where they disagree it is refused once, at binding, naming the tensor
-    (before: writes outside the views, or silently rounded keys)."""
+def test_the_write_side_checks_its_cache_and_projections_when_it_binds(backend, change, message):
+    """The write side bounds its stores by the cache's shapes (V by K's slots, the ring by the
+    plan's C) and its head loops by the projections' widths, and casts them to the caches'
+    dtypes: where they disagree it is refused once per (schedule, cache), on either backend,
+    naming the tensor (before: writes outside the views, or silently rounded keys)."""
     import dataclasses
 
     from qsa_core import qsa_prepare
@@ -207,7 +207,7 @@ def test_the_write_side_checks_its_cache_and_projections_when_it_binds(change, m
     layer = QSAAttention.from_hf(random_hf_attention(tiny_config(), 0)).to(DEVICE)
     good = QSACacheLayout(num_layers=1, page_size=PAGE, num_pages=NUM_PAGES, ring_rows=RING_ROWS).allocate(
         CONFIG, torch.float32, DEVICE)[0]
-    plan = planner(backend="triton").plan(step())
+    plan = planner(backend=backend).plan(step())
     T, D = 12, CONFIG.head_dim
     hidden = torch.randn(T, CONFIG.hidden_size, device=DEVICE)
     index_qk = layer.indexer.index_qk_proj(hidden).detach()
