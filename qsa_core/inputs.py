@@ -189,7 +189,9 @@ class QSAStepInputs:
         run only with `QSA_DEBUG=1`). Each error names the field, the entry and what was
         expected. num_slots bounds the live rows' slot_mapping and, as num_slots / page_size
         pages, the block_table pages a request's seq_len uses; num_ring_rows bounds
-        ring_index. Requests without rows in the step (CUDA-graph padding) are not checked.
+        ring_index. A live row's slot, unless -1, must be its position's slot through the
+        block table (host only: the device guards do not check it). Requests without rows in
+        the step (CUDA-graph padding) are not checked.
         """
         qsl = self.query_start_loc.cpu().long()
         seq = self.seq_lens.cpu().long()
@@ -259,9 +261,9 @@ class QSAStepInputs:
                     f"block_table has {P} columns but request {i} (seq_len {int(seq[i])}) needs "
                     f"ceil({int(seq[i])} / page_size {page_size}) = {int(need[i])} pages"
                 )
+            table = self.block_table[:R].cpu().long()
             if num_slots is not None:
                 num_pages = num_slots // page_size
-                table = self.block_table[:R].cpu().long()
                 used = torch.arange(P)[None, :] < need[:, None]
                 bad = used & ((table < 0) | (table >= num_pages))
                 if bool(bad.any()):
@@ -270,3 +272,18 @@ class QSAStepInputs:
                         f"block_table[{i}, {j}] = {int(table[i, j])} is outside the cache: request {i} uses its "
                         f"first {int(need[i])} pages, expected pages in [0, {num_pages})"
                     )
+            # A live row's slot must be where the attention reads it back, through the block
+            # table: else the step writes K/V that no read sees, or over another request's.
+            req = torch.repeat_interleave(torch.arange(R), qlen)
+            pos = (seq - qlen - qsl[:-1])[req] + torch.arange(live)
+            page = table[req, pos // page_size]
+            want = page * page_size + pos % page_size
+            bad = (slots >= 0) & (slots != want)
+            if bool(bad.any()):
+                t = first(bad)
+                q, p, j = int(req[t]), int(pos[t]), int(pos[t]) // page_size
+                expected = f"slot {int(want[t])} (or -1)" if int(page[t]) >= 0 else "-1 (no page)"
+                raise ValueError(
+                    f"slot_mapping[{t}] = {int(slots[t])} disagrees with the block table: row {t} is request {q}'s "
+                    f"position {p}, in its page block_table[{q}, {j}] = {int(page[t])}, expected {expected}"
+                )

@@ -20,17 +20,18 @@ def planner(**over):
     return QSAPlanner(CONFIG, **kw)
 
 
-def mixed_step(**over):
+def mixed_step(decode_slots=(7 * 8 + 1, 5 * 8 + 4), **over):
     """Two decodes (context 9 and 4) then prefills of 6 (context 2) and 3 (new), 2 padding rows.
 
-    r = 4, page 8, C = 4.
+    r = 4, page 8, C = 4. decode_slots: the decodes' slots, through their pages 7 and 5 (a
+    step that moves a decode on moves its slot).
     """
     args = dict(
         query_start_loc=torch.tensor([0, 1, 2, 8, 11], dtype=I32),
         seq_lens=torch.tensor([10, 5, 8, 3], dtype=I32),
         block_table=torch.tensor([[3, 7], [5, -1], [0, -1], [2, -1]], dtype=I32),
         slot_mapping=torch.tensor(
-            [7 * 8 + 1, 5 * 8 + 4] + [0 * 8 + i for i in range(2, 8)] + [2 * 8 + i for i in range(3)] + [-1, -1],
+            list(decode_slots) + [0 * 8 + i for i in range(2, 8)] + [2 * 8 + i for i in range(3)] + [-1, -1],
             dtype=I64,
         ),
         ring_index=torch.tensor([2, 0, 3, 1], dtype=I32),
@@ -71,7 +72,8 @@ def test_derived_fields_live_in_the_planner_workspace():
     p = planner()
     first = p.plan(mixed_step()).meta
     ptr = first.positions.data_ptr()
-    second = p.plan(mixed_step(seq_lens=torch.tensor([11, 5, 8, 3], dtype=I32), max_seq_len=11)).meta
+    second = p.plan(mixed_step((7 * 8 + 2, 5 * 8 + 4), seq_lens=torch.tensor([11, 5, 8, 3], dtype=I32),
+                               max_seq_len=11)).meta
     assert second.positions.data_ptr() == ptr and second.positions[0].item() == 10
     with pytest.raises(ValueError, match="max_num_tokens"):
         p.plan(mixed_step(slot_mapping=torch.full((17,), -1, dtype=I64), num_padding_rows=6))
@@ -81,7 +83,8 @@ def test_static_plan_copies_inputs_into_fixed_buffers(backend):
     """plan(static=True): every tensor of the metadata keeps its address from step to step."""
     p = planner(max_num_reqs=4)
     a = p.plan(mixed_step(), static=True).meta
-    b = p.plan(mixed_step(seq_lens=torch.tensor([11, 6, 8, 3], dtype=I32), max_seq_len=11), static=True).meta
+    b = p.plan(mixed_step((7 * 8 + 2, 5 * 8 + 5), seq_lens=torch.tensor([11, 6, 8, 3], dtype=I32), max_seq_len=11),
+               static=True).meta
     for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "ring_index", "positions",
                  "visible_blocks", "ring_slot", "compressed_slot"):
         assert getattr(a, name).data_ptr() == getattr(b, name).data_ptr(), name

@@ -175,6 +175,11 @@ def test_planner_persistent_buffers(monkeypatch):
     for qlens, ctx, pad in (([1, 1, 6], [9, 4, 0], 3), ([2, 9], [5, 14], 0)):
         qsl, seq, slots, ring = make_step(qlens, ctx, pad, gen, "cpu", num_slots=200, ring_rows=4)
         table = torch.arange(len(qlens) * 4, dtype=torch.int32).view(len(qlens), 4)
+        # An engine's slots: each live row's (but -1) is its position's through the block
+        # table (the planner's value checks on CPU tensors require it).
+        req = torch.repeat_interleave(torch.tensor(qlens))
+        pos = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, qlens)])
+        slots[: len(req)] = torch.where(slots[: len(req)] >= 0, table[req, pos // 8].long() * 8 + pos % 8, -1)
         meta = planner.plan(QSAStepInputs(
             query_start_loc=qsl, seq_lens=seq, block_table=table, slot_mapping=slots, ring_index=ring,
             num_decodes=2 if qlens[0] == 1 else 0, max_query_len=max(qlens), max_seq_len=int(seq.max()),
