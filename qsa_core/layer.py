@@ -183,7 +183,10 @@ def qsa_prepare(
                                   ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
     split = cfg.index_n_heads * cfg.index_head_dim
     if plan.backend != "triton" or T == 0:  # the reference (or nothing to do)
-        _bound(s.layer_launches(cache), "checked", lambda: _check_binding(plan, index_qk, q_gate, k, v, cache, split))
+        launches = s.layer_launches(cache)
+        if "checked" not in launches:  # once per (schedule, cache), as Triton's binding
+            _check_binding(plan, index_qk, q_gate, k, v, cache, split)
+            launches["checked"] = True
         return ops.prepare(
             index_qk[:, :split], index_qk[:, split:], q_gate, k, v, meta.rope_positions,
             index_q_norm=norms.index_q, index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k,
@@ -205,7 +208,7 @@ def _bound(launches: dict, name: str, make: Callable[[], Any]) -> Any:
 
 
 def _check_binding(plan: QSAPlan, index_qk: torch.Tensor, q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   cache: QSALayerCache, split: int) -> bool:
+                   cache: QSALayerCache, split: int) -> None:
     """The write side's cache and projections against the plan, once per (schedule, cache):
     the stores are bounded by these shapes (K's slots for V, the plan's C for the ring, the
     projections' head counts for the caches') and cast to the caches' dtypes."""
@@ -216,7 +219,6 @@ def _check_binding(plan: QSAPlan, index_qk: torch.Tensor, q_gate: torch.Tensor, 
     for name, x, width in widths:
         if x.dim() != 2 or x.shape[1] != width:
             raise ValueError(f"{name} must be [T, {width}] for this layer's heads, got {tuple(x.shape)}")
-    return True
 
 
 def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tensor, q_gate: torch.Tensor,
