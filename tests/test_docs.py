@@ -1,6 +1,8 @@
 """The docs point at files that exist: every repository path that README.md, BENCHMARKS.md,
 NOTES.md and docs/design.md name (in a link or in backticks) is in the tree, but those named
-with the commit that last held them (`... at <commit>`: git history)."""
+with the commit that last held them (`... at <commit>`: git history). The code cites the design
+by section (`design.md §2.7`): every cited section exists, and nothing cites SPEC.md, which the
+repository does not contain."""
 
 from __future__ import annotations
 
@@ -48,3 +50,36 @@ def test_a_missing_path_is_reported(tmp_path, monkeypatch):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "design.md").write_text("")
     assert named_paths("doc.md") == ["benchmarks/gone.py", "docs/design.md"]
+
+
+SOURCES = ("*.py", "*.sh", "*.md", "*.toml")
+SPEC = re.compile(r"\bSPEC\b|SPEC\.md")
+CITED = re.compile(r"§(\d+(?:\.\d+)?)")
+
+
+def design_sections() -> set[str]:
+    """`## N.` headings and the numbered paragraphs `N.M ` inside them."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    return set(re.findall(r"^## (\d+)\.", text, re.M)) | set(re.findall(r"^(\d+\.\d+) ", text, re.M))
+
+
+def source_files() -> list[Path]:
+    files = [f for pattern in SOURCES for f in ROOT.glob(pattern)]
+    for top in TOP:
+        files += [f for pattern in SOURCES for f in (ROOT / top).rglob(pattern)]
+    return [f for f in files if f.name != "design.md" and f != Path(__file__).resolve()]
+
+
+def test_design_md_numbers_the_sections_the_code_cites():
+    sections = design_sections()
+    assert {"1", "2.7", "3", "4", "5", "6.11", "7", "8", "9"} <= sections, sorted(sections)
+    cited, stale = {}, []
+    for f in source_files():
+        text = f.read_text(errors="replace")
+        for m in CITED.finditer(text):
+            cited.setdefault(m.group(1), str(f.relative_to(ROOT)))
+        stale += [str(f.relative_to(ROOT))] if SPEC.search(text) else []
+    assert len(cited) > 10, "the code cites design.md: the pattern is broken"
+    assert not stale, f"cite docs/design.md §N (SPEC trap N is §6.N), not SPEC: {stale}"
+    unknown = {n: where for n, where in cited.items() if n not in sections}
+    assert not unknown, f"sections docs/design.md does not have (section: first file citing it): {unknown}"
