@@ -270,7 +270,7 @@ def test_unserved_settings_are_refused_by_name(stack, setting, match):
 
 
 def test_specs_follow_the_block_size_vllm_settles_on(stack):
-    """SPEC trap 11: vLLM raises the block size of hybrid models after the model is built; the
+    """design.md §6.11: vLLM raises the block size of hybrid models after the model is built; the
     main page (with its compressed rows) and the ring are specified from the size asked with."""
     layer = stack.layers[0]
     vc = stack.vllm_config
