@@ -157,7 +157,7 @@ class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
     CUDA graphs: every step is planned static (the plan's tensors live in the planner's
     persistent buffers, refreshed in place by each build), and a uniform batch (decodes of
     one query length; padding requests of length 0 and rows with slot -1 are inert) maps onto
-    a fixed schedule. Declared, not yet run under graphs (no vLLM on the GPU machine).
+    a fixed schedule (run under vLLM 0.33's graphs on the H200: `scripts/gpu_vllm.py`).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
