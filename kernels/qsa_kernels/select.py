@@ -361,7 +361,8 @@ def plan_select(
         state = workspace.state[: chunk * 4].view(chunk, 4)
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
-        scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
+        scores = torch.empty(1, 1, dtype=torch.float32, device=device)
+        hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.int32, device=device)
     on = decode_samples_enabled() if decode_samples is None else decode_samples
     dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, on, rows_per_request) if scored else None
     dsamp = None
