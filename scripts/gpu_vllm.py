@@ -23,6 +23,7 @@ each margin). OUT_DIR gets every run's JSON and log and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -93,53 +95,63 @@ def run(out: str, name: str, llm: dict, env: dict) -> dict:
         return {**json.load(f), "wall": wall, "jit": jit}
 
 
-def serve_and_ask(out: str, folder: str, env: dict) -> dict:
-    """The OpenAI server with QSA_CORE and CUDA graphs: the prompts' completions, concurrently."""
+@contextlib.contextmanager
+def vllm_server(folder: str, args: list[str], env: dict, log_path: str, timeout_s: float = 400) -> Iterator[str]:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with `args`; yields its base URL
+    once /health answers (RuntimeError if it exits or is not healthy within timeout_s). Stopped
+    by its pid, its whole process group killed if it does not end within 60 s."""
     from ports import free_port
 
     port = free_port()
-    log = open(os.path.join(out, "server.log"), "w")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", "--attention-backend", "QSA_CORE",
-           "--no-enable-prefix-caching", "--dtype", "bfloat16", "--max-model-len", str(ENGINE["max_model_len"]),
-           "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-           "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-           "--gpu-memory-utilization", str(ENGINE["gpu_memory_utilization"]),
-           "-cc.cudagraph_capture_sizes=[1,2,4]"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            if proc.poll() is not None:
-                return {"error": f"server exited with {proc.returncode}"}
-            if time.monotonic() > deadline:
-                return {"error": "server not healthy after 400 s"}
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
-
-        def complete(prompt: list[int]) -> list[int]:
-            body = json.dumps({"model": folder, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                               "ignore_eos": True, "return_token_ids": True}).encode()
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=300) as r:
-                return json.load(r)["choices"][0]["token_ids"]
-
-        with ThreadPoolExecutor(max_workers=len(LENGTHS)) as pool:
-            return {"tokens": list(pool.map(complete, prompts()))}
-    finally:
-        proc.terminate()
+           "--port", str(port), "--skip-tokenizer-init", *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-        log.close()
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode} (log: {log_path})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s (log: {log_path})")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    time.sleep(2)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def serve_and_ask(out: str, folder: str, env: dict) -> dict:
+    """The OpenAI server with QSA_CORE and CUDA graphs: the prompts' completions, concurrently."""
+    args = ["--attention-backend", "QSA_CORE", "--no-enable-prefix-caching", "--dtype", "bfloat16",
+            "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+            "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+            "--gpu-memory-utilization", str(ENGINE["gpu_memory_utilization"]), "-cc.cudagraph_capture_sizes=[1,2,4]"]
+    try:
+        with vllm_server(folder, args, env, os.path.join(out, "server.log")) as url:
+
+            def complete(prompt: list[int]) -> list[int]:
+                body = json.dumps({"model": folder, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                   "ignore_eos": True, "return_token_ids": True}).encode()
+                request = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=300) as r:
+                    return json.load(r)["choices"][0]["token_ids"]
+
+            with ThreadPoolExecutor(max_workers=len(LENGTHS)) as pool:
+                return {"tokens": list(pool.map(complete, prompts()))}
+    except RuntimeError as e:
+        return {"error": str(e)}
 
 
 def main() -> int:
