@@ -117,7 +117,7 @@ def served_alone_and_together(client: Client, vocab: int, running: Callable[[], 
 
     def poll() -> None:
         try:
-            while not done.wait(0.2):
+            while not done.wait(0.05):
                 seen[0] = max(seen[0], running())
         except BaseException as err:  # re-raised in the test's thread below
             errors.append(err)
