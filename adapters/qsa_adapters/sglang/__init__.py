@@ -6,6 +6,7 @@ launcher and in every scheduler process. Modules: `plugin` (registration, backen
 two model hooks), `layer` (a QSA layer's projections), `backend` (the attention-backend
 interface; the core's `qsa_indexer` / `qsa_attention` calls), `batch_map` (ForwardBatch ->
 `QSAStepInputs`), `cuda_graph` (static metadata buffers), `caches` (views over
-QSATokenToKVPool), `ring_guard` (cached-prefix refusal). Importing this package imports no
+QSATokenToKVPool), `ring_guard` (cached-prefix refusal), `vocab_guard` (token ids outside the
+vocabulary, refused in the launcher for every backend). Importing this package imports no
 SGLang module.
 """
