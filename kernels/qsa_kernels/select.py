@@ -41,6 +41,8 @@ PREFILL_MIN_CHUNK_ROWS = 256
 # program per row is slower than the passes beyond ~4K columns (4 rows at 128K: 135 vs
 # 45 us) or for many rows (16K rows at 16K context: 1.9 vs 1.7 ms).
 _FUSED_MAX_COLS = 4096
+# The planner's column buckets above 4096 are its multiples (`planner.column_bucket`).
+_BUCKET_STEP = 4096
 _FUSED_MAX_ROWS = 256
 # Decode chunks take the histogram-free top-k (`select_topk`) where it measured faster on the
 # H200 (select with packed rows, us, radix -> topk): its short route for rows of <= 4096
@@ -216,10 +218,13 @@ def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.devi
 
 def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
                      dev: torch.device) -> select_prefill.PrefillScratch | None:
-    """`select_prefill` scratch for every prefill plan up to max_rows x max_cols (num_cols
-    are powers of two, or max_cols): the largest need of any column bound that takes the route."""
+    """`select_prefill` scratch for every prefill plan up to max_rows x max_cols (num_cols:
+    the `planner.column_bucket`s, powers of two up to 4096 then multiples of 4096, or
+    max_cols): the largest need of any column bound that takes the route (a chunk's need is
+    not monotone in its columns: a multiple of 4096 may need more than the next power of two)."""
     need: dict[str, int] = {}
-    bounds = {max_cols} | {1 << i for i in range(block_topk.bit_length(), max_cols.bit_length())}
+    bounds = ({max_cols} | {1 << i for i in range(block_topk.bit_length(), max_cols.bit_length())}
+              | set(range(_BUCKET_STEP, max_cols + 1, _BUCKET_STEP)))
     for c in sorted(bounds):
         chunk = _scored_chunk(max_rows, c, False)
         tiles = _prefill_route(c, block_topk, False, chunk)
