@@ -258,7 +258,7 @@ class SelectSchedule:
     num_cols: the column bound (groups of the longest request); chunk: rows per scratch
     pass; scored: any row may have more than Kb visible groups; fused: the one-launch
     per-row top-k, else the radix passes; the views scores fp32 [chunk, num_cols], hist,
-    arrive, state, counts (unused ones alias `scores`); topk / topk_tiles: the scratch and
+    arrive, state, counts int32 (unscored: one-element stand-ins, never read); topk / topk_tiles: the scratch and
     tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None;
     prefill / prefill_tiles: those of `select_prefill` where a prefill chunk takes it
     (`_prefill_route`), else None; decode_samples / decode_samples_tiles: those of the
@@ -366,7 +366,10 @@ def plan_select(
         state = workspace.state[: chunk * 4].view(chunk, 4)
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
-        scores = hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.float32, device=device)
+        # Never read (every row has visible <= Kb), but of the dtypes the kernels declare: the
+        # emit's chosen count sums `counts` as int32, which sm_90's compiler checks.
+        scores = torch.empty(1, 1, dtype=torch.float32, device=device)
+        hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.int32, device=device)
     on = decode_samples_enabled() if decode_samples is None else decode_samples
     dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, on, rows_per_request) if scored else None
     dsamp = None
