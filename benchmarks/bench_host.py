@@ -14,7 +14,7 @@ the thin launcher (`qsa_kernels.launch`, bound launches). The host is shared and
 figure is the median of `--passes` interleaved passes over all cases (after one warm-up
 pass), each pass the median of its rounds.
 
-    python benchmarks/bench_host.py [--out DIR] [--launch both|ordinary|launcher] [--shapes 4x8192,...]
+    python benchmarks/bench_qsa.py host [--out DIR] [--launch both|ordinary|launcher] [--shapes 4x8192,...]
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ class DecodeStep:
             return self.layer(self.hidden, self.plan, self.cache)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python benchmarks/bench_qsa.py host", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="folder for host.json")
     parser.add_argument("--launch", choices=("both", "ordinary", "launcher"), default="both",
                         help="Triton launch path(s) to measure (default: both, old then new)")
@@ -192,7 +192,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per pass (their median)")
     parser.add_argument("--passes", type=int, default=3, help="interleaved passes over all cases (their median)")
     parser.add_argument("--shapes", default="4x8192,64x8192,64x131072", help="BATCHxCONTEXT decode steps, comma separated")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False): it times kernel launches")
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     modes = ("ordinary", "launcher") if args.launch == "both" else (args.launch,)
     rows, same = [], []
@@ -254,7 +256,3 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "host.json").write_text(json.dumps(dict(rows=rows, launcher_equals_ordinary=same,
                                                             launch_floor_us=floor), indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -10,18 +10,24 @@ the byte/FLOP model, the issue's targets and the table writers.
     python benchmarks/bench_qsa.py --out DIR [--sglang-dir SITE] [--markdown BENCHMARKS.md --readme README.md]
     python benchmarks/bench_qsa.py --smoke --out DIR ...     # two small configurations
     python benchmarks/bench_qsa.py --dry-run --out DIR       # CPU: tiny shapes, reference ops, no timing
+    python benchmarks/bench_qsa.py host [--out DIR]          # host time of plan and the layer halves (bench_host.py)
+    python benchmarks/bench_qsa.py tp [--out DIR]            # per-rank kernel times under TP (bench_tp.py)
+    python benchmarks/bench_qsa.py report DIR [--markdown BENCHMARKS.md --readme README.md]   # re-render a run
+    python benchmarks/bench_qsa.py serving --out DIR         # vLLM's server: QSA_CORE vs its own QSA (bench_serving.py)
 
 DIR/results.json is written after every measurement; a rerun with the same --out resumes
 (configurations already there are skipped), so a run cut by a time limit continues in the next
 call (finished configurations are skipped). --budget-s stops starting configurations that would
 not fit; --config-timeout ends the process (exit 3) when one configuration hangs, noting it, so a
-rerun goes on without it (benchmarks/device/run_bench.sh loops on that).
+rerun goes on without it (a loop that reruns while the exit status is 3 finishes the table).
+benchmarks/results/ holds the run of record (results.json, table.md, latency.png, host.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import importlib.util
 import math
 import os
@@ -50,6 +56,8 @@ GEOM = Geometry()
 BF16 = torch.bfloat16
 SGLANG_MARK = Path("sglang/srt/layers/attention/qsa/sparse_attn.py")
 OVERLAP_PERIOD = 8  # default rows between the anchors of `correlated_rows` (--overlap-period)
+# The benchmark's other commands: `bench_qsa.py NAME ARGS` runs that module's main(ARGS).
+TOOLS = {"host": "bench_host", "tp": "bench_tp", "report": "bench_report", "serving": "bench_serving"}
 
 
 def qsa_config(index_dtype: str) -> QSAConfig:
@@ -287,7 +295,7 @@ def correlated_rows(rows: int, width: int, period: int, device: torch.device) ->
 def neighbour_overlap(sel: torch.Tensor, visible: torch.Tensor, max_pairs: int = 4096) -> float:
     """Mean over neighbouring rows t, t+1 (max_pairs pairs spread evenly over the chunk) that both
     choose fewer groups than they see of |chosen(t) & chosen(t+1)| / |chosen(t)| (complete groups,
-    tails excluded). Until session 20 the pairs were the chunk's first rows, which see fewest groups."""
+    tails excluded). Pairs spread over the chunk: its first rows see the fewest groups and overlap most."""
     if sel.shape[0] < 2:
         return float("nan")
     first = torch.linspace(0, sel.shape[0] - 2, min(max_pairs, sel.shape[0] - 1), device=sel.device).long()
@@ -488,6 +496,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Time one QSA layer step (prepare, select + expand, sparse attention; each alone and all in "
         "one CUDA graph) on a CUDA GPU at production geometry, against dense FlashInfer and SGLang 0.5.23's whole "
         "QSA path. Every configuration is checked against the PyTorch reference before it is timed.",
+        epilog="other commands (each has its own --help): `host` times the host side of plan and the layer halves "
+        "(bench_host.py); `tp` times a rank's kernels under tensor parallelism (bench_tp.py); `report DIR` re-renders "
+        "a run's tables and plot from DIR/results.json on any machine (bench_report.py); `serving` serves a model "
+        "through vLLM's OpenAI server with QSA_CORE and with vLLM's own QSA: TTFT, TPOT, tokens/s (bench_serving.py)",
     )
     ap.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
                     help="folder for results.json, table.md and latency.png; an existing results.json there is "
@@ -527,7 +539,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "--dry-run checks the benchmark's logic on the CPU; `python -m qsa_core` runs QSA there.")
     if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
         ap.error("the plot needs matplotlib: pip install -e '.[bench]' (or pass --no-plot; "
-                 "bench_report.py DIR renders it later from results.json)")
+                 "`bench_qsa.py report DIR` renders it later from results.json)")
     if args.sglang_dir is not None and not (args.sglang_dir / SGLANG_MARK).is_file():
         ap.error(f"--sglang-dir {args.sglang_dir}: no {SGLANG_MARK} there; pass the folder that holds SGLang 0.5.23's "
                  "'sglang' package (its site-packages) or a copy of its qsa files")
@@ -552,6 +564,10 @@ def load_peer(args, device: torch.device):
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:
+        importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
+        return
     args = parse_args(argv)
     t_start = time.perf_counter()
     device = torch.device("cpu" if args.dry_run else "cuda")

@@ -1,7 +1,7 @@
 """What bench_qsa.py reports: the byte/FLOP model, the issue's targets, the tables, the JSON,
 the plot, and the table sections of BENCHMARKS.md and README.md. No GPU needed.
 
-    python benchmarks/bench_report.py DIR [--markdown BENCHMARKS.md --readme README.md] [--no-plot]
+    python benchmarks/bench_qsa.py report DIR [--markdown BENCHMARKS.md --readme README.md] [--no-plot]
 
 re-renders DIR/table.md (and DIR/latency.png) from DIR/results.json, and with --markdown /
 --readme rewrites the text between the bench markers of those files.
@@ -314,7 +314,7 @@ def render(out: Path, results: list[Result], meta: dict, *, markdown: Path | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python benchmarks/bench_report.py",
+    ap = argparse.ArgumentParser(prog="python benchmarks/bench_qsa.py report",
                                  description="Re-render a bench_qsa.py run (DIR/results.json) on any machine.")
     ap.add_argument("dir", type=Path, help="the folder bench_qsa.py --out wrote")
     ap.add_argument("--markdown", type=Path, help="rewrite this file's bench section (BENCHMARKS.md)")
@@ -325,7 +325,3 @@ def main(argv: list[str] | None = None) -> None:
     if not results:
         ap.error(f"{args.dir / 'results.json'}: no results of schema {SCHEMA}")
     print(render(args.dir, results, meta, markdown=args.markdown, readme=args.readme, with_plot=not args.no_plot))
-
-
-if __name__ == "__main__":
-    main()

@@ -7,7 +7,7 @@ Each rank's step is built from the TP 1 step (its KV heads of the caches, its he
 projections) and checked against it before it is timed: the selection bitwise equal to TP 1's,
 the attention equal to TP 1's columns of those heads. Times: medians of CUDA-graph replays, us.
 
-    python benchmarks/bench_tp.py [--out DIR] [--tp 1 2 4 8] [--quick]
+    python benchmarks/bench_qsa.py tp [--out DIR] [--tp 1 2 4 8] [--quick]
 
 Prints a line per configuration and writes DIR/tp_results.json.
 """
@@ -159,13 +159,13 @@ def measure(context: int, batch: int, rows: int, tps: list[int]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/bench_qsa.py tp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--quick", action="store_true", help="decode B4 at 128K and the prefill only")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_tp.py needs a CUDA GPU")
+        ap.error("needs a CUDA GPU (torch.cuda.is_available() is False): it times the kernels under CUDA graphs")
     configs = [(131072, 4, 1), (32768, 1, 4096)] if args.quick else [
         (8192, 4, 1), (131072, 4, 1), (131072, 64, 1), (32768, 1, 4096)]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -174,7 +174,3 @@ def main(argv: list[str] | None = None) -> None:
         rows += measure(context, batch, n, args.tp)
         (args.out / "tp_results.json").write_text(json.dumps(
             dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Cache layouts (SPEC.md section 4): the plan, validated once, and the per-layer views.
+"""Cache layouts (design.md §4): the plan, validated once, and the per-layer views.
 
 Every cache is a paged view with any page / row strides and a contiguous last dim, so an
 engine hands over its own buffers as they are (no renumbering, no aliasing), and every
@@ -10,7 +10,7 @@ store's bounds guard stops at the view's own pages:
 - the raw-key ring `[ring_rows, C, Di]`: request q's rows are page `ring_index[q]`, row `p % C`
   (flat, `ring_slot = ring_index * C + p % C`), with `[ring_rows, C, 3]` int64 RoPE
   positions per row (1-D positions fill all three axes), which key the groups whose first
-  token an earlier step wrote (SPEC trap 2).
+  token an earlier step wrote (design.md §6.2).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class QSACacheLayout(BaseModel):
                     ),
                     ring=torch.zeros(self.ring_rows, C, Di, dtype=dtypes["ring"], device=device),
                     # 1-D models too: a group key is rotated at its first token's RoPE
-                    # position, which may differ from the logical one (SPEC trap 2).
+                    # position, which may differ from the logical one (design.md §6.2).
                     ring_positions=torch.zeros(self.ring_rows, C, 3, dtype=torch.int64, device=device),
                 )
             )
@@ -113,9 +113,9 @@ class QSACacheLayout(BaseModel):
 
 def cache_dtypes(config: QSAConfig, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """The dtype of each float cache of a layer whose model (activation) dtype is `dtype`, by
-    `QSALayerCache` field (SPEC section 4): main K/V the config's kv_cache_dtype, compressed
+    `QSALayerCache` field (design.md §4): main K/V the config's kv_cache_dtype, compressed
     keys its index_dtype ("auto": the model dtype), the raw-key ring the model dtype (raw
-    keys are pooled as they are, SPEC 2.3: a narrower ring would round only the keys a group
+    keys are pooled as they are, design.md §2.3: a narrower ring would round only the keys a group
     takes from earlier steps). Ring positions are int64."""
     kv = resolve_dtype(config.kv_cache_dtype, dtype)
     return dict(k=kv, v=kv, compressed=resolve_dtype(config.index_dtype, dtype), ring=dtype)

@@ -1,4 +1,4 @@
-"""`QSAConfig`: the geometry of one QSA layer (SPEC.md section 1), validated once at load."""
+"""`QSAConfig`: the geometry of one QSA layer (design.md §1), validated once at load."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def resolve_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 class QSAConfig(BaseModel):
-    """Geometry of a QSA layer. Field names follow SPEC.md; `from_hf` reads a HF config."""
+    """Geometry of a QSA layer. Field names follow design.md; `from_hf` reads a HF config."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

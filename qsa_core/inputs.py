@@ -1,6 +1,6 @@
 """`QSAStepInputs`: the one definition of what an engine supplies for a forward step.
 
-SPEC.md section 3: a few tensors that every engine has in some form, plus the host ints the
+design.md §3: a few tensors that every engine has in some form, plus the host ints the
 engine already knows (no device reads). Page size and ring capacity are engine geometry,
 fixed once: they belong to `QSAPlanner`, not to a step.
 

@@ -1,6 +1,6 @@
 """`QSAForwardMetadata`: the schema of one step's record, shared by every QSA layer.
 
-It is the engine's `QSAStepInputs` plus the fields SPEC.md section 3 derives on the device
+It is the engine's `QSAStepInputs` plus the fields design.md §3 derives on the device
 and the engine geometry. `QSAPlanner.plan` builds it (validation there, derivation by the
 metadata-build op); nothing here computes anything.
 """

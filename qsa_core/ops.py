@@ -1,4 +1,4 @@
-"""The op API: one function per op of SPEC.md section 5, with the reference's contract.
+"""The op API: one function per op of design.md §5, with the reference's contract.
 
 Two backends implement every op under the same name: `reference` (`qsa_core.reference`,
 pure PyTorch, the definition) and `triton` (`qsa_kernels`). A `QSAPlanner` resolves its
@@ -77,7 +77,7 @@ def build_metadata(
     decode_query_len: int = 1,
     backend: str | None = None,
 ) -> None:
-    """SPEC.md section 3's derived per-row fields, in place (no host reads).
+    """design.md §3's derived per-row fields, in place (no host reads).
 
     query_start_loc int32 [R+1], seq_lens int32 [R], slot_mapping int64 [T], ring_index
     int32 [R], block_table int32 [>= R, P] -> token_to_req int32, positions int64 (-1 =
@@ -208,7 +208,7 @@ def select_decode(
 ) -> torch.Tensor:
     """Top-k groups of decode rows: q_idx [Td, Hi, Di] over the paged compressed keys
     [pages, page_size / r, Di] through block_table -> out int32 [Td, Kb] (ascending, -1
-    padded; SPEC.md 2.6, 2.7).
+    padded; design.md §2.6, §2.7).
 
     token_to_req int32 [Td], visible_blocks int32 [Td]. schedule: a `SelectSchedule`
     (Triton only).
@@ -249,7 +249,7 @@ def expand(
     backend: str | None = None,
 ) -> torch.Tensor:
     """block_indices int32 [T, Kb] -> out int32 [T, W + 1]: the chosen groups' tokens, the
-    open tail, -1 padding and the count column (SPEC.md 2.8; W >= Kb * r + r - 1, the
+    open tail, -1 padding and the count column (design.md §2.8; W >= Kb * r + r - 1, the
     layer's K + r - 1, so that the groups and an open tail of up to r - 1 tokens fit).
     positions int64 [T], visible_blocks int32 [T]."""
     T, Kb = block_indices.shape
@@ -280,7 +280,7 @@ def sparse_attention(
     backend: str | None = None,
 ) -> torch.Tensor:
     """out [T, Hq*D] (q.dtype) = dtype(softmax(q.k * scale) v) * sigmoid(gate) over each
-    row's selection (SPEC.md 2.9).
+    row's selection (design.md §2.9).
 
     q, gate [T, Hq, D]; k_cache, v_cache [pages, page_size, Hkv, D] (any strides, contiguous
     last dim; fp8 with per-tensor scales); selection int32 [T, W + 1]. Entries < 0 or >=

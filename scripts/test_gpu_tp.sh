@@ -2,7 +2,7 @@
 # Tensor parallelism on CUDA GPUs: the core's rank-sharded QSA layers (Triton kernels, bf16)
 # against the unsharded ones with bitwise-equal selections on every rank (NCCL across two
 # GPUs, and gloo with two ranks on one GPU), then the per-rank kernel times next to TP 1
-# (benchmarks/bench_tp.py). NVLink multicast stays off. Fails if a test is skipped, so on a
+# (`benchmarks/bench_qsa.py tp`). NVLink multicast stays off. Fails if a test is skipped, so on a
 # machine with one GPU run it with QSA_TP_GPUS=1 (the NCCL test is then deselected).
 #
 #   PYTHON=python3.12 [QSA_TP_GPUS=1] bash scripts/test_gpu_tp.sh [BENCH_OUT_DIR]
@@ -23,5 +23,5 @@ if grep -qE '[0-9]+ skipped' "$log"; then
     echo "scripts/test_gpu_tp.sh: FAILED: tests were skipped (fewer than 2 GPUs? set QSA_TP_GPUS=1)"
     exit 1
 fi
-"$PY" benchmarks/bench_tp.py --out "$OUT"
+"$PY" benchmarks/bench_qsa.py tp --out "$OUT"
 echo "scripts/test_gpu_tp.sh: passed"

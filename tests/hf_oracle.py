@@ -3,7 +3,7 @@
 `hf_forward(layers, x, positions)` runs a chain of HF layers over a whole sequence with a
 causal mask; its row p is what any chunked or decoded schedule must reproduce at position p.
 HF's `torch.topk` orders equal scores arbitrarily; inside `hf_forward` its ties are broken by
-SPEC 2.7 (higher score first, then lower group index, -0.0 == +0.0), see `spec_topk`.
+design.md §2.7 (higher score first, then lower group index, -0.0 == +0.0), see `spec_topk`.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ _TORCH_TOPK = torch.Tensor.topk
 
 
 def _spec_order_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
-    """`Tensor.topk` whose 1-D largest-k ties go to the lower index (SPEC 2.7)."""
+    """`Tensor.topk` whose 1-D largest-k ties go to the lower index (design.md §2.7)."""
     if self.dim() != 1 or not largest:
         return _TORCH_TOPK(self, k, dim, largest, sorted)
     # `+ 0.0` folds -0.0 into +0.0; a stable descending sort keeps equal scores in index order.
@@ -92,7 +92,7 @@ def _spec_order_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = 
 def spec_topk(order: str = "spec") -> Iterator[None]:
     """Break the ties of HF's group top-k (a method call on its 1-D score vector).
 
-    order "spec": SPEC 2.7; "reversed": ties to the HIGHER index (a wrong rule, for tests that
+    order "spec": design.md §2.7; "reversed": ties to the HIGHER index (a wrong rule, for tests that
     prove their inputs have ties that decide the result).
     """
     if order == "spec":

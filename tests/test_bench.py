@@ -1,10 +1,12 @@
 """The benchmark's own logic on the CPU: the byte/FLOP model against the issue's figures,
-target verdicts, the writers, and one configuration of the dry run end to end."""
+target verdicts, the writers, one configuration of the dry run end to end, the other commands
+of its CLI, and the run of record behind the docs' tables."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -155,3 +157,35 @@ def test_results_timed_another_way_are_not_resumed(tmp_path, capsys):
     assert rep.load(tmp_path / "results.json")[0]["method"] != read
     with pytest.raises(ValueError, match=r"flush must be one of \('write', 'read'\), got 'dirty'"):
         bench_qsa.GraphTimer(flush="dirty")
+
+
+def test_the_run_of_record_renders_the_docs_tables(tmp_path):
+    """benchmarks/results/ is the run of record: `bench_qsa.py report` renders from its results.json
+    exactly the table it holds and the table sections that BENCHMARKS.md and README.md carry."""
+    import bench_qsa
+
+    record = tmp_path / "record"
+    record.mkdir()
+    shutil.copy(ROOT / "benchmarks" / "results" / "results.json", record)
+    docs = {name: tmp_path / name for name in ("BENCHMARKS.md", "README.md")}
+    for name, path in docs.items():
+        path.write_text(f"before\n{rep.MARK_START}\nstale\n{rep.MARK_END}\nafter\n")
+    bench_qsa.main(["report", str(record), "--markdown", str(docs["BENCHMARKS.md"]),
+                    "--readme", str(docs["README.md"]), "--no-plot"])
+    assert (record / "table.md").read_text() == (ROOT / "benchmarks" / "results" / "table.md").read_text()
+    for name, path in docs.items():
+        section = path.read_text().split(rep.MARK_START)[1].split(rep.MARK_END)[0]
+        assert "stale" not in section and section in (ROOT / name).read_text(), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("command", ["host", "tp", "serving"])
+def test_the_gpu_commands_refuse_clearly_without_cuda(command, tmp_path, capsys):
+    import bench_qsa
+
+    with pytest.raises(SystemExit) as exit_:
+        bench_qsa.main([command, "--out", str(tmp_path / "r")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"python benchmarks/bench_qsa.py {command}" in err and "needs a CUDA GPU" in err
+    assert not (tmp_path / "r").exists()

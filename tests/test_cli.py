@@ -40,7 +40,9 @@ def test_bench_help_explains_every_option():
     assert res.returncode == 0, res.stderr
     for option, words in [("--out DIR", "results.json"), ("--smoke", "two small"), ("--dry-run", "CPU"),
                           ("--sglang-dir SITE", "SGLang 0.5.23"), ("--no-plot", "matplotlib"),
-                          ("--budget-s", "resume"), ("--markdown", "BENCHMARKS.md")]:
+                          ("--budget-s", "resume"), ("--markdown", "BENCHMARKS.md"),
+                          ("`host`", "host side"), ("`tp`", "rank's"), ("`report DIR`", "re-renders"),
+                          ("`serving`", "TTFT")]:
         assert option in res.stdout and words in res.stdout, option
 
 

@@ -127,7 +127,7 @@ def test_mrope_three_axis_positions(dtype):
     close(out, hf_forward(hf, x, pos), dtype)
 
 
-# 1-D RoPE positions that are not the logical ones (SPEC trap 2): a group key is rotated at
+# 1-D RoPE positions that are not the logical ones (design.md §6.2): a group key is rotated at
 # its first token's RoPE position, which an earlier chunk may hold.
 CHUNKS = [0, 5, 8, 11, 24, 37, 63, 64, 90]  # ends inside groups, on edges, longer than the ring
 
@@ -221,7 +221,7 @@ def test_speculative_draft_rows_with_offset_positions():
 
 def test_exact_zero_ties_at_the_boundary_follow_spec_order():
     """Indexer queries anti-correlated with the keys: most scores are exact ReLU zeros and the
-    top-k boundary falls inside a zero tie in many rows, so SPEC 2.7's tie rule decides the
+    top-k boundary falls inside a zero tie in many rows, so design.md §2.7's tie rule decides the
     selection. The core must match HF with ties broken by 2.7, and must NOT match HF with
     ties broken the other way (which proves the ties reach the output)."""
     hf, layers = make(correlation=-0.1)
@@ -273,7 +273,7 @@ def test_speculative_rows_rolled_back_never_corrupt_the_ring():
 
 
 def stored(x: torch.Tensor, dtype: torch.dtype, eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as the core keeps it in `dtype` (as fp32; e4m3: rounded, no scale: SPEC 2.2 / 2.4), and
+    """x as the core keeps it in `dtype` (as fp32; e4m3: rounded, no scale: design.md §2.2 / §2.4), and
     per element a bound on how far the kept value of any x' within eps of x is from it: the
     gap between the roundings of x - eps and x + eps (2 eps in fp32; in e4m3 0 unless a
     rounding midpoint lies within eps of x)."""
@@ -282,16 +282,16 @@ def stored(x: torch.Tensor, dtype: torch.dtype, eps: torch.Tensor) -> tuple[torc
 
 
 def spec_top(scores: torch.Tensor, k: int) -> list[int]:
-    """The k groups SPEC 2.7 chooses from a row of scores (ties to the lower index), ascending."""
+    """The k groups design.md §2.7 chooses from a row of scores (ties to the lower index), ascending."""
     return sorted(torch.sort(scores, descending=True, stable=True).indices[:k].tolist())
 
 
 @pytest.mark.parametrize("index_dtype", ["auto", "fp8_e4m3"])
 def test_selection_is_the_hf_top_k_of_the_stored_index_values(index_dtype):
-    """SPEC 2.2 / 2.4 / trap 8: the core keeps HF's indexer queries (prepare's q_idx) and group
+    """design.md §2.2 / §2.4 / §6.8: the core keeps HF's indexer queries (prepare's q_idx) and group
     keys (the compressed cache) in the index dtype (fp8 e4m3: rounded, no scale) and chooses
     the top Kb groups by their scores. Oracle: HF's own q and keys kept the same way, scored in
-    fp32, top-k in SPEC 2.7 order. Every row's chosen set must equal the oracle's exactly; with
+    fp32, top-k in design.md §2.7 order. Every row's chosen set must equal the oracle's exactly; with
     fp8 keys the rounding decides some rows (the oracle's fp32 sets differ there)."""
     hf, [_] = make()
     L, Hi, Di, Kb, r = 80, 4, 128, 4, 4
@@ -363,7 +363,7 @@ def hf_indexer(attn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def group_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """[L, G] SPEC 2.6 scores of queries [L, Hi, Di] against keys [G, Di], in fp32."""
+    """[L, G] design.md §2.6 scores of queries [L, Hi, Di] against keys [G, Di], in fp32."""
     return torch.einsum("thd,gd->tgh", q.float(), keys.float()).relu().sum(-1) / q.shape[-1] ** 0.5
 
 

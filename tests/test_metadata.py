@@ -1,4 +1,4 @@
-"""Step inputs and the plan's metadata: SPEC.md section 3's derivations, padding rows, the
+"""Step inputs and the plan's metadata: design.md §3's derivations, padding rows, the
 column-bound guard, persistent (CUDA-graph) buffers and malformed input errors."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""SPEC 2.7: in the top-k, -0.0 == +0.0; zeros of either sign tie and the lower group wins.
+"""design.md §2.7: in the top-k, -0.0 == +0.0; zeros of either sign tie and the lower group wins.
 
 ReLU makes exact zeros, so the rule decides many rows, but the scoring paths seldom emit a
 -0.0 (an fp32 sum that starts at +0.0 absorbs it). The scores are therefore injected where

@@ -41,4 +41,4 @@ def test_example_config_is_a_transformers_config_at_production_geometry():
     cfg = QSAConfig.from_hf(path)
     got = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim,
            cfg.token_topk, cfg.compress_ratio, cfg.rotary_dim)
-    assert got == (24, 2, 256, 4, 128, 2048, 4, 64)  # SPEC.md section 1
+    assert got == (24, 2, 256, 4, 128, 2048, 4, 64)  # design.md §1

@@ -9,7 +9,7 @@ from qsa_core.reference import attention as ref
 
 
 def per_row(q, gate, k_cache, v_cache, table, to_req, seq_lens, sel, scale):
-    """SPEC 2.9 row by row: softmax over the row's valid entries (a repeated entry counts twice)."""
+    """design.md §2.9 row by row: softmax over the row's valid entries (a repeated entry counts twice)."""
     T, Hq, D = q.shape
     Hkv, page = k_cache.shape[2], k_cache.shape[1]
     W = sel.shape[1] - 1

@@ -1,4 +1,4 @@
-"""The reference ops' contracts (SPEC.md 2.7, 2.8, 6.3, 6.4, 6.9), on hand-made data."""
+"""The reference ops' contracts (design.md §2.7, §2.8, §6.3, §6.4, §6.9), on hand-made data."""
 
 import pytest
 import torch

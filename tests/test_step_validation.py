@@ -232,7 +232,7 @@ def test_the_write_side_checks_its_cache_and_projections_when_it_binds(backend, 
 
 
 def test_padding_rows_never_write_the_slots_they_carry(backend):
-    """CUDA-graph padding rows often carry slot 0 (SPEC trap 6): the metadata gives them slot
+    """CUDA-graph padding rows often carry slot 0 (design.md §6.6): the metadata gives them slot
     -1, and a layer step writes no K/V, ring or compressed row for them and outputs 0 there."""
     layer = QSAAttention.from_hf(random_hf_attention(tiny_config(), 0)).to(DEVICE)
     cache = QSACacheLayout(num_layers=1, page_size=PAGE, num_pages=NUM_PAGES, ring_rows=RING_ROWS).allocate(

@@ -44,7 +44,7 @@ from .attention import _launch_config as _row_launch_config
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 
 # Blocks whose runs number at most this fraction of their rows' groups run shared. H200, 16K rows
-# (`sweep_prefill_attention.py`): the shared kernel (5 rows x 12 heads on M = 64) costs 2.8-3.9x the
+# (`sweep_prefill_attention.py` at 7bb3f93): the shared kernel (5 rows x 12 heads on M = 64) costs 2.8-3.9x the
 # per-row kernel per gathered token. Session 21, with the first look of `_min_share` (ms, per-row /
 # 0.25 / 0.3): neighbour overlap 0.90 at 16K 7.99 / 7.84 / 7.21, 0.98 at 16K 7.99 / 5.59 / 5.44, 0.95
 # at 128K 9.27 / 6.54 / 6.44; the indexer's own scores on random data at 16K 8.00 / 7.98 / 8.02 and

@@ -1,4 +1,4 @@
-"""Triton metadata build: SPEC.md section 3's derived per-row fields, guarded.
+"""Triton metadata build: design.md §3's derived per-row fields, guarded.
 
 Mirrors `qsa_core.reference.metadata.qsa_build_metadata`. One launch, CUDA-graph safe (grid
 from T and R only, no host reads, batch-varying ints not specialized), no memset. Program p

@@ -1,4 +1,4 @@
-"""Triton exact top-k of scored rows, in the total order of SPEC 2.7 (ties: lowest group).
+"""Triton exact top-k of scored rows, in the total order of design.md §2.7 (ties: lowest group).
 
 Contract: `qsa_core.reference.select` (the top-k of group scores). Input: a chunk's fp32
 score scratch [chunk rows, num_cols] (scores >= 0, -0.0 folded into +0.0, so the int32 bits

@@ -1,4 +1,4 @@
-"""Triton exact top-k of scored rows without histograms, in one or two launches (SPEC 2.7).
+"""Triton exact top-k of scored rows without histograms, in one or two launches (design.md §2.7).
 
 Contract: `qsa_core.reference.select.topk_groups` (and `select_radix.TopkLaunch`'s): input a
 chunk's fp32 score scratch [chunk rows, num_cols] (scores >= 0, -0.0 folded into +0.0, so the

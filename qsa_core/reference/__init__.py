@@ -1,4 +1,4 @@
-"""Pure-PyTorch references: the definition of every QSA op (SPEC.md section 5).
+"""Pure-PyTorch references: the definition of every QSA op (design.md §5).
 
 Each function has a Triton twin of the same name in `qsa_kernels` that must match it.
 """

@@ -1,4 +1,4 @@
-"""Reference of the metadata-build op: SPEC.md section 3's derived fields, as tensor ops."""
+"""Reference of the metadata-build op: design.md §3's derived fields, as tensor ops."""
 
 from __future__ import annotations
 

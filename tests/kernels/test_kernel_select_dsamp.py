@@ -28,7 +28,7 @@ from qsa_kernels import select_prefill as sp  # noqa: E402
 from qsa_kernels.select_score import ScoreLaunch  # noqa: E402
 
 # The shapes below take the route with the interpreter's small tiles only (the H200's short
-# route covers them): on the GPU, benchmarks/device/dsamp_measure.sh checks the real shapes.
+# route covers them): on the GPU, benchmarks/device/dsamp_measure.sh at 7bb3f93 checks the real shapes.
 small_tiles = pytest.mark.interpreter  # (its small tiles: tests/conftest.py)
 R, KB, PAGE = 4, 8, 16
 KW = dict(page_size=PAGE, compress_ratio=R, block_topk=KB)

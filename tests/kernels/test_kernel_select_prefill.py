@@ -4,7 +4,7 @@ Runs on the GPU when there is one, else in the Triton interpreter; the top-k lau
 take the small tiles either way (samples of at least 4 columns of score tiles of 16, segments
 of 64 columns, 32 candidates per row), so the shapes below cross every path: one and several
 segments (the last arriver), the resolve in the chunk's launch or deferred to a group's, the
-whole-row resolve when candidates overflow, rows at or below Kb, padding rows, the packed rows. Indices exact: integer-valued data makes ties (SPEC 2.7), random data score gaps.
+whole-row resolve when candidates overflow, rows at or below Kb, padding rows, the packed rows. Indices exact: integer-valued data makes ties (design.md §2.7), random data score gaps.
 """
 
 import os
@@ -291,7 +291,7 @@ def test_prefill_select_takes_this_route(nan_scratch, kind):
     # Two requests (130 and 75 columns: several segments), chunks of rows crossing Kb, padding.
     problem = make_problem([520, 300, 40], [12, 10, 3], kind=kind, pad_rows=3, seed=1)
     out, expect = run_both(problem, decode=False, route="prefill")
-    if kind == "int":  # exact scores: ties broken by SPEC 2.7
+    if kind == "int":  # exact scores: ties broken by design.md §2.7
         assert torch.equal(out, expect)
     else:  # fp32 sums in another order: the chosen groups' reference scores agree
         for a, b in zip(scores_of(problem, out, R, 16), scores_of(problem, expect, R, 16)):

@@ -2,7 +2,7 @@
 
 The HF model (fp32, eager attention) is the oracle: `greedy` gives its tokens and the
 top-1 / top-2 logit margin of each; `indexer_scores` gives, for one sequence, every QSA
-layer's group scores (SPEC 2.6) computed with HF's own indexer modules from the hidden
+layer's group scores (design.md §2.6) computed with HF's own indexer modules from the hidden
 states HF feeds them, so the tests can measure the score gap at the top-k boundary.
 """
 

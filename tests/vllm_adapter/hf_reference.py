@@ -15,7 +15,7 @@ def selection_gaps() -> Iterator[list[float]]:
     HF ranks a query's group scores with `scores.topk(k, dim=0)` on a 1-D vector. For each
     call with k < len(scores) this appends (s[k-1] - s[k]) / max|s| of the sorted scores:
     the margin by which the k-th chosen group beats the first one left out. A gap well
-    above rounding means any correct implementation picks the same set (SPEC trap 10).
+    above rounding means any correct implementation picks the same set (design.md §6.10).
     """
     gaps: list[float] = []
     original = torch.Tensor.topk

@@ -66,14 +66,15 @@ class Stack:
         self.runner = Runner(core, page_size=PAGE, num_pages=NUM_PAGES, max_requests=4, shuffle_pages=True)
         self.bind()
 
-    def bind(self) -> None:
+    def bind(self, kv_bytes: int = 8 << 20) -> int:
+        """Allocate and bind caches of kv_bytes through vLLM (as its runner does); their blocks."""
         vc = self.vllm_config
         context = vc.compilation_config.static_forward_context
         specs = {name: layer.get_kv_cache_spec(vc) for name, layer in context.items()}
         names = [[layout.name for layout in QSACoreBackend.supported_kv_cache_layouts()]]
         layout = resolve_kv_cache_layout(vc, names, specs.values())
         groups = get_kv_cache_groups(vc, specs)
-        kv_config = get_kv_cache_config_from_groups(vc, groups, 8 << 20)
+        kv_config = get_kv_cache_config_from_groups(vc, groups, kv_bytes)
         assert kv_config.num_blocks > RING_BLOCKS + 4
         bind_kv_cache_to_layers(allocate_kv_cache(kv_config, torch.device("cpu"), layout), context)
         self.groups = [
@@ -81,6 +82,7 @@ class Stack:
             for group in groups
         ]
         self.ring_names = {layer.indexer.raw_key_cache.prefix for layer in self.layers}
+        return kv_config.num_blocks
 
     def attn_metadata(self, common, ring_table):
         out = {}
@@ -90,11 +92,12 @@ class Stack:
             out.update({name: record for name in names})
         return out
 
-    def step(self, chunks):
-        """Run one step on both sides: ({id: runner output}, {id: vLLM layer output})."""
+    def step(self, chunks, block_offset: int = 1):
+        """Run one step on both sides: ({id: runner output}, {id: vLLM layer output}); vLLM's
+        block = the runner's page + block_offset."""
         ref = self.runner.step(chunks)
         meta = self.runner.last_metadata
-        common, ring = common_metadata(meta, block_offset=1, ring_offset=RING_BLOCKS)
+        common, ring = common_metadata(meta, block_offset=block_offset, ring_offset=RING_BLOCKS)
         x = torch.cat([chunks[k] for k in ref])
         with set_forward_context(self.attn_metadata(common, ring), self.vllm_config), torch.no_grad():
             for layer in self.layers:
@@ -267,7 +270,7 @@ def test_unserved_settings_are_refused_by_name(stack, setting, match):
 
 
 def test_specs_follow_the_block_size_vllm_settles_on(stack):
-    """SPEC trap 11: vLLM raises the block size of hybrid models after the model is built; the
+    """design.md §6.11: vLLM raises the block size of hybrid models after the model is built; the
     main page (with its compressed rows) and the ring are specified from the size asked with."""
     layer = stack.layers[0]
     vc = stack.vllm_config
@@ -284,3 +287,28 @@ def test_specs_follow_the_block_size_vllm_settles_on(stack):
         layer.get_kv_cache_spec(VllmConfig(model_config=vc.model_config, cache_config=CacheConfig(
             block_size=18, enable_prefix_caching=False)))
     layer.indexer.raw_key_cache.get_kv_cache_spec(vc)  # the bound caches' spec again
+
+
+def test_caches_bound_anew_are_planned_against_their_own_bounds(stack):
+    """vLLM captures CUDA graphs against a throw-away minimal cache and then binds the real one:
+    steps after that are planned against the caches bound now (a slot of the real cache past the
+    first one's end runs; with the first cache's bounds it would be refused, on a GPU made inert)."""
+    for rid in stack.runner.request_ids:
+        stack.runner.free(rid)
+    hid = stack.hf.hidden_size
+    g = torch.Generator().manual_seed(11)
+    try:
+        small = stack.bind(6 << 20)
+        stack.step({"s": torch.randn(3, hid, generator=g)})  # planned against the small caches
+        stack.runner.free("s")
+        large = stack.bind(12 << 20)
+        assert large > small + NUM_PAGES, (small, large)
+        for n in (21, 1, 1):  # every main page lies past the small cache's blocks
+            chunks = {"t": torch.randn(n, hid, generator=g)}
+            ref, mine = stack.step(chunks, block_offset=small)
+            torch.testing.assert_close(mine["t"], ref["t"], rtol=1e-4, atol=1e-5)
+            assert ref["t"].abs().amax() > 0
+    finally:
+        for rid in stack.runner.request_ids:
+            stack.runner.free(rid)
+        stack.bind()

@@ -2,9 +2,12 @@
 
 python vllm_generate.py REQUEST_JSON OUT_JSON
 REQUEST_JSON: {"llm": {LLM keyword arguments}, "prompts": [[ids]], "max_tokens": [n per prompt],
-"prompt_logprobs": bool, "logprobs": k, "record_steps": path, "rank_selections": bool}.
+"prompt_logprobs": bool, "logprobs": k, "record_steps": path, "rank_selections": bool, "repeat": n}
+(the LLM keyword arguments default to skip_tokenizer_init and enforce_eager; "repeat" runs the
+batch n times and reports the last round's outputs).
 OUT_JSON: {"tokens": [[ids]], "cached_tokens": [prompt tokens served from the prefix cache],
 "prompt_logprobs": [[log-prob of each prompt token after the first]] (when asked),
+"init_seconds": the LLM's construction, "generate_seconds": [wall time of each round],
 "logprobs": [[{token: log-prob} of the k most likely tokens at each generated position]] (with k)}.
 With "record_steps" the model runs in this process and every step's vLLM metadata (the main
 group's `CommonAttentionMetadata` fields, the ring group's block table) and the adapter's
@@ -18,6 +21,7 @@ its QSA layers' "heads" ([query heads, KV heads, main K/V cache shape] per layer
 import json
 import os
 import sys
+import time
 
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -34,7 +38,9 @@ def main() -> None:
         record_steps(steps)
     if request.get("rank_selections"):  # the probes are functions sent to the workers (cloudpickle)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    llm = LLM(skip_tokenizer_init=True, enforce_eager=True, **request["llm"])
+    start = time.monotonic()
+    llm = LLM(**{"skip_tokenizer_init": True, "enforce_eager": True, **request["llm"]})
+    init_seconds = time.monotonic() - start
     if request.get("rank_selections"):
         llm.collective_rpc(install_selection_probe, timeout=60)
     want_logprobs = request.get("prompt_logprobs", False)
@@ -43,9 +49,15 @@ def main() -> None:
                        prompt_logprobs=0 if want_logprobs else None, logprobs=request.get("logprobs"))
         for n in request["max_tokens"]
     ]
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in request["prompts"]], params)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+    seconds = []
+    for _ in range(request.get("repeat", 1)):  # later rounds: warm kernels (and prefix cache hits)
+        start = time.monotonic()
+        outputs = llm.generate(prompts, params)
+        seconds.append(time.monotonic() - start)
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
-              "cached_tokens": [o.num_cached_tokens for o in outputs]}
+              "cached_tokens": [o.num_cached_tokens for o in outputs],
+              "init_seconds": init_seconds, "generate_seconds": seconds}
     if want_logprobs:
         result["prompt_logprobs"] = [
             [entry[tok].logprob for entry, tok in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]

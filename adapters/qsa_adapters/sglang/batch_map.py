@@ -1,4 +1,4 @@
-"""SGLang's `ForwardBatch` -> the core's `QSAStepInputs` (SPEC.md section 3).
+"""SGLang's `ForwardBatch` -> the core's `QSAStepInputs` (design.md §3).
 
 Host ints come from SGLang's host lists only (no device reads). Mapping, per mode
 (R requests, T rows; IDLE steps carry no metadata):

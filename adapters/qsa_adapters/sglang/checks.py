@@ -11,7 +11,7 @@ from .caches import INDEX_DTYPES, KV_DTYPES
 SPECULATIVE_REFUSAL = (
     "qsa_core does not serve speculative decoding yet. SGLang's raw-key ring holds r rows per request "
     "(row req_pool_idx * r + position % r), so with 3 or more draft tokens a rejected draft overwrites "
-    "a committed raw key of the still-open group (SPEC trap 7); serving drafts correctly needs a ring of "
+    "a committed raw key of the still-open group (design.md §6.7); serving drafts correctly needs a ring of "
     "C = r * ceil((r + num_speculative_tokens) / r) rows per request owned by the adapter, which is not "
     "built, and SGLang's MTP draft backends are hard-wired to its own QSA backend. Drop "
     "--speculative-algorithm, or serve with --attention-backend qsa (SGLang's own QSA, which has the "

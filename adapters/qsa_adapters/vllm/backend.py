@@ -85,6 +85,8 @@ class QSAStepPairing:
         self.device = device
         self.current = QSAStep()
         self._geometries: dict[PagedGeometry, BoundLayers] = {}
+        self._layers: list | None = None  # the engine's QSA layers, found at the first step
+        self._key_caches: tuple | None = None  # `_bound_key` of the caches the geometries were derived from
         self._key: torch.Tensor | None = None
 
     @classmethod
@@ -94,21 +96,32 @@ class QSAStepPairing:
             cls._by_engine[key] = cls(vllm_config, device)
         return cls._by_engine[key]
 
+    def _bound_key(self) -> tuple[tuple[int, int], ...]:
+        """(data_ptr, numel) of the cache bound to each of the engine's QSA layers: changes when
+        vLLM binds new caches (it captures CUDA graphs against a throw-away minimal cache, then
+        allocates the real one)."""
+        if self._layers is None:
+            context = self.vllm_config.compilation_config.static_forward_context
+            self._layers = [layer for layer in context.values() if getattr(layer, "indexer", None) is not None]
+        caches = (getattr(layer, "kv_cache", None) for layer in self._layers)
+        return tuple((c.data_ptr(), c.numel()) if isinstance(c, torch.Tensor) else (0, 0) for c in caches)
+
     def geometries(self) -> dict[PagedGeometry, BoundLayers]:
         """The paged geometries of the engine's bound QSA layers (one in practice), each with
-        what its layers share. Found at the first step (vLLM binds the caches once, before
-        it) and kept."""
-        if not self._geometries:
-            context = self.vllm_config.compilation_config.static_forward_context
-            for layer in context.values():
-                indexer = getattr(layer, "indexer", None)
-                if indexer is not None and getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel():
-                    cache, geometry = indexer.layer_cache(layer.kv_cache)
+        what its layers share and the bounds of the caches bound now. Derived again, with new
+        planners, whenever vLLM binds other caches (`_bound_key`): bounds kept from a first,
+        smaller allocation would make every request of the real one inert."""
+        key = self._bound_key()
+        if key != self._key_caches:
+            self._geometries, self.mappers, self._key_caches = {}, {}, key
+            for layer in self._layers:
+                if getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel():
+                    cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
                     slots, rows = cache.k.shape[0] * geometry.page_size, cache.ring.shape[0]
                     if geometry in self._geometries:
                         seen = self._geometries[geometry]
                         slots, rows = min(slots, seen.num_slots), min(rows, seen.num_ring_rows)
-                    self._geometries[geometry] = BoundLayers(indexer.qsa_config, indexer.dtype, slots, rows)
+                    self._geometries[geometry] = BoundLayers(layer.indexer.qsa_config, layer.indexer.dtype, slots, rows)
         return self._geometries
 
     def add(self, common: CommonAttentionMetadata, *, is_ring: bool) -> QSAStep:
@@ -144,7 +157,7 @@ class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
     CUDA graphs: every step is planned static (the plan's tensors live in the planner's
     persistent buffers, refreshed in place by each build), and a uniform batch (decodes of
     one query length; padding requests of length 0 and rows with slot -1 are inert) maps onto
-    a fixed schedule. Declared, not yet run under graphs (no vLLM on the GPU machine).
+    a fixed schedule (run under vLLM 0.33's graphs on the H200: `scripts/gpu_vllm.py`).
     """
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH

@@ -44,7 +44,7 @@ def main_kv_spec(
     The compressed rows ride in the page's padding (`page_size_padded`), so they share the
     main block table and prefix-cache blocks by construction: a separate spec lands in a KV-cache
     group of its own with other block ids when vLLM groups a hybrid model. Made when vLLM
-    asks, from the block size it has settled on (SPEC trap 11).
+    asks, from the block size it has settled on (design.md §6.11).
     """
     block_size = vllm_config.cache_config.block_size
     if block_size % config.compress_ratio:
@@ -105,7 +105,7 @@ class QSASideCache(nn.Module, AttentionLayerBase):
 
     Registers itself in `static_forward_context[prefix]`. Its spec is made by
     `make_spec(vllm_config)` each time vLLM asks, so it follows the block size vLLM has
-    settled on by then (SPEC trap 11: vLLM raises it for hybrid models after the model is
+    settled on by then (design.md §6.11: vLLM raises it for hybrid models after the model is
     built). After binding, `kv_cache` is vLLM's view [num_blocks, 1, rows per block, Di].
     """
 

@@ -1,0 +1,237 @@
+"""vLLM on a GPU: `--attention-backend QSA_CORE` against vLLM's own QSA, eager and with CUDA graphs.
+
+    python3 scripts/gpu_vllm.py OUT_DIR [--models full,hybrid] [--modes eager,graphs]
+                                [--backends QSA_CORE,upstream] [--server]
+
+Run where vLLM's GPU build and this repo's plugin are installed (the plugin registers QSA_CORE;
+`../shared/gpu-stage` stages vLLM 0.33 on the GPU host). For each model it writes a bf16
+checkpoint with the production attention geometry (24 query / 2 KV heads of 256, indexer
+4 x 128, budget 2048 tokens in groups of 4, partial rotary 0.25; a few layers, random weights):
+`full` is every decoder layer QSA, `hybrid` GDN, QSA, GDN, QSA with prefix caching on. Each
+(model, backend, mode) runs in its own process (`tests/vllm_adapter/vllm_generate.py`): six
+prompts of 40 to 8000 tokens at once, greedy, chunked prefill of 2048 tokens, run twice (the
+second round is timed warm). `--server` also serves `full` with QSA_CORE and CUDA graphs through
+the OpenAI server and asks for the same completions concurrently.
+
+Checks (exit 1 on any failure): QSA_CORE's tokens equal upstream's in each mode, eager equals
+CUDA graphs, the server equals `LLM.generate`; token for token, except where both runs stand at a
+bf16 tie of their two likeliest tokens (random weights make such ties common; the summary gives
+each margin). OUT_DIR gets every run's JSON and log and
+`summary.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests", "vllm_adapter")
+sys.path[:0] = [TESTS, os.path.join(ROOT, "tests")]
+DRIVER = os.path.join(TESTS, "vllm_generate.py")
+
+LENGTHS = [40, 700, 2100, 3000, 5000, 8000]
+MAX_TOKENS = 16
+VOCAB = 4096
+ENGINE = dict(max_model_len=8192 + 64, max_num_seqs=4, max_num_batched_tokens=2048, enable_chunked_prefill=True,
+              gpu_memory_utilization=0.5, dtype="bfloat16")
+TIE = 2**-6  # two bf16 steps of a logit in [1, 2)
+GRAPHS = dict(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
+
+
+def production_config(hybrid: bool):
+    """A few layers at the production attention geometry (tests' tiny config otherwise)."""
+    from qwen4_checkpoint import tiny_config
+
+    return tiny_config(
+        hybrid=hybrid, vocab_size=VOCAB, hidden_size=1024, num_attention_heads=24, num_key_value_heads=2,
+        head_dim=256, indexer_n_heads=4, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        max_position_embeddings=32768, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+
+
+def write(folder: str, hybrid: bool) -> None:
+    from qwen4_checkpoint import write_checkpoint
+
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        write_checkpoint(folder, production_config(hybrid), seed=7)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def run(out: str, name: str, llm: dict, env: dict) -> dict:
+    """One vllm_generate.py process; its JSON result (or {"error": ...})."""
+    request = {"llm": llm, "prompts": prompts(), "max_tokens": [MAX_TOKENS] * len(LENGTHS), "repeat": 2,
+               "logprobs": 2}
+    req, res, log = (os.path.join(out, f"{name}{ext}") for ext in (".json", ".out.json", ".log"))
+    with open(req, "w") as f:
+        json.dump(request, f)
+    start = time.monotonic()
+    with open(log, "w") as f:
+        done = subprocess.run([sys.executable, DRIVER, req, res], stdout=f, stderr=subprocess.STDOUT,
+                              env={**os.environ, **env}, timeout=540)
+    wall = time.monotonic() - start
+    if done.returncode != 0:
+        with open(log) as f:
+            tail = f.read()[-3000:]
+        return {"error": f"exit {done.returncode}", "tail": tail, "wall": wall}
+    with open(log) as f:
+        jit = sum("JIT compilation during inference" in line for line in f)
+    with open(res) as f:
+        return {**json.load(f), "wall": wall, "jit": jit}
+
+
+@contextlib.contextmanager
+def vllm_server(folder: str, args: list[str], env: dict, log_path: str, timeout_s: float = 400) -> Iterator[str]:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with `args`; yields its base URL
+    once /health answers (RuntimeError if it exits or is not healthy within timeout_s). Stopped
+    by its pid, its whole process group killed if it does not end within 60 s."""
+    from ports import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
+           "--port", str(port), "--skip-tokenizer-init", *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode} (log: {log_path})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s (log: {log_path})")
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    time.sleep(2)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def serve_and_ask(out: str, folder: str, env: dict) -> dict:
+    """The OpenAI server with QSA_CORE and CUDA graphs: the prompts' completions, concurrently."""
+    args = ["--attention-backend", "QSA_CORE", "--no-enable-prefix-caching", "--dtype", "bfloat16",
+            "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+            "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+            "--gpu-memory-utilization", str(ENGINE["gpu_memory_utilization"]), "-cc.cudagraph_capture_sizes=[1,2,4]"]
+    try:
+        with vllm_server(folder, args, env, os.path.join(out, "server.log")) as url:
+
+            def complete(prompt: list[int]) -> list[int]:
+                body = json.dumps({"model": folder, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                   "ignore_eos": True, "return_token_ids": True}).encode()
+                request = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=300) as r:
+                    return json.load(r)["choices"][0]["token_ids"]
+
+            with ThreadPoolExecutor(max_workers=len(LENGTHS)) as pool:
+                return {"tokens": list(pool.map(complete, prompts()))}
+    except RuntimeError as e:
+        return {"error": str(e)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--models", default="full,hybrid")
+    ap.add_argument("--modes", default="eager,graphs")
+    ap.add_argument("--backends", default="QSA_CORE,upstream")
+    ap.add_argument("--server", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # flashinfer is not a dependency
+    results: dict[tuple[str, str, str], dict] = {}
+    lines = ["| model | backend | mode | init s | generate s (cold, warm) | Triton JIT warnings while serving | result |",
+             "|---|---|---|---|---|---|---|"]
+    for model in args.models.split(","):
+        hybrid = model == "hybrid"
+        folder = os.path.join(args.out, f"ckpt-{model}")
+        write(folder, hybrid)
+        for backend in args.backends.split(","):
+            for mode in args.modes.split(","):
+                llm = dict(ENGINE, model=folder, enable_prefix_caching=hybrid, **(GRAPHS if mode == "graphs" else {}))
+                if backend != "upstream":
+                    llm["attention_backend"] = backend
+                if hybrid:
+                    llm["additional_config"] = {"gdn_prefill_backend": "triton"}
+                name = f"{model}-{backend}-{mode}"
+                r = results[(model, backend, mode)] = run(args.out, name, llm, env)
+                if "error" in r:
+                    lines.append(f"| {model} | {backend} | {mode} | | | | {r['error']} |")
+                    print(f"{name}: {r['error']}\n{r['tail']}", flush=True)
+                else:
+                    cold, warm = r["generate_seconds"]
+                    lines.append(f"| {model} | {backend} | {mode} | {r['init_seconds']:.1f} | {cold:.2f}, {warm:.2f} "
+                                 f"| {r['jit']} | ok |")
+                    print(f"{name}: init {r['init_seconds']:.1f} s, generate {cold:.2f} / {warm:.2f} s", flush=True)
+    failures = []
+    lines += ["", "| comparison | equal prompts | where they part: top-2 log-prob margin in each run |", "|---|---|---|"]
+
+    def compare(label: str, a: dict | None, b: dict | None) -> None:
+        """Token for token; where two runs part, both must be at a bf16 tie of the two likeliest
+        tokens (log-prob margin <= TIE in each run: the logits are one or two bf16 steps apart, so
+        any change of summation order flips greedy), else the comparison fails."""
+        if not a or not b or "error" in a or "error" in b:
+            return
+        same = sum(x == y for x, y in zip(a["tokens"], b["tokens"]))
+        first = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+                 for x, y in zip(a["tokens"], b["tokens"])]
+        parted = [(i, j, margin(a, i, j), margin(b, i, j)) for i, j in enumerate(first) if j is not None]
+        lines.append(f"| {label} | {same}/{len(LENGTHS)} | "
+                     + ("; ".join(f"prompt {i} at token {j}: {ma}, {mb}" for i, j, ma, mb in parted) or "-") + " |")
+        if any(ma is None or mb is None or max(ma, mb) > TIE for _, _, ma, mb in parted):
+            failures.append(label)
+
+    def margin(r: dict, prompt: int, position: int) -> float | None:
+        """The log-prob gap between the two likeliest tokens at a generated position (None without
+        log-probs)."""
+        if not r.get("logprobs"):
+            return None
+        top = sorted(r["logprobs"][prompt][position].values(), reverse=True)
+        return round(top[0] - top[1], 4) if len(top) > 1 else None
+
+    for (model, backend, mode), r in results.items():
+        if backend != "upstream":
+            compare(f"{model} {mode}: {backend} vs upstream", r, results.get((model, "upstream", mode)))
+        if mode == "graphs":
+            compare(f"{model} {backend}: graphs vs eager", r, results.get((model, backend, "eager")))
+    failures += [f"{m} {b} {mode}: {r['error']}" for (m, b, mode), r in results.items() if "error" in r]
+    if args.server:
+        served = serve_and_ask(args.out, os.path.join(args.out, "ckpt-full"), env)
+        if "error" in served:
+            failures.append(f"server: {served['error']}")
+        compare("full QSA_CORE: OpenAI server (graphs) vs LLM.generate (graphs)", served,
+                results.get(("full", "QSA_CORE", "graphs")))
+    lines += ["", f"failures: {failures or 'none'}"]
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
