@@ -143,21 +143,59 @@ class Binding(NamedTuple):
     options: dict
 
 
+class Recording:
+    """What `recording` yields: `bindings`, the distinct `Binding`s by `quick_key` in the order
+    first seen, each tensor replaced by a stand-in (`stand_in`: the same dtype and 16-byte
+    alignment, all a compiled variant depends on, so no recorded step's tensors stay alive);
+    `count`, every binding made."""
+
+    def __init__(self) -> None:
+        self.bindings: dict[tuple, Binding] = {}
+        self.count = 0
+
+    def add(self, b: Binding) -> None:
+        self.count += 1
+        key = quick_key(b)
+        if key not in self.bindings:
+            self.bindings[key] = Binding(b.fn, tuple(stand_in(v) for v in b.values), b.options)
+
+
+_STAND_INS: dict = {}
+
+
+def stand_in(value):
+    """A tensor's stand-in (`_stand_in_of` its dtype and 16-byte alignment); anything else unchanged."""
+    import torch
+
+    return _stand_in_of(value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor) else value
+
+
+def _stand_in_of(dtype, aligned: bool):
+    """A two-element tensor of dtype, 16-byte aligned or not (shared)."""
+    import torch
+
+    key = (dtype, aligned)
+    if key not in _STAND_INS:
+        base = torch.zeros(64, dtype=torch.uint8).view(dtype)
+        _STAND_INS[key] = base[:2] if aligned else base[1:3]
+    return _STAND_INS[key]
+
+
 @contextlib.contextmanager
 def recording(sms: int = 132):
-    """Within: every `Launcher.bind` appends a `Binding` to the yielded list and returns a
-    launch that does nothing, instead of compiling for this machine; and the binding code
-    sees an sm_90 GPU of `sms` SMs (the H100 / H200's 132): PDL on, the decode top-k's L2
-    warm on, the attention's split count planned for that many SMs. Run without
-    TRITON_INTERPRET, so every tile choice is the production one."""
+    """Within: every `Launcher.bind` is added to the yielded `Recording` and returns a launch
+    that does nothing, instead of compiling for this machine; and the binding code sees an
+    sm_90 GPU of `sms` SMs (the H100 / H200's 132): PDL on, the decode top-k's L2 warm on,
+    the attention's split count planned for that many SMs. Run without TRITON_INTERPRET, so
+    every tile choice is the production one."""
     from qsa_kernels import attention, launch, warm
 
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "recording needs the compiled kernels' tile choices"
-    found: list[Binding] = []
+    found = Recording()
 
     class Recorded:
         def __init__(self, launcher, grid, values, options, free, checked=()):
-            found.append(Binding(launcher.fn, tuple(values), dict(options)))
+            found.add(Binding(launcher.fn, tuple(values), dict(options)))
 
         def __call__(self, *free):
             return None
@@ -171,6 +209,29 @@ def recording(sms: int = 132):
         yield found
     finally:
         launch.BoundLaunch, launch.pdl_enabled, warm.warm_enabled, attention._num_sms = saved
+
+
+def portable(b: Binding) -> tuple:
+    """A binding as plain data another process can load (`restore`): the kernel by module and
+    name, tensors by dtype and 16-byte alignment."""
+    import torch
+
+    values = tuple(("tensor", str(v.dtype).removeprefix("torch."), v.data_ptr() % 16 == 0)
+                   if isinstance(v, torch.Tensor) else v for v in b.values)
+    return b.fn.__module__, b.fn.__name__, values, b.options
+
+
+def restore(data: tuple) -> Binding:
+    """The `Binding` `portable` wrote (tensors as `stand_in`s)."""
+    import importlib
+
+    import torch
+
+    module, name, values, options = data
+    fn = getattr(importlib.import_module(module), name)
+    values = tuple(_stand_in_of(getattr(torch, v[1]), v[2]) if isinstance(v, tuple) and v[:1] == ("tensor",)
+                   else v for v in values)
+    return Binding(fn, values, options)
 
 
 def _binder_args(b: Binding) -> tuple:

@@ -22,6 +22,7 @@ and `FAIL ...` per variant that does not compile.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import sys
 import time
@@ -37,6 +38,7 @@ CONFIGS = {
 }
 MIXED = (("bf16", "fp8_e4m3"), ("fp8_e4m3", "bf16"), ("bf16", "fp8_e5m2"))
 RANDOM_STEPS = 120
+RANDOM_CONFIG = "bf16"
 
 
 def _config(index_dtype: str, kv_dtype: str):
@@ -72,10 +74,11 @@ def _random_step(rng: random.Random, planner, block_table, dql: int):
                          max_query_len=max(lens), max_seq_len=max(seq), decode_query_len=dql, num_padding_rows=pad)
 
 
-def record(name: str) -> tuple[dict, set, int, list[str]]:
-    """Warm the planners of config `name` under `sm90.recording`: (variants by Triton key,
-    routes planned as 'route/scored/decode', bindings, problems: random-step variants the
-    warm-up missed)."""
+def record(name: str) -> dict:
+    """Warm the planners of config `name` under `sm90.recording`, as an engine does (static):
+    {"variants": {Triton key: `sm90.portable` binding}, "routes": routes planned as
+    'route/scored/decode', "bindings": how many, "problems": random-step variants the warm-up
+    missed, "seconds": the warm-ups' wall time}."""
     import torch
 
     import sm90
@@ -97,8 +100,7 @@ def record(name: str) -> tuple[dict, set, int, list[str]]:
 
     select.plan_select = planned
     variants: dict = {}
-    quick: set = set()
-    count, problems = 0, []
+    count, problems, seconds = 0, [], 0.0
     try:
         for index_dtype, kv_dtype in MIXED if idx is None else ((idx, kv),):
             cfg = _config(index_dtype, kv_dtype)
@@ -108,30 +110,27 @@ def record(name: str) -> tuple[dict, set, int, list[str]]:
                                      max_model_len=L, max_num_reqs=R, backend="triton", value_checks=False,
                                      num_slots=layout.num_slots, num_ring_rows=R)
                 caches = layout.allocate(cfg, torch.bfloat16)
-                planner.warm(caches, decode_query_lens=(1, 4))
-                warmed = len(found)
-                if name == "bf16":  # random steps choose nothing the warm-up missed
+                t0 = time.perf_counter()
+                planner.warm(caches, decode_query_lens=(1, 4), static=True)
+                seconds += time.perf_counter() - t0
+                warmed = dict(found.bindings)
+                if name == RANDOM_CONFIG:  # random steps choose nothing the warm-up missed
                     rng = random.Random(0)
                     table = torch.zeros(R, -(-L // 64), dtype=torch.int32)
-                    for i in range(RANDOM_STEPS):
+                    for _ in range(RANDOM_STEPS):
                         step = _random_step(rng, planner, table, rng.choice([1, 4]))
-                        plan = planner.plan(step, static=i % 2 == 1)
+                        plan = planner.plan(step, static=True)
                         proj = [torch.zeros(plan.num_tokens, w, dtype=torch.bfloat16) for w in (640, 12288, 512, 512)]
                         bind_layer(plan, _norms(cfg), *proj, caches[0])
-            count += len(found)
-            for j, b in enumerate(found):
-                qk = sm90.quick_key(b)
-                if qk in quick:
-                    continue
-                quick.add(qk)
-                key = sm90.spec_key(b)
-                if j < warmed:
-                    variants.setdefault(key, b)
-                elif key not in variants:
+            count += found.count
+            keys = {sm90.spec_key(b): b for b in warmed.values()}
+            variants.update((k, sm90.portable(b)) for k, b in keys.items())
+            for qk, b in found.bindings.items():
+                if qk not in warmed and sm90.spec_key(b) not in keys:
                     problems.append(f"MISSED {b.fn.__name__}: a random step bound a variant the warm-up did not")
     finally:
         select.plan_select = plan_select
-    return variants, routes, count, problems
+    return dict(variants=variants, routes=sorted(routes), bindings=count, problems=problems, seconds=seconds)
 
 
 def _norms(cfg):
@@ -144,45 +143,79 @@ def _norms(cfg):
     return QSANormWeights(*(torch.zeros(d, dtype=torch.bfloat16) for d in (Di, Di, D, D)))
 
 
-def main(name: str) -> None:
+def record_main(name: str, out: str) -> None:
+    """Record config `name` into the pickle `out` (`record`'s dict) and print its summary line."""
+    found = record(name)
+    with open(out, "wb") as f:
+        pickle.dump(found, f)
+    print(f"{name} routes={','.join(found['routes'])} bindings={found['bindings']} variants={len(found['variants'])} "
+          f"warm={found['seconds']:.1f}s problems={len(found['problems'])}")
+
+
+def compile_main(path: str, worker: int, workers: int) -> None:
+    """Compile for sm_90 every variant of the pickled list `path` whose index % workers == worker;
+    print `compiled <kernel>=<n> ...` and a `FAIL ...` line per variant that does not compile."""
     import collections
 
     import sm90
 
-    t0 = time.time()
-    variants, routes, count, problems = record(name)
-    t1 = time.time()
+    with open(path, "rb") as f:
+        todo = pickle.load(f)[worker::workers]
     compiled = collections.Counter()
-    for b in variants.values():
+    for data in todo:
+        b = sm90.restore(data)
         try:
             sm90.compile_binding(b)
             compiled[b.fn.__name__] += 1
         except Exception as e:  # noqa: BLE001 - every failure is reported, the test fails on any
             first = str(e).strip().splitlines()
-            problems.append(f"FAIL {b.fn.__name__}: {' | '.join(first[-3:])[:600]}")
-    print(f"{name} routes={','.join(sorted(routes))} bindings={count} variants={len(variants)} "
-          f"compiled={sum(compiled.values())} record={t1 - t0:.0f}s compile={time.time() - t1:.0f}s "
-          + " ".join(f"{k}={v}" for k, v in sorted(compiled.items())))
-    for p in problems:
-        print(p)
+            print(f"FAIL {b.fn.__name__}: {' | '.join(first[-3:])[:600]}")
+    print("compiled " + " ".join(f"{k}={v}" for k, v in sorted(compiled.items())))
 
 
 def test_every_planned_variant_compiles_for_sm90(tmp_path):
+    import collections
+
     from sm90 import run_many
 
-    done = run_many([[os.path.abspath(__file__), name] for name in CONFIGS], workers=2, timeout=900,
-                    env={"TRITON_CACHE_DIR": str(tmp_path / "triton")})
-    out = "\n".join(d.stdout for d in done)
-    print(out)
+    env = {"TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    t0 = time.perf_counter()
+    done = run_many([[os.path.abspath(__file__), "record", name, str(tmp_path / f"{name}.pkl")] for name in CONFIGS],
+                    workers=2, timeout=600, env=env)
     for d in done:
-        assert d.returncode == 0, d.stderr[-4000:]
-    lines = {x.split()[0]: x for x in out.splitlines() if x.split() and x.split()[0] in CONFIGS}
-    assert set(lines) == set(CONFIGS), out
-    assert not [x for x in out.splitlines() if x.startswith(("FAIL", "MISSED"))], out
-    fields = {name: dict(f.split("=", 1) for f in line.split()[1:]) for name, line in lines.items()}
-    for name, f in fields.items():
-        assert int(f["variants"]) > 0 and f["compiled"] == f["variants"], lines[name]
-    planned = set().union(*(f["routes"].split(",") for f in fields.values()))
+        assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-4000:]
+    lines = {x.split()[0]: x for d in done for x in d.stdout.splitlines() if x.split() and x.split()[0] in CONFIGS}
+    assert set(lines) == set(CONFIGS), lines
+    found = {}
+    for name in CONFIGS:
+        with open(tmp_path / f"{name}.pkl", "rb") as f:
+            found[name] = pickle.load(f)
+    problems = [p for f in found.values() for p in f["problems"]]
+    assert not problems, problems
+    # One compile per distinct variant over every config; each config's new ones reported.
+    variants: dict = {}
+    for name, f in found.items():
+        new = {k: v for k, v in f["variants"].items() if k not in variants}
+        variants.update(new)
+        print(f"{lines[name]} new={len(new)}")
+        assert f["variants"], lines[name]
+    with open(tmp_path / "variants.pkl", "wb") as fh:
+        pickle.dump(list(variants.values()), fh)
+    t1 = time.perf_counter()
+    done = run_many([[os.path.abspath(__file__), "compile", str(tmp_path / "variants.pkl"), str(i), "2"]
+                     for i in range(2)], workers=2, timeout=600, env=env)
+    out = "\n".join(d.stdout for d in done)
+    for d in done:
+        assert d.returncode == 0, d.stdout[-2000:] + d.stderr[-4000:]
+    assert not [x for x in out.splitlines() if x.startswith("FAIL")], out
+    compiled = collections.Counter()
+    for x in out.splitlines():
+        if x.startswith("compiled"):
+            compiled.update({k: int(v) for k, v in (f.split("=") for f in x.split()[1:])})
+    print(f"variants={len(variants)} record={t1 - t0:.0f}s compile={time.perf_counter() - t1:.0f}s "
+          + " ".join(f"{k}={v}" for k, v in sorted(compiled.items())))
+    assert sum(compiled.values()) == len(variants), (compiled, len(variants))
+    planned = set().union(*(f["routes"] for f in found.values()))
     assert {r.split("/")[0] for r in planned} == ROUTES, planned
     for kind in ("scored/decode", "unscored/decode", "scored/prefill", "unscored/prefill", "scored/decode-mtp"):
         assert any(r.endswith(kind) for r in planned), (kind, planned)
@@ -191,4 +224,7 @@ def test_every_planned_variant_compiles_for_sm90(tmp_path):
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, HERE)
-    main(sys.argv[1])
+    if sys.argv[1] == "record":
+        record_main(sys.argv[2], sys.argv[3])
+    else:
+        compile_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
