@@ -143,3 +143,33 @@ def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query
         planner._schedules.clear()
         planner._schedules.update(saved)
     return steps
+
+
+def _compiled_kernels() -> int:
+    """Kernels Triton has compiled so far for qsa_kernels' JIT functions, over every device
+    (Triton 3.x `JITFunction.device_caches`: device -> (kernel cache, ...))."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    fns = {id(v): v for name, mod in list(sys.modules.items()) if name.startswith("qsa_kernels")
+           for v in vars(mod).values() if isinstance(v, JITFunction)}
+    return sum(len(entry[0]) for fn in fns.values() for entry in fn.device_caches.values())
+
+
+def start_up_warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *,
+                  decode_query_lens: Sequence[int]) -> str | None:
+    """An engine's start-up warm-up: `planner.warm(caches, decode_query_lens, static=True)`
+    (engines plan static steps); returns the line to log, "QSA: warmed N kernel variants
+    over M step shapes in S s" (N: kernels Triton compiled meanwhile). None where nothing
+    compiles: the reference backend, or TRITON_INTERPRET=1 (skipped: binding every shape in
+    the interpreter would cost the CPU engine suites minutes for nothing)."""
+    import os
+    import time
+
+    if planner.backend != "triton" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    before, t0 = _compiled_kernels(), time.perf_counter()
+    steps = planner.warm(caches, decode_query_lens=tuple(sorted(set(decode_query_lens))), static=True)
+    return (f"QSA: warmed {_compiled_kernels() - before} kernel variants over {len(steps)} step shapes "
+            f"in {time.perf_counter() - t0:.1f} s")

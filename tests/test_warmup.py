@@ -85,3 +85,22 @@ def test_warm_binds_every_step_and_writes_nothing(monkeypatch):
     for c, old in zip(caches, before):
         for t, o in zip((c.k, c.v, c.compressed, c.ring, c.ring_positions), old):
             assert torch.equal(t, o)
+
+
+def test_start_up_warm_compiles_nothing_where_nothing_compiles(monkeypatch):
+    """Engines call `start_up_warm`: on the reference backend, and under TRITON_INTERPRET=1
+    (the CPU engine suites), it plans nothing and returns no line to log."""
+    from qsa_core.warmup import start_up_warm
+
+    planner, caches = _planner("reference")
+    assert start_up_warm(planner, caches, decode_query_lens=(1, 2)) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    planner, caches = _planner("triton")
+    called = []
+    monkeypatch.setattr(planner, "warm", lambda *a, **k: called.append(1) or [])
+    assert start_up_warm(planner, caches, decode_query_lens=(1, 2)) is None and not called
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled path: warm runs, static, lengths deduped
+    monkeypatch.setattr(planner, "warm", lambda c, **k: called.append(k) or [None] * 3)
+    line = start_up_warm(planner, caches, decode_query_lens=(2, 1, 2))
+    assert called == [dict(decode_query_lens=(1, 2), static=True)]
+    assert line.startswith("QSA: warmed 0 kernel variants over 3 step shapes in ") and line.endswith(" s")
