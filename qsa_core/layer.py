@@ -317,3 +317,24 @@ def _attention_launch(plan: QSAPlan, indexed: QSAIndexed, cache: QSALayerCache, 
         indexed.selection, softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
         out=dst, schedule=plan.schedule.attention,
     )
+
+
+def bind_layer(plan: QSAPlan, norms: QSANormWeights, index_qk: torch.Tensor, q_gate: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, cache: QSALayerCache) -> None:
+    """Bind the launches `qsa_indexer` and `qsa_attention` make on this plan and cache (inputs
+    as `qsa_indexer`), launching nothing: on a GPU this compiles them (start-up warm-up,
+    `warmup.warm`). The halves reuse these bindings. Nothing to bind on the reference backend."""
+    s, cfg = plan.schedule, plan.config
+    T = s.num_tokens
+    if plan.backend != "triton" or T == 0:
+        return
+    index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in
+                              ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
+    split = cfg.index_n_heads * cfg.index_head_dim
+    launches = s.layer_launches(cache)
+    _bound(launches, "prepare", lambda: _prepare_launch(plan, norms, index_qk, q_gate, k, v, cache, split))
+    _bound(launches, "select", lambda: _select_launches(plan, s.q_idx, cache, s.selection))
+    D = cfg.head_dim
+    gate = q_gate.view(T, cfg.num_heads, 2 * D)[..., D:]  # prepare's gate view
+    indexed = QSAIndexed(s.selection, s.q, gate)
+    _bound(launches, "attention", lambda: _attention_launch(plan, indexed, cache, s.attn_out))

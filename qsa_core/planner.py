@@ -22,6 +22,7 @@ reason into a sticky device flag (`check_guard` names it); with the engine's hos
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -418,6 +419,19 @@ class QSAPlanner:
             rope_positions=d["positions"] if rope is None else rope, seq_lens_cpu=inputs.seq_lens_cpu,
         )
         return _record(QSAPlan, self._plan_fixed, meta=meta, schedule=schedule)
+
+    def warm(self, caches: Iterable[QSALayerCache], *, decode_query_lens: Sequence[int] = (1,),
+             static: bool = False, max_num_reqs: int | None = None) -> list:
+        """Compile every kernel specialization this engine's steps can choose, before serving
+        (`warmup.warm`: plans each step shape of `warmup.warm_steps` and binds the layer
+        launches on each distinct cache layout, launching none of them; the metadata build
+        runs on the planner's workspace). Call once the real caches are bound, before CUDA
+        graph capture. decode_query_lens: the decode rows per request the engine runs (1, and
+        1 + num_speculative_tokens with MTP); static: as the engine's `plan(static=...)`.
+        Returns the step shapes planned: none on the reference backend (nothing compiles)."""
+        from .warmup import warm
+
+        return warm(self, caches, decode_query_lens=decode_query_lens, static=static, max_num_reqs=max_num_reqs)
 
     def check_guard(self) -> None:
         """Raise if any step since the last check had a malformed request whose rows the

@@ -374,8 +374,18 @@ def workspace_size(num_rows: int, num_heads: int, num_kv_heads: int, width: int,
     """int32 elements of the workspace a `plan_prefill_attention` of num_rows needs (~2.1 KB a
     row at Hq 24 / Hkv 2, W 2051, r 4)."""
     br = block_rows or default_block_rows(num_heads, num_kv_heads)
-    blocks = triton.cdiv(num_rows, br)
-    return blocks * 2 + num_rows + 2 * blocks * union_capacity(br, width, compress_ratio, max_union_ratio)
+    return _workspace_offsets(num_rows, br, union_capacity(br, width, compress_ratio, max_union_ratio))[-1]
+
+
+def _workspace_offsets(num_rows: int, block_rows: int, cap: int) -> tuple[int, int, int, int]:
+    """Start of the views last, ut, um and the end (int32 elements), each start a multiple of 4:
+    every view 16-byte aligned whatever num_rows, so one compiled variant serves every step
+    (Triton specializes a pointer on its 16-byte alignment)."""
+    blocks = triton.cdiv(num_rows, block_rows)
+    last = -(-blocks * 2 // 4) * 4
+    ut = -(-(last + num_rows) // 4) * 4
+    um = -(-(ut + blocks * cap) // 4) * 4
+    return last, ut, um, um + blocks * cap
 
 
 def default_block_rows(num_heads: int, num_kv_heads: int) -> int:
@@ -419,11 +429,11 @@ def plan_prefill_attention(
     if workspace.dtype != torch.int32 or workspace.numel() < need:
         raise ValueError(f"prefill attention workspace must be int32 of >= {need} elements, "
                          f"got {workspace.dtype} of {workspace.numel()}")
+    at_last, at_ut, at_um, _ = _workspace_offsets(num_rows, br, cap)
     info = workspace[: blocks * 2].view(blocks, 2)
-    last = workspace[blocks * 2: blocks * 2 + num_rows]
-    at = blocks * 2 + num_rows
-    ut = workspace[at: at + blocks * cap].view(blocks, cap)
-    um = workspace[at + blocks * cap: at + 2 * blocks * cap].view(blocks, cap)
+    last = workspace[at_last: at_last + num_rows]
+    ut = workspace[at_ut: at_ut + blocks * cap].view(blocks, cap)
+    um = workspace[at_um: at_um + blocks * cap].view(blocks, cap)
     return PrefillSchedule(num_rows, br, compress_ratio, block_g, warps, stages, float(max_union_ratio), interpret,
                            row, info, last, ut, um)
 

@@ -41,6 +41,8 @@ PREFILL_MIN_CHUNK_ROWS = 256
 # program per row is slower than the passes beyond ~4K columns (4 rows at 128K: 135 vs
 # 45 us) or for many rows (16K rows at 16K context: 1.9 vs 1.7 ms).
 _FUSED_MAX_COLS = 4096
+# The planner's column buckets above 4096 are its multiples (`planner.column_bucket`).
+_BUCKET_STEP = 4096
 _FUSED_MAX_ROWS = 256
 # Decode chunks take the histogram-free top-k (`select_topk`) where it measured faster on the
 # H200 (select with packed rows, us, radix -> topk): its short route for rows of <= 4096
@@ -216,10 +218,13 @@ def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.devi
 
 def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
                      dev: torch.device) -> select_prefill.PrefillScratch | None:
-    """`select_prefill` scratch for every prefill plan up to max_rows x max_cols (num_cols
-    are powers of two, or max_cols): the largest need of any column bound that takes the route."""
+    """`select_prefill` scratch for every prefill plan up to max_rows x max_cols (num_cols:
+    the `planner.column_bucket`s, powers of two up to 4096 then multiples of 4096, or
+    max_cols): the largest need of any column bound that takes the route (a chunk's need is
+    not monotone in its columns: a multiple of 4096 may need more than the next power of two)."""
     need: dict[str, int] = {}
-    bounds = {max_cols} | {1 << i for i in range(block_topk.bit_length(), max_cols.bit_length())}
+    bounds = ({max_cols} | {1 << i for i in range(block_topk.bit_length(), max_cols.bit_length())}
+              | set(range(_BUCKET_STEP, max_cols + 1, _BUCKET_STEP)))
     for c in sorted(bounds):
         chunk = _scored_chunk(max_rows, c, False)
         tiles = _prefill_route(c, block_topk, False, chunk)
@@ -253,7 +258,7 @@ class SelectSchedule:
     num_cols: the column bound (groups of the longest request); chunk: rows per scratch
     pass; scored: any row may have more than Kb visible groups; fused: the one-launch
     per-row top-k, else the radix passes; the views scores fp32 [chunk, num_cols], hist,
-    arrive, state, counts (unused ones alias `scores`); topk / topk_tiles: the scratch and
+    arrive, state, counts int32 (unscored: one-element stand-ins, never read); topk / topk_tiles: the scratch and
     tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None;
     prefill / prefill_tiles: those of `select_prefill` where a prefill chunk takes it
     (`_prefill_route`), else None; decode_samples / decode_samples_tiles: those of the
@@ -361,6 +366,8 @@ def plan_select(
         state = workspace.state[: chunk * 4].view(chunk, 4)
         counts = workspace.counts[: need["counts"]].view(chunk, n_tiles, 2)
     else:
+        # Never read (every row has visible <= Kb), but of the dtypes the kernels declare: the
+        # emit's chosen count sums `counts` as int32, which sm_90's compiler checks.
         scores = torch.empty(1, 1, dtype=torch.float32, device=device)
         hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.int32, device=device)
     on = decode_samples_enabled() if decode_samples is None else decode_samples

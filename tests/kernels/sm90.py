@@ -10,11 +10,14 @@ spills `usage` reads are not those of the kernel that runs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import time
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -27,6 +30,36 @@ def run(script: str, timeout: int) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH", "")) if p)
     args = [sys.executable, script] if os.path.isfile(script) else [sys.executable, "-c", script]
     return subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def run_many(commands: list[list[str]], workers: int, timeout: int,
+             env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """Run each command ([script, *args]) as `run` does, `workers` at a time, with env added;
+    the completed processes in the commands' order (one past the common timeout is killed)."""
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, base.get("PYTHONPATH", "")) if p)
+    base.update(env or {})
+    pending, running, done = list(enumerate(commands)), [], {}
+    deadline = time.monotonic() + timeout
+    while pending or running:
+        while pending and len(running) < workers:
+            i, cmd = pending.pop(0)
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            proc = subprocess.Popen([sys.executable, *cmd], env=base, cwd=ROOT, text=True, stdout=out, stderr=err)
+            running.append((i, proc, out, err))
+        time.sleep(0.2)
+        for entry in [e for e in running if e[1].poll() is not None or time.monotonic() > deadline]:
+            i, proc, out, err = entry
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            running.remove(entry)
+            out.seek(0)
+            err.seek(0)
+            done[i] = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+            out.close()
+            err.close()
+    return [done[i] for i in range(len(commands))]
 
 
 def compile_sm90(fn, consts: dict, types: dict[str, str] | None = None, values: dict[str, int] | None = None,
@@ -99,3 +132,153 @@ def compile_decode_topk(cols: int, rows: int, packed: bool, skip: int, warm_k: i
                  WARM_V=0, PAGE=64, PDL=2)
     types = dict(s_ptr="*fp32", pos_ptr="*i64", kc_ptr="*bf16", vc_ptr="*bf16")
     return compile_sm90(sp._topk_prefill_kernel, const, types, num_warps=t["warps"], launch_pdl=True)
+
+
+class Binding(NamedTuple):
+    """One `Launcher.bind` as recorded: the kernel, every parameter's value in order
+    (constexprs included) and the launch options."""
+
+    fn: object
+    values: tuple
+    options: dict
+
+
+class Recording:
+    """What `recording` yields: `bindings`, the distinct `Binding`s by `quick_key` in the order
+    first seen, each tensor replaced by a stand-in (`stand_in`: the same dtype and 16-byte
+    alignment, all a compiled variant depends on, so no recorded step's tensors stay alive);
+    `count`, every binding made."""
+
+    def __init__(self) -> None:
+        self.bindings: dict[tuple, Binding] = {}
+        self.count = 0
+
+    def add(self, b: Binding) -> None:
+        self.count += 1
+        key = quick_key(b)
+        if key not in self.bindings:
+            self.bindings[key] = Binding(b.fn, tuple(stand_in(v) for v in b.values), b.options)
+
+
+_STAND_INS: dict = {}
+
+
+def stand_in(value):
+    """A tensor's stand-in (`_stand_in_of` its dtype and 16-byte alignment); anything else unchanged."""
+    import torch
+
+    return _stand_in_of(value.dtype, value.data_ptr() % 16 == 0) if isinstance(value, torch.Tensor) else value
+
+
+def _stand_in_of(dtype, aligned: bool):
+    """A two-element tensor of dtype, 16-byte aligned or not (shared)."""
+    import torch
+
+    key = (dtype, aligned)
+    if key not in _STAND_INS:
+        base = torch.zeros(64, dtype=torch.uint8).view(dtype)
+        _STAND_INS[key] = base[:2] if aligned else base[1:3]
+    return _STAND_INS[key]
+
+
+@contextlib.contextmanager
+def recording(sms: int = 132):
+    """Within: every `Launcher.bind` is added to the yielded `Recording` and returns a launch
+    that does nothing, instead of compiling for this machine; and the binding code sees an
+    sm_90 GPU of `sms` SMs (the H100 / H200's 132): PDL on, the decode top-k's L2 warm on,
+    the attention's split count planned for that many SMs. Run without TRITON_INTERPRET, so
+    every tile choice is the production one."""
+    from qsa_kernels import attention, launch, warm
+
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "recording needs the compiled kernels' tile choices"
+    found = Recording()
+
+    class Recorded:
+        def __init__(self, launcher, grid, values, options, free, checked=()):
+            found.add(Binding(launcher.fn, tuple(values), dict(options)))
+
+        def __call__(self, *free):
+            return None
+
+    saved = launch.BoundLaunch, launch.pdl_enabled, warm.warm_enabled, attention._num_sms
+    launch.BoundLaunch = Recorded
+    launch.pdl_enabled = lambda fn: launch._pdl > 0
+    warm.warm_enabled = lambda part, device: bool(warm.warm_mask() & part)
+    attention._num_sms = lambda device: sms
+    try:
+        yield found
+    finally:
+        launch.BoundLaunch, launch.pdl_enabled, warm.warm_enabled, attention._num_sms = saved
+
+
+def portable(b: Binding) -> tuple:
+    """A binding as plain data another process can load (`restore`): the kernel by module and
+    name, tensors by dtype and 16-byte alignment."""
+    import torch
+
+    values = tuple(("tensor", str(v.dtype).removeprefix("torch."), v.data_ptr() % 16 == 0)
+                   if isinstance(v, torch.Tensor) else v for v in b.values)
+    return b.fn.__module__, b.fn.__name__, values, b.options
+
+
+def restore(data: tuple) -> Binding:
+    """The `Binding` `portable` wrote (tensors as `stand_in`s)."""
+    import importlib
+
+    import torch
+
+    module, name, values, options = data
+    fn = getattr(importlib.import_module(module), name)
+    values = tuple(_stand_in_of(getattr(torch, v[1]), v[2]) if isinstance(v, tuple) and v[:1] == ("tensor",)
+                   else v for v in values)
+    return Binding(fn, values, options)
+
+
+def _binder_args(b: Binding) -> tuple:
+    """(backend, kwargs, bound_args, specialization, options) as Triton's `JITFunction.run`
+    computes them for sm_90 from a binding's values."""
+    from triton import knobs
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(_target())
+    kwargs = dict(b.options, debug=b.options.get("debug", b.fn.debug) or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode,
+                  fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)
+    binder = create_function_from_signature(b.fn.signature, b.fn.params, backend)
+    bound_args, specialization, options = binder(*b.values, **kwargs)
+    return backend, kwargs, bound_args, specialization, options
+
+
+def _target():
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", 90, 32)
+
+
+def quick_key(b: Binding) -> tuple:
+    """A finer key than `spec_key`, cheap to compute (constexprs' values, `launch.spec_key` of
+    the runtime arguments, the options): bindings of one quick key share their variant."""
+    from qsa_kernels.launch import spec_key as arg_key
+
+    parts = tuple(repr(v) if p.is_constexpr else arg_key(v, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                  for p, v in zip(b.fn.params, b.values))
+    return b.fn, parts, repr(sorted(b.options.items()))
+
+
+def spec_key(b: Binding) -> tuple:
+    """What Triton's kernel cache keys a binding's compiled variant by (kernel, argument
+    specialization, options): equal keys compile the same kernel."""
+    _, kwargs, _, specialization, options = _binder_args(b)
+    return (b.fn.__module__, b.fn.__name__, repr(specialization), repr(sorted(options.items()) if isinstance(
+        options, dict) else options), repr(sorted((k, v) for k, v in kwargs.items() if k in b.options)))
+
+
+def compile_binding(b: Binding):
+    """A recorded binding compiled for sm_90 exactly as Triton's launcher would compile it there."""
+    import triton
+    from triton.compiler import ASTSource
+
+    backend, kwargs, bound_args, specialization, options = _binder_args(b)
+    options, signature, constexprs, attrs = b.fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(b.fn, signature, constexprs, attrs), target=_target(), options=options.__dict__)

@@ -410,3 +410,19 @@ def test_gpu_production(overlap):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, out)
+
+
+def test_workspace_views_are_16_byte_aligned_for_every_row_count():
+    """One compiled variant serves every step: the union / shared kernels' workspace views
+    (Triton specializes pointers on 16-byte alignment) start aligned whatever num_rows, and
+    fit the workspace `workspace_size` sizes without overlapping."""
+    for rows in range(1, 70):
+        need = ker.workspace_size(rows, 24, 2, 2051, 4)
+        ws = torch.zeros(need, dtype=torch.int32)
+        s = ker.plan_prefill_attention(rows, 24, 2, 256, 2051, 4, device="cpu", workspace=ws)
+        views = [v for v in (getattr(s, f) for f in s.__dataclass_fields__) if isinstance(v, torch.Tensor)]
+        assert len(views) == 4
+        spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 4) for v in views)
+        assert all(a % 16 == 0 for a, _ in spans), (rows, spans)
+        assert all(e <= a for (_, e), (a, _) in zip(spans, spans[1:])), (rows, spans)
+        assert spans[-1][1] <= ws.data_ptr() + need * 4

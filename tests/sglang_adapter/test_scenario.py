@@ -230,3 +230,29 @@ def test_mrope_requests_match_hf():
     outs = [env.run(env.extend({"a": 32}), x[:32]), env.run(env.extend({"a": 9}), x[32:41])]
     outs += [env.run(env.decode(["a"]), x[i : i + 1]) for i in range(41, L)]
     close(torch.cat(outs), hf_forward([hf], x, rope), "MRoPE vs HF")
+
+
+def test_cuda_graph_state_warms_the_graph_planner(layer, monkeypatch):
+    """init_cuda_graph_state warms the graph planner before capture, on every QSA layer's
+    caches of the pool, with decode query lengths 1 and max_num_tokens / max_bs; on the CPU's
+    reference backend the warm-up compiles nothing and logs nothing."""
+    from qsa_adapters.sglang import backend
+
+    calls, real = [], backend.start_up_warm
+
+    def spy(planner, caches, *, decode_query_lens):
+        caches = list(caches)
+        calls.append((planner, caches, tuple(decode_query_lens)))
+        out = real(planner, caches, decode_query_lens=decode_query_lens)
+        assert out is None and planner.backend == "reference"
+        return out
+
+    monkeypatch.setattr(backend, "start_up_warm", spy)
+    env = Env(layer)
+    env.backend.init_cuda_graph_state(max_bs=4, max_num_tokens=12)
+    (planner, caches, lens), = calls
+    assert planner is env.backend.graph.planner
+    ids = list(env.pool.full_attention_layer_id_mapping)
+    assert env.layer_id in ids
+    assert [c.k.data_ptr() for c in caches] == [env.pool.get_key_buffer(i).data_ptr() for i in ids]
+    assert lens == (1, 3)

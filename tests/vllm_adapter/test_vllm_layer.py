@@ -312,3 +312,43 @@ def test_caches_bound_anew_are_planned_against_their_own_bounds(stack):
         for rid in stack.runner.request_ids:
             stack.runner.free(rid)
         stack.bind()
+
+
+def test_each_new_mapper_is_warmed_on_its_geometry_caches(stack, monkeypatch):
+    """Start-up warm-up: every mapper the pairing builds (at the first step, and again when
+    vLLM binds new caches) warms its planner on the layer caches of its geometry, with decode
+    query lengths 1 and the builder's decode threshold; on the CPU's reference backend the
+    warm-up compiles nothing and logs nothing."""
+    from qsa_adapters.vllm import backend
+
+    calls, real = [], backend.start_up_warm
+
+    def spy(planner, caches, *, decode_query_lens):
+        calls.append((planner, list(caches), tuple(decode_query_lens)))
+        out = real(planner, caches, decode_query_lens=decode_query_lens)
+        assert out is None and planner.backend == "reference"
+        return out
+
+    monkeypatch.setattr(backend, "start_up_warm", spy)
+    for rid in stack.runner.request_ids:
+        stack.runner.free(rid)
+    hid = stack.hf.hidden_size
+    g = torch.Generator().manual_seed(13)
+    try:
+        for i, kv_bytes in enumerate((6 << 20, 8 << 20)):
+            stack.bind(kv_bytes)
+            stack.step({f"w{i}": torch.randn(3, hid, generator=g)})
+            stack.step({f"w{i}": torch.randn(1, hid, generator=g)})  # no new mapper: no new warm-up
+            stack.runner.free(f"w{i}")
+            pairing = backend.QSAStepPairing.of(stack.vllm_config, torch.device("cpu"))
+            (geometry, mapper), = pairing.mappers.items()
+            planner, caches, lens = calls[-1]
+            assert planner is mapper.planner
+            bound = [layer.indexer.layer_cache(layer.kv_cache)[0] for layer in stack.layers]
+            assert [c.k.data_ptr() for c in caches] == [c.k.data_ptr() for c in bound]
+            assert lens == (1, pairing.decode_threshold)
+        assert len(calls) == 2
+    finally:
+        for rid in stack.runner.request_ids:
+            stack.runner.free(rid)
+        stack.bind()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from qsa_core import QSAConfig, QSANormWeights, QSAPlan, QSAPlanner, qsa_attention, qsa_indexer
+from qsa_core.warmup import start_up_warm
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -149,6 +150,13 @@ class QSACoreBackend(AttentionBackend):
             planner=self._planner(max_num_tokens, graphs=True),
             device=self.device,
         )
+        # Compile the graphs' kernel variants before capture: decode steps of 1 row per
+        # request, or max_num_tokens / max_bs with speculative verification.
+        kw = dict(page_size=self.page_size, mrope=self.mrope)
+        caches = (layer_cache(self.token_to_kv_pool, i, **kw) for i in self.token_to_kv_pool.full_attention_layer_id_mapping)
+        line = start_up_warm(self.graph.planner, caches, decode_query_lens=(1, max(1, max_num_tokens // max_bs)))
+        if line is not None:
+            logger.info(line)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """Capture (in_capture) or replay: refresh the static metadata buffers in place."""

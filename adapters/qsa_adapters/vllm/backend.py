@@ -10,6 +10,7 @@ Every layer then launches on that plan.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -26,10 +27,12 @@ from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from qsa_core import QSAConfig, QSAPlan
+from qsa_core.warmup import start_up_warm
 
 from .metadata import PagedGeometry, QSAMetadataMapper
 
 BACKEND_NAME = "QSA_CORE"
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -124,6 +127,17 @@ class QSAStepPairing:
                     self._geometries[geometry] = BoundLayers(layer.indexer.qsa_config, layer.indexer.dtype, slots, rows)
         return self._geometries
 
+    def _warm(self, geometry: PagedGeometry, mapper: QSAMetadataMapper) -> None:
+        """Compile every kernel variant the new mapper's steps can choose, on its geometry's
+        bound layer caches (`warmup.start_up_warm`: static steps of 1 and decode_threshold
+        rows per decode request; Triton's cache makes a rebuild's warm-up cheap)."""
+        caches = [cache for cache, g in (layer.indexer.layer_cache(layer.kv_cache) for layer in self._layers
+                                         if getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel())
+                  if g == geometry]
+        line = start_up_warm(mapper.planner, caches, decode_query_lens=(1, self.decode_threshold))
+        if line is not None:
+            logger.info(line)
+
     def add(self, common: CommonAttentionMetadata, *, is_ring: bool) -> QSAStep:
         """Record one group's half; the half that completes the step plans it (once per geometry).
 
@@ -145,6 +159,7 @@ class QSAStepPairing:
                         max_num_tokens=self.max_num_tokens, max_model_len=self.max_model_len,
                         max_num_reqs=self.max_num_reqs, num_slots=bound.num_slots, num_ring_rows=bound.num_ring_rows,
                     )
+                    self._warm(geometry, self.mappers[geometry])
                 step.records[geometry] = self.mappers[geometry].map(
                     step.main, step.ring_block_table, decode_threshold=self.decode_threshold
                 )

@@ -1,0 +1,175 @@
+"""Start-up warm-up: bind every kernel specialization an engine's steps can choose, so no
+Triton compile happens while serving.
+
+A launch's compiled variant depends on the step's shape only (its row counts, its column
+bucket, decode query length, whether the ring store fuses) and on the dtypes, strides and
+alignment of what it binds. `warm_steps` lists step shapes that reach every variant the
+planner can choose within an engine's sizes: every column bucket up to max_model_len; row
+counts 1, 2 and 2^k - 1, 2^k, 2^k + 1 up to the bound (every threshold of the routes and
+tiles is a power of two, and a runtime int specializes on == 1 and % 16 only); decode-only
+steps for each decode query length, one prefill request alone, and mixed steps of both.
+`warm` plans each (the metadata build runs on the planner's own workspace) and binds the
+layer launches for each distinct cache layout without launching them (`layer.bind_layer`):
+on a GPU binding compiles; on the interpreter it only binds; on the reference backend there
+is nothing to compile. tests/kernels/test_compile_sm90.py compiles for sm_90 exactly what
+`warm` binds (a kernel that cannot compile fails CI), and checks that random steps choose
+nothing it missed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .cache import QSALayerCache
+from .inputs import QSAStepInputs
+
+if TYPE_CHECKING:
+    from .planner import QSAPlanner
+
+
+class WarmStep(NamedTuple):
+    """One step shape: num_decodes requests of decode_query_len rows, then (prefill_rows > 0)
+    one prefill request of prefill_rows rows; every request of seq_len max_seq_len."""
+
+    num_decodes: int
+    decode_query_len: int
+    prefill_rows: int
+    max_seq_len: int
+
+
+def row_counts(bound: int) -> list[int]:
+    """1, 2 and 2^k - 1, 2^k, 2^k + 1 up to bound, and bound itself (ascending)."""
+    counts = {1, 2, bound}
+    k = 4
+    while k // 2 <= bound:
+        counts |= {k - 1, k, k + 1}
+        k *= 2
+    return sorted(c for c in counts if 1 <= c <= bound)
+
+
+def column_buckets(max_model_len: int, compress_ratio: int) -> list[int]:
+    """Every `planner.column_bucket` a step of seq_len <= max_model_len can take."""
+    from .planner import column_bucket
+
+    top = column_bucket(max_model_len // compress_ratio)
+    powers = [1 << i for i in range(13) if 1 << i <= min(top, 4096)]
+    return powers + list(range(8192, top + 1, 4096))
+
+
+def warm_steps(compress_ratio: int, *, max_num_tokens: int, max_model_len: int, max_num_reqs: int | None,
+               decode_query_lens: Sequence[int] = (1,)) -> list[WarmStep]:
+    """The step shapes `warm` plans (module docstring) for an engine's sizes: rows per step
+    <= max_num_tokens, requests <= max_num_reqs (None: unbounded), seq_len <= max_model_len."""
+    reqs = max_num_reqs or max_num_tokens
+    steps: list[WarmStep] = []
+    for cols in column_buckets(max_model_len, compress_ratio):
+        seq = min(cols * compress_ratio, max_model_len)
+        for dql in sorted(set(decode_query_lens)):
+            if dql > seq:
+                continue
+            decodes = row_counts(min(reqs, max_num_tokens // dql))
+            steps += [WarmStep(n, dql, 0, seq) for n in decodes]
+            if reqs > 1 and max_num_tokens > dql:  # mixed: each decode count with one prefill row, and the converse
+                steps += [WarmStep(n, dql, 1, seq) for n in decodes if n < reqs and n * dql < max_num_tokens]
+                steps += [WarmStep(1, dql, n, seq) for n in row_counts(min(max_num_tokens - dql, seq)) if n > 1]
+        steps += [WarmStep(0, 1, n, seq) for n in row_counts(min(max_num_tokens, seq))]
+    return steps
+
+
+def step_inputs(step: WarmStep, block_table: torch.Tensor) -> QSAStepInputs:
+    """A valid step of this shape that writes nothing: every slot -1, ring row 0, every
+    request's pages the first entries of block_table (int32 [>= requests, >= pages])."""
+    dev = block_table.device
+    R = step.num_decodes + (step.prefill_rows > 0)
+    lens = [step.decode_query_len] * step.num_decodes + ([step.prefill_rows] if step.prefill_rows else [])
+    qsl = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    T = int(qsl[-1])
+    return QSAStepInputs(
+        query_start_loc=qsl.to(dev), seq_lens=torch.full((R,), step.max_seq_len, dtype=torch.int32, device=dev),
+        block_table=block_table, slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
+        ring_index=torch.zeros(R, dtype=torch.int32, device=dev), num_decodes=step.num_decodes,
+        max_query_len=max(lens), max_seq_len=step.max_seq_len, decode_query_len=step.decode_query_len,
+    )
+
+
+def _layout_key(cache: QSALayerCache) -> tuple:
+    """What a cache contributes to a compiled variant: its views' dtypes, shapes, strides and
+    16-byte alignment (distinct layers of one layout share their variants)."""
+    views = (cache.k, cache.v, cache.compressed, cache.ring, cache.ring_positions)
+    return tuple(None if t is None else (t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in views)
+
+
+def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query_lens: Sequence[int] = (1,),
+         static: bool = False, max_num_reqs: int | None = None) -> list[WarmStep]:
+    """Plan every `warm_steps` shape and bind the layer launches on one cache of each
+    distinct layout (`bind_layer`: compiles on a GPU, launches nothing); returns the steps
+    planned (none on the reference backend, which compiles nothing). static: plan as the
+    engine does (`plan(static=True)`); max_num_reqs: the engine's request bound (default the
+    planner's). The planner's schedules are restored afterwards; its workspace is left as the
+    last warm step's metadata build wrote it (no cache is written)."""
+    if planner.backend != "triton":
+        return []
+    from .layer import QSANormWeights, bind_layer
+
+    layouts = {_layout_key(c): c for c in caches}
+    if not layouts:
+        return []
+    cfg, dev, dtype = planner.config, planner.device, planner.dtype
+    T, L = planner.max_num_tokens, planner.max_model_len
+    if max_num_reqs is None and planner._static is not None:
+        max_num_reqs = planner._static["seq_lens"].shape[0]
+    steps = warm_steps(cfg.compress_ratio, max_num_tokens=T, max_model_len=L, max_num_reqs=max_num_reqs,
+                       decode_query_lens=decode_query_lens)
+    Hi, Di, Hq, Hkv, D = cfg.index_n_heads, cfg.index_head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    # The projections as an engine passes them, contiguous rows (one row, expanded: bound, never read).
+    proj = {n: torch.empty(1, w, dtype=dtype, device=dev) for n, w in
+            (("index_qk", (Hi + 1) * Di), ("q_gate", 2 * Hq * D), ("k", Hkv * D), ("v", Hkv * D))}
+    norms = QSANormWeights(*(torch.zeros(d, dtype=dtype, device=dev) for d in (Di, Di, D, D)))
+    # Every request's pages: page 0 (one row, expanded: a table of every request's pages
+    # at 1M context would take GBs).
+    block_table = torch.zeros(1, -(-L // planner.page_size), dtype=torch.int32, device=dev).expand(
+        max(max_num_reqs or T, 2), -1)
+    saved = dict(planner._schedules)
+    try:
+        for step in steps:
+            plan = planner.plan(step_inputs(step, block_table), static=static)
+            n = plan.num_tokens
+            for cache in layouts.values():
+                bind_layer(plan, norms, *(proj[k].expand(n, -1) for k in ("index_qk", "q_gate", "k", "v")), cache)
+    finally:
+        planner._schedules.clear()
+        planner._schedules.update(saved)
+    return steps
+
+
+def _compiled_kernels() -> int:
+    """Kernels Triton has compiled so far for qsa_kernels' JIT functions, over every device
+    (Triton 3.x `JITFunction.device_caches`: device -> (kernel cache, ...))."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    fns = {id(v): v for name, mod in list(sys.modules.items()) if name.startswith("qsa_kernels")
+           for v in vars(mod).values() if isinstance(v, JITFunction)}
+    return sum(len(entry[0]) for fn in fns.values() for entry in fn.device_caches.values())
+
+
+def start_up_warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *,
+                  decode_query_lens: Sequence[int]) -> str | None:
+    """An engine's start-up warm-up: `planner.warm(caches, decode_query_lens, static=True)`
+    (engines plan static steps); returns the line to log, "QSA: warmed N kernel variants
+    over M step shapes in S s" (N: kernels Triton compiled meanwhile). None where nothing
+    compiles: the reference backend, or TRITON_INTERPRET=1 (skipped: binding every shape in
+    the interpreter would cost the CPU engine suites minutes for nothing)."""
+    import os
+    import time
+
+    if planner.backend != "triton" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return None
+    before, t0 = _compiled_kernels(), time.perf_counter()
+    steps = planner.warm(caches, decode_query_lens=tuple(sorted(set(decode_query_lens))), static=True)
+    return (f"QSA: warmed {_compiled_kernels() - before} kernel variants over {len(steps)} step shapes "
+            f"in {time.perf_counter() - t0:.1f} s")
