@@ -229,12 +229,13 @@ class QSAPlanner:
             compressed_slot=torch.full((n,), -1, **i64),
             kv_slot=torch.full((n,), -1, **i64),
         )
-        self.guard = torch.zeros(1, **i32)
+        # The guard flag, then each request's bits: one buffer, so a watch copies both at once.
+        self._flags = torch.zeros(1 + max(max_num_reqs or 0, n), **i32)
+        self.guard, self._request_flags = self._flags[:1], self._flags[1:]
         # The shared-slot guard's claim table (Triton; the reference needs only the switch).
         self._slot_claims = None if self.num_slots is None else torch.zeros(
             self.num_slots + 1 if self.backend == "triton" else 1, **i64)
         self._arrive = torch.zeros(2, **i32)  # the metadata build's arrival counter (left zero)
-        self._request_flags = torch.zeros(max(max_num_reqs or 0, n), **i32)
         self._blocks = torch.empty(n, cfg.block_topk, **i32)
         self._selection = torch.empty(n, cfg.packed_width, **i32)
         self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
@@ -432,6 +433,10 @@ class QSAPlanner:
     def request_flags(self) -> torch.Tensor:
         """int32 [>= R] (device): each request's GUARD_* bits in the step planned last."""
         return self._request_flags
+
+    def flags(self, num_reqs: int) -> torch.Tensor:
+        """int32 [1 + num_reqs] (device): the guard flag, then `request_flags[:num_reqs]` (one view)."""
+        return self._flags[: 1 + num_reqs]
 
     def check_guard(self, request_ids: Sequence[Hashable] | None = None) -> None:
         """Raise if any step since the last check had a malformed request whose rows the

@@ -22,10 +22,11 @@ GUARD_SHARED_RING = 512  # two requests with rows in the step have the same ring
 CLAIM_ROW_BITS = 24
 
 
-def _rows_to_requests(req: torch.Tensor, num_reqs: int, bit: int) -> torch.Tensor:
-    """int64 [num_reqs]: `bit` for each request among req (int64 [n]), else 0."""
-    hit = torch.zeros(num_reqs, dtype=torch.int64, device=req.device).index_fill_(0, req, 1)
-    return hit * bit
+def _rows_to_requests(req: torch.Tensor, rows: torch.Tensor, num_reqs: int, bit: int) -> torch.Tensor:
+    """int64 [num_reqs]: `bit` for each request req[t] (int64 [T]) of a row t in rows (bool
+    [T]), else 0 (no host read)."""
+    hit = torch.zeros(num_reqs, dtype=torch.int64, device=req.device)
+    return hit.scatter_reduce_(0, req, rows.to(torch.int64), "amax") * bit
 
 
 def qsa_build_metadata(
@@ -116,16 +117,21 @@ def qsa_build_metadata(
     live = (rows < qsl[-1]) & (rows < live_bound)
     req = torch.where(live, req, 0).clamp_(max=R - 1)
     bad_slot = live & ((slot_mapping < -1) | (slot_mapping >= num_slots))
-    flags = flags | _rows_to_requests(req[bad_slot], R, GUARD_SLOT)
+    flags = flags | _rows_to_requests(req, bad_slot, R, GUARD_SLOT)
     runs = ends > starts  # requests with rows (a CUDA-graph padding request has none and may share a ring row)
     shared_ring = runs[:, None] & runs[None, :] & (ring[:, None] == ring[None, :])
     flags = flags | torch.where(shared_ring.sum(1) > 1, GUARD_SHARED_RING, 0)
     if slot_claims is not None:
+        # Rows writing one slot sit side by side once sorted by slot (others: distinct keys < 0).
         writes = live & (slot_mapping >= 0) & (slot_mapping < num_slots)
-        slot, owner = slot_mapping[writes], req[writes]
-        _, inverse, counts = torch.unique(slot, return_inverse=True, return_counts=True)
-        shared = counts[inverse] > 1
-        flags = flags | _rows_to_requests(owner[shared], R, GUARD_SHARED_SLOT)
+        key = torch.where(writes, slot_mapping, -1 - rows)
+        order = torch.argsort(key, stable=True)
+        same = key[order][1:] == key[order][:-1]
+        shared = torch.zeros(T, dtype=torch.bool, device=dev)
+        shared[1:] |= same
+        shared[:-1] |= same
+        shared = torch.zeros_like(shared).scatter_(0, order, shared)
+        flags = flags | _rows_to_requests(req, shared, R, GUARD_SHARED_SLOT)
     stray = (rows >= qsl[-1]) & (rows < num_live_rows)  # live rows no request owns
     bits = torch.where(live, flags[req], 0)
     bits_any = torch.zeros((), dtype=torch.int64, device=dev)

@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from qsa_core import QSAConfig, QSAPlan
+from qsa_core.guard import GuardWatch
 
 from .metadata import PagedGeometry, QSAMetadataMapper
 
@@ -86,6 +87,8 @@ class QSAStepPairing:
         self.current = QSAStep()
         self._geometries: dict[PagedGeometry, BoundLayers] = {}
         self._key: torch.Tensor | None = None
+        # Logs the requests the device guards made inert (by batch index), a step or more late.
+        self.guard_watch = GuardWatch()
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, device: torch.device) -> "QSAStepPairing":
@@ -135,6 +138,7 @@ class QSAStepPairing:
                 step.records[geometry] = self.mappers[geometry].map(
                     step.main, step.ring_block_table, decode_threshold=self.decode_threshold
                 )
+                self.guard_watch.poll(self.mappers[geometry].planner, step.main.num_reqs)
         return step
 
 
