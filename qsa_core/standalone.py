@@ -220,9 +220,9 @@ class Runner:
         Transactional: a step that fails (bad input, out of pages or ring rows, an error in
         a layer, a request the device guards flagged: RuntimeError naming it and why) admits
         no request, takes no page and advances no request. The ring rows of its continuing
-        requests are restored (a retry pools their open groups from them); its other writes
-        (K/V, compressed keys) lie past every request's seq_len, where a retry rewrites them
-        before reading.
+        requests that it overwrote are restored (a retry pools their open groups from them);
+        its other writes (K/V, compressed keys) lie past every request's seq_len, where a
+        retry rewrites them before reading.
         """
         rope_positions = rope_positions or {}
         self._check_step(chunks, rope_positions)
@@ -291,15 +291,20 @@ class Runner:
         if padding is not None:
             hidden.append(padding.to(device=dev, dtype=self.dtype))
         x = torch.cat(hidden)
-        rings = [r.ring for rid, r in zip(order, reqs) if rid in self._requests]
-        saved = self._save_rings(rings)
+        # A continuing request's open group (k = seq_len % r raw keys in its ring) is pooled
+        # from ring rows that the step's own last C rows overwrite once it has more than C - k.
+        ratio, C = self.config.compress_ratio, self.layout.ring_capacity(self.config)
+        rings = [req.ring for rid, req, n in zip(order, reqs, qlens)
+                 if rid in self._requests and req.seq_len % ratio and n > C - req.seq_len % ratio]
+        saved = self._save_rings(rings) if rings else []
         try:
             with torch.no_grad():
                 for layer, cache in zip(self.layers, self.caches):
                     x = layer(x, plan, cache)
             self.planner.check_guard(order)  # a sync: the device guards' flag of this step
         except BaseException:
-            self._restore_rings(rings, saved)
+            if rings:
+                self._restore_rings(rings, saved)
             raise
         self._commit(order, reqs, grow, new_lens)
         out, start = {}, 0

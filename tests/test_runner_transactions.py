@@ -26,9 +26,11 @@ class Flaky(nn.Module):
         return self.layer(hidden, plan, cache)
 
 
-def make_runner(**kw) -> Runner:
-    layers = [QSAAttention.from_hf(random_hf_attention(tiny_config(), seed)).to(DEVICE) for seed in (0, 1)]
-    return Runner([layers[0], Flaky(layers[1])], page_size=8, num_pages=32, max_requests=4, shuffle_pages=True, **kw)
+def make_runner(num_layers: int = 2, **kw) -> Runner:
+    """num_layers QSA layers, the last one `Flaky`."""
+    layers = [QSAAttention.from_hf(random_hf_attention(tiny_config(), seed)).to(DEVICE) for seed in range(num_layers)]
+    layers[-1] = Flaky(layers[-1])
+    return Runner(layers, page_size=8, num_pages=32, max_requests=4, shuffle_pages=True, **kw)
 
 
 def chunks(g, **lens):
@@ -86,11 +88,11 @@ def run_planted(what: str, device_guards: bool):
     gen = torch.Generator().manual_seed(1)
     first, second = chunks(gen, a=9), chunks(gen, a=1, c=5, d=6)
     kw = dict(value_checks=False) if device_guards else {}
-    clean = make_runner(**kw)
+    clean = make_runner(1, **kw)
     clean.step(first)
     want = clean.step(second)
 
-    r = make_runner(**kw)
+    r = make_runner(1, **kw)
     r.step(first)
     rings, pages = list(r._free_rings), list(r._free_pages)
     plant_shared(r, what)
@@ -106,8 +108,9 @@ def run_planted(what: str, device_guards: bool):
 
 
 @pytest.mark.parametrize("what", list(SHARED))
-def test_requests_sharing_a_ring_row_or_page_are_refused(backend, what):
-    """Value checks (CPU default): the step is refused before it runs."""
+def test_requests_sharing_a_ring_row_or_page_are_refused(what):
+    """The Runner's defaults: on CPU tensors the value checks refuse the step before it runs
+    (in plan, whatever the backend); on CUDA the guards flag it and the Runner raises."""
     run_planted(what, device_guards=DEVICE.type == "cuda")
 
 
