@@ -13,8 +13,9 @@ only launch: no allocation, no derivation, no host read.
 
 Column bound: selection scores at most `max_seq_len // r` groups per row (rounded up to a
 bucket, so that schedules repeat). Guards: a malformed request (seq_len > max_seq_len or
-below its query length, a query length above max_query_len, rows past the live rows, a slot, ring_index or used block-table
-page outside the caches, a write slot or ring_index shared with another live row / request) is never run on bad values: the metadata build makes its rows inert
+below its query length, a query length above max_query_len, rows past the live rows, a slot,
+ring_index or used block-table page outside the caches, a write slot or ring_index shared with
+another live row / request) is never run on bad values: the metadata build makes its rows inert
 (as padding: empty selection, output 0, no K/V, ring or compressed-key write) and ORs the
 reason into a sticky device flag (`check_guard` names it); with the engine's host copy
 (`QSAStepInputs.seq_lens_cpu`) or value checks `plan` refuses the step at once.
