@@ -1,8 +1,9 @@
 """`GuardWatch`: what the device guards flag reaches the log a step later, with no sync.
 
-The guard path runs here on CPU tensors with the host value checks off (a GPU's default), on
-both backends: the metadata build flags two requests planted onto one ring row; the watch's
-poll after that step copies the flags, the next poll reports them by request.
+The guard path runs with the host value checks off (a GPU's default), on both backends (on
+CPU tensors in CI; on CUDA in `scripts/test_gpu.sh runner`, through pinned memory and
+events): the metadata build flags two requests planted onto one ring row; the watch's poll
+after that step copies the flags, the next poll reports them by request.
 """
 
 import torch
@@ -15,6 +16,12 @@ from hf_oracle import DEVICE, tiny_config
 I32, I64 = torch.int32, torch.int64
 CONFIG = QSAConfig.from_hf(tiny_config())
 PAGE = 8
+
+
+def landed() -> None:
+    """Let the copies land (the watch itself never waits): a test-only sync on CUDA."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def planner() -> QSAPlanner:
@@ -38,15 +45,18 @@ def test_a_flagged_step_is_logged_by_request_at_the_next_poll(backend):
     assert watch.poll(p, 2, ["req-a", "req-b"]) == [] and logged == []  # copied, not read yet
     assert int(p.guard) == 0  # the copy took the bits off the device flag
     p.plan(step([0, 1]))
+    landed()
     (report,) = watch.poll(p, 2, ["req-c", "req-d"])
     assert logged == ["qsa_core: " + report]
     reason = "a ring_index entry was another request's with rows too"
     assert report.count(reason) == 3 and "request 'req-a'" in report and "request 'req-b'" in report
     assert "req-c" not in report
     p.plan(step([0, 2]))
+    landed()
     assert watch.poll(p, 2) == []  # the clean step before it
     p.plan(step([2, 2]))
     watch.poll(p, 2)
+    landed()
     (report,) = watch.poll(p, 0)  # without labels: the request's index in its step
     assert "request '#0 of step 4'" in report and "request '#1 of step 4'" in report
 
@@ -63,5 +73,6 @@ def test_copies_in_flight_are_bounded_and_bits_wait_in_the_device_flag(backend):
     watch.poll(p, 2)
     assert int(p.guard) == 0
     p.plan(step([0, 1]))
+    landed()
     (report,) = watch.poll(p, 2)
     assert "ring_index entry was another request's" in report
