@@ -313,3 +313,16 @@ def test_a_request_without_rows_may_share_a_ring_row(backend):
     out, _, _, _ = run_step(step(**padded), p)
     assert torch.equal(out, want)
     p.check_guard()  # nothing flagged
+
+
+def test_requests_sharing_a_prefix_page_they_only_read_run(backend):
+    """Prefix caching: a and b both read page 4 (their positions 0..7) and each writes its own
+    page (a 5, b 2): accepted by the value checks and passed by the device guards."""
+    shared_prefix = dict(seq_lens=torch.tensor([12, 14], dtype=I32), block_table=torch.tensor([[4, 5], [4, 2]], dtype=I32),
+                         slot_mapping=torch.tensor([5 * PAGE + i for i in range(4)] + B_SLOTS + [-1, -1], dtype=I64),
+                         max_seq_len=14)
+    planner("cpu").plan(step("cpu", **shared_prefix))
+    p = planner(value_checks=False)
+    out, _, _, plan = run_step(step(**shared_prefix), p)
+    assert (plan.meta.positions[:10] >= 8).all() and (out[:10] != 0).any(1).all()
+    p.check_guard()  # nothing flagged
