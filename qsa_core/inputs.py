@@ -34,6 +34,16 @@ def _expect(name: str, t: object, dtype: torch.dtype, ndim: int, device: torch.d
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def _first_pair(index: torch.Tensor, values: torch.Tensor) -> tuple[int, int]:
+    """(index[a], index[b]) of the first a < b with values[a] == values[b] (b smallest)."""
+    seen: dict[int, int] = {}
+    for i, v in zip(index.tolist(), values.tolist()):
+        if v in seen:
+            return seen[v], i
+        seen[v] = i
+    raise ValueError("no repeated value")
+
+
 @dataclass(frozen=True, kw_only=True, init=False)
 class QSAStepInputs:
     """One step as an engine describes it. Rows: decode requests first, then prefills.
@@ -189,9 +199,10 @@ class QSAStepInputs:
         run only with `QSA_DEBUG=1`). Each error names the field, the entry and what was
         expected. num_slots bounds the live rows' slot_mapping and, as num_slots / page_size
         pages, the block_table pages a request's seq_len uses; num_ring_rows bounds
-        ring_index. A live row's slot, unless -1, must be its position's slot through the
-        block table (host only: the device guards do not check it). Requests without rows in
-        the step (CUDA-graph padding) are not checked.
+        ring_index. Live rows write distinct slots (-1 aside) and requests with rows have
+        distinct ring_index (prefix caching shares read pages only). A live row's slot, unless
+        -1, must be its position's slot through the block table (host only: the device guards
+        do not check it). Requests without rows in the step (CUDA-graph padding) are not checked.
         """
         qsl = self.query_start_loc.cpu().long()
         seq = self.seq_lens.cpu().long()
@@ -252,6 +263,13 @@ class QSAStepInputs:
             raise ValueError(
                 f"ring_index[{i}] = {int(ring[i])} is outside the ring: expected a ring row in [0, {num_ring_rows})"
             )
+        live_ring = ring[runs]
+        if live_ring.unique().numel() < live_ring.numel():
+            i, j = _first_pair(torch.nonzero(runs).flatten(), live_ring)
+            raise ValueError(
+                f"ring_index[{i}] = ring_index[{j}] = {int(ring[i])}: requests {i} and {j} both have rows in this "
+                "step, expected a ring row of its own for each (only requests without rows may share one)"
+            )
         if R:
             need = torch.where(runs, (seq + page_size - 1) // page_size, 0)
             P = self.block_table.shape[1]
@@ -287,3 +305,13 @@ class QSAStepInputs:
                     f"slot_mapping[{t}] = {int(slots[t])} disagrees with the block table: row {t} is request {q}'s "
                     f"position {p}, in its page block_table[{q}, {j}] = {int(page[t])}, expected {expected}"
                 )
+        # Live rows write distinct slots: two requests whose tables share a page would write
+        # each other's K/V (prefix caching shares pages a step reads, never those it writes).
+        writes = torch.nonzero(slots >= 0).flatten()
+        if slots[writes].unique().numel() < writes.numel():
+            t, u = _first_pair(writes, slots[writes])
+            req = torch.searchsorted(qsl[1:], torch.tensor([t, u]), right=True).tolist()
+            raise ValueError(
+                f"slot_mapping[{t}] = slot_mapping[{u}] = {int(slots[t])}: rows {t} (request {req[0]}) and {u} "
+                f"(request {req[1]}) write the same KV slot, expected distinct slots (or -1) for the live rows"
+            )

@@ -211,7 +211,8 @@ def _check_binding(plan: QSAPlan, index_qk: torch.Tensor, q_gate: torch.Tensor, 
                    cache: QSALayerCache, split: int) -> None:
     """The write side's cache and projections against the plan, once per (schedule, cache):
     the stores are bounded by these shapes (K's slots for V, the plan's C for the ring, the
-    projections' head counts for the caches') and cast to the caches' dtypes."""
+    projections' head counts for the caches') and cast to the caches' dtypes; the projections
+    must be in the model dtype (the kernels compute in their inputs' precision)."""
     meta, cfg = plan.meta, plan.config
     validate_layer_cache(cache, cfg, meta.page_size, meta.ring_capacity, dtype=plan.dtype)
     widths = (("index_qk", index_qk, split + cfg.index_head_dim), ("q_gate", q_gate, 2 * cfg.num_heads * cfg.head_dim),
@@ -219,6 +220,8 @@ def _check_binding(plan: QSAPlan, index_qk: torch.Tensor, q_gate: torch.Tensor, 
     for name, x, width in widths:
         if x.dim() != 2 or x.shape[1] != width:
             raise ValueError(f"{name} must be [T, {width}] for this layer's heads, got {tuple(x.shape)}")
+        if x.dtype != plan.dtype:
+            raise ValueError(f"{name} must be {plan.dtype} (the model dtype the plan was made for), got {x.dtype}")
 
 
 def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tensor, q_gate: torch.Tensor,

@@ -75,6 +75,7 @@ def build_metadata(
     guard: torch.Tensor,
     num_decodes: int = 0,
     decode_query_len: int = 1,
+    slot_claims: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> None:
     """design.md §3's derived per-row fields, in place (no host reads).
@@ -84,7 +85,9 @@ def build_metadata(
     padding), visible_blocks int32, ring_slot int64, compressed_slot int64 and kv_slot int64
     (-1 = no write), all [T]. Rows of a malformed request (see the reference's GUARD_* bits;
     num_decodes leading requests of decode_query_len or 0 rows each) are made inert and OR their
-    reason into guard int32 [1]; request_flags int32 [>= R] is scratch.
+    reason into guard int32 [1]; request_flags int32 [>= R] gets each request's bits.
+    slot_claims int64 [num_slots + 1], zero at first and kept between steps: turns on the
+    guard against two live rows writing one slot (the Triton build's claim table).
     """
     _impl(backend, slot_mapping.device).qsa_build_metadata(
         query_start_loc, seq_lens, slot_mapping, ring_index, block_table,
@@ -93,6 +96,7 @@ def build_metadata(
         token_to_req=token_to_req, positions=positions, visible_blocks=visible_blocks,
         ring_slot=ring_slot, compressed_slot=compressed_slot, kv_slot=kv_slot,
         request_flags=request_flags, guard=guard, num_decodes=num_decodes, decode_query_len=decode_query_len,
+        slot_claims=slot_claims,
     )
 
 

@@ -13,8 +13,9 @@ only launch: no allocation, no derivation, no host read.
 
 Column bound: selection scores at most `max_seq_len // r` groups per row (rounded up to a
 bucket, so that schedules repeat). Guards: a malformed request (seq_len > max_seq_len or
-below its query length, a query length above max_query_len, rows past the live rows, a slot, ring_index or used block-table
-page outside the caches) is never run on bad values: the metadata build makes its rows inert
+below its query length, a query length above max_query_len, rows past the live rows, a slot,
+ring_index or used block-table page outside the caches, a write slot or ring_index shared with
+another live row / request) is never run on bad values: the metadata build makes its rows inert
 (as padding: empty selection, output 0, no K/V, ring or compressed-key write) and ORs the
 reason into a sticky device flag (`check_guard` names it); with the engine's host copy
 (`QSAStepInputs.seq_lens_cpu`) or value checks `plan` refuses the step at once.
@@ -22,7 +23,7 @@ reason into a sticky device flag (`check_guard` names it); with the engine's hos
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -154,7 +155,9 @@ class QSAPlanner:
     r); ring_capacity: C; max_num_tokens: rows per step (padding included);
     max_model_len: the longest seq_len served (sizes the selection scratch);
     max_num_reqs: requests per step, needed only for `plan(..., static=True)`;
-    num_slots / num_ring_rows: bounds of the value checks and device guards; backend: the
+    num_slots / num_ring_rows: bounds of the value checks and device guards (num_slots also
+    sizes the guard against two live rows writing one slot, a claim table of int64
+    [num_slots + 1] on Triton; without num_slots that guard is off); backend: the
     ops backend (default: from the device and `QSA_BACKEND`, resolved here once);
     value_checks: read the step's values in `plan` and raise on malformed ones (default: on
     for CPU tensors, where it costs no sync; `QSA_DEBUG=1` when the planner is made turns it
@@ -187,6 +190,9 @@ class QSAPlanner:
         for name, value in (("max_num_tokens", max_num_tokens), ("max_model_len", max_model_len)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if num_slots is not None and max_num_tokens >= 1 << reference_metadata.CLAIM_ROW_BITS:
+            raise ValueError(f"max_num_tokens must be < 2**{reference_metadata.CLAIM_ROW_BITS} (the shared-slot "
+                             f"guard's row field), got {max_num_tokens}")
         self.config = config
         self.dtype = dtype
         self.page_size = page_size
@@ -224,9 +230,13 @@ class QSAPlanner:
             compressed_slot=torch.full((n,), -1, **i64),
             kv_slot=torch.full((n,), -1, **i64),
         )
-        self.guard = torch.zeros(1, **i32)
+        # The guard flag, then each request's bits: one buffer, so a watch copies both at once.
+        self._flags = torch.zeros(1 + max(max_num_reqs or 0, n), **i32)
+        self.guard, self._request_flags = self._flags[:1], self._flags[1:]
+        # The shared-slot guard's claim table (Triton; the reference needs only the switch).
+        self._slot_claims = None if self.num_slots is None else torch.zeros(
+            self.num_slots + 1 if self.backend == "triton" else 1, **i64)
         self._arrive = torch.zeros(2, **i32)  # the metadata build's arrival counter (left zero)
-        self._request_flags = torch.zeros(max(max_num_reqs or 0, n), **i32)
         self._blocks = torch.empty(n, cfg.block_topk, **i32)
         self._selection = torch.empty(n, cfg.packed_width, **i32)
         self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
@@ -259,7 +269,7 @@ class QSAPlanner:
                 compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, page_size=self.page_size,
                 num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
                 num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
-                inputs_checked=True,  # plan validates them first
+                slot_claims=self._slot_claims, inputs_checked=True,  # plan validates them first
             )
         self._static: dict[str, torch.Tensor] | None = None
         if max_num_reqs is not None:
@@ -409,7 +419,7 @@ class QSAPlanner:
                 num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
                 num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
                 request_flags=self._request_flags, guard=self.guard, num_decodes=inputs.num_decodes,
-                decode_query_len=inputs.decode_query_len, backend=self.backend, **d,
+                decode_query_len=inputs.decode_query_len, slot_claims=self._slot_claims, backend=self.backend, **d,
             )
         meta = _record(
             QSAForwardMetadata, schedule.meta_fixed, query_start_loc=qsl, seq_lens=seq, block_table=table,
@@ -433,18 +443,36 @@ class QSAPlanner:
 
         return warm(self, caches, decode_query_lens=decode_query_lens, static=static, max_num_reqs=max_num_reqs)
 
-    def check_guard(self) -> None:
+    @property
+    def request_flags(self) -> torch.Tensor:
+        """int32 [>= R] (device): each request's GUARD_* bits in the step planned last."""
+        return self._request_flags
+
+    def flags(self, num_reqs: int) -> torch.Tensor:
+        """int32 [1 + num_reqs] (device): the guard flag, then `request_flags[:num_reqs]` (one view)."""
+        return self._flags[: 1 + num_reqs]
+
+    def check_guard(self, request_ids: Sequence[Hashable] | None = None) -> None:
         """Raise if any step since the last check had a malformed request whose rows the
-        metadata build made inert (output 0, no cache writes), naming each reason. Reads the
-        device flag: a sync; then clears it."""
+        metadata build made inert (output 0, no cache writes), naming each reason, and with
+        request_ids (the last planned step's requests, in its order) each flagged request.
+        Reads the device flag: a sync; then clears it."""
         bits = int(self.guard.item())
         if bits:
             self.guard.zero_()
-            reasons = [text for bit, text in _GUARD_REASONS if bits & bit]
-            raise RuntimeError(
-                "malformed step metadata: the rows of the requests concerned were made inert (output 0, no cache "
-                "write) instead of giving a wrong answer: " + "; ".join(reasons)
-            )
+            flags = [] if request_ids is None else self._request_flags[: len(request_ids)].tolist()
+            raise RuntimeError(guard_message(bits, list(zip(request_ids or [], flags))))
+
+
+def guard_message(bits: int, request_flags: Sequence[tuple[Hashable, int]] = ()) -> str:
+    """What a guard flag `bits` (GUARD_* of `qsa_core.reference.metadata`) says, naming each
+    (request, its bits) pair with bits set."""
+    named = [f"request {rid!r}: {', '.join(t for bit, t in _GUARD_REASONS if f & bit)}"
+             for rid, f in request_flags if f]
+    reasons = [text for bit, text in _GUARD_REASONS if bits & bit]
+    return ("malformed step metadata: the rows of the requests concerned were made inert (output 0, no cache "
+            "write) instead of giving a wrong answer: " + "; ".join(reasons)
+            + (". Flagged: " + "; ".join(named) if named else ""))
 
 
 _GUARD_REASONS = (
@@ -462,4 +490,8 @@ _GUARD_REASONS = (
     (reference_metadata.GUARD_RING_INDEX, "a ring_index entry was outside [0, num_ring_rows)"),
     (reference_metadata.GUARD_PAGE,
      "a block_table page a request uses (its first ceil(seq_len / page_size)) was outside [0, num_pages)"),
+    (reference_metadata.GUARD_SHARED_SLOT,
+     "a slot_mapping entry (>= 0) of a live row was another live row's too: expected distinct write slots"),
+    (reference_metadata.GUARD_SHARED_RING,
+     "a ring_index entry was another request's with rows too: expected a ring row per live request"),
 )

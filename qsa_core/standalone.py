@@ -36,6 +36,8 @@ class Runner:
     `step({request_id: hidden [n, hidden_size]})` runs one mixed step: new and continuing
     requests, any chunk length. Requests whose chunk has `1 + num_speculative_tokens` rows
     and that already hold context are decodes and go first; the rest are prefills.
+    value_checks: the planner's (default: on for CPU tensors; off on a GPU, where the device
+    guards stand in and a step they flag raises after it ran).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class Runner:
         num_speculative_tokens: int = 0,
         shuffle_pages: bool = False,
         seed: int = 0,
+        value_checks: bool | None = None,
     ) -> None:
         if not layers:
             raise ValueError("layers must hold at least one QSAAttention")
@@ -67,6 +70,7 @@ class Runner:
         )
         self.caches: list[QSALayerCache] = self.layout.allocate(self.config, self.dtype, self.device)
         self.max_requests = max_requests
+        self.value_checks = value_checks
         self.planner = self._planner(max_num_tokens=256)
         self.decode_query_len = 1 + num_speculative_tokens
         self._free_pages = list(range(num_pages))
@@ -83,7 +87,7 @@ class Runner:
             self.config, dtype=self.dtype, page_size=self.page_size,
             ring_capacity=self.layout.ring_capacity(self.config), max_num_tokens=max_num_tokens,
             max_model_len=self.layout.num_slots, device=self.device,
-            num_slots=self.layout.num_slots, num_ring_rows=self.max_requests,
+            num_slots=self.layout.num_slots, num_ring_rows=self.max_requests, value_checks=self.value_checks,
         )
 
     @property
@@ -192,6 +196,17 @@ class Runner:
             req.pages.extend(grow[rid])
             req.seq_len = n
 
+    def _save_rings(self, rings: list[int]) -> list[tuple[torch.Tensor, ...]]:
+        """Copies of the ring rows (and MRoPE ring positions) `rings` of every layer's cache."""
+        index = torch.tensor(rings, dtype=torch.int64, device=self.device)
+        return [tuple(t[index].clone() for t in (c.ring, c.ring_positions) if t is not None) for c in self.caches]
+
+    def _restore_rings(self, rings: list[int], saved: list[tuple[torch.Tensor, ...]]) -> None:
+        index = torch.tensor(rings, dtype=torch.int64, device=self.device)
+        for cache, copies in zip(self.caches, saved):
+            for t, copy in zip((t for t in (cache.ring, cache.ring_positions) if t is not None), copies):
+                t[index] = copy
+
     def step(
         self,
         chunks: Mapping[Hashable, torch.Tensor],
@@ -203,8 +218,11 @@ class Runner:
         rope_positions: optional per-request int64 [n] or [3, n] (MRoPE); default logical.
         padding: optional [k, hidden_size] rows appended as inert CUDA-graph-style padding.
         Transactional: a step that fails (bad input, out of pages or ring rows, an error in
-        a layer) admits no request and takes no page; the caches may hold its partial writes
-        in slots no request owns.
+        a layer, a request the device guards flagged: RuntimeError naming it and why) admits
+        no request, takes no page and advances no request. The ring rows of its continuing
+        requests that it overwrote are restored (a retry pools their open groups from them);
+        its other writes (K/V, compressed keys) lie past every request's seq_len, where a
+        retry rewrites them before reading.
         """
         rope_positions = rope_positions or {}
         self._check_step(chunks, rope_positions)
@@ -273,9 +291,21 @@ class Runner:
         if padding is not None:
             hidden.append(padding.to(device=dev, dtype=self.dtype))
         x = torch.cat(hidden)
-        with torch.no_grad():
-            for layer, cache in zip(self.layers, self.caches):
-                x = layer(x, plan, cache)
+        # A continuing request's open group (k = seq_len % r raw keys in its ring) is pooled
+        # from ring rows that the step's own last C rows overwrite once it has more than C - k.
+        ratio, C = self.config.compress_ratio, self.layout.ring_capacity(self.config)
+        rings = [req.ring for rid, req, n in zip(order, reqs, qlens)
+                 if rid in self._requests and req.seq_len % ratio and n > C - req.seq_len % ratio]
+        saved = self._save_rings(rings) if rings else []
+        try:
+            with torch.no_grad():
+                for layer, cache in zip(self.layers, self.caches):
+                    x = layer(x, plan, cache)
+            self.planner.check_guard(order)  # a sync: the device guards' flag of this step
+        except BaseException:
+            if rings:
+                self._restore_rings(rings, saved)
+            raise
         self._commit(order, reqs, grow, new_lens)
         out, start = {}, 0
         for rid, n in zip(order, qlens):

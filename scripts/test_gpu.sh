@@ -70,7 +70,7 @@ for suite in "${SUITES[@]}"; do
         # skipif that holds here fails the suite like any skip).
         kernels) run kernels tests/kernels tests/test_negative_zero_ties.py -m "not interpreter" ${xdist[@]+"${xdist[@]}"} ;;
         oracle) run oracle tests/test_hf_oracle.py ${xdist[@]+"${xdist[@]}"} ;;
-        runner) run runner tests/test_runner.py tests/test_faults.py tests/test_layer_modes.py tests/test_step_validation.py ;;
+        runner) run runner tests/test_runner.py tests/test_runner_transactions.py tests/test_guard_watch.py tests/test_faults.py tests/test_layer_modes.py tests/test_step_validation.py ;;
         *) echo "unknown suite '$suite' (kernels, oracle, runner)"; exit 2 ;;
     esac
 done

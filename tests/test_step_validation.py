@@ -203,12 +203,16 @@ def _ring(rows: int, capacity: int, device) -> dict:
     (lambda c: dict(ring=c.ring.bfloat16()), r"cache.ring must be torch.float32 \(the model dtype: .*\), got torch.bfloat16"),
     (lambda c: dict(k="narrow"), rf"k must be \[T, {CONFIG.num_kv_heads * CONFIG.head_dim}\] for this layer's heads"),
     (lambda c: dict(q_gate="narrow"), rf"q_gate must be \[T, {2 * CONFIG.num_heads * CONFIG.head_dim}\]"),
+    (lambda c: dict(index_qk="bf16"), r"index_qk must be torch.float32 \(the model dtype the plan was made for\), "
+                                      r"got torch.bfloat16"),
+    (lambda c: dict(v="bf16"), r"v must be torch.float32 \(the model dtype the plan was made for\), got torch.bfloat16"),
 ])
 def test_the_write_side_checks_its_cache_and_projections_when_it_binds(backend, change, message):
     """The write side bounds its stores by the cache's shapes (V by K's slots, the ring by the
     plan's C) and its head loops by the projections' widths, and casts them to the caches'
     dtypes: where they disagree it is refused once per (schedule, cache), on either backend,
-    naming the tensor (before: writes outside the views, or silently rounded keys)."""
+    naming the tensor (before: writes outside the views, or silently rounded keys). So are
+    projections in another dtype than the model's (before: computed at their precision)."""
     import dataclasses
 
     from qsa_core import qsa_prepare
@@ -225,7 +229,8 @@ def test_the_write_side_checks_its_cache_and_projections_when_it_binds(backend, 
     args = dict(index_qk=index_qk, q_gate=q_gate, k=kv, v=kv.clone())
     fields = change(good)
     cache = dataclasses.replace(good, **{n: x for n, x in fields.items() if not isinstance(x, str)})
-    args.update({n: args[n][:, :-D] for n, x in fields.items() if isinstance(x, str)})
+    args.update({n: args[n][:, :-D] if x == "narrow" else args[n].bfloat16()  # "bf16": the projection's dtype
+                 for n, x in fields.items() if isinstance(x, str)})
     with pytest.raises(ValueError, match=message):
         qsa_prepare(plan, layer.norm_weights(), args["index_qk"], args["q_gate"], args["k"], args["v"], cache)
     qsa_prepare(plan, layer.norm_weights(), index_qk, q_gate, kv, kv.clone(), good)  # the same step, well formed
@@ -249,3 +254,75 @@ def test_padding_rows_never_write_the_slots_they_carry(backend):
         assert (t[0] == 3.0).all(), name
         assert not any((t.flatten(0, 1)[s] == 3.0).all() for s in A_SLOTS + B_SLOTS), name  # live rows written
     assert (cache.compressed[0] == 3.0).all()
+
+
+# Two live requests writing one slot or one ring row: each request's slots agree with its own
+# block table (b's table names a's page 4), or both name ring row 2. Both requests are wrong.
+B_ON_A = [4 * PAGE + i for i in range(6)]
+SHARED = {
+    "slot_mapping": (
+        dict(block_table=torch.tensor([[4, -1], [4, -1]], dtype=I32),
+             slot_mapping=torch.tensor(A_SLOTS + B_ON_A + [-1, -1], dtype=I64)),
+        r"slot_mapping\[0\] = slot_mapping\[4\] = 32: rows 0 \(request 0\) and 4 \(request 1\) write the same KV "
+        r"slot, expected distinct slots \(or -1\) for the live rows",
+        "slot_mapping entry \\(>= 0\\) of a live row was another live row's too",
+    ),
+    "ring_index": (
+        dict(ring_index=torch.tensor([2, 2], dtype=I32)),
+        r"ring_index\[0\] = ring_index\[1\] = 2: requests 0 and 1 both have rows in this step, expected a ring row "
+        r"of its own for each",
+        "ring_index entry was another request's with rows too",
+    ),
+}
+
+
+@pytest.mark.parametrize("field", list(SHARED))
+def test_shared_write_slots_or_ring_rows_are_refused_on_cpu_and_under_qsa_debug(monkeypatch, field):
+    change, message, _ = SHARED[field]
+    with pytest.raises(ValueError, match=message):
+        planner("cpu").plan(step("cpu", **change))
+    monkeypatch.setenv("QSA_DEBUG", "1")
+    with pytest.raises(ValueError, match=message):
+        planner(value_checks=False).plan(step(**change))
+
+
+@pytest.mark.parametrize("field", list(SHARED))
+def test_device_guards_make_requests_sharing_a_slot_or_ring_row_inert(backend, field):
+    """Both requests: no cache write at all, output 0, and check_guard names them and why."""
+    change, _, reason = SHARED[field]
+    p = planner(value_checks=False)
+    out, before, after, plan = run_step(step(**change), p)
+    assert torch.equal(out[:10], torch.zeros_like(out[:10]))
+    assert (plan.meta.positions == -1).all() and (plan.meta.slot_mapping == -1).all()
+    for name, old, new in zip(("k", "v", "compressed", "ring"), before, after):
+        assert torch.equal(old, new), name
+    assert (p.request_flags[:2].cpu() != 0).all()
+    with pytest.raises(RuntimeError, match=rf"{reason}.*Flagged: request 'a': .*{reason}.*; request 'b': .*{reason}"):
+        p.check_guard(["a", "b"])
+
+
+def test_a_request_without_rows_may_share_a_ring_row(backend):
+    """A CUDA-graph padding request (no rows) keeps any ring_index, also a live request's: the
+    step runs as without it, on CPU (value checks) and with the device guards alone."""
+    padded = dict(query_start_loc=torch.tensor([0, 4, 4, 10], dtype=I32), seq_lens=torch.tensor([4, 0, 6], dtype=I32),
+                  block_table=torch.tensor([[4, -1], [-1, -1], [2, -1]], dtype=I32),
+                  ring_index=torch.tensor([0, 0, 2], dtype=I32))
+    want, _, _, _ = run_step(step(), planner(value_checks=False))
+    planner("cpu").plan(step("cpu", **padded))
+    p = planner(value_checks=False)
+    out, _, _, _ = run_step(step(**padded), p)
+    assert torch.equal(out, want)
+    p.check_guard()  # nothing flagged
+
+
+def test_requests_sharing_a_prefix_page_they_only_read_run(backend):
+    """Prefix caching: a and b both read page 4 (their positions 0..7) and each writes its own
+    page (a 5, b 2): accepted by the value checks and passed by the device guards."""
+    shared_prefix = dict(seq_lens=torch.tensor([12, 14], dtype=I32), block_table=torch.tensor([[4, 5], [4, 2]], dtype=I32),
+                         slot_mapping=torch.tensor([5 * PAGE + i for i in range(4)] + B_SLOTS + [-1, -1], dtype=I64),
+                         max_seq_len=14)
+    planner("cpu").plan(step("cpu", **shared_prefix))
+    p = planner(value_checks=False)
+    out, _, _, plan = run_step(step(**shared_prefix), p)
+    assert (plan.meta.positions[:10] >= 8).all() and (out[:10] != 0).any(1).all()
+    p.check_guard()  # nothing flagged

@@ -4,13 +4,18 @@ Mirrors `qsa_core.reference.metadata.qsa_build_metadata`. One launch, CUDA-graph
 from T and R only, no host reads, batch-varying ints not specialized), no memset. Program p
 1. (p < R) computes request p's guard bits (seq_len bounds, its query length against
    max_query_len, rows past the live rows, ring_index, the block-table pages it uses, the
-   slots of its rows, a decode request's rows against decode_query_len) into
-   request_flags[p], and marks the step as having a flagged request;
+   slots of its rows, a decode request's rows against decode_query_len, its ring_index against
+   the other requests with rows) into request_flags[p], and marks the step as having a
+   flagged request;
 2. (p < row blocks) derives the fields of rows [p * BLOCK, (p + 1) * BLOCK): each row finds
    its request by a binary search of `query_start_loc`; live rows no request owns are flagged.
-The last program to arrive (an acq_rel counter it resets) makes every live row of a flagged
-request inert (as padding) and ORs those requests' reasons into the guard: a loop over the
-rows that runs only in a step with a flagged request, so a well-formed step pays one atomic.
+   With a slot-claim table each live row writing a slot exchanges its claim (step counter,
+   row) into the slot's entry; an entry already claimed in this step calls for the check below
+   (the counter only keeps that check out of well-formed steps: the check alone decides).
+The last program to arrive (an acq_rel counter it resets) flags the requests of rows whose
+slot another row holds, makes every live row of a flagged request inert (as padding) and ORs
+those requests' reasons into the guard: loops over the rows that run only in a step with a
+flagged request, so a well-formed step pays one atomic (and one per writing row with claims).
 
 `MetadataBuild` binds the launch (`qsa_kernels.launch`) to fixed outputs, once per (R, T);
 `qsa_build_metadata` is the op on it. `StaticStage` copies a step's inputs into a
@@ -24,6 +29,7 @@ import triton
 import triton.language as tl
 
 from qsa_core.reference.metadata import (
+    CLAIM_ROW_BITS,
     GUARD_DECODE_ROWS,
     GUARD_MAX_QUERY_LEN,
     GUARD_MAX_SEQ_LEN,
@@ -31,6 +37,8 @@ from qsa_core.reference.metadata import (
     GUARD_QUERY_START_LOC,
     GUARD_RING_INDEX,
     GUARD_SEQ_LEN,
+    GUARD_SHARED_RING,
+    GUARD_SHARED_SLOT,
     GUARD_SLOT,
 )
 
@@ -49,7 +57,7 @@ def _request_flag(
     num_decodes, decode_query_len,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
-    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr,
+    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr, SHARED_RING: tl.constexpr,
 ):
     """Request i's guard bits (int32 scalar)."""
     seq = tl.load(seq_ptr + i).to(tl.int64)
@@ -64,6 +72,18 @@ def _request_flag(
     flag = flag | ((i < num_decodes) & (((n_rows != decode_query_len) & (n_rows != 0))
                                         | (start % decode_query_len != 0))).to(tl.int32) * DEC
     flag = flag | ((ring < 0) | (ring >= num_ring_rows)).to(tl.int32) * RING
+    # Another request with rows on the same ring row (requests without rows may share one).
+    shared = tl.zeros([BLOCK_S], dtype=tl.int32)
+    others = tl.where(n_rows > 0, R, 0)
+    j0 = i * 0
+    while j0 < others:
+        js = j0 + tl.arange(0, BLOCK_S)
+        m = js < others
+        ring_j = tl.load(ring_index_ptr + js, mask=m, other=0).to(tl.int64)
+        rows_j = tl.load(qsl_ptr + js + 1, mask=m, other=0) - tl.load(qsl_ptr + js, mask=m, other=0)
+        shared = shared | (m & (js != i) & (rows_j > 0) & (ring_j == ring)).to(tl.int32)
+        j0 += BLOCK_S
+    flag = flag | tl.max(shared, 0) * SHARED_RING
     pages = (seq + page_size - 1) // page_size
     flag = flag | (pages > P).to(tl.int32) * PAGE
     # The pages it uses: the first min(ceil(seq / page_size), P) of its block-table row.
@@ -93,11 +113,14 @@ def _request_flag(
 @triton.jit
 def _derive_rows(
     rows, qsl_ptr, seq_ptr, slot_ptr, ring_index_ptr,
-    to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
-    R, T, num_live, stray_end,
+    to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr, claims_ptr, arrive_ptr,
+    R, T, num_live, stray_end, num_slots, epoch,
     r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, QSL: tl.constexpr,
+    CLAIMS: tl.constexpr, ROW_BITS: tl.constexpr,
 ):
-    """The derived fields of rows int64 [BLOCK] (request flags not applied yet)."""
+    """The derived fields of rows int64 [BLOCK] (request flags not applied yet); with CLAIMS
+    each live row's slot in [0, num_slots) is claimed for (epoch, row), a slot claimed before
+    in this step raising arrive[1]."""
     in_range = rows < T
     owned = tl.load(qsl_ptr + R).to(tl.int64)
     # tl.where, not `& (R > 0)`: triton 3.9's interpreter refuses a block mask & a scalar.
@@ -129,12 +152,41 @@ def _derive_rows(
     slot = tl.where(live, tl.load(slot_ptr + rows, mask=in_range, other=-1), -1)
     closes = live & ((pos + 1) % r == 0) & (slot >= 0)
     comp = tl.where(closes, slot // r, -1)
+    if CLAIMS:
+        writes = live & (slot >= 0) & (slot < num_slots)
+        old = tl.atomic_xchg(claims_ptr + tl.where(writes, slot, 0), (epoch << ROW_BITS) | rows, mask=writes)
+        clash = writes & ((old >> ROW_BITS) == epoch)
+        tl.atomic_or(arrive_ptr + 1 + rows * 0, tl.full([BLOCK], 1, tl.int32), mask=clash, sem="relaxed")
     tl.store(to_req_ptr + rows, req.to(tl.int32), mask=in_range)
     tl.store(pos_ptr + rows, tl.where(live, pos, -1), mask=in_range)
     tl.store(vis_ptr + rows, tl.where(live, vis, 0).to(tl.int32), mask=in_range)
     tl.store(ring_slot_ptr + rows, ring, mask=in_range)
     tl.store(comp_slot_ptr + rows, comp, mask=in_range)
     tl.store(kv_slot_ptr + rows, slot, mask=in_range)
+
+
+@triton.jit
+def _flag_shared_slots(
+    qsl_ptr, flags_ptr, to_req_ptr, kv_slot_ptr, claims_ptr, R, T, num_live, num_slots,
+    BLOCK: tl.constexpr, ROW_BITS: tl.constexpr, SHARED: tl.constexpr,
+):
+    """A live row whose slot's claim holds another row: both rows' requests get SHARED (every
+    claim of the step is in; a slot's last claimant holds it)."""
+    n_live = tl.minimum(tl.minimum(tl.load(qsl_ptr + R).to(tl.int64), num_live), T)
+    r0 = T * 0
+    while r0 < n_live:
+        rows = r0 + tl.arange(0, BLOCK)
+        live = rows < n_live
+        slot = tl.load(kv_slot_ptr + rows, mask=live, other=-1)
+        writes = live & (slot >= 0) & (slot < num_slots)
+        holder = tl.load(claims_ptr + tl.where(writes, slot, 0), mask=writes, other=0) & ((1 << ROW_BITS) - 1)
+        shared = writes & (holder != rows)
+        req = tl.load(to_req_ptr + rows, mask=shared, other=0)
+        other = tl.load(to_req_ptr + holder, mask=shared, other=0)
+        bit = tl.full([BLOCK], SHARED, tl.int32)
+        tl.atomic_or(flags_ptr + req, bit, mask=shared, sem="relaxed")
+        tl.atomic_or(flags_ptr + other, bit, mask=shared, sem="relaxed")
+        r0 += BLOCK
 
 
 @triton.jit
@@ -179,34 +231,47 @@ def _or_all(x):
                                "decode_query_len"])
 def _metadata_kernel(
     qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1, flags_ptr, arrive_ptr,
-    to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
+    to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr, claims_ptr,
     R, T, P, max_seq_len, max_query_len, num_live, stray_end, num_pages, num_slots, num_ring_rows, page_size,
     num_decodes, decode_query_len,
     r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
-    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr,
+    SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr, SHARED_RING: tl.constexpr,
+    SHARED_SLOT: tl.constexpr, CLAIMS: tl.constexpr, ROW_BITS: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
-    """arrive int32 [2], zero between launches: [arrived programs, a request was flagged]."""
+    """arrive int32 [2], zero between launches: [arrived programs, a request was flagged].
+    With CLAIMS, claims int64 [num_slots + 1]: each slot's last claim (step counter << ROW_BITS
+    | row) and, last, the counter of the previous launch (this one's is one more)."""
     pdl_start(PDL)
     p = tl.program_id(0).to(tl.int64)
+    epoch = p * 0
+    if CLAIMS:
+        epoch = tl.load(claims_ptr + num_slots) + 1
     if p < R:
         flag = _request_flag(p, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
                              R, T, P, max_seq_len, max_query_len, num_live, num_pages, num_slots, num_ring_rows,
                              page_size, num_decodes, decode_query_len, BLOCK_P, BLOCK_S, MAX_SEQ, SEQ, QSL, RING,
-                             PAGE, SLOT, MAX_QUERY, DEC)
+                             PAGE, SLOT, MAX_QUERY, DEC, SHARED_RING)
         tl.store(flags_ptr + p, flag)
         if flag != 0:
             tl.atomic_or(arrive_ptr + 1, 1, sem="relaxed")
     if p * BLOCK < T:
         _derive_rows(p * BLOCK + tl.arange(0, BLOCK), qsl_ptr, seq_ptr, slot_ptr, ring_index_ptr,
                      to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
-                     R, T, num_live, stray_end, r, C, BLOCK, SEARCH_STEPS, QSL)
+                     claims_ptr, arrive_ptr, R, T, num_live, stray_end, num_slots, epoch, r, C, BLOCK, SEARCH_STEPS,
+                     QSL, CLAIMS, ROW_BITS)
     tl.debug_barrier()  # this program's stores before its arrival
     if tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.store(arrive_ptr, 0)  # zero for the next step
+        if CLAIMS:
+            tl.store(claims_ptr + num_slots, epoch)  # every program has read it
         if tl.atomic_xchg(arrive_ptr + 1, 0, sem="relaxed") != 0:
+            if CLAIMS:
+                _flag_shared_slots(qsl_ptr, flags_ptr, to_req_ptr, kv_slot_ptr, claims_ptr, R, T, num_live,
+                                   num_slots, BLOCK, ROW_BITS, SHARED_SLOT)
+                tl.debug_barrier()  # the flags before they are applied
             _make_inert(qsl_ptr, flags_ptr, to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr,
                         guard_ptr, R, T, num_live, BLOCK)
     pdl_end(PDL)
@@ -225,9 +290,10 @@ class MetadataBuild:
     ring_slot int64, compressed_slot int64, kv_slot int64; request_flags int32 [>= R]
     scratch; arrive int32 [2] scratch, zero (the launch leaves it zero); guard int32 [1]
     (sticky). Geometry: compress_ratio r, ring_capacity C, page_size, num_slots and
-    num_ring_rows (the bounds of the guards). inputs_checked: the caller guarantees the five
-    input tensors' dtypes and device (a planner validated them), so a launch checks only
-    their alignment.
+    num_ring_rows (the bounds of the guards). slot_claims int64 [num_slots + 1], zero when
+    first used (then owned by the build): the shared-slot guard's table; None: no such guard.
+    inputs_checked: the caller guarantees the five input tensors' dtypes and device (a
+    planner validated them), so a launch checks only their alignment.
     """
 
     def __init__(
@@ -235,8 +301,12 @@ class MetadataBuild:
         ring_slot: torch.Tensor, compressed_slot: torch.Tensor, kv_slot: torch.Tensor,
         request_flags: torch.Tensor, arrive: torch.Tensor, guard: torch.Tensor,
         compress_ratio: int, ring_capacity: int, page_size: int, num_slots: int, num_ring_rows: int,
-        inputs_checked: bool = False,
+        slot_claims: torch.Tensor | None = None, inputs_checked: bool = False,
     ) -> None:
+        if slot_claims is not None and (slot_claims.dtype != torch.int64 or slot_claims.numel() != num_slots + 1):
+            raise ValueError(f"slot_claims must be int64 [num_slots + 1 = {num_slots + 1}], got "
+                             f"{slot_claims.dtype} {tuple(slot_claims.shape)}")
+        self.slot_claims = slot_claims
         self.outputs = (token_to_req, positions, visible_blocks, ring_slot, compressed_slot, kv_slot)
         self._checked = _BUILD_INPUTS if inputs_checked else ()
         self.request_flags, self.arrive, self.guard = request_flags, arrive, guard
@@ -268,12 +338,15 @@ class MetadataBuild:
         launch = _build.bind(
             (max(R, triton.cdiv(T, BLOCK_ROWS)),), qsl, seq, ring, slots, table, table.stride(0), table.stride(1),
             self.request_flags[: max(R, 1)], self.arrive, *(o[:T] for o in self.outputs), self.guard,
+            self.outputs[5] if self.slot_claims is None else self.slot_claims,  # any int64 pointer when unused
             R, T, table.shape[1], max_seq_len, max_query_len, live_bound, stray_end, self.num_slots // self.page_size,
             self.num_slots, self.num_ring_rows, self.page_size, num_decodes, decode_query_len, free=_BUILD_FREE,
             checked=self._checked,
             r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS,
             MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN, QSL=GUARD_QUERY_START_LOC, RING=GUARD_RING_INDEX,
             PAGE=GUARD_PAGE, SLOT=GUARD_SLOT, MAX_QUERY=GUARD_MAX_QUERY_LEN, DEC=GUARD_DECODE_ROWS,
+            SHARED_RING=GUARD_SHARED_RING, SHARED_SLOT=GUARD_SHARED_SLOT, CLAIMS=int(self.slot_claims is not None),
+            ROW_BITS=CLAIM_ROW_BITS,
         )
         if len(self._bound) >= _CACHE:
             self._bound.clear()
@@ -306,6 +379,7 @@ def qsa_build_metadata(
     guard: torch.Tensor,
     num_decodes: int = 0,
     decode_query_len: int = 1,
+    slot_claims: torch.Tensor | None = None,
 ) -> None:
     """Fill the derived per-row fields in place; same contract as the reference.
 
@@ -313,7 +387,9 @@ def qsa_build_metadata(
     ring_index int32 [R] (all contiguous), block_table int32 [>= R, P] (any strides).
     Outputs, contiguous [T]: token_to_req int32, positions int64, visible_blocks int32,
     ring_slot int64, compressed_slot int64, kv_slot int64; guard int32 [1] gets the GUARD_*
-    bits of the malformed requests (never cleared here); request_flags int32 [>= R] scratch.
+    bits of the malformed requests (never cleared here); request_flags int32 [>= R] gets each
+    request's bits; slot_claims int64 [num_slots + 1] (zero at first, then kept for the next
+    builds) turns the shared-slot guard on.
     Binds its launch (and allocates its arrival counter) on every call: a planner keeps a
     `MetadataBuild` instead.
     """
@@ -322,7 +398,7 @@ def qsa_build_metadata(
         compressed_slot=compressed_slot, kv_slot=kv_slot, request_flags=request_flags,
         arrive=torch.zeros(2, dtype=torch.int32, device=slot_mapping.device), guard=guard,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, page_size=page_size, num_slots=num_slots,
-        num_ring_rows=num_ring_rows,
+        num_ring_rows=num_ring_rows, slot_claims=slot_claims,
     )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len, max_query_len, num_live_rows,
       num_decodes, decode_query_len)
 

@@ -16,6 +16,17 @@ GUARD_MAX_QUERY_LEN = 64  # a request's query length > max_query_len (the step's
 # A decode request (one of the first num_decodes) with neither decode_query_len nor 0 rows, or
 # whose rows do not start at a multiple of decode_query_len (MTP score programs take whole requests).
 GUARD_DECODE_ROWS = 128
+GUARD_SHARED_SLOT = 256  # a live row's slot (>= 0) is also another live row's: K/V written twice
+GUARD_SHARED_RING = 512  # two requests with rows in the step have the same ring_index
+# A slot claim packs the step counter above the row (`slot_claims`): rows per step < 2**24.
+CLAIM_ROW_BITS = 24
+
+
+def _rows_to_requests(req: torch.Tensor, rows: torch.Tensor, num_reqs: int, bit: int) -> torch.Tensor:
+    """int64 [num_reqs]: `bit` for each request req[t] (int64 [T]) of a row t in rows (bool
+    [T]), else 0 (no host read)."""
+    hit = torch.zeros(num_reqs, dtype=torch.int64, device=req.device)
+    return hit.scatter_reduce_(0, req, rows.to(torch.int64), "amax") * bit
 
 
 def qsa_build_metadata(
@@ -43,6 +54,7 @@ def qsa_build_metadata(
     guard: torch.Tensor,
     num_decodes: int = 0,
     decode_query_len: int = 1,
+    slot_claims: torch.Tensor | None = None,
 ) -> None:
     """Fill the derived per-row fields in place (no host reads, no Python loop over rows).
 
@@ -59,9 +71,11 @@ def qsa_build_metadata(
     slot of its rows outside [-1, num_slots), a page among its first ceil(seq_len /
     page_size) outside [0, num_slots / page_size), one of the first num_decodes requests with
     neither decode_query_len nor 0 rows or whose rows do not start at a multiple of
-    decode_query_len) is made inert the same way, and the reason's GUARD_* bit is OR-ed into
-    guard int32 [1] (sticky; never cleared here).
-    request_flags int32 [>= R] is scratch.
+    decode_query_len, two requests with rows sharing a ring_index, a live row whose slot in
+    [0, num_slots) is another live row's) is made inert the same way, and the reason's GUARD_*
+    bit is OR-ed into guard int32 [1] (sticky; never cleared here).
+    request_flags int32 [>= R] gets each request's bits. slot_claims int64 [num_slots + 1]:
+    the Triton build's scratch for the shared-slot guard (unread here); None: no such guard.
     """
     T = slot_mapping.shape[0]
     R = seq_lens.shape[0]
@@ -103,12 +117,26 @@ def qsa_build_metadata(
     live = (rows < qsl[-1]) & (rows < live_bound)
     req = torch.where(live, req, 0).clamp_(max=R - 1)
     bad_slot = live & ((slot_mapping < -1) | (slot_mapping >= num_slots))
-    flags = flags.scatter_reduce(0, req[bad_slot], torch.full_like(req[bad_slot], GUARD_SLOT), "amax")
+    flags = flags | _rows_to_requests(req, bad_slot, R, GUARD_SLOT)
+    runs = ends > starts  # requests with rows (a CUDA-graph padding request has none and may share a ring row)
+    shared_ring = runs[:, None] & runs[None, :] & (ring[:, None] == ring[None, :])
+    flags = flags | torch.where(shared_ring.sum(1) > 1, GUARD_SHARED_RING, 0)
+    if slot_claims is not None:
+        # Rows writing one slot sit side by side once sorted by slot (others: distinct keys < 0).
+        writes = live & (slot_mapping >= 0) & (slot_mapping < num_slots)
+        key = torch.where(writes, slot_mapping, -1 - rows)
+        order = torch.argsort(key, stable=True)
+        same = key[order][1:] == key[order][:-1]
+        shared = torch.zeros(T, dtype=torch.bool, device=dev)
+        shared[1:] |= same
+        shared[:-1] |= same
+        shared = torch.zeros_like(shared).scatter_(0, order, shared)
+        flags = flags | _rows_to_requests(req, shared, R, GUARD_SHARED_SLOT)
     stray = (rows >= qsl[-1]) & (rows < num_live_rows)  # live rows no request owns
     bits = torch.where(live, flags[req], 0)
     bits_any = torch.zeros((), dtype=torch.int64, device=dev)
     for bit in (GUARD_MAX_SEQ_LEN, GUARD_SEQ_LEN, GUARD_QUERY_START_LOC, GUARD_SLOT, GUARD_RING_INDEX, GUARD_PAGE,
-                GUARD_MAX_QUERY_LEN, GUARD_DECODE_ROWS):
+                GUARD_MAX_QUERY_LEN, GUARD_DECODE_ROWS, GUARD_SHARED_SLOT, GUARD_SHARED_RING):
         bits_any = bits_any | torch.where(((bits & bit) != 0).any(), bit, 0)
     bits_any = bits_any | torch.where(stray.any(), GUARD_QUERY_START_LOC, 0)
     guard.copy_(guard | bits_any.to(guard.dtype).view(1))

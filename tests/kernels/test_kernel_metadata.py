@@ -162,6 +162,53 @@ def test_decode_rows_guard(qlens, num_decodes, dq, flagged):
     assert (positions[: len(req)][inert] == -1).all() and (positions[: len(req)][~inert] >= 0).all()
 
 
+SHARED_SLOT, SHARED_RING = 256, 512
+# (query lengths, the live rows' slots, ring_index, flagged requests, guard): one build each,
+# in order, on one claim table.
+SHARED_STEPS = [
+    ([2, 3, 1], [0, 1, 2, 3, 4, 5], [0, 1, 2], [], 0),
+    ([3, 2, 1], [0, 1, 2, 3, 4, 5], [1, 2, 0], [], 0),  # the same slots again, by other requests
+    ([2, 2, 2], [7, 8, 9, 7, 10, 11], [0, 1, 2], [0, 1], SHARED_SLOT),  # rows 0 and 3
+    ([2, 0, 2], [12, 13, 14, 15], [3, 3, 4], [], 0),  # a request without rows shares ring row 3
+    ([1, 1, 2], [20, -1, -1, 21], [5, 6, 5], [0, 2], SHARED_RING),  # -1 repeats freely
+    ([3, 1], [30, 31, 30, 40], [0, 1], [0], SHARED_SLOT),  # two rows of one request
+    ([2, 1, 1], [41, 42, 43, 41], [0, 0, 1], [0, 1, 2], SHARED_SLOT | SHARED_RING),
+    ([1, 1], [50, 51], [0, 1], [], 0),  # two padding rows carry slot 50 too: never claimed
+]
+
+
+@interp
+def test_shared_slot_and_ring_guards_over_steps():
+    """Live rows sharing a write slot and requests with rows sharing a ring row make every
+    request concerned inert and trip their bit, kernel as reference (request flags included).
+    The kernel's claim table persists between builds: a slot written again in a later step,
+    by any request, is not shared."""
+    num_slots, pad = 64, 2
+    claims = torch.zeros(num_slots + 1, dtype=torch.int64)
+    for qlens, live_slots, rings, flagged, bits in SHARED_STEPS:
+        R = len(qlens)
+        qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
+        seq = torch.tensor([q + 8 for q in qlens], dtype=torch.int32)
+        slots = torch.tensor(live_slots + [50] * pad, dtype=torch.int64)
+        ring = torch.tensor(rings, dtype=torch.int32)
+        T = slots.shape[0]
+        outs = {}
+        for name, fn, table in (("kernel", qsa_build_metadata, claims), ("reference", reference_build, claims[:1])):
+            bufs = [torch.full((T,), 7, dtype=dt) for dt in (torch.int32, torch.int64, torch.int32, torch.int64,
+                                                             torch.int64, torch.int64)]
+            extra = dict(guard_args(qsl, seq, slots), num_slots=num_slots, slot_claims=table)
+            extra["num_live_rows"] = T - pad
+            guard = build(fn, qsl, seq, slots, ring, 4, 8, bufs, **extra)
+            outs[name] = bufs + [guard, extra["request_flags"][:R].clone()]
+        assert_same(outs["kernel"][:7], outs["reference"][:7])
+        assert torch.equal(outs["kernel"][7], outs["reference"][7]), (outs["kernel"][7], outs["reference"][7])
+        guard, positions, flags = outs["kernel"][6], outs["kernel"][1], outs["kernel"][7]
+        assert guard.item() == bits, qlens
+        assert [i for i in range(R) if flags[i] != 0] == flagged
+        inert = torch.isin(torch.repeat_interleave(torch.tensor(qlens)), torch.tensor(flagged, dtype=torch.long))
+        assert (positions[: T - pad][inert] == -1).all() and (positions[: T - pad][~inert] >= 0).all()
+
+
 @interp
 def test_planner_persistent_buffers(monkeypatch):
     """The planner path (ops dispatch to Triton) fills its persistent buffers in place."""
@@ -284,10 +331,12 @@ from sm90 import compile_sm90
 from qsa_core.reference import metadata as g
 consts = dict(r=4, C=8, BLOCK=m.BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=m.BLOCK_PAGES, BLOCK_S=m.BLOCK_SLOTS,
               MAX_SEQ=g.GUARD_MAX_SEQ_LEN, SEQ=g.GUARD_SEQ_LEN, QSL=g.GUARD_QUERY_START_LOC, RING=g.GUARD_RING_INDEX,
-              PAGE=g.GUARD_PAGE, SLOT=g.GUARD_SLOT, MAX_QUERY=g.GUARD_MAX_QUERY_LEN, DEC=g.GUARD_DECODE_ROWS, PDL=2)
-i64 = ("slot_ptr", "pos_ptr", "ring_slot_ptr", "comp_slot_ptr", "kv_slot_ptr")
-k = compile_sm90(m._metadata_kernel, consts, dict.fromkeys(i64, "*i64"), launch_pdl=True)
-print(k.asm["ptx"].count("atom.global"))
+              PAGE=g.GUARD_PAGE, SLOT=g.GUARD_SLOT, MAX_QUERY=g.GUARD_MAX_QUERY_LEN, DEC=g.GUARD_DECODE_ROWS,
+              SHARED_RING=g.GUARD_SHARED_RING, SHARED_SLOT=g.GUARD_SHARED_SLOT, ROW_BITS=g.CLAIM_ROW_BITS, PDL=2)
+i64 = ("slot_ptr", "pos_ptr", "ring_slot_ptr", "comp_slot_ptr", "kv_slot_ptr", "claims_ptr")
+for claims in (0, 1):  # without and with the shared-slot claim table
+    k = compile_sm90(m._metadata_kernel, dict(consts, CLAIMS=claims), dict.fromkeys(i64, "*i64"), launch_pdl=True)
+    print(k.asm["ptx"].count("atom.global"))
 """
 
 
@@ -298,4 +347,5 @@ def test_metadata_kernel_compiles_for_sm90():
 
     run = run_script(SM90_COMPILE, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert int(run.stdout.split()[-1]) > 0  # the arrival counter and the guard's atomics
+    plain, claims = (int(n) for n in run.stdout.split()[-2:])
+    assert 0 < plain < claims  # the arrival counter and the guard's atomics; then the slot claims

@@ -138,3 +138,23 @@ def test_mrope_continuation_may_not_run_past_its_group():
     crossing = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["b"], extend_prefix_lens_cpu=[5], extend_seq_lens_cpu=[4])
     with pytest.raises(ValueError, match="must end by the group's end"):
         guard.check(crossing)
+
+
+def test_a_request_the_device_guards_flag_is_logged_at_the_next_step(env, monkeypatch):
+    """The backend's GuardWatch (no value checks: a GPU's default path, on the reference build's
+    flag): a batch whose two requests write one slot is made inert and flagged; the next
+    step's metadata logs both by rid, and the reason."""
+    monkeypatch.setattr(env.backend.planner, "_read_values", False)
+    logged = []
+    monkeypatch.setattr(env.backend.guard_watch, "log", logged.append)
+    env.admit("a")
+    env.admit("b")
+    fb = env.extend({"a": 3, "b": 5})
+    fb.out_cache_loc = fb.out_cache_loc.clone()
+    fb.out_cache_loc[3] = fb.out_cache_loc[0]  # b's first row writes a's first slot
+    meta = meta_of(env, fb)
+    assert (meta.positions == -1).all() and logged == []  # inert; the flags are read a step later
+    meta_of(env, env.decode(["a", "b"]))
+    (report,) = logged
+    assert "slot_mapping entry (>= 0) of a live row was another live row's too" in report
+    assert "request 'a'" in report and "request 'b'" in report

@@ -352,3 +352,32 @@ def test_each_new_mapper_is_warmed_on_its_geometry_caches(stack, monkeypatch):
         for rid in stack.runner.request_ids:
             stack.runner.free(rid)
         stack.bind()
+
+
+def test_a_request_the_device_guards_flag_is_logged_a_step_later(stack, monkeypatch):
+    """The builders' GuardWatch (no value checks: a GPU's default path, on the reference build's
+    flag): a step whose requests 0 and 1 share a ring block is made inert and flagged; the
+    next step's build logs both, by batch index, and the reason."""
+    from qsa_adapters.vllm.backend import QSAStepPairing
+
+    g = torch.Generator().manual_seed(11)
+    hid = stack.hf.hidden_size
+    scratch = Runner(stack.runner.layers, page_size=PAGE, num_pages=NUM_PAGES, max_requests=4)  # metadata only
+    scratch.step({"x": torch.randn(3, hid, generator=g), "y": torch.randn(5, hid, generator=g)})
+    common, ring = common_metadata(scratch.last_metadata, block_offset=1, ring_offset=RING_BLOCKS)
+    stack.attn_metadata(common, ring)  # the mappers exist from here
+    pairing = QSAStepPairing.of(stack.vllm_config, torch.device("cpu"))
+    for mapper in pairing.mappers.values():
+        monkeypatch.setattr(mapper.planner, "_read_values", False)
+    logged = []
+    monkeypatch.setattr(pairing.guard_watch, "log", logged.append)
+    pairing.guard_watch.poll(next(iter(pairing.mappers.values())).planner, 0)  # what earlier tests left
+    logged.clear()
+    shared = ring.clone()
+    shared[1, 0] = shared[0, 0]
+    stack.attn_metadata(common.replace(query_start_loc=common.query_start_loc.clone()), shared)
+    assert logged == []  # copied after the plan, read at the next build
+    stack.attn_metadata(common.replace(query_start_loc=common.query_start_loc.clone()), ring)
+    (report,) = logged
+    assert "ring_index entry was another request's with rows too" in report
+    assert "request '#0 of step" in report and "request '#1 of step" in report

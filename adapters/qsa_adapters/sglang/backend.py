@@ -11,7 +11,8 @@ expansion) and `qsa_attention` (sparse attention, gate) over views of SGLang's
 Metadata: `init_forward_metadata` maps the batch eagerly (`batch_map`) and plans the step
 (`QSAPlanner.plan`); CUDA graphs use the static buffers of `cuda_graph.GraphInputs` and a
 planner sized for the graphs, refreshed in place by `init_forward_metadata_out_graph`
-(decode and target-verify graphs).
+(decode and target-verify graphs). After each plan a `GuardWatch` copies the device guards'
+flags without a sync and logs, a step or more later, each request they made inert and why.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from qsa_core import QSAConfig, QSANormWeights, QSAPlan, QSAPlanner, qsa_attention, qsa_indexer
+from qsa_core.guard import GuardWatch
 from qsa_core.warmup import start_up_warm
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -98,6 +100,7 @@ class QSACoreBackend(AttentionBackend):
         self.plan: QSAPlan | None = None
         self.ring_guard = RingContinuity(r, capacity=4 * pool.qsa_num_request_slots, mrope=self.mrope)
         self.graph: GraphInputs | None = None
+        self.guard_watch = GuardWatch()  # logs requests the device guards made inert, a step late
         self.forward_metadata = None
         self._checked_layers: set[int] = set()
         logger.info(
@@ -140,6 +143,7 @@ class QSACoreBackend(AttentionBackend):
         if step.num_tokens > self.planner.max_num_tokens:
             self.planner = self._planner(max(step.num_tokens, 2 * self.planner.max_num_tokens))
         self._set_plan(self.planner.plan(step))
+        self.guard_watch.poll(self.planner, step.num_reqs, getattr(forward_batch, "rids", None))
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         self.graph = GraphInputs(
@@ -176,6 +180,8 @@ class QSACoreBackend(AttentionBackend):
             step, mode=mode, num_padding_reqs=int(getattr(forward_batch, "num_padding", 0) or 0),
             in_capture=in_capture,
         ))
+        if not in_capture:
+            self.guard_watch.poll(self.graph.planner, step.num_reqs, getattr(forward_batch, "rids", None))
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1

@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, CircularBufferSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from qsa_core import QSAConfig, QSAPlan
+from qsa_core.guard import GuardWatch
 from qsa_core.warmup import start_up_warm
 
 from .metadata import PagedGeometry, QSAMetadataMapper
@@ -91,6 +92,8 @@ class QSAStepPairing:
         self._layers: list | None = None  # the engine's QSA layers, found at the first step
         self._key_caches: tuple | None = None  # `_bound_key` of the caches the geometries were derived from
         self._key: torch.Tensor | None = None
+        # Logs the requests the device guards made inert (by batch index), a step or more late.
+        self.guard_watch = GuardWatch()
 
     @classmethod
     def of(cls, vllm_config: VllmConfig, device: torch.device) -> "QSAStepPairing":
@@ -163,6 +166,7 @@ class QSAStepPairing:
                 step.records[geometry] = self.mappers[geometry].map(
                     step.main, step.ring_block_table, decode_threshold=self.decode_threshold
                 )
+                self.guard_watch.poll(self.mappers[geometry].planner, step.main.num_reqs)
         return step
 
 
