@@ -32,11 +32,16 @@ BACKENDS = ("reference", "triton")
 
 
 def resolve_backend(device: torch.device, name: str | None = None) -> str:
-    """The backend for tensors on `device`: `name`, else `QSA_BACKEND`, else triton on CUDA."""
+    """The backend for tensors on `device`: `name`, else `QSA_BACKEND`, else triton on CUDA.
+    Triton on CPU tensors needs the interpreter (TRITON_INTERPRET=1): a compiled kernel would
+    read CPU addresses on the GPU."""
     choice = name or os.environ.get("QSA_BACKEND", "")
     if choice:
         if choice not in BACKENDS:
             raise ValueError(f"QSA_BACKEND must be one of {BACKENDS}, got {choice!r}")
+        if choice == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError("the triton backend on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter); "
+                             "use the reference backend on the CPU or put the tensors on a GPU")
         return choice
     return "triton" if device.type == "cuda" else "reference"
 

@@ -169,7 +169,7 @@ def test_decode_requests_of_other_row_counts_are_inert(backend):
     bad = dict(num_decodes=2, decode_query_len=4)
     with pytest.raises(ValueError, match=r"decode request 1 has 6 rows: the first num_decodes = 2 requests must each "
                                          r"have decode_query_len = 4 rows"):
-        planner("cpu").plan(step("cpu", **bad))
+        planner("cpu", backend="reference").plan(step("cpu", **bad))
     want, _, _, _ = run_step(step(num_decodes=1, decode_query_len=4), planner(value_checks=False))
     p = planner(value_checks=False)
     out, _, _, plan = run_step(step(**bad), p)
@@ -308,7 +308,7 @@ def test_a_request_without_rows_may_share_a_ring_row(backend):
                   block_table=torch.tensor([[4, -1], [-1, -1], [2, -1]], dtype=I32),
                   ring_index=torch.tensor([0, 0, 2], dtype=I32))
     want, _, _, _ = run_step(step(), planner(value_checks=False))
-    planner("cpu").plan(step("cpu", **padded))
+    planner("cpu", backend="reference").plan(step("cpu", **padded))  # the value checks
     p = planner(value_checks=False)
     out, _, _, _ = run_step(step(**padded), p)
     assert torch.equal(out, want)
@@ -321,8 +321,19 @@ def test_requests_sharing_a_prefix_page_they_only_read_run(backend):
     shared_prefix = dict(seq_lens=torch.tensor([12, 14], dtype=I32), block_table=torch.tensor([[4, 5], [4, 2]], dtype=I32),
                          slot_mapping=torch.tensor([5 * PAGE + i for i in range(4)] + B_SLOTS + [-1, -1], dtype=I64),
                          max_seq_len=14)
-    planner("cpu").plan(step("cpu", **shared_prefix))
+    planner("cpu", backend="reference").plan(step("cpu", **shared_prefix))  # the value checks
     p = planner(value_checks=False)
     out, _, _, plan = run_step(step(**shared_prefix), p)
     assert (plan.meta.positions[:10] >= 8).all() and (out[:10] != 0).any(1).all()
     p.check_guard()  # nothing flagged
+
+
+def test_the_triton_backend_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    """A compiled Triton kernel given CPU tensors reads host addresses on the GPU (an illegal
+    memory access that poisons the CUDA context): refused by name when the planner is built."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="the triton backend on CPU tensors needs TRITON_INTERPRET=1"):
+        planner("cpu", backend="triton")
+    monkeypatch.setenv("QSA_BACKEND", "triton")
+    with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
+        planner("cpu")
