@@ -87,3 +87,46 @@ def write_checkpoint(folder: str | os.PathLike, config: Qwen4ExpTextConfig, seed
     randomize(model, seed)
     model.save_pretrained(folder)
     return model
+
+
+@torch.no_grad()
+def add_mtp_layer(folder: str | os.PathLike, model: Qwen4ExpForCausalLM, seed: int) -> None:
+    """Add one MTP layer (`mtp.*`, the released checkpoint's names, which transformers ignores)
+    to the checkpoint in `folder` and declare it in config.json (`mtp_num_hidden_layers` 1,
+    `index_share_for_mtp_iteration`: later draft steps reuse step 0's QSA selection).
+
+    A drafter that is right some of the time, so that a test sees drafts both accepted and
+    rejected: the MTP passes the target's last hidden stream on nearly unchanged (fc_hidden the
+    identity, no embedding branch, the layer's writes into the stream scaled by 1e-2, the
+    target's final mixer), so it proposes the token just generated again. Its QSA layer is an
+    indexed_attention decoder layer with weights as `randomize` makes them.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    H, hc, Di = config.hidden_size, config.hc_count, config.indexer_head_dim
+    qsa = max(i for i, t in enumerate(config.layer_types) if t == "indexed_attention")
+    weights = {}
+    for name, p in model.model.layers[qsa].named_parameters():
+        w = torch.randn(p.shape, generator=g)
+        w = w * p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.3 * w
+        if name.startswith("self_attn.o_proj") or "down_proj" in name:
+            w = 1e-2 * w
+        weights[f"mtp.layers.0.{name}"] = w
+    w = weights["mtp.layers.0.self_attn.indexer.index_qk_proj.weight"]
+    w[:-Di] = 0.5 * w[:-Di] + w[-Di:].repeat(config.indexer_n_heads, 1)
+    weights |= {f"mtp.hyper_connection_mixer.{name}": p.detach().clone()
+                for name, p in model.model.hyper_connection_mixer.named_parameters()}
+    weights |= {"mtp.fc_embedding.weight": torch.zeros(H, H), "mtp.fc_hidden.weight": torch.eye(H),
+                "mtp.pre_fc_norm_embedding.weight": torch.zeros(H), "mtp.pre_fc_norm_hidden.weight": torch.zeros(H * hc)}
+    path = os.path.join(folder, "model.safetensors")
+    save_file({**load_file(path), **weights}, path, metadata={"format": "pt"})
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        saved = json.load(f)
+    saved.update(mtp_num_hidden_layers=1, index_share_for_mtp_iteration=True)
+    with open(config_path, "w") as f:
+        json.dump(saved, f, indent=2)

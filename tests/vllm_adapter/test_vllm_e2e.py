@@ -7,6 +7,7 @@ beside prefills, finished requests' blocks and rings reused by waiting ones.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 import torch
 from hf_reference import greedy, selection_gaps
 from ports import free_port
-from qwen4_checkpoint import VOCAB, tiny_config
+from qwen4_checkpoint import VOCAB, add_mtp_layer, tiny_config
 
 from transformers import Qwen4ExpForCausalLM
 
@@ -105,10 +106,48 @@ def test_tensor_parallel_2_greedy_tokens_equal_tp1_and_transformers(tmp_path, fu
     for rank in ranks:  # per layer: query heads, KV heads, main K/V [blocks, Hkv, page, 2D]
         assert [(q, kv, shape[1]) for q, kv, shape in rank["heads"]] == [(2, 1, 1)] * 2
     sel0, sel1 = ranks[0]["selections"], ranks[1]["selections"]
-    assert sel0 == sel1  # [layer, rows, sha256 of the selection rows, rows past the budget] per call
+    assert sel0 == sel1  # [layer, rows, skip_topk, sha256 of the selection rows, rows past the budget] per call
     assert {prefix for prefix, *_ in sel0} == {f"model.layers.{i}.self_attn.indexer" for i in (0, 1)}
     assert sum(rows for _, rows, *_ in sel0) == 2 * (sum(LENGTHS) + sum(MAX_TOKENS) - len(PROMPTS))
     assert sum(past for *_, past in sel0) > 300
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory, full_checkpoint):
+    """The full checkpoint (same target weights) with one MTP layer, `mtp.*` (`add_mtp_layer`)."""
+    folder, model = full_checkpoint
+    mtp = tmp_path_factory.mktemp("qwen4_mtp") / "checkpoint"
+    shutil.copytree(folder, mtp)
+    add_mtp_layer(mtp, model, seed=3)
+    return str(mtp)
+
+
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_mtp_speculative_greedy_equals_plain_and_transformers(tmp_path, mtp_checkpoint, hf_greedy, fp32_run, num_spec):
+    """MTP speculative decoding (`--speculative-config '{"method": "mtp", ...}'`) on vLLM's V1
+    runner: the target verifies 1 + num_spec rows per request, rejected draft rows land in the
+    rings (capacity 8 here) and must not disturb committed keys; the MTP layer's QSA selects on
+    draft step 0 and later steps reuse it (`index_share_for_mtp_iteration`, skip_topk) while its
+    caches still update. Greedy tokens must equal the run without speculation and HF's."""
+    mtp_layer = "mtp.layers.2.self_attn.indexer"
+    result = run_vllm(tmp_path, f"mtp{num_spec}", {
+        "llm": dict(model=mtp_checkpoint, dtype="float32", enable_prefix_caching=False,
+                    speculative_config={"method": "mtp", "num_speculative_tokens": num_spec}, **ENGINE),
+        "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "rank_selections": True, "spec_metrics": True})
+    assert result["tokens"] == fp32_run[0] == hf_greedy[0]
+    spec = result["spec_decode"]
+    print(f"\nMTP {num_spec}: {spec}, acceptance {spec['num_accepted_tokens'] / spec['num_draft_tokens']:.2f}")
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == num_spec * spec["num_drafts"]
+    # some drafts accepted (a step commits several tokens), some rejected (rows left in the rings)
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+    (rank,) = result["ranks"]
+    calls = [(prefix, skip, past) for prefix, _, skip, _, past in rank["selections"]]
+    assert {prefix for prefix, *_ in calls} == {f"model.layers.{i}.self_attn.indexer" for i in (0, 1)} | {mtp_layer}
+    draft = [skip for prefix, skip, _ in calls if prefix == mtp_layer]
+    assert not any(skip for prefix, skip, _ in calls if prefix != mtp_layer)
+    # per proposal: step 0 selects, steps 1 .. num_spec - 1 reuse its selection
+    assert draft.count(True) == (num_spec - 1) * draft.count(False) and draft.count(False) > 0
+    assert sum(past for prefix, skip, past in calls if prefix == mtp_layer and not skip) > 50  # it selects
 
 
 def test_prefix_caching_without_linear_layers_is_refused(tmp_path, full_checkpoint):

@@ -2,7 +2,8 @@
 
 python vllm_generate.py REQUEST_JSON OUT_JSON
 REQUEST_JSON: {"llm": {LLM keyword arguments}, "prompts": [[ids]], "max_tokens": [n per prompt],
-"prompt_logprobs": bool, "logprobs": k, "record_steps": path, "rank_selections": bool}.
+"prompt_logprobs": bool, "logprobs": k, "record_steps": path, "rank_selections": bool,
+"spec_metrics": bool}.
 OUT_JSON: {"tokens": [[ids]], "cached_tokens": [prompt tokens served from the prefix cache],
 "prompt_logprobs": [[log-prob of each prompt token after the first]] (when asked),
 "logprobs": [[{token: log-prob} of the k most likely tokens at each generated position]] (with k)}.
@@ -11,7 +12,8 @@ group's `CommonAttentionMetadata` fields, the ring group's block table) and the 
 core record (the plan's metadata) are saved there (torch.save, a list of dicts).
 With "rank_selections" every worker (one per tensor-parallel rank) records a digest of each
 selection its QSA indexers make; OUT_JSON then has "ranks": per worker, its "selections"
-([layer prefix, rows, sha256 of the int32 rows, rows past the budget] per call, in order) and
+([layer prefix, rows, skip_topk (an MTP step reusing step 0's selection), sha256 of the int32
+rows, rows past the budget] per call, in order) and
 its QSA layers' "heads" ([query heads, KV heads, main K/V cache shape] per layer).
 """
 
@@ -34,6 +36,8 @@ def main() -> None:
         record_steps(steps)
     if request.get("rank_selections"):  # the probes are functions sent to the workers (cloudpickle)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if request.get("spec_metrics"):
+        request["llm"]["disable_log_stats"] = False
     llm = LLM(skip_tokenizer_init=True, enforce_eager=True, **request["llm"])
     if request.get("rank_selections"):
         llm.collective_rpc(install_selection_probe, timeout=60)
@@ -56,6 +60,10 @@ def main() -> None:
                               for o in outputs]
     if request.get("rank_selections"):
         result["ranks"] = llm.collective_rpc(selection_records, timeout=60)
+    if request.get("spec_metrics"):  # speculative decoding's counters: drafts, draft tokens, accepted
+        names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        result["spec_decode"] = {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
+                                 if m.name.removeprefix("vllm:spec_decode_") in names}
     with open(out_path, "w") as f:
         json.dump(result, f)
     if request.get("record_steps"):
@@ -77,7 +85,8 @@ def install_selection_probe(worker) -> None:
         if indexed is not None:  # a step with metadata (not a profiling run)
             rows = selection.cpu().contiguous()
             digest = hashlib.sha256(rows.numpy().tobytes()).hexdigest()
-            records.append([self.prefix, rows.shape[0], digest, int((rows[:, -1] > self.qsa_config.token_topk).sum())])
+            past = int((rows[:, -1] > self.qsa_config.token_topk).sum())
+            records.append([self.prefix, rows.shape[0], self.skip_topk, digest, past])
         return selection, indexed
 
     QSAIndexer.forward = probe
