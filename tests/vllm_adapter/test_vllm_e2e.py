@@ -150,6 +150,63 @@ def test_mtp_speculative_greedy_equals_plain_and_transformers(tmp_path, mtp_chec
     assert sum(past for prefix, skip, past in calls if prefix == mtp_layer and not skip) > 50  # it selects
 
 
+# The production budget: 2048 tokens (512 groups of 4). One 2104-token prompt (526 complete
+# groups: its last 56 rows and every decode select 512 of them); 3 new tokens close no group.
+# The prompt's seed is one whose HF selections all have a top-k boundary gap above MIN_GAP
+# (checked below: near-ties are common among 526 groups).
+LONG_PROMPT = make_prompts(11, [2104])
+LONG_MAX_TOKENS = [3]
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    """(folder, fp32 HF model): the full model at budget 2048 (4096 positions), with an MTP layer."""
+    folder = tmp_path_factory.mktemp("qwen4_budget2048")
+    model = write_checkpoint(folder, tiny_config(indexer_budget=2048, max_position_embeddings=4096), seed=0)
+    add_mtp_layer(folder, model, seed=3)
+    return str(folder), model
+
+
+@pytest.fixture(scope="module")
+def long_hf_greedy(long_checkpoint):
+    _, model = long_checkpoint
+    with selection_gaps() as gaps:
+        tokens = greedy(model, LONG_PROMPT, LONG_MAX_TOKENS)
+    # every row with more than 512 complete groups (positions 2051 .. 2105), both layers
+    rows = sum(1 for p in range(len(LONG_PROMPT[0]) + LONG_MAX_TOKENS[0] - 1) if (p + 1) // 4 > 512)
+    assert len(gaps) == 2 * rows == 110
+    assert min(gaps) > MIN_GAP, sorted(gaps)[:5]
+    return tokens
+
+
+@pytest.mark.parametrize("num_spec", [0, 3], ids=["plain", "mtp3"])
+def test_production_budget_greedy_equals_transformers(tmp_path, long_checkpoint, long_hf_greedy, num_spec):
+    """Budget 2048 (r 4): chunked 512-token prefills, decodes selecting 512 of 526 groups, with
+    and without 3 MTP tokens; greedy tokens equal HF's."""
+    folder, _ = long_checkpoint
+    llm = dict(ENGINE, model=folder, dtype="float32", enable_prefix_caching=False, max_model_len=2200,
+               max_num_seqs=1, max_num_batched_tokens=512)
+    if num_spec:
+        llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": num_spec}
+    result = run_vllm(tmp_path, "long", {"llm": llm, "prompts": LONG_PROMPT, "max_tokens": LONG_MAX_TOKENS,
+                                         "rank_selections": True})
+    assert result["tokens"] == long_hf_greedy
+    (rank,) = result["ranks"]
+    past = {}
+    for prefix, _, _, _, rows_past in rank["selections"]:
+        past[prefix] = past.get(prefix, 0) + rows_past
+    # rows holding more than the budget: 512 groups and a non-empty tail (2048 + tail entries)
+    def over_budget(positions: range) -> int:
+        return sum(1 for p in positions if (p + 1) // 4 >= 512 and (p + 1) % 4)
+
+    n = len(LONG_PROMPT[0])
+    for i in (0, 1):  # exactly the prompt's and decodes' rows; with MTP also verified draft rows
+        got = past[f"model.layers.{i}.self_attn.indexer"]
+        assert got == over_budget(range(n + LONG_MAX_TOKENS[0] - 1)) == 44 if not num_spec else got >= 44
+    if num_spec:  # the MTP layer's step 0 runs on the target's rows: the prompt's at least
+        assert past["mtp.layers.2.self_attn.indexer"] >= over_budget(range(n)) == 42
+
+
 def test_prefix_caching_without_linear_layers_is_refused(tmp_path, full_checkpoint):
     folder, _ = full_checkpoint
     request = {"llm": dict(model=folder, dtype="float32", enable_prefix_caching=True, **ENGINE),
