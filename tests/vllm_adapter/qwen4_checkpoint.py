@@ -125,11 +125,12 @@ def add_mtp_layer(folder: str | os.PathLike, model: Qwen4ExpForCausalLM, seed: i
     from safetensors.torch import load_file, save_file
 
     g = torch.Generator().manual_seed(seed)
-    config = model.config
+    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    config = getattr(model.config, "text_config", model.config)
     H, hc, Di = config.hidden_size, config.hc_count, config.indexer_head_dim
     qsa = max(i for i, t in enumerate(config.layer_types) if t == "indexed_attention")
     weights = {}
-    for name, p in model.model.layers[qsa].named_parameters():
+    for name, p in text.layers[qsa].named_parameters():
         w = torch.randn(p.shape, generator=g)
         w = w * p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.3 * w
         if name.startswith("self_attn.o_proj") or "down_proj" in name:
@@ -138,7 +139,7 @@ def add_mtp_layer(folder: str | os.PathLike, model: Qwen4ExpForCausalLM, seed: i
     w = weights["mtp.layers.0.self_attn.indexer.index_qk_proj.weight"]
     w[:-Di] = 0.5 * w[:-Di] + w[-Di:].repeat(config.indexer_n_heads, 1)
     weights |= {f"mtp.hyper_connection_mixer.{name}": p.detach().clone()
-                for name, p in model.model.hyper_connection_mixer.named_parameters()}
+                for name, p in text.hyper_connection_mixer.named_parameters()}
     weights |= {"mtp.fc_embedding.weight": torch.zeros(H, H), "mtp.fc_hidden.weight": torch.eye(H),
                 "mtp.pre_fc_norm_embedding.weight": torch.zeros(H), "mtp.pre_fc_norm_hidden.weight": torch.zeros(H * hc)}
     path = os.path.join(folder, "model.safetensors")
@@ -146,6 +147,7 @@ def add_mtp_layer(folder: str | os.PathLike, model: Qwen4ExpForCausalLM, seed: i
     config_path = os.path.join(folder, "config.json")
     with open(config_path) as f:
         saved = json.load(f)
-    saved.update(mtp_num_hidden_layers=1, index_share_for_mtp_iteration=True)
+    (saved["text_config"] if "text_config" in saved else saved).update(
+        mtp_num_hidden_layers=1, index_share_for_mtp_iteration=True)
     with open(config_path, "w") as f:
         json.dump(saved, f, indent=2)

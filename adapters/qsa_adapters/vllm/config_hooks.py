@@ -52,6 +52,25 @@ def refuse_unserved_settings(vllm_config: Any) -> None:
         )
 
 
+def text_only_draft_without_mrope(vllm_config: Any) -> None:
+    """An MTP draft of a text-only target drops MRoPE as its target did.
+
+    vLLM keeps MRoPE in the draft's config whenever the checkpoint has a vision tower, also
+    when the target serves text only (`--language-model-only`); the draft then gets the
+    target's 1-D positions, with which MRoPE is plain RoPE. Dropping the fields says so, and
+    keeps the draft's QSA layer on the 1-D path the target uses."""
+    spec = vllm_config.speculative_config
+    target = getattr(spec, "target_model_config", None)
+    if target is None or (getattr(target.hf_text_config, "rope_parameters", None) or {}).get("mrope_section"):
+        return
+    model = vllm_config.model_config
+    for config in {id(c): c for c in (model.hf_config, model.hf_text_config)}.values():
+        rope = getattr(config, "rope_parameters", None)
+        if rope:
+            rope.pop("mrope_section", None)
+            rope.pop("mrope_interleaved", None)
+
+
 def install() -> None:
     """Wrap vLLM's config hooks of the three Qwen4-Exp architectures (idempotent)."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
@@ -61,8 +80,10 @@ def install() -> None:
         if getattr(upstream, "qsa_core_checks", False):
             continue
 
-        def verify_and_update_config(vllm_config: Any, _upstream=upstream) -> None:
+        def verify_and_update_config(vllm_config: Any, _upstream=upstream, _draft=arch == "Qwen4ExpMTP") -> None:
             _upstream.verify_and_update_config(vllm_config)
+            if _draft:
+                text_only_draft_without_mrope(vllm_config)
             refuse_prefix_caching_without_linear_layers(vllm_config)
             refuse_unserved_settings(vllm_config)
 

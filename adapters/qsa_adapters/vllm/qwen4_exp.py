@@ -45,6 +45,7 @@ from .backend import BACKEND_NAME, QSACoreBackend
 from .cache import QSASideCache, main_kv_spec, mtp_ring_prefixes, ring_spec
 from .hc_ops import register_torch_hc_ops
 from .indexer import QSAIndexer, qsa_config_for
+from .spec_decode import name_image_token_for_proposer
 
 # Upstream's HyperConnection ops are Triton bodies registered for the platform's dispatch
 # key; on a platform without Triton (the CPU) they get PyTorch bodies.
@@ -256,6 +257,8 @@ class Qwen4ExpForConditionalGeneration(upstream_model.Qwen4ExpForConditionalGene
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         hyperconnections_in_model_dtype(self, vllm_config)
         self.qsa_draft_rings = register_draft_rings(vllm_config)
+        if vllm_config.speculative_config is not None:
+            name_image_token_for_proposer(self.config)
 
 
 class Qwen4ExpMTP(upstream_mtp.Qwen4ExpMTP):

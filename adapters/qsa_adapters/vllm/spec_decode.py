@@ -7,7 +7,8 @@ draft step). Model Runner V2 serves that; vLLM 0.32's V1 proposer (`SpecDecodeBa
 knows neither for this architecture: it sizes its hidden-state buffer [max_tokens, hidden]
 (widened by `hc_mult` for DeepSeek V4 drafts only) and expects a tuple from a fixed list of
 MTP architectures. `install` gives the V1 proposer both for Qwen4-Exp MTP drafts (vLLM sets
-`hc_mult` = hc_count in their config); nothing else of the proposer changes.
+`hc_mult` = hc_count in their config); nothing else of the proposer changes. Beside a
+multimodal target it also reads `image_token_index` (`name_image_token_for_proposer`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ def install() -> None:
     wrapped_init.qsa_core_mtp = True
     SpecDecodeBaseProposer.__init__ = wrapped_init
     SpecDecodeBaseProposer.model_returns_tuple = wrapped_returns_tuple
+
+
+def name_image_token_for_proposer(hf_config) -> None:
+    """vLLM's V1 proposer, loading a draft beside a multimodal target, copies the target config's
+    `image_token_index` into the draft's (a fixed list of architectures aside); Qwen4-Exp's
+    config names it `image_token_id`. Give the target's config the name the proposer reads."""
+    if getattr(hf_config, "image_token_id", None) is not None and not hasattr(hf_config, "image_token_index"):
+        hf_config.image_token_index = hf_config.image_token_id
 
 
 def is_qwen4_exp_mtp(proposer) -> bool:
