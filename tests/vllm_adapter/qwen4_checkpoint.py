@@ -141,7 +141,8 @@ def add_mtp_layer(folder: str | os.PathLike, model: Qwen4ExpForCausalLM, seed: i
     weights |= {f"mtp.hyper_connection_mixer.{name}": p.detach().clone()
                 for name, p in text.hyper_connection_mixer.named_parameters()}
     weights |= {"mtp.fc_embedding.weight": torch.zeros(H, H), "mtp.fc_hidden.weight": torch.eye(H),
-                "mtp.pre_fc_norm_embedding.weight": torch.zeros(H), "mtp.pre_fc_norm_hidden.weight": torch.zeros(H * hc)}
+                "mtp.pre_fc_norm_embedding.weight": torch.zeros(H),
+                "mtp.pre_fc_norm_hidden.weight": torch.zeros(H * hc)}
     path = os.path.join(folder, "model.safetensors")
     save_file({**load_file(path), **weights}, path, metadata={"format": "pt"})
     config_path = os.path.join(folder, "config.json")

@@ -367,7 +367,9 @@ def test_mini_flash_next_text_only_with_and_without_mtp3_as_transformers(tmp_pat
     del engine["block_size"]  # vLLM sizes it for the GDN state
     tokens = {}
     for num_spec in (0, 3):
-        llm = dict(engine, speculative_config={"method": "mtp", "num_speculative_tokens": num_spec}) if num_spec else engine
+        llm = dict(engine)
+        if num_spec:
+            llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": num_spec}
         result = run_vllm(tmp_path_factory.mktemp(f"mini{num_spec}"), "mini", {
             "llm": llm, "prompts": prompts, "max_tokens": max_tokens, "spec_metrics": bool(num_spec)})
         tokens[num_spec] = result["tokens"]
