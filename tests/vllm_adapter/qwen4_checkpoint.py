@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 import torch
-from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+from transformers import Qwen4ExpConfig, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, Qwen4ExpTextConfig
 
 VOCAB = 512
 
@@ -56,6 +56,21 @@ def tiny_config(*, hybrid: bool = False, **overrides: Any) -> Qwen4ExpTextConfig
     return Qwen4ExpTextConfig(**fields)
 
 
+def tiny_vl_config(**overrides: Any) -> Qwen4ExpConfig:
+    """`Qwen4ExpForConditionalGeneration`: a one-block vision tower and the text model of
+    `tiny_config` with the released model's interleaved MRoPE sections (11, 11, 10) (head_dim
+    128 with partial rotary 0.5: 64 rotary dims, 32 frequencies). Vision token ids sit at the
+    top of the 512-token vocabulary."""
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    text = tiny_config(head_dim=128, rope_parameters=rope, architectures=None, **overrides)
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text.hidden_size,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+    return Qwen4ExpConfig(text_config=text.to_dict(), vision_config=vision, image_token_id=VOCAB - 4,
+                          video_token_id=VOCAB - 3, vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1,
+                          architectures=["Qwen4ExpForConditionalGeneration"])
+
+
 @torch.no_grad()
 def randomize(model: Qwen4ExpForCausalLM, seed: int) -> None:
     """Random weights with a shared embedding component and indexer queries like the key."""
@@ -69,10 +84,12 @@ def randomize(model: Qwen4ExpForCausalLM, seed: int) -> None:
             p.copy_(0.5 * w)
         else:
             p.copy_(0.3 * w)
-    embed = model.model.embed_tokens.weight
+    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    config = getattr(config, "text_config", config)
+    embed = text.embed_tokens.weight
     embed += 2.0 * torch.randn(config.hidden_size, generator=g) * config.hidden_size**-0.5
     Di = config.indexer_head_dim
-    for layer in model.model.layers:
+    for layer in text.layers:
         attn = getattr(layer, "self_attn", None)
         if attn is None:
             continue
@@ -80,10 +97,58 @@ def randomize(model: Qwen4ExpForCausalLM, seed: int) -> None:
         w[:-Di] = 0.5 * w[:-Di] + w[-Di:].repeat(config.indexer_n_heads, 1)
 
 
-def write_checkpoint(folder: str | os.PathLike, config: Qwen4ExpTextConfig, seed: int = 0) -> Qwen4ExpForCausalLM:
-    """Build, randomise and `save_pretrained` an fp32 model into `folder`; returns it (eval)."""
+def write_checkpoint(folder: str | os.PathLike, config: Qwen4ExpTextConfig | Qwen4ExpConfig, seed: int = 0):
+    """Build, randomise and `save_pretrained` an fp32 model into `folder` (`Qwen4ExpForCausalLM`
+    for a text config, `Qwen4ExpForConditionalGeneration` for a `Qwen4ExpConfig`); returns it (eval)."""
     torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(config).float().eval()
+    cls = Qwen4ExpForConditionalGeneration if isinstance(config, Qwen4ExpConfig) else Qwen4ExpForCausalLM
+    model = cls(config).float().eval()
     randomize(model, seed)
     model.save_pretrained(folder)
     return model
+
+
+@torch.no_grad()
+def add_mtp_layer(folder: str | os.PathLike, model: Qwen4ExpForCausalLM, seed: int) -> None:
+    """Add one MTP layer (`mtp.*`, the released checkpoint's names, which transformers ignores)
+    to the checkpoint in `folder` and declare it in config.json (`mtp_num_hidden_layers` 1,
+    `index_share_for_mtp_iteration`: later draft steps reuse step 0's QSA selection).
+
+    A drafter that is right some of the time, so that a test sees drafts both accepted and
+    rejected: the MTP passes the target's last hidden stream on nearly unchanged (fc_hidden the
+    identity, no embedding branch, the layer's writes into the stream scaled by 1e-2, the
+    target's final mixer), so it proposes the token just generated again. Its QSA layer is an
+    indexed_attention decoder layer with weights as `randomize` makes them.
+    """
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    text = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    config = getattr(model.config, "text_config", model.config)
+    H, hc, Di = config.hidden_size, config.hc_count, config.indexer_head_dim
+    qsa = max(i for i, t in enumerate(config.layer_types) if t == "indexed_attention")
+    weights = {}
+    for name, p in text.layers[qsa].named_parameters():
+        w = torch.randn(p.shape, generator=g)
+        w = w * p.shape[-1] ** -0.5 if p.dim() >= 2 else 0.3 * w
+        if name.startswith("self_attn.o_proj") or "down_proj" in name:
+            w = 1e-2 * w
+        weights[f"mtp.layers.0.{name}"] = w
+    w = weights["mtp.layers.0.self_attn.indexer.index_qk_proj.weight"]
+    w[:-Di] = 0.5 * w[:-Di] + w[-Di:].repeat(config.indexer_n_heads, 1)
+    weights |= {f"mtp.hyper_connection_mixer.{name}": p.detach().clone()
+                for name, p in text.hyper_connection_mixer.named_parameters()}
+    weights |= {"mtp.fc_embedding.weight": torch.zeros(H, H), "mtp.fc_hidden.weight": torch.eye(H),
+                "mtp.pre_fc_norm_embedding.weight": torch.zeros(H),
+                "mtp.pre_fc_norm_hidden.weight": torch.zeros(H * hc)}
+    path = os.path.join(folder, "model.safetensors")
+    save_file({**load_file(path), **weights}, path, metadata={"format": "pt"})
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        saved = json.load(f)
+    (saved["text_config"] if "text_config" in saved else saved).update(
+        mtp_num_hidden_layers=1, index_share_for_mtp_iteration=True)
+    with open(config_path, "w") as f:
+        json.dump(saved, f, indent=2)

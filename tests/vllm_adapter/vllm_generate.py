@@ -2,9 +2,9 @@
 
 python vllm_generate.py REQUEST_JSON OUT_JSON
 REQUEST_JSON: {"llm": {LLM keyword arguments}, "prompts": [[ids]], "max_tokens": [n per prompt],
-"prompt_logprobs": bool, "logprobs": k, "record_steps": path, "rank_selections": bool, "repeat": n}
-(the LLM keyword arguments default to skip_tokenizer_init and enforce_eager; "repeat" runs the
-batch n times and reports the last round's outputs).
+"prompt_logprobs": bool, "logprobs": k, "record_steps": path, "rank_selections": bool, "repeat": n,
+"spec_metrics": bool} (the LLM keyword arguments default to skip_tokenizer_init and enforce_eager;
+"repeat" runs the batch n times and reports the last round's outputs).
 OUT_JSON: {"tokens": [[ids]], "cached_tokens": [prompt tokens served from the prefix cache],
 "prompt_logprobs": [[log-prob of each prompt token after the first]] (when asked),
 "init_seconds": the LLM's construction, "generate_seconds": [wall time of each round],
@@ -14,7 +14,8 @@ group's `CommonAttentionMetadata` fields, the ring group's block table) and the 
 core record (the plan's metadata) are saved there (torch.save, a list of dicts).
 With "rank_selections" every worker (one per tensor-parallel rank) records a digest of each
 selection its QSA indexers make; OUT_JSON then has "ranks": per worker, its "selections"
-([layer prefix, rows, sha256 of the int32 rows, rows past the budget] per call, in order) and
+([layer prefix, rows, skip_topk (an MTP step reusing step 0's selection), sha256 of the int32
+rows, rows past the budget] per call, in order) and
 its QSA layers' "heads" ([query heads, KV heads, main K/V cache shape] per layer).
 """
 
@@ -38,6 +39,8 @@ def main() -> None:
         record_steps(steps)
     if request.get("rank_selections"):  # the probes are functions sent to the workers (cloudpickle)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if request.get("spec_metrics"):
+        request["llm"]["disable_log_stats"] = False
     start = time.monotonic()
     llm = LLM(**{"skip_tokenizer_init": True, "enforce_eager": True, **request["llm"]})
     init_seconds = time.monotonic() - start
@@ -68,6 +71,10 @@ def main() -> None:
                               for o in outputs]
     if request.get("rank_selections"):
         result["ranks"] = llm.collective_rpc(selection_records, timeout=60)
+    if request.get("spec_metrics"):  # speculative decoding's counters: drafts, draft tokens, accepted
+        names = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        result["spec_decode"] = {m.name.removeprefix("vllm:spec_decode_"): m.value for m in llm.get_metrics()
+                                 if m.name.removeprefix("vllm:spec_decode_") in names}
     with open(out_path, "w") as f:
         json.dump(result, f)
     if request.get("record_steps"):
@@ -89,7 +96,8 @@ def install_selection_probe(worker) -> None:
         if indexed is not None:  # a step with metadata (not a profiling run)
             rows = selection.cpu().contiguous()
             digest = hashlib.sha256(rows.numpy().tobytes()).hexdigest()
-            records.append([self.prefix, rows.shape[0], digest, int((rows[:, -1] > self.qsa_config.token_topk).sum())])
+            past = int((rows[:, -1] > self.qsa_config.token_topk).sum())
+            records.append([self.prefix, rows.shape[0], self.skip_topk, digest, past])
         return selection, indexed
 
     QSAIndexer.forward = probe

@@ -9,6 +9,7 @@
 - metadata.py: `CommonAttentionMetadata` + the ring's block table -> `QSAForwardMetadata`.
 - backend.py: the QSA_CORE backend (the step record built in `build()`, decodes first).
 - hc_ops.py: PyTorch HyperConnection ops for devices without Triton.
+- spec_decode.py: Qwen4-Exp MTP on vLLM's V1 proposer (hidden-state width, tuple output).
 - plugin.py, config_hooks.py: the `vllm.general_plugins` entry point and its config checks.
 
 Names are imported on first use: the plugin entry point runs early in every vLLM process.

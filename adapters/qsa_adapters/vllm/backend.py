@@ -11,7 +11,7 @@ Every layer then launches on that plan.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -88,6 +88,7 @@ class QSAStepPairing:
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.device = device
         self.current = QSAStep()
+        self.last_ring_block_table: torch.Tensor | None = None  # the last target step's
         self._geometries: dict[PagedGeometry, BoundLayers] = {}
         self._layers: list | None = None  # the engine's QSA layers, found at the first step
         self._key_caches: tuple | None = None  # `_bound_key` of the caches the geometries were derived from
@@ -151,23 +152,38 @@ class QSAStepPairing:
             self.current, self._key = QSAStep(), common.query_start_loc
         step = self.current
         if is_ring:
-            step.ring_block_table = common.block_table_tensor
+            step.ring_block_table = self.last_ring_block_table = common.block_table_tensor
         else:
             step.main = common
         if step.main is not None and step.ring_block_table is not None:
-            for geometry, bound in self.geometries().items():
-                if geometry not in self.mappers:
-                    self.mappers[geometry] = QSAMetadataMapper(
-                        geometry, bound.config, bound.dtype, self.device,
-                        max_num_tokens=self.max_num_tokens, max_model_len=self.max_model_len,
-                        max_num_reqs=self.max_num_reqs, num_slots=bound.num_slots, num_ring_rows=bound.num_ring_rows,
-                    )
-                    self._warm(geometry, self.mappers[geometry])
-                step.records[geometry] = self.mappers[geometry].map(
-                    step.main, step.ring_block_table, decode_threshold=self.decode_threshold
-                )
-                self.guard_watch.poll(self.mappers[geometry].planner, step.main.num_reqs)
+            self._plan(step)
         return step
+
+    def add_draft(self, common: CommonAttentionMetadata) -> QSAStep:
+        """Plan a draft step of speculative decoding (vLLM's proposer builds only the draft
+        layers' main group): its requests are the last target step's, in the same order, so
+        their rings are that step's ring blocks. Rope positions are the logical ones: the
+        proposer advances `seq_lens` and the slots between draft steps, not `positions`."""
+        if self.last_ring_block_table is None:
+            raise RuntimeError("QSA draft step before any target step: no ring blocks to draft on")
+        step = QSAStep(main=replace(common, positions=None), ring_block_table=self.last_ring_block_table)
+        self._plan(step)
+        return step
+
+    def _plan(self, step: QSAStep) -> None:
+        """Plan a step whose two halves are in, once per geometry."""
+        for geometry, bound in self.geometries().items():
+            if geometry not in self.mappers:
+                self.mappers[geometry] = QSAMetadataMapper(
+                    geometry, bound.config, bound.dtype, self.device,
+                    max_num_tokens=self.max_num_tokens, max_model_len=self.max_model_len,
+                    max_num_reqs=self.max_num_reqs, num_slots=bound.num_slots, num_ring_rows=bound.num_ring_rows,
+                )
+                self._warm(geometry, self.mappers[geometry])
+            step.records[geometry] = self.mappers[geometry].map(
+                step.main, step.ring_block_table, decode_threshold=self.decode_threshold
+            )
+            self.guard_watch.poll(self.mappers[geometry].planner, step.main.num_reqs)
 
 
 class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
@@ -195,6 +211,12 @@ class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> QSAStepMetadata:
         return QSAStepMetadata(step=self.pairing.add(common_attn_metadata, is_ring=self.is_ring))
+
+    def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata, draft_index: int) -> QSAStepMetadata:
+        """A draft step (MTP): only the draft layers' main group is built (`QSAStepPairing.add_draft`)."""
+        if self.is_ring:
+            raise RuntimeError("QSA: vLLM's proposer built a ring group: a draft layer's ring must be a target layer's")
+        return QSAStepMetadata(step=self.pairing.add_draft(common_attn_metadata))
 
 
 class QSACoreBackend(AttentionBackend):

@@ -100,6 +100,16 @@ def ring_spec(vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype) ->
     return CircularBufferSpec(block_size=C, num_kv_heads=1, head_size=config.index_head_dim, head_size_v=0, dtype=dtype)
 
 
+def mtp_ring_prefixes(vllm_config: VllmConfig, text_config) -> list[str]:
+    """The ring names of the MTP draft's QSA layers (`Qwen4ExpMTP` builds its layer i as
+    `mtp.layers.{num_hidden_layers + i}`), or none without MTP speculative decoding."""
+    spec = vllm_config.speculative_config
+    if spec is None or spec.method != "mtp":
+        return []
+    first, count = int(text_config.num_hidden_layers), int(getattr(text_config, "mtp_num_hidden_layers", 1))
+    return [f"mtp.layers.{first + i}.self_attn.indexer.raw_key_cache" for i in range(count)]
+
+
 class QSASideCache(nn.Module, AttentionLayerBase):
     """The QSA side cache that vLLM allocates and binds per layer: the raw-key ring.
 
@@ -117,7 +127,30 @@ class QSASideCache(nn.Module, AttentionLayerBase):
         self.make_spec = make_spec
         self.spec: KVCacheSpec | None = None
         self.kv_cache = torch.tensor([])
+        self.for_draft = False
         register_layer(vllm_config, prefix, self)
+
+    @classmethod
+    def for_draft_layer(
+        cls, *, vllm_config: VllmConfig, make_spec: Callable[[VllmConfig], KVCacheSpec], prefix: str
+    ) -> "QSASideCache":
+        """The ring of a draft (MTP) layer, registered by the target model while it is built.
+
+        vLLM's proposer builds the draft layers' metadata from one KV-cache group (it asserts
+        "All drafting layers should belong to the same kv cache group"), which is the main
+        K/V's. Registered before the draft model loads, the ring counts as a target layer:
+        vLLM allocates it in the rings' group, each target step's ring blocks address it,
+        and the draft's indexer adopts it (`adopt`).
+        """
+        ring = cls(vllm_config=vllm_config, make_spec=make_spec, prefix=prefix)
+        ring.for_draft = True
+        return ring
+
+    @staticmethod
+    def adopt(vllm_config: VllmConfig, prefix: str) -> "QSASideCache | None":
+        """The ring the target model registered for the draft layer at `prefix`, if any."""
+        found = vllm_config.compilation_config.static_forward_context.get(prefix)
+        return found if isinstance(found, QSASideCache) and found.for_draft else None
 
     def get_attn_backend(self):
         from .backend import QSACoreBackend

@@ -19,6 +19,58 @@ def refuse_prefix_caching_without_linear_layers(vllm_config: Any) -> None:
         )
 
 
+def refuse_unserved_settings(vllm_config: Any) -> None:
+    """What the core-backed QSA layers do not serve, refused by name before anything loads
+    (in the process that builds the config: `vllm serve` exits at start-up with this error).
+
+    - an fp8 KV cache (`--kv-cache-dtype fp8*`): vLLM's fp8 pages (uint8 storage, per-layer
+      scales loaded after construction) are not mapped onto the core's fp8 K/V path;
+    - MRoPE in multimodal mode: the ring would need each open group's first 3-axis position,
+      which the adapter does not keep. vLLM strips MRoPE for text-only serving
+      (`--language-model-only`, or the CausalLM architecture), where a 1-D position feeds all
+      three axes and QSA is exact.
+    """
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from .backend import BACKEND_NAME
+
+    backend = vllm_config.attention_config.backend
+    if not (current_platform.is_cpu() or (backend is not None and backend == AttentionBackendEnum[BACKEND_NAME])):
+        return  # upstream's QSA serves the model
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", "bfloat16", "float32"):
+        raise ValueError(
+            f"QSA_CORE does not serve --kv-cache-dtype {cache_dtype} yet (vLLM's fp8 KV pages are not mapped onto "
+            "the core's fp8 K/V path): use --kv-cache-dtype auto"
+        )
+    text = vllm_config.model_config.hf_text_config
+    if (getattr(text, "rope_parameters", None) or {}).get("mrope_section"):
+        raise ValueError(
+            "QSA_CORE does not serve Qwen4-Exp's MRoPE (rope_parameters.mrope_section) in multimodal mode yet "
+            "(the raw-key ring keeps no 3-axis positions): serve text only with --language-model-only"
+        )
+
+
+def text_only_draft_without_mrope(vllm_config: Any) -> None:
+    """An MTP draft of a text-only target drops MRoPE as its target did.
+
+    vLLM keeps MRoPE in the draft's config whenever the checkpoint has a vision tower, also
+    when the target serves text only (`--language-model-only`); the draft then gets the
+    target's 1-D positions, with which MRoPE is plain RoPE. Dropping the fields says so, and
+    keeps the draft's QSA layer on the 1-D path the target uses."""
+    spec = vllm_config.speculative_config
+    target = getattr(spec, "target_model_config", None)
+    if target is None or (getattr(target.hf_text_config, "rope_parameters", None) or {}).get("mrope_section"):
+        return
+    model = vllm_config.model_config
+    for config in {id(c): c for c in (model.hf_config, model.hf_text_config)}.values():
+        rope = getattr(config, "rope_parameters", None)
+        if rope:
+            rope.pop("mrope_section", None)
+            rope.pop("mrope_interleaved", None)
+
+
 def install() -> None:
     """Wrap vLLM's config hooks of the three Qwen4-Exp architectures (idempotent)."""
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
@@ -28,9 +80,12 @@ def install() -> None:
         if getattr(upstream, "qsa_core_checks", False):
             continue
 
-        def verify_and_update_config(vllm_config: Any, _upstream=upstream) -> None:
+        def verify_and_update_config(vllm_config: Any, _upstream=upstream, _draft=arch == "Qwen4ExpMTP") -> None:
             _upstream.verify_and_update_config(vllm_config)
+            if _draft:
+                text_only_draft_without_mrope(vllm_config)
             refuse_prefix_caching_without_linear_layers(vllm_config)
+            refuse_unserved_settings(vllm_config)
 
         MODELS_CONFIG_MAP[arch] = type(
             f"QSACore{upstream.__name__}",

@@ -98,11 +98,13 @@ class QSAIndexer(nn.Module):
         dtype = vllm_config.model_config.dtype
         self.dtype = dtype
         cache_prefix = f"{prefix}." if prefix else ""
-        self.raw_key_cache = QSASideCache(
-            vllm_config=vllm_config,
-            make_spec=lambda vc: ring_spec(vc, cfg, dtype),
-            prefix=f"{cache_prefix}raw_key_cache",
+        ring_prefix = f"{cache_prefix}raw_key_cache"
+        # A draft (MTP) layer adopts the ring its target model registered for it.
+        adopted = QSASideCache.adopt(vllm_config, ring_prefix)
+        self.raw_key_cache = adopted or QSASideCache(
+            vllm_config=vllm_config, make_spec=lambda vc: ring_spec(vc, cfg, dtype), prefix=ring_prefix
         )
+        self.is_draft = adopted is not None
         # The compressed keys live in the main K/V pages (cache.main_kv_spec).
         self.index_dtype = resolve_dtype(cfg.index_dtype, dtype)
         self._bound: tuple[tuple[torch.Tensor, ...], QSALayerCache, PagedGeometry] | None = None
@@ -127,11 +129,13 @@ class QSAIndexer(nn.Module):
     def step_inputs(self, attn: QSAAttentionLike) -> tuple[QSAPlan, QSALayerCache] | None:
         """This step's plan (made by the backend's builders) and cache views; None
         when vLLM runs without metadata (profiling, dummy runs)."""
-        records = step_metadata(attn.layer_name, self.raw_key_cache.prefix)
+        records = step_metadata(attn.layer_name)
         if records is None:
             return None
-        main, ring = records
-        if ring.step is not main.step:
+        main, = records
+        # vLLM's proposer builds a draft step's main group only (the plan then has the ring blocks)
+        ring = step_metadata(self.raw_key_cache.prefix)
+        if ring is not None and ring[0].step is not main.step:
             raise RuntimeError(f"{self.raw_key_cache.prefix}: its group's metadata belongs to another step")
         cache, geometry = self.layer_cache(attn.kv_cache)
         return main.step.record(geometry), cache

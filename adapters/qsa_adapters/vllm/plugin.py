@@ -31,8 +31,8 @@ def _qsa_core_backend():
 
 
 def register() -> None:
-    """Register the QSA_CORE attention backend, the core-backed Qwen4-Exp architectures and
-    their config checks (`config_hooks`).
+    """Register the QSA_CORE attention backend, the core-backed Qwen4-Exp architectures,
+    their config checks (`config_hooks`) and the V1 proposer's MTP width (`spec_decode`).
 
     The architectures replace upstream's under the same names; they are upstream's models
     unless QSA_CORE is chosen or the platform is the CPU (`qwen4_exp.uses_qsa_core`).
@@ -40,7 +40,7 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from . import config_hooks
+    from . import config_hooks, spec_decode
     from .backend import BACKEND_NAME
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
@@ -52,3 +52,4 @@ def register() -> None:
     for arch in ARCHITECTURES:
         ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{arch}")
     config_hooks.install()
+    spec_decode.install()

@@ -42,9 +42,10 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from .attention import run_core_attention
 from .backend import BACKEND_NAME, QSACoreBackend
-from .cache import main_kv_spec
+from .cache import QSASideCache, main_kv_spec, mtp_ring_prefixes, ring_spec
 from .hc_ops import register_torch_hc_ops
 from .indexer import QSAIndexer, qsa_config_for
+from .spec_decode import name_image_token_for_proposer
 
 # Upstream's HyperConnection ops are Triton bodies registered for the platform's dispatch
 # key; on a platform without Triton (the CPU) they get PyTorch bodies.
@@ -223,6 +224,21 @@ def hyperconnections_in_model_dtype(model: nn.Module, vllm_config: VllmConfig) -
                 module.to(dtype)
 
 
+def register_draft_rings(vllm_config: VllmConfig) -> list[QSASideCache]:
+    """With MTP speculative decoding, register the draft QSA layers' rings as target layers
+    (`QSASideCache.for_draft_layer`: vLLM's proposer needs every draft layer's cache in one
+    KV-cache group, and a ring is a group of its own)."""
+    if not uses_qsa_core(vllm_config):
+        return []
+    text = vllm_config.model_config.hf_text_config
+    config, dtype = qsa_config_for(vllm_config, text), vllm_config.model_config.dtype
+    return [
+        QSASideCache.for_draft_layer(vllm_config=vllm_config, make_spec=lambda vc: ring_spec(vc, config, dtype),
+                                     prefix=prefix)
+        for prefix in mtp_ring_prefixes(vllm_config, text)
+    ]
+
+
 class Qwen4ExpForCausalLM(upstream_model.Qwen4ExpForCausalLM):
     """Upstream's text model; QSA layers on qsa_core when `uses_qsa_core`."""
 
@@ -230,6 +246,7 @@ class Qwen4ExpForCausalLM(upstream_model.Qwen4ExpForCausalLM):
         with core_attention_layers(vllm_config):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         hyperconnections_in_model_dtype(self, vllm_config)
+        self.qsa_draft_rings = register_draft_rings(vllm_config)  # a list: no submodules
 
 
 class Qwen4ExpForConditionalGeneration(upstream_model.Qwen4ExpForConditionalGeneration):
@@ -239,15 +256,26 @@ class Qwen4ExpForConditionalGeneration(upstream_model.Qwen4ExpForConditionalGene
         with core_attention_layers(vllm_config):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         hyperconnections_in_model_dtype(self, vllm_config)
+        self.qsa_draft_rings = register_draft_rings(vllm_config)
+        if vllm_config.speculative_config is not None:
+            name_image_token_for_proposer(self.config)
 
 
 class Qwen4ExpMTP(upstream_mtp.Qwen4ExpMTP):
-    """Upstream's MTP drafter; its QSA layer on qsa_core when `uses_qsa_core`."""
+    """Upstream's MTP drafter; its QSA layer on qsa_core when `uses_qsa_core`, with the ring
+    its target model registered (`register_draft_rings`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         with core_attention_layers(vllm_config):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         hyperconnections_in_model_dtype(self, vllm_config)
+        for module in self.modules():
+            if isinstance(module, QSAIndexer) and not module.is_draft:
+                raise RuntimeError(
+                    f"QSA_CORE: the MTP layer's ring {module.raw_key_cache.prefix!r} was not registered by the "
+                    "target model (it registers mtp.layers.{num_hidden_layers + i}.self_attn.indexer.raw_key_cache): "
+                    "vLLM would put it in a KV-cache group of its own, which its proposer refuses"
+                )
 
 
 ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP")
