@@ -474,3 +474,29 @@ def test_openai_server_completions_equal_transformers(server, hf_greedy):
     with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:  # concurrent: batched steps
         got = list(pool.map(complete, range(len(PROMPTS))))
     assert got == want
+
+
+def test_openai_server_answers_token_ids_outside_the_vocabulary_with_400(server, hf_greedy):
+    """Under --skip-tokenizer-init vLLM 0.32 checks prompt ids only through a tokenizer: without
+    the plugin's guard an id past the vocabulary kills the engine core. A 400 naming the id, then
+    the server still serves a good request."""
+    import urllib.error
+
+    url, model = server
+
+    def post(prompt: list[int]) -> tuple[int, dict]:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS[0], "temperature": 0,
+                           "ignore_eos": True, "return_token_ids": True}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"{}")
+
+    for bad in (VOCAB, VOCAB + 1000):
+        status, answer = post(PROMPTS[0][:5] + [bad] + PROMPTS[0][5:])
+        assert status == 400, answer
+        assert f"Token id {bad}" in json.dumps(answer) and "out of vocabulary" in json.dumps(answer)
+    status, answer = post(PROMPTS[0])
+    assert status == 200 and answer["choices"][0]["token_ids"] == hf_greedy[0][0]

@@ -40,7 +40,7 @@ def register() -> None:
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from . import config_hooks, spec_decode
+    from . import config_hooks, spec_decode, vocab_guard
     from .backend import BACKEND_NAME
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
@@ -53,3 +53,4 @@ def register() -> None:
         ModelRegistry.register_model(arch, f"{MODEL_MODULE}:{arch}")
     config_hooks.install()
     spec_decode.install()
+    vocab_guard.install()
