@@ -2,10 +2,10 @@
 
 `register()` runs in SGLang's launcher and in every scheduler process (`load_plugins`); it
 registers the backend factory, adds the name to the `--attention-backend` choices, hooks
-`attn_backend_wrapper`, and hooks the two points where `cpu.apply_cpu_settings` prepares
-SGLang for `qsa_core` on the CPU (`ServerArgs.resolve_once` in the launcher,
-`ModelRunner.load_model` in the scheduler). The name `qsa` keeps meaning SGLang's own QSA
-backend.
+`attn_backend_wrapper`, hooks `ServerArgs.resolve_once` (launcher) for the start-up refusals
+of `startup`, and hooks the two points where `cpu.apply_cpu_settings` prepares SGLang for
+`qsa_core` on the CPU (`ServerArgs.resolve_once` in the launcher, `ModelRunner.load_model` in
+the scheduler). The name `qsa` keeps meaning SGLang's own QSA backend.
 """
 
 from __future__ import annotations
@@ -31,19 +31,21 @@ def create_backend(runner: Any):
 
 
 def register() -> None:
-    """Register the backend name, its CLI choice, the backend-wrapper hook and the two CPU
-    settings hooks (idempotent)."""
+    """Register the backend name, its CLI choice, the backend-wrapper hook, the start-up
+    refusals and the two CPU settings hooks (idempotent)."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
     from .cpu import after_resolve, before_load_model
     from .hooks import WRAPPER_TARGET, backend_wrapper_around
+    from .startup import after_resolve_refuse
 
     if BACKEND_NAME in ATTENTION_BACKENDS:
         return
     register_attention_backend(BACKEND_NAME)(create_backend)
     add_attention_backend_choices([BACKEND_NAME])
     HookRegistry.register(WRAPPER_TARGET, backend_wrapper_around, HookType.AROUND)
+    HookRegistry.register(RESOLVE_TARGET, after_resolve_refuse, HookType.AFTER)
     HookRegistry.register(RESOLVE_TARGET, after_resolve, HookType.AFTER)
     HookRegistry.register(LOAD_MODEL_TARGET, before_load_model, HookType.BEFORE)
