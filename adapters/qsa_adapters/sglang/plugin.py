@@ -10,20 +10,35 @@ the scheduler). The name `qsa` keeps meaning SGLang's own QSA backend.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .cpu import BACKEND_NAME
+
+logger = logging.getLogger(__name__)
+SGLANG_QSA = "qsa"  # SGLang's own QSA backend
 
 RESOLVE_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
 LOAD_MODEL_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 
 
 def create_backend(runner: Any):
-    """The factory SGLang calls with its ModelRunner when `qsa_core` is chosen."""
+    """The factory SGLang calls with its ModelRunner when `qsa_core` is chosen.
+
+    The target model's QSA layers run on `QSACoreBackend`. A speculative draft runner (the MTP
+    layer of NEXTN / EAGLE) gets SGLang's own QSA backend, as SGLang's draft backends are: its
+    draft steps share one selection (SGLang's MTP index sharing) and only propose tokens, which
+    the target's TARGET_VERIFY step on qsa_core accepts or rejects.
+    """
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
     from .backend import QSACoreBackend
     from .checks import check_runner
     from .hooks import install_layer_hook
 
+    if getattr(runner, "is_draft_worker", False):
+        logger.info("qsa_core: the speculative draft model runs on SGLang's own QSA backend (%s)", SGLANG_QSA)
+        return ATTENTION_BACKENDS[SGLANG_QSA](runner)
     check_runner(runner)
     backend = QSACoreBackend(runner)
     install_layer_hook()
