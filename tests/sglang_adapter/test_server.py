@@ -10,6 +10,8 @@ see `server_site/`). Each server gets the same requests through real clients:
   every QSA layer's selection rows are dumped;
 - three concurrent requests of different lengths: OPENAI (2140 tokens, the `openai`
   client on /v1/completions), MID (1100) and SHORT (300) on /generate.
+A third server runs qsa_core with NEXTN speculative decoding (3 draft tokens; SGLang's EAGLE
+tree build and verification routed to its own Triton kernels by the test site) on LONG only.
 Greedy ids must be equal between the servers and equal to transformers' generate where
 its top-1 margin is above bf16 noise; dense attention (HF) must change LONG's tokens; the
 dumped selections must be row-for-row equal, every difference explained by a score gap
@@ -82,7 +84,7 @@ def generate(url: str, prompt: list[int], rid: str) -> dict:
     r.raise_for_status()
     out = r.json()
     assert out["meta_info"]["prompt_tokens"] == len(prompt), "one word must be one token"
-    return {"ids": out["output_ids"], "text": out["text"]}
+    return {"ids": out["output_ids"], "text": out["text"], "meta": out["meta_info"]}
 
 
 def complete(url: str, prompt: list[int]) -> str:
@@ -179,6 +181,32 @@ def runs(servers, checkpoint, tmp_path_factory, core_run):
 def tp2(servers, checkpoint, tmp_path_factory, core_run):
     """qsa_core at `--tp 2` (each server stops before the next starts): LONG, selections dumped per rank."""
     return serve(servers, checkpoint, "qsa_core", tmp_path_factory.mktemp("qsa_core_tp2"), tp=2)
+
+
+# NEXTN as the released model runs it: the MTP layer drafts 3 tokens, chain drafts.
+NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+         "--speculative-num-draft-tokens", "4")
+
+
+@pytest.fixture(scope="module")
+def spec_run(servers, checkpoint, tmp_path_factory, core_run):
+    """qsa_core with NEXTN on LONG (after core_run: one server at a time). SGLang's EAGLE path
+    needs sgl_kernel's CPU build for its tree build and verification; the test site routes
+    them to SGLang's own Triton kernels (`QSA_TEST_SPEC_CPU`, see server_site/)."""
+    folder = tmp_path_factory.mktemp("qsa_core_nextn")
+    env = {"QSA_TEST_SPEC_CPU": "1", "TORCHDYNAMO_DISABLE": "1"}
+    saved = os.environ.pop("TRITON_INTERPRET", None)  # the plugin sets it, as for core_run
+    try:
+        server = servers(checkpoint, "qsa_core", str(folder / "server.log"), env, NEXTN)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    t0 = time.monotonic()
+    out = {"start_s": server.start_s, "long": generate(server.url, LONG, "long")}
+    out["long_s"] = time.monotonic() - t0
+    server.stop()
+    out["log"] = server.log_text()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -345,3 +373,23 @@ def test_tp2_server_tokens_and_selections_equal_tp1(core_run, tp2, hf):
             differ += 1
     report("TP 2 server: rows, rows differing from TP 1 (bf16 ties), start s, LONG s",
            [len(tp1), differ, round(tp2["start_s"], 1), round(tp2["long_s"], 1)])
+
+
+def test_speculative_greedy_equals_greedy_without(core_run, spec_run):
+    """NEXTN with 3 draft tokens: the target's QSA layers on qsa_core (TARGET_VERIFY windows of
+    4 rows, an 8-row raw-key ring per request), the MTP draft layer on SGLang's own QSA with its
+    shared selection across draft steps. The tiny checkpoint has no trained MTP weights (SGLang
+    leaves them as allocated), so the drafts are arbitrary tokens and windows are rejected:
+    the case where a ring of r rows loses committed raw keys. Greedy ids must equal qsa_core's
+    without speculation on the 2200-token prompt (past the budget: the group keys decide)."""
+    log = spec_run["log"]
+    assert "raw-key ring 8 rows per request" in log
+    assert "the speculative draft model runs on SGLang's own QSA backend" in log
+    assert "QSA MTP index sharing enabled" in log
+    meta = spec_run["long"]["meta"]
+    verifies, proposed = meta["spec_verify_ct"], meta["spec_num_proposed_drafts"]
+    assert verifies >= NEW // 4 and proposed == 3 * verifies, meta
+    assert spec_run["long"]["ids"] == core_run["long"]["ids"]
+    report("NEXTN 3 drafts on LONG: verify windows, drafts accepted of proposed, start s, LONG s",
+           [verifies, f"{meta['spec_num_correct_drafts']} / {proposed}", round(spec_run["start_s"], 1),
+            round(spec_run["long_s"], 1)])
