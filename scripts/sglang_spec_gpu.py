@@ -4,9 +4,10 @@
 
 Needs a CUDA host with SGLang 0.5.23 and this repo installed in the running python (its
 `sglang.srt.plugins` entry point registers `qsa_core`), and a Qwen4-Exp checkpoint with its
-MTP layer (the released Qwen3.8-Flash-Next, or a mini one with `mtp.*` weights). SGLang's
-speculative path does not run on the CPU (its EAGLE verification needs the CPU build of
-sgl_kernel), so the CPU CI covers the adapter side only (tests/sglang_adapter/test_speculative.py).
+MTP layer (the released Qwen3.8-Flash-Next, or a mini one with `mtp.*` weights). The CPU CI
+runs NEXTN through the server on a tiny checkpoint without trained MTP weights
+(tests/sglang_adapter/test_server.py); this is the GPU check, with SGLang's CUDA paths,
+CUDA graphs and real acceptance.
 
 One server at a time on 127.0.0.1 (each stopped by its pid before the next starts), the same
 greedy requests to each: three token-id prompts of 2200, 3100 and 4500 tokens (past the

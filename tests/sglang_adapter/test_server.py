@@ -10,8 +10,7 @@ see `server_site/`). Each server gets the same requests through real clients:
   every QSA layer's selection rows are dumped;
 - three concurrent requests of different lengths: OPENAI (2140 tokens, the `openai`
   client on /v1/completions), MID (1100) and SHORT (300) on /generate.
-A third server runs qsa_core with NEXTN speculative decoding (3 draft tokens; SGLang's EAGLE
-tree build and verification routed to its own Triton kernels by the test site) on LONG only.
+A third server runs qsa_core with NEXTN speculative decoding (3 draft tokens) on LONG only.
 Greedy ids must be equal between the servers and equal to transformers' generate where
 its top-1 margin is above bf16 noise; dense attention (HF) must change LONG's tokens; the
 dumped selections must be row-for-row equal, every difference explained by a score gap
@@ -190,11 +189,10 @@ NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--
 
 @pytest.fixture(scope="module")
 def spec_run(servers, checkpoint, tmp_path_factory, core_run):
-    """qsa_core with NEXTN on LONG (after core_run: one server at a time). SGLang's EAGLE path
-    needs sgl_kernel's CPU build for its tree build and verification; the test site routes
-    them to SGLang's own Triton kernels (`QSA_TEST_SPEC_CPU`, see server_site/)."""
+    """qsa_core with NEXTN on LONG (after core_run: one server at a time). The plugin makes
+    SGLang's EAGLE path run on the CPU itself (`cpu_speculative`): no test patch."""
     folder = tmp_path_factory.mktemp("qsa_core_nextn")
-    env = {"QSA_TEST_SPEC_CPU": "1", "TORCHDYNAMO_DISABLE": "1"}
+    env = {"TORCHDYNAMO_DISABLE": "1"}
     saved = os.environ.pop("TRITON_INTERPRET", None)  # the plugin sets it, as for core_run
     try:
         server = servers(checkpoint, "qsa_core", str(folder / "server.log"), env, NEXTN)
@@ -386,6 +384,7 @@ def test_speculative_greedy_equals_greedy_without(core_run, spec_run):
     assert "raw-key ring 8 rows per request" in log
     assert "the speculative draft model runs on SGLang's own QSA backend" in log
     assert "QSA MTP index sharing enabled" in log
+    assert "qsa_core on the CPU: TRITON_INTERPRET=1 (was None" in log, "the plugin must set it, not the test"
     meta = spec_run["long"]["meta"]
     verifies, proposed = meta["spec_verify_ct"], meta["spec_num_proposed_drafts"]
     assert verifies >= NEW // 4 and proposed == 3 * verifies, meta

@@ -137,3 +137,32 @@ def test_a_ring_of_r_rows_loses_the_committed_raw_key(layer, truth, plain, monke
     want_key = group_key(plain["env"], OPEN_GROUP)
     err = (group_key(env, OPEN_GROUP) - want_key).abs().max() / want_key.abs().max()
     assert err > 10 * TOL, f"group {OPEN_GROUP}'s key survived a ring of r rows (error {err:.2e})"
+
+
+def test_cpu_greedy_verification_runs_sglang_triton_kernel(monkeypatch):
+    """qsa_core on the CPU: SGLang's greedy chain verification through its Triton kernel (the
+    dispatcher alone accepts nothing there); any other process keeps SGLang's dispatcher."""
+    from qsa_adapters.sglang import cpu
+    from qsa_adapters.sglang.cpu_speculative import verify_greedy_around
+
+    def chain(candidates, target):
+        n = candidates.shape[1]
+        return dict(
+            predicts=torch.full((n,), -1, dtype=torch.int32), accept_index=torch.full((1, n), -1, dtype=torch.int32),
+            accept_token_num=torch.full((1,), -1, dtype=torch.int32), candidates=candidates,
+            retrieve_index=torch.arange(n).view(1, n),
+            retrieve_next_token=torch.tensor([list(range(1, n)) + [-1]]),
+            retrieve_next_sibling=torch.full((1, n), -1), target_predict=target,
+        )
+
+    calls = []
+    other = chain(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[6, 7, 9, 1]]))
+    verify_greedy_around(lambda **kw: calls.append(kw), **other)
+    assert len(calls) == 1  # not qsa_core on the CPU: SGLang's own dispatcher
+    monkeypatch.setattr(cpu, "_applied", True)
+    # Root 5 (verified), drafts 6, 7, 8; the target predicts 6, 7, 9: drafts 6 and 7 accepted, 9 is the bonus.
+    args = chain(torch.tensor([[5, 6, 7, 8]]), torch.tensor([[6, 7, 9, 1]]))
+    predicts, accept_index, accepted = verify_greedy_around(lambda **kw: pytest.fail("dispatcher called"), **args)
+    assert accepted.tolist() == [2]
+    assert accept_index.tolist() == [[0, 1, 2, -1]]
+    assert predicts[:3].tolist() == [6, 7, 9]

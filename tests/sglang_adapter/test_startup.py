@@ -1,8 +1,8 @@
 """Start-up refusals of `--attention-backend qsa_core`: in the launcher, exit code 1, one line.
 
 Two real `python -m sglang.launch_server` launches on the CPU (the flags of the server tests,
-127.0.0.1, a free port): speculative decoding (`--speculative-algorithm NEXTN`) and a float32
-checkpoint without `--dtype` (SGLang resolves `auto` to float16 for it). Each must end in the
+127.0.0.1, a free port): a split decode backend (`--decode-attention-backend triton`) and a
+float32 checkpoint without `--dtype` (SGLang resolves `auto` to float16 for it). Each must end in the
 launcher before any scheduler process starts: exit code 1, the refusal as the last line of the
 output, no traceback, no model loaded. The rules themselves are checked on resolved arguments.
 """
@@ -80,11 +80,10 @@ def assert_refused_in_launcher(run: types.SimpleNamespace, line: str) -> None:
     assert not started, f"a scheduler started before the refusal ({started})"
 
 
-def test_launcher_refuses_speculative_decoding_on_the_cpu(checkpoint):
-    run = launch(checkpoint, "--speculative-algorithm", "NEXTN")
-    cpu = types.SimpleNamespace(speculative_algorithm="EAGLE", device="cpu")  # SGLang resolves NEXTN to EAGLE
-    assert_refused_in_launcher(run, "qsa_core: " + speculative_refusal(cpu, "NEXTN"))
-    assert run.last.startswith("qsa_core: --speculative-algorithm NEXTN cannot run on the CPU")
+def test_launcher_refuses_a_split_decode_backend(checkpoint):
+    run = launch(checkpoint, "--decode-attention-backend", "triton")
+    assert_refused_in_launcher(run, "qsa_core: " + split_backend_refusal(resolved(decode_attention_backend="triton")))
+    assert run.last.startswith("qsa_core: --decode-attention-backend triton: qsa_core must run both")
 
 
 def test_launcher_refuses_a_float32_model(fp32_checkpoint):
@@ -104,11 +103,11 @@ def resolved(**fields) -> types.SimpleNamespace:
 def test_rules_name_the_flag():
     spec = dict(speculative_algorithm="EAGLE", speculative_eagle_topk=1)
     assert speculative_refusal(resolved(), None) is None
-    assert speculative_refusal(resolved(**spec), "NEXTN") is None  # chain drafts on a GPU
-    assert "--speculative-algorithm EAGLE cannot run on the CPU" in speculative_refusal(
-        resolved(**spec, device="cpu"), "EAGLE")
+    assert speculative_refusal(resolved(**spec), "NEXTN") is None  # chain drafts, GPU or CPU
+    assert speculative_refusal(resolved(**spec, device="cpu"), "NEXTN") is None
     assert speculative_refusal(resolved(**{**spec, "speculative_eagle_topk": 4}), "EAGLE") == (
-        "--speculative-eagle-topk must be 1 (qsa_core verifies chain drafts only), got 4")
+        "--speculative-eagle-topk must be 1 with --speculative-algorithm EAGLE (qsa_core verifies chain drafts "
+        "only), got 4")
     assert parallel_refusal(resolved()) is None
     assert parallel_refusal(resolved(attn_cp_size=2)).startswith("--attn-cp-size 2: ")
     assert parallel_refusal(resolved(dcp_size=4)).startswith("--dcp-size 4: ")
@@ -128,4 +127,4 @@ def test_other_backends_are_never_refused(monkeypatch):
     assert startup_refusal(args) is None
     with pytest.raises(SystemExit) as err:
         after_resolve_refuse(None, resolved(**{**vars(args), "attention_backend": "qsa_core"}))
-    assert err.value.code.startswith("qsa_core: --speculative-algorithm EAGLE cannot run on the CPU")
+    assert err.value.code.startswith("qsa_core: --dcp-size 2: ")

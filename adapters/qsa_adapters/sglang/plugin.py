@@ -3,9 +3,10 @@
 `register()` runs in SGLang's launcher and in every scheduler process (`load_plugins`); it
 registers the backend factory, adds the name to the `--attention-backend` choices, hooks
 `attn_backend_wrapper`, hooks `ServerArgs.resolve_once` (launcher) for the start-up refusals
-of `startup`, and hooks the two points where `cpu.apply_cpu_settings` prepares SGLang for
+of `startup`, hooks the two points where `cpu.apply_cpu_settings` prepares SGLang for
 `qsa_core` on the CPU (`ServerArgs.resolve_once` in the launcher, `ModelRunner.load_model` in
-the scheduler). The name `qsa` keeps meaning SGLang's own QSA backend.
+the scheduler), and the three SGLang functions speculative decoding needs on the CPU
+(`cpu_speculative`, pass-through elsewhere). The name `qsa` keeps meaning SGLang's own QSA backend.
 """
 
 from __future__ import annotations
@@ -47,12 +48,13 @@ def create_backend(runner: Any):
 
 def register() -> None:
     """Register the backend name, its CLI choice, the backend-wrapper hook, the start-up
-    refusals and the two CPU settings hooks (idempotent)."""
+    refusals, the two CPU settings hooks and the CPU speculative hooks (idempotent)."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang.srt.server_args import add_attention_backend_choices
 
     from .cpu import after_resolve, before_load_model
+    from .cpu_speculative import HOOKS as CPU_SPECULATIVE_HOOKS
     from .hooks import WRAPPER_TARGET, backend_wrapper_around
     from .startup import after_resolve_refuse
 
@@ -64,3 +66,5 @@ def register() -> None:
     HookRegistry.register(RESOLVE_TARGET, after_resolve_refuse, HookType.AFTER)
     HookRegistry.register(RESOLVE_TARGET, after_resolve, HookType.AFTER)
     HookRegistry.register(LOAD_MODEL_TARGET, before_load_model, HookType.BEFORE)
+    for target, around in CPU_SPECULATIVE_HOOKS:
+        HookRegistry.register(target, around, HookType.AROUND)

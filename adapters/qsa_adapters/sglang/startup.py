@@ -26,20 +26,15 @@ class StartupRefusal(SystemExit):
 
 
 def speculative_refusal(cfg: Any, algorithm: str | None) -> str | None:
-    """Speculative decoding (`algorithm` as the user named it): chain drafts, not on the CPU."""
+    """Speculative decoding (`algorithm` as the user named it): chain drafts only."""
     if getattr(cfg, "speculative_algorithm", None) is None:
         return None
-    device = str(getattr(cfg, "device", None) or "").split(":")[0]
-    if device == "cpu":
-        return (
-            f"--speculative-algorithm {algorithm} cannot run on the CPU: SGLang 0.5.23's EAGLE/NEXTN "
-            "verification needs the CPU build of sgl_kernel (SGLANG_USE_CPU_ENGINE=1), which is not on PyPI, "
-            "and without it its greedy tree verification accepts nothing; drop --speculative-algorithm "
-            "or serve on a GPU"
-        )
     topk = getattr(cfg, "speculative_eagle_topk", None)
     if topk not in (None, 1):
-        return f"--speculative-eagle-topk must be 1 (qsa_core verifies chain drafts only), got {topk}"
+        return (
+            f"--speculative-eagle-topk must be 1 with --speculative-algorithm {algorithm} "
+            f"(qsa_core verifies chain drafts only), got {topk}"
+        )
     return None
 
 

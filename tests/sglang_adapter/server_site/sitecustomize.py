@@ -10,12 +10,6 @@ that never import a target pay nothing.
   so its CPU forward (`forward_native`) is routed to SGLang's own portable
   `_forward_impl` (whose torch fallbacks run on the CPU); and the rotary embedding's CPU
   flag is set as the qsa_core plugin sets it for itself.
-- QSA_TEST_SPEC_CPU=1 (the qsa_core server with NEXTN): makes SGLang's EAGLE path run on the
-  CPU. Its tree build and greedy verification reach sgl_kernel's CPU build only (not on
-  PyPI; without it verification accepts nothing), so they are routed to the Triton kernels
-  SGLang ships for XPU, in the interpreter; the launcher's CPU refusal of speculation, whose
-  reason this removes, is lifted; the MTP draft layer runs SGLang's own QSA, whose indexer is
-  routed as for the baseline.
 - QSA_TEST_DUMP=<folder> with QSA_TEST_DUMP_RID=<request id>: every QSA layer's selection
   rows of that request's steps (single-request steps only) are saved to
   `<folder>/<pid>-<n>.pt` as {"layer", "positions" [T], "selection" [T, W]} (token
@@ -78,58 +72,11 @@ def _dump_wanted(forward_batch):
     return bool(os.environ.get("QSA_TEST_DUMP")) and list(getattr(forward_batch, "rids", None) or []) == [rid]
 
 
-BASELINE = os.environ.get("QSA_TEST_BASELINE") == "1"
-SPEC_CPU = os.environ.get("QSA_TEST_SPEC_CPU") == "1"
-
-if BASELINE:
+if os.environ.get("QSA_TEST_BASELINE") == "1":
 
     @on_import("sglang.srt.layers.rotary_embedding.base")
     def _rope_cpu(module):
         module._is_cpu = True  # as the qsa_core plugin does for itself (RotaryEmbedding's native path)
-
-
-if SPEC_CPU:
-
-    @on_import("sglang.kernels.ops.speculative.spec_tree")
-    def _tree_on_triton(module):
-        """EAGLE's tree build and greedy verification through the Triton kernels SGLang ships
-        for XPU (interpreted on the CPU): SGLang routes the CPU to sgl_kernel's CPU build only."""
-
-        def build(*args):
-            module.sgl_build_tree_kernel_triton(*args)
-
-        def verify(predicts, accept_index, accept_token_num, candidates, retrieve_index, retrieve_next_token,
-                   retrieve_next_sibling, target_predict, topk=-1):
-            module.verify_tree_greedy_triton(
-                predicts=predicts, accept_index=accept_index, accept_token_num=accept_token_num,
-                candidates=candidates, retrieve_index=retrieve_index, retrieve_next_token=retrieve_next_token,
-                retrieve_next_sibling=retrieve_next_sibling, target_predict=target_predict,
-            )
-            return predicts, accept_index, accept_token_num
-
-        module.build_tree_kernel_efficient_func = build
-        module.verify_tree_greedy_func = verify
-
-    @on_import("sglang.srt.speculative.eagle_utils")
-    def _eagle_utils(module):
-        tree = sys.modules["sglang.kernels.ops.speculative.spec_tree"]  # imported (and patched) by eagle_utils
-        module.build_tree_kernel_efficient_func = tree.build_tree_kernel_efficient_func
-        module.verify_tree_greedy_func = tree.verify_tree_greedy_func
-
-    @on_import("qsa_adapters.sglang.startup")
-    def _speculation_on_the_cpu(module):
-        """The launcher refuses speculation on the CPU because of the two functions above;
-        with them patched, only the device-independent rules stay."""
-        refusal = module.speculative_refusal
-
-        def speculative_refusal(cfg, algorithm):
-            reason = refusal(cfg, algorithm)
-            return None if reason is not None and "cannot run on the CPU" in reason else reason
-
-        module.speculative_refusal = speculative_refusal
-
-
-if BASELINE or SPEC_CPU:  # SGLang's own QSA runs: the baseline server, or the MTP draft layer
 
     @on_import("sglang.srt.layers.attention.qsa.qsa_indexer")
     def _indexer_cpu(module):
@@ -143,10 +90,10 @@ if BASELINE or SPEC_CPU:  # SGLang's own QSA runs: the baseline server, or the M
                 _save(self.layer_id, forward_batch.positions[:n], out)
             return out
 
-        cls.forward_native = forward_native  # SGLang's own portable forward
+        cls.forward_native = forward_native  # makes the baseline run: SGLang's own portable forward
 
 
-if not BASELINE:  # a qsa_core server
+else:
 
     _context = {}
 
