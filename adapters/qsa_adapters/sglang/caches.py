@@ -82,7 +82,9 @@ def layer_cache(
     )
 
 
-def checked_layer_cache(pool, ring: AdapterRing, layer_id: int, config: QSAConfig, dtype: torch.dtype, **kw) -> QSALayerCache:
+def checked_layer_cache(
+    pool, ring: AdapterRing, layer_id: int, config: QSAConfig, dtype: torch.dtype, **kw
+) -> QSALayerCache:
     """`layer_cache` plus the core's shape and dtype checks for model dtype `dtype` (run once
     per layer)."""
     cache = layer_cache(pool, ring, layer_id, **kw)

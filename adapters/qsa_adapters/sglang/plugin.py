@@ -6,7 +6,8 @@ registers the backend factory, adds the name to the `--attention-backend` choice
 of `startup`, hooks the two points where `cpu.apply_cpu_settings` prepares SGLang for
 `qsa_core` on the CPU (`ServerArgs.resolve_once` in the launcher, `ModelRunner.load_model` in
 the scheduler), and the three SGLang functions speculative decoding needs on the CPU
-(`cpu_speculative`, pass-through elsewhere). The name `qsa` keeps meaning SGLang's own QSA backend.
+(`cpu_speculative`, pass-through elsewhere). The name `qsa` keeps meaning SGLang's own QSA
+backend.
 """
 
 from __future__ import annotations

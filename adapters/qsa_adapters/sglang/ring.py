@@ -66,7 +66,6 @@ class AdapterRing:
         mrope: bool,
     ) -> None:
         self.capacity = capacity
-        self.num_request_slots = num_request_slots
         shape = (num_request_slots, capacity)
         self.keys = {int(i): torch.zeros(*shape, index_head_dim, dtype=dtype, device=device) for i in layer_ids}
         self.positions = (

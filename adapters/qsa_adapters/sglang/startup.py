@@ -4,8 +4,9 @@ The plugin hooks AFTER `ServerArgs.resolve_once`, which SGLang's launcher (and `
 before it spawns the scheduler processes: a refusal there ends the launcher with exit code 1
 and one line naming the flag, instead of a scheduler traceback 20-40 s later. The values are
 the resolved ones (`--speculative-algorithm NEXTN` reads EAGLE, `--dtype auto` the model's
-dtype as SGLang's `ModelConfig` resolves it). `checks.check_runner` keeps the same rules in the
-scheduler for callers that build a ModelRunner without the launcher.
+dtype as SGLang's `ModelConfig` resolves it). The scheduler keeps backstops for callers that
+build a ModelRunner without the launcher: split backends (`checks.check_runner`), the pool's
+dtype (`caches.check_pool`), draft trees (`batch_map`).
 """
 
 from __future__ import annotations
