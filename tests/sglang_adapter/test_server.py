@@ -192,7 +192,9 @@ def spec_run(servers, checkpoint, tmp_path_factory, core_run):
     """qsa_core with NEXTN on LONG (after core_run: one server at a time). The plugin makes
     SGLang's EAGLE path run on the CPU itself (`cpu_speculative`): no test patch."""
     folder = tmp_path_factory.mktemp("qsa_core_nextn")
-    env = {"TORCHDYNAMO_DISABLE": "1"}
+    dump = folder / "selections"
+    dump.mkdir()
+    env = {"TORCHDYNAMO_DISABLE": "1", "QSA_TEST_DUMP": str(dump), "QSA_TEST_DUMP_RID": "long"}
     saved = os.environ.pop("TRITON_INTERPRET", None)  # the plugin sets it, as for core_run
     try:
         server = servers(checkpoint, "qsa_core", str(folder / "server.log"), env, NEXTN)
@@ -204,7 +206,23 @@ def spec_run(servers, checkpoint, tmp_path_factory, core_run):
     out["long_s"] = time.monotonic() - t0
     server.stop()
     out["log"] = server.log_text()
+    out["selections"], out["recomputed"] = load_last_selections(str(dump))
     return out
+
+
+def load_last_selections(folder: str) -> tuple[dict[tuple[int, int], frozenset], int]:
+    """(layer, position) -> the selection of the last step that computed that row, and how many
+    rows were computed again. With speculation a position reappears after a rejected window; its
+    last computation is the committed one (as the verified token or an accepted draft)."""
+    rows: dict[tuple[int, int], frozenset] = {}
+    again = 0
+    paths = glob.glob(os.path.join(folder, "*.pt"))
+    for path in sorted(paths, key=lambda f: [int(x) for x in os.path.basename(f)[:-3].split("-")]):
+        rec = torch.load(path)
+        for p, sel in zip(rec["positions"].tolist(), rec["selection"].tolist()):
+            again += (rec["layer"], p) in rows
+            rows[(rec["layer"], p)] = frozenset(t for t in sel if t >= 0)
+    return rows, again
 
 
 @pytest.fixture(scope="module")
@@ -373,13 +391,14 @@ def test_tp2_server_tokens_and_selections_equal_tp1(core_run, tp2, hf):
            [len(tp1), differ, round(tp2["start_s"], 1), round(tp2["long_s"], 1)])
 
 
-def test_speculative_greedy_equals_greedy_without(core_run, spec_run):
+def test_speculative_greedy_equals_greedy_without(core_run, spec_run, hf):
     """NEXTN with 3 draft tokens: the target's QSA layers on qsa_core (TARGET_VERIFY windows of
     4 rows, an 8-row raw-key ring per request), the MTP draft layer on SGLang's own QSA with its
     shared selection across draft steps. The tiny checkpoint has no trained MTP weights (SGLang
     leaves them as allocated), so the drafts are arbitrary tokens and windows are rejected:
     the case where a ring of r rows loses committed raw keys. Greedy ids must equal qsa_core's
-    without speculation on the 2200-token prompt (past the budget: the group keys decide)."""
+    without speculation on the 2200-token prompt, and so must every committed row's selection
+    in both layers (past the budget the group keys decide them)."""
     log = spec_run["log"]
     assert "raw-key ring 8 rows per request" in log
     assert "the speculative draft model runs on SGLang's own QSA backend" in log
@@ -389,6 +408,17 @@ def test_speculative_greedy_equals_greedy_without(core_run, spec_run):
     verifies, proposed = meta["spec_verify_ct"], meta["spec_num_proposed_drafts"]
     assert verifies >= NEW // 4 and proposed == 3 * verifies, meta
     assert spec_run["long"]["ids"] == core_run["long"]["ids"]
-    report("NEXTN 3 drafts on LONG: verify windows, drafts accepted of proposed, start s, LONG s",
-           [verifies, f"{meta['spec_num_correct_drafts']} / {proposed}", round(spec_run["start_s"], 1),
-            round(spec_run["long_s"], 1)])
+    # Every committed row (prompt and generated tokens) selected what it selected without
+    # speculation; a difference only where the score gap is below bf16 resolution.
+    spec, plain = spec_run["selections"], core_run["selections"]
+    assert spec_run["recomputed"] > 0, "no row was computed twice: no window was rejected"
+    differ = 0
+    for key, sel in plain.items():
+        assert key in spec, f"row {key} not computed with speculation"
+        if spec[key] != sel:
+            assert explained(hf["scores"][key[0]], key[1], spec[key], sel), f"row {key}: selections differ"
+            differ += 1
+    report("NEXTN 3 drafts on LONG: verify windows, drafts accepted of proposed, rows compared, rows recomputed, "
+           "rows differing (bf16 ties), start s, LONG s",
+           [verifies, f"{meta['spec_num_correct_drafts']} / {proposed}", len(plain), spec_run["recomputed"], differ,
+            round(spec_run["start_s"], 1), round(spec_run["long_s"], 1)])
