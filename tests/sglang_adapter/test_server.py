@@ -398,7 +398,9 @@ def test_speculative_greedy_equals_greedy_without(core_run, spec_run, hf):
     leaves them as allocated), so the drafts are arbitrary tokens and windows are rejected:
     the case where a ring of r rows loses committed raw keys. Greedy ids must equal qsa_core's
     without speculation on the 2200-token prompt, and so must every committed row's selection
-    in both layers (past the budget the group keys decide them)."""
+    in both layers (past the budget the group keys decide them). A lost raw key changes a
+    selection only where the wrong group key crosses a top-k boundary: with the ring cut to r
+    rows this run was seen to pass too, so the ring itself is checked in test_speculative.py."""
     log = spec_run["log"]
     assert "raw-key ring 8 rows per request" in log
     assert "the speculative draft model runs on SGLang's own QSA backend" in log
