@@ -82,8 +82,10 @@ def sglang_layer(hf_attn, layer_id: int, dtype: torch.dtype, mrope_section: list
 class Env:
     """Pools, allocator, backend and request bookkeeping of one SGLang scheduler (CPU)."""
 
-    def __init__(self, layer=None, *, layer_id=3, config=None, slots=2048, max_reqs=6, max_ctx=512, dtype=torch.bfloat16):
-        """layer: the Qwen4ExpAttentionDecoderLayer `run` drives (None: metadata-only tests)."""
+    def __init__(self, layer=None, *, layer_id=3, config=None, slots=2048, max_reqs=6, max_ctx=512, dtype=torch.bfloat16,
+                 spec_algorithm=None):
+        """layer: the Qwen4ExpAttentionDecoderLayer `run` drives (None: metadata-only tests);
+        spec_algorithm: the runner's `SpeculativeAlgorithm` (None: no speculative decoding)."""
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
         config = config or sglang_config()
@@ -101,6 +103,7 @@ class Env:
         )
         self.runner = types.SimpleNamespace(
             token_to_kv_pool=self.pool, req_to_token_pool=self.r2t, device="cpu", is_draft_worker=False,
+            spec_algorithm=spec_algorithm,
             model_config=types.SimpleNamespace(hf_text_config=config, hf_config=config, context_len=max_ctx),
         )
         self.backend = ATTENTION_BACKENDS["qsa_core"](self.runner)

@@ -5,7 +5,6 @@ import types
 import pytest
 import torch
 from qsa_adapters.sglang.batch_map import step_inputs
-from qsa_adapters.sglang.ring_guard import RingContinuity
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang_harness import PAGE, Env, ensure_plugin
 
@@ -29,11 +28,14 @@ def expect_common(env, fb, meta, rids):
     assert torch.equal(meta.block_table, table[:, : meta.block_table.shape[1]].to(torch.int32))
     assert torch.equal(meta.slot_mapping, fb.out_cache_loc)
     assert torch.equal(meta.ring_index, rows.to(torch.int32))
-    # SGLang's ring row req * r + p % r for each request's last r rows; compressed at slot // r.
+    # The adapter's ring row req * C + p % C (C = r without speculation) for each request's last C
+    # rows; compressed at slot // r.
+    C = env.backend.ring.capacity
+    assert C == R
     req = meta.token_to_req.long()
     p = meta.positions
-    last = torch.arange(meta.num_tokens) >= meta.query_start_loc[1:].long()[req] - R
-    assert torch.equal(meta.ring_slot, torch.where(last, rows[req] * R + p % R, -1))
+    last = torch.arange(meta.num_tokens) >= meta.query_start_loc[1:].long()[req] - C
+    assert torch.equal(meta.ring_slot, torch.where(last, rows[req] * C + p % C, -1))
     closes = (p + 1) % R == 0
     assert torch.equal(meta.compressed_slot, torch.where(closes, fb.out_cache_loc // R, -1))
 
@@ -124,20 +126,6 @@ def test_prefix_ending_inside_a_group_needs_this_requests_ring(env):
     env.admit("c", prefix_from="a", prefix=66)  # a cache hit ending inside a group
     with pytest.raises(ValueError, match="ends inside a group of 4"):
         meta_of(env, env.extend({"c": 3}))
-
-
-def test_mrope_continuation_may_not_run_past_its_group():
-    guard = RingContinuity(R, capacity=8, mrope=True)
-    first = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["a"], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[6])
-    guard.check(first)
-    ok = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["a"], extend_prefix_lens_cpu=[6], extend_seq_lens_cpu=[2])
-    guard.check(ok)  # 6 .. 7 stays inside group 1
-    past = types.SimpleNamespace(forward_mode=ForwardMode.MIXED, rids=["a"], extend_prefix_lens_cpu=[8], extend_seq_lens_cpu=[1])
-    guard.check(past)  # aligned prefix
-    guard.check(types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["b"], extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[5]))
-    crossing = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, rids=["b"], extend_prefix_lens_cpu=[5], extend_seq_lens_cpu=[4])
-    with pytest.raises(ValueError, match="must end by the group's end"):
-        guard.check(crossing)
 
 
 def test_a_request_the_device_guards_flag_is_logged_at_the_next_step(env, monkeypatch):

@@ -9,7 +9,8 @@ import types
 import pytest
 import torch
 from hf_oracle import tiny_config
-from qsa_adapters.sglang.checks import SPECULATIVE_REFUSAL, check_runner, model_qsa_config
+from qsa_adapters.sglang.checks import check_runner, model_qsa_config
+from qsa_adapters.sglang.plugin import create_backend
 from qsa_adapters.sglang.caches import check_pool
 from qsa_adapters.sglang.hooks import backend_wrapper_around, find_core_backend, self_attention_around
 from qsa_adapters.sglang.layer import run_qsa_layer
@@ -145,14 +146,15 @@ def test_layer_hook_runs_the_original_unless_qsa_core_is_active(env):
     assert calls == [args, args, (not_qsa, "p", "h", "b")]
 
 
-def test_refuses_speculative_decoding_and_split_backends(env):
+def test_draft_runner_gets_sglang_qsa_and_split_backends_are_refused(env):
+    """A speculative draft runner (the MTP layer) is served by SGLang's own QSA backend; the
+    target runner, speculating or not, by qsa_core."""
+    from sglang.srt.layers.attention.qwen_sparse_attn_backend import QwenSparseAttnBackend
+
+    draft = types.SimpleNamespace(**{**vars(env.runner), "is_draft_worker": True})
+    assert type(create_backend(draft)) is QwenSparseAttnBackend
     eagle = types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.from_string("EAGLE"))
-    with pytest.raises(NotImplementedError, match="speculative decoding") as err:
-        check_runner(eagle)
-    assert str(err.value) == SPECULATIVE_REFUSAL
-    with pytest.raises(NotImplementedError, match="speculative decoding"):
-        check_runner(types.SimpleNamespace(is_draft_worker=True))
-    check_runner(types.SimpleNamespace(spec_algorithm=SpeculativeAlgorithm.from_string(None)))
+    check_runner(eagle)  # speculation is refused by the launcher on the CPU only (test_startup.py)
     split = types.SimpleNamespace(prefill_attention_backend_str="qsa_core", decode_attention_backend_str="fa3")
     with pytest.raises(ValueError, match="decode='fa3'"):
         check_runner(split)

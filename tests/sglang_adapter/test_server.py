@@ -10,6 +10,7 @@ see `server_site/`). Each server gets the same requests through real clients:
   every QSA layer's selection rows are dumped;
 - three concurrent requests of different lengths: OPENAI (2140 tokens, the `openai`
   client on /v1/completions), MID (1100) and SHORT (300) on /generate.
+A third server runs qsa_core with NEXTN speculative decoding (3 draft tokens) on LONG only.
 Greedy ids must be equal between the servers and equal to transformers' generate where
 its top-1 margin is above bf16 noise; dense attention (HF) must change LONG's tokens; the
 dumped selections must be row-for-row equal, every difference explained by a score gap
@@ -82,7 +83,7 @@ def generate(url: str, prompt: list[int], rid: str) -> dict:
     r.raise_for_status()
     out = r.json()
     assert out["meta_info"]["prompt_tokens"] == len(prompt), "one word must be one token"
-    return {"ids": out["output_ids"], "text": out["text"]}
+    return {"ids": out["output_ids"], "text": out["text"], "meta": out["meta_info"]}
 
 
 def complete(url: str, prompt: list[int]) -> str:
@@ -179,6 +180,49 @@ def runs(servers, checkpoint, tmp_path_factory, core_run):
 def tp2(servers, checkpoint, tmp_path_factory, core_run):
     """qsa_core at `--tp 2` (each server stops before the next starts): LONG, selections dumped per rank."""
     return serve(servers, checkpoint, "qsa_core", tmp_path_factory.mktemp("qsa_core_tp2"), tp=2)
+
+
+# NEXTN as the released model runs it: the MTP layer drafts 3 tokens, chain drafts.
+NEXTN = ("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+         "--speculative-num-draft-tokens", "4")
+
+
+@pytest.fixture(scope="module")
+def spec_run(servers, checkpoint, tmp_path_factory, core_run):
+    """qsa_core with NEXTN on LONG (after core_run: one server at a time). The plugin makes
+    SGLang's EAGLE path run on the CPU itself (`cpu_speculative`): no test patch."""
+    folder = tmp_path_factory.mktemp("qsa_core_nextn")
+    dump = folder / "selections"
+    dump.mkdir()
+    env = {"TORCHDYNAMO_DISABLE": "1", "QSA_TEST_DUMP": str(dump), "QSA_TEST_DUMP_RID": "long"}
+    saved = os.environ.pop("TRITON_INTERPRET", None)  # the plugin sets it, as for core_run
+    try:
+        server = servers(checkpoint, "qsa_core", str(folder / "server.log"), env, NEXTN)
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+    t0 = time.monotonic()
+    out = {"start_s": server.start_s, "long": generate(server.url, LONG, "long")}
+    out["long_s"] = time.monotonic() - t0
+    server.stop()
+    out["log"] = server.log_text()
+    out["selections"], out["recomputed"] = load_last_selections(str(dump))
+    return out
+
+
+def load_last_selections(folder: str) -> tuple[dict[tuple[int, int], frozenset], int]:
+    """(layer, position) -> the selection of the last step that computed that row, and how many
+    rows were computed again. With speculation a position reappears after a rejected window; its
+    last computation is the committed one (as the verified token or an accepted draft)."""
+    rows: dict[tuple[int, int], frozenset] = {}
+    again = 0
+    paths = glob.glob(os.path.join(folder, "*.pt"))
+    for path in sorted(paths, key=lambda f: [int(x) for x in os.path.basename(f)[:-3].split("-")]):
+        rec = torch.load(path)
+        for p, sel in zip(rec["positions"].tolist(), rec["selection"].tolist()):
+            again += (rec["layer"], p) in rows
+            rows[(rec["layer"], p)] = frozenset(t for t in sel if t >= 0)
+    return rows, again
 
 
 @pytest.fixture(scope="module")
@@ -345,3 +389,38 @@ def test_tp2_server_tokens_and_selections_equal_tp1(core_run, tp2, hf):
             differ += 1
     report("TP 2 server: rows, rows differing from TP 1 (bf16 ties), start s, LONG s",
            [len(tp1), differ, round(tp2["start_s"], 1), round(tp2["long_s"], 1)])
+
+
+def test_speculative_greedy_equals_greedy_without(core_run, spec_run, hf):
+    """NEXTN with 3 draft tokens: the target's QSA layers on qsa_core (TARGET_VERIFY windows of
+    4 rows, an 8-row raw-key ring per request), the MTP draft layer on SGLang's own QSA with its
+    shared selection across draft steps. The tiny checkpoint has no trained MTP weights (SGLang
+    leaves them as allocated), so the drafts are arbitrary tokens and windows are rejected:
+    the case where a ring of r rows loses committed raw keys. Greedy ids must equal qsa_core's
+    without speculation on the 2200-token prompt, and so must every committed row's selection
+    in both layers (past the budget the group keys decide them). A lost raw key changes a
+    selection only where the wrong group key crosses a top-k boundary: with the ring cut to r
+    rows this run was seen to pass too, so the ring itself is checked in test_speculative.py."""
+    log = spec_run["log"]
+    assert "raw-key ring 8 rows per request" in log
+    assert "the speculative draft model runs on SGLang's own QSA backend" in log
+    assert "QSA MTP index sharing enabled" in log
+    assert "qsa_core on the CPU: TRITON_INTERPRET=1 (was None" in log, "the plugin must set it, not the test"
+    meta = spec_run["long"]["meta"]
+    verifies, proposed = meta["spec_verify_ct"], meta["spec_num_proposed_drafts"]
+    assert verifies >= NEW // 4 and proposed == 3 * verifies, meta
+    assert spec_run["long"]["ids"] == core_run["long"]["ids"]
+    # Every committed row (prompt and generated tokens) selected what it selected without
+    # speculation; a difference only where the score gap is below bf16 resolution.
+    spec, plain = spec_run["selections"], core_run["selections"]
+    assert spec_run["recomputed"] > 0, "no row was computed twice: no window was rejected"
+    differ = 0
+    for key, sel in plain.items():
+        assert key in spec, f"row {key} not computed with speculation"
+        if spec[key] != sel:
+            assert explained(hf["scores"][key[0]], key[1], spec[key], sel), f"row {key}: selections differ"
+            differ += 1
+    report("NEXTN 3 drafts on LONG: verify windows, drafts accepted of proposed, rows compared, rows recomputed, "
+           "rows differing (bf16 ties), start s, LONG s",
+           [verifies, f"{meta['spec_num_correct_drafts']} / {proposed}", len(plain), spec_run["recomputed"], differ,
+            round(spec_run["start_s"], 1), round(spec_run["long_s"], 1)])

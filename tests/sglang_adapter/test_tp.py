@@ -7,6 +7,7 @@ import pytest
 import torch
 from qsa_adapters.sglang.backend import rank_config
 from qsa_adapters.sglang.caches import checked_layer_cache
+from qsa_adapters.sglang.ring import AdapterRing
 from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
 
 from qsa_core import QSAConfig
@@ -43,9 +44,10 @@ def test_layer_cache_of_a_rank_with_one_kv_head():
         qsa_index_head_dim=cfg.index_head_dim, qsa_compress_ratio=cfg.compress_ratio,
         qsa_token_topk=cfg.token_topk, num_request_slots=requests,
     )
-    cache = checked_layer_cache(pool, 0, cfg, torch.bfloat16, page_size=PAGE, mrope=False)
+    ring = AdapterRing.for_pool(pool, capacity=4, mrope=False)
+    cache = checked_layer_cache(pool, ring, 0, cfg, torch.bfloat16, page_size=PAGE)
     pages = cache.k.shape[0]
     assert tuple(cache.k.shape) == tuple(cache.v.shape) == (pages, PAGE, 1, 256)
     assert cache.k.data_ptr() == pool.get_key_buffer(0).data_ptr()  # a view, no copy
     assert tuple(cache.compressed.shape[1:]) == (PAGE // 4, 128)
-    assert tuple(cache.ring.shape[1:]) == (4, 128)
+    assert tuple(cache.ring.shape) == (requests, 4, 128) and cache.ring_positions is None

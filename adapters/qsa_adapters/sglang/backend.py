@@ -32,6 +32,7 @@ from .batch_map import DECODE_LIKE, step_inputs
 from .caches import check_pool, checked_layer_cache, layer_cache
 from .checks import model_qsa_config
 from .cuda_graph import GraphInputs
+from .ring import AdapterRing, ring_capacity, speculative_tokens
 from .ring_guard import RingContinuity
 
 logger = logging.getLogger(__name__)
@@ -96,29 +97,31 @@ class QSACoreBackend(AttentionBackend):
         self.mrope = self.config.uses_mrope
         # Every position of a request lives in req_to_token: its width bounds seq_len.
         self.max_seq_len = self.req_to_token.shape[1]
+        # The raw-key ring is the adapter's: C rows per request hold the open group and a draft window.
+        self.ring = AdapterRing.for_pool(pool, ring_capacity(r, speculative_tokens(runner)), self.mrope)
         self.planner = self._planner(max_num_tokens=256)
         self.plan: QSAPlan | None = None
-        self.ring_guard = RingContinuity(r, capacity=4 * pool.qsa_num_request_slots, mrope=self.mrope)
+        self.ring_guard = RingContinuity(r, capacity=4 * pool.qsa_num_request_slots)
         self.graph: GraphInputs | None = None
         self.guard_watch = GuardWatch()  # logs requests the device guards made inert, a step late
         self.forward_metadata = None
         self._checked_layers: set[int] = set()
         logger.info(
-            "qsa_core: QSA layers run on qsa_core (ratio %d, budget %d, page %d, index dtype %s, "
-            "ops backend %s; attention-TP rank %d of %d: %d query / %d KV heads)",
-            r, self.config.token_topk, self.page_size, self.config.index_dtype,
+            "qsa_core: QSA layers run on qsa_core (ratio %d, budget %d, page %d, raw-key ring %d rows per "
+            "request, index dtype %s, ops backend %s; attention-TP rank %d of %d: %d query / %d KV heads)",
+            r, self.config.token_topk, self.page_size, self.ring.capacity, self.config.index_dtype,
             self.planner.backend, tp_rank, tp_size, self.config.num_heads, self.config.num_kv_heads,
         )
 
     # -- per-step metadata ------------------------------------------------------------
 
     def _planner(self, max_num_tokens: int, graphs: bool = False) -> QSAPlanner:
-        """Main slots: the pool's `size` plus the reserved page 0; the ring is C = r rows per
-        request slot. A planner for CUDA graphs never reads values back at a replay refresh
+        """Main slots: the pool's `size` plus the reserved page 0; the ring: the adapter's C rows
+        per request slot. A planner for CUDA graphs never reads values back at a replay refresh
         (the device guards stand in for the host value checks, as on a GPU)."""
-        pool, r = self.token_to_kv_pool, self.config.compress_ratio
+        pool = self.token_to_kv_pool
         return QSAPlanner(
-            self.config, dtype=self.dtype, page_size=self.page_size, ring_capacity=r,
+            self.config, dtype=self.dtype, page_size=self.page_size, ring_capacity=self.ring.capacity,
             max_num_tokens=max_num_tokens, max_model_len=self.max_seq_len, device=self.device,
             num_slots=pool.size + self.page_size, num_ring_rows=pool.qsa_num_request_slots,
             value_checks=False if graphs else None,
@@ -227,12 +230,11 @@ class QSACoreBackend(AttentionBackend):
     def _cache(self, layer, config: QSAConfig):
         kw = dict(
             page_size=self.page_size,
-            mrope=self.mrope,
             k_scale=float(layer.k_scale_float or 1.0),
             v_scale=float(layer.v_scale_float or 1.0),
         )
         if layer.layer_id in self._checked_layers:
-            return layer_cache(self.token_to_kv_pool, layer.layer_id, **kw)
-        cache = checked_layer_cache(self.token_to_kv_pool, layer.layer_id, config, self.dtype, **kw)
+            return layer_cache(self.token_to_kv_pool, self.ring, layer.layer_id, **kw)
+        cache = checked_layer_cache(self.token_to_kv_pool, self.ring, layer.layer_id, config, self.dtype, **kw)
         self._checked_layers.add(layer.layer_id)
         return cache

@@ -4,8 +4,7 @@
 |---|---|---|
 | k, v | `get_key_buffer` / `get_value_buffer` [slots, Hkv, D] | [slots / page, page, Hkv, D] |
 | compressed | `get_qsa_compressed_k_buffer` [cap, 1, Di], row = main slot // r | [cap / (page / r), page / r, Di] |
-| ring (C = r) | `get_qsa_key_state_buffer` [request slots * r, 1, Di] bf16, row req * r + p % r | [request slots, r, Di] |
-| ring_positions | `qsa_rope_position_buffer` [request slots * r, 3] int64, shared by all layers | [request slots, r, 3] (MRoPE only) |
+| ring, ring_positions | the adapter's own `ring.AdapterRing` (C rows per request; SGLang's pool ring of r rows is not used) | [request slots, C, Di], [request slots, C, 3] (MRoPE only) |
 
 The getters are called per forward so that the pool's layer-wise transfer waits still apply.
 """
@@ -14,6 +13,8 @@ from __future__ import annotations
 
 import torch
 from qsa_core import QSAConfig, QSALayerCache, validate_layer_cache
+
+from .ring import AdapterRing
 
 INDEX_DTYPES = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
 # The pool's K/V dtype as a `QSAConfig.kv_cache_dtype` (any other: "auto", the model dtype).
@@ -64,24 +65,28 @@ def _pages(buf: torch.Tensor, rows_per_page: int, *, single_head: bool = False) 
 
 
 def layer_cache(
-    pool, layer_id: int, *, page_size: int, mrope: bool, k_scale: float = 1.0, v_scale: float = 1.0
+    pool, ring: AdapterRing, layer_id: int, *, page_size: int, k_scale: float = 1.0, v_scale: float = 1.0
 ) -> QSALayerCache:
-    """The core's view of one QSA layer's caches in `pool` (global `layer_id`)."""
+    """The core's view of one QSA layer's caches: K/V and compressed keys in `pool` (global
+    `layer_id`), raw keys (and MRoPE positions) in the adapter's `ring`."""
     r = pool.qsa_compress_ratio
+    keys, positions = ring.views(layer_id)
     return QSALayerCache(
         k=_pages(pool.get_key_buffer(layer_id), page_size),
         v=_pages(pool.get_value_buffer(layer_id), page_size),
         compressed=_pages(pool.get_qsa_compressed_k_buffer(layer_id), page_size // r, single_head=True),
-        ring=_pages(pool.get_qsa_key_state_buffer(layer_id), r, single_head=True),
-        ring_positions=_pages(pool.qsa_rope_position_buffer, r) if mrope else None,
+        ring=keys,
+        ring_positions=positions,
         k_scale=k_scale,
         v_scale=v_scale,
     )
 
 
-def checked_layer_cache(pool, layer_id: int, config: QSAConfig, dtype: torch.dtype, **kw) -> QSALayerCache:
+def checked_layer_cache(
+    pool, ring: AdapterRing, layer_id: int, config: QSAConfig, dtype: torch.dtype, **kw
+) -> QSALayerCache:
     """`layer_cache` plus the core's shape and dtype checks for model dtype `dtype` (run once
     per layer)."""
-    cache = layer_cache(pool, layer_id, **kw)
-    validate_layer_cache(cache, config, kw["page_size"], ring_capacity=config.compress_ratio, dtype=dtype)
+    cache = layer_cache(pool, ring, layer_id, **kw)
+    validate_layer_cache(cache, config, kw["page_size"], ring_capacity=ring.capacity, dtype=dtype)
     return cache

@@ -8,22 +8,10 @@ from qsa_core import QSAConfig
 
 from .caches import INDEX_DTYPES, KV_DTYPES
 
-SPECULATIVE_REFUSAL = (
-    "qsa_core does not serve speculative decoding yet. SGLang's raw-key ring holds r rows per request "
-    "(row req_pool_idx * r + position % r), so with 3 or more draft tokens a rejected draft overwrites "
-    "a committed raw key of the still-open group (design.md §6.7); serving drafts correctly needs a ring of "
-    "C = r * ceil((r + num_speculative_tokens) / r) rows per request owned by the adapter, which is not "
-    "built, and SGLang's MTP draft backends are hard-wired to its own QSA backend. Drop "
-    "--speculative-algorithm, or serve with --attention-backend qsa (SGLang's own QSA, which has the "
-    "overwrite)."
-)
-
 
 def check_runner(runner: Any) -> None:
-    """Refuse runner settings the adapter cannot serve correctly."""
-    spec = getattr(runner, "spec_algorithm", None)
-    if getattr(runner, "is_draft_worker", False) or (spec is not None and not spec.is_none()):
-        raise NotImplementedError(SPECULATIVE_REFUSAL)
+    """Refuse runner settings the adapter cannot serve correctly (the launcher refuses them
+    first, `startup`; this covers runners built without it)."""
     prefill = getattr(runner, "prefill_attention_backend_str", None)
     decode = getattr(runner, "decode_attention_backend_str", None)
     if prefill is not None and decode is not None and prefill != decode:

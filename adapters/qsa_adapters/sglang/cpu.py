@@ -15,7 +15,9 @@ scheduler process) sets, before the model is built:
   communicator needs a CUDA device, so `--tp 2` fails at start-up on the CPU. Without the
   library SGLang disables PyNccl (its own fallback) and all-reduces with torch.distributed
   (gloo). Set in the launcher, so the scheduler processes inherit it.
-Any other backend or device is left exactly as SGLang configures it.
+Speculative decoding needs three more pieces on the CPU (`cpu_speculative`), active in the
+processes where these settings were applied. Any other backend or device is left exactly as
+SGLang configures it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def wants_cpu_settings(server_args: Any) -> bool:
     """True when the server runs `qsa_core` on the CPU."""
     device = str(getattr(server_args, "device", None) or "")
     return getattr(server_args, "attention_backend", None) == BACKEND_NAME and device.split(":")[0] == "cpu"
+
+
+def cpu_settings_applied() -> bool:
+    """True in a process where `apply_cpu_settings` ran (`qsa_core` on the CPU)."""
+    return _applied
 
 
 def apply_cpu_settings(server_args: Any) -> None:

@@ -7,9 +7,6 @@ folded into a MIXED step). A prefix reused from the radix cache that ends inside
 has no ring behind it and is refused. SGLang's paged radix cache matches whole pages and
 `page_size` is a multiple of r, so this only fires on a misconfiguration.
 
-MRoPE models also share one ring of 3-axis positions across layers: a continuation chunk
-that runs past the end of its straddling group would let layer i overwrite the position
-layer i + 1 still needs, so it is refused too (SGLang ends chunks on page boundaries).
 Host lists only (`rids`, `extend_prefix_lens_cpu`, `extend_seq_lens_cpu`): no device reads.
 """
 
@@ -24,10 +21,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 class RingContinuity:
     """Remembers, per request id, the length its last extend left in the ring."""
 
-    def __init__(self, compress_ratio: int, capacity: int, mrope: bool) -> None:
+    def __init__(self, compress_ratio: int, capacity: int) -> None:
         self.r = compress_ratio
         self.capacity = capacity
-        self.mrope = mrope
         self._filled: OrderedDict[str, int] = OrderedDict()
 
     def check(self, forward_batch: Any) -> None:
@@ -44,24 +40,17 @@ class RingContinuity:
         for rid, prefix, n in zip(rids, prefixes, lens):
             prefix, n = int(prefix), int(n)
             if prefix % self.r:
-                self._check_open_group(rid, prefix, n, running_decode=mixed and n == 1)
+                self._check_open_group(rid, prefix, running_decode=mixed and n == 1)
             if rid is not None:
                 self._record(rid, prefix + n)
 
-    def _check_open_group(self, rid: Any, prefix: int, n: int, running_decode: bool) -> None:
+    def _check_open_group(self, rid: Any, prefix: int, running_decode: bool) -> None:
         if not (running_decode or (rid is not None and self._filled.get(rid) == prefix)):
             raise ValueError(
                 f"request {rid!r}: cached prefix of {prefix} tokens ends inside a group of "
                 f"{self.r} (prefix % indexer_compress_ratio = {prefix % self.r}) and was not computed "
                 "by this request, so the raw-key ring does not hold the open group; qsa_core needs "
                 "reused prefixes to end on a group boundary (page_size a multiple of the ratio)"
-            )
-        group_end = (prefix // self.r + 1) * self.r
-        if self.mrope and prefix + n > group_end:
-            raise ValueError(
-                f"request {rid!r}: an MRoPE chunk that starts inside a group (prefix {prefix}) must end "
-                f"by the group's end ({group_end}), got {prefix + n}: SGLang's ring of 3-axis positions "
-                "is shared by all layers"
             )
 
     def _record(self, rid: str, length: int) -> None:
