@@ -159,8 +159,8 @@ class QSACoreBackend(AttentionBackend):
         )
         # Compile the graphs' kernel variants before capture: decode steps of 1 row per
         # request, or max_num_tokens / max_bs with speculative verification.
-        kw = dict(page_size=self.page_size, mrope=self.mrope)
-        caches = (layer_cache(self.token_to_kv_pool, i, **kw) for i in self.token_to_kv_pool.full_attention_layer_id_mapping)
+        caches = (layer_cache(self.token_to_kv_pool, self.ring, i, page_size=self.page_size)
+                  for i in self.token_to_kv_pool.full_attention_layer_id_mapping)
         line = start_up_warm(self.graph.planner, caches, decode_query_lens=(1, max(1, max_num_tokens // max_bs)))
         if line is not None:
             logger.info(line)
