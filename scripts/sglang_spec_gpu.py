@@ -24,7 +24,7 @@ Servers:
 
 Checks (exit code 1 if one fails): core-mtp1 and core-mtp3 give core's ids token for token;
 core gives qsa's. qsa-mtp3 against qsa is reported, not checked: with 3 draft tokens SGLang's
-own ring can lose a committed raw key after a rejection (SPEC trap 7), which shows as a
+own ring can lose a committed raw key after a rejection (design.md §6.7), which shows as a
 divergence only when the wrong group key moves a group across a later row's top-k boundary.
 A divergence is printed with the first differing position and the non-speculative run's
 top-2 logprob margin there (a margin below ~0.02 is a bf16 near-tie, not a bug). The

@@ -1,4 +1,4 @@
-"""TARGET_VERIFY steps with rejected drafts on the adapter's raw-key ring (SPEC trap 7).
+"""TARGET_VERIFY steps with rejected drafts on the adapter's raw-key ring (design.md §6.7).
 
 Real SGLang 0.5.23 objects on the CPU (a `Qwen4ExpAttentionDecoderLayer` with the weights of a
 random HF attention, production budget 2048, `QSATokenToKVPool`, `ForwardBatch`es as SGLang's

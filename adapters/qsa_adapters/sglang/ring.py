@@ -4,7 +4,7 @@ SGLang's `QSATokenToKVPool` keeps r rows per request (row `req_pool_idx * r + p 
 TARGET_VERIFY step writes a raw key for every row of its draft window; with 3 or more draft
 tokens a draft row past the open group lands on a row that still holds a committed raw key of
 that group, and when the draft is rejected the group is later compressed from the wrong key
-(SPEC trap 7). The adapter therefore keeps its own ring (SPEC section 4):
+(design.md §6.7). The adapter therefore keeps its own ring (design.md §4):
 
 | buffer | shape, dtype | row of position p of request slot q |
 |---|---|---|
