@@ -80,8 +80,9 @@ def warm_steps(compress_ratio: int, *, max_num_tokens: int, max_model_len: int, 
 
 
 def step_inputs(step: WarmStep, block_table: torch.Tensor) -> QSAStepInputs:
-    """A valid step of this shape that writes nothing: every slot -1, ring row 0, every
-    request's pages the first entries of block_table (int32 [>= requests, >= pages])."""
+    """A valid step of this shape that writes nothing: every slot -1, request i on ring row i
+    (requests with rows never share one), every request's pages the first entries of
+    block_table (int32 [>= requests, >= pages])."""
     dev = block_table.device
     R = step.num_decodes + (step.prefill_rows > 0)
     lens = [step.decode_query_len] * step.num_decodes + ([step.prefill_rows] if step.prefill_rows else [])
@@ -90,7 +91,7 @@ def step_inputs(step: WarmStep, block_table: torch.Tensor) -> QSAStepInputs:
     return QSAStepInputs(
         query_start_loc=qsl.to(dev), seq_lens=torch.full((R,), step.max_seq_len, dtype=torch.int32, device=dev),
         block_table=block_table, slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
-        ring_index=torch.zeros(R, dtype=torch.int32, device=dev), num_decodes=step.num_decodes,
+        ring_index=torch.arange(R, dtype=torch.int32, device=dev), num_decodes=step.num_decodes,
         max_query_len=max(lens), max_seq_len=step.max_seq_len, decode_query_len=step.decode_query_len,
     )
 
@@ -121,6 +122,8 @@ def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query
     T, L = planner.max_num_tokens, planner.max_model_len
     if max_num_reqs is None and planner._static is not None:
         max_num_reqs = planner._static["seq_lens"].shape[0]
+    if planner.num_ring_rows is not None:  # a valid step's requests each hold a ring row
+        max_num_reqs = min(max_num_reqs or T, planner.num_ring_rows)
     steps = warm_steps(cfg.compress_ratio, max_num_tokens=T, max_model_len=L, max_num_reqs=max_num_reqs,
                        decode_query_lens=decode_query_lens)
     Hi, Di, Hq, Hkv, D = cfg.index_n_heads, cfg.index_head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -70,7 +70,7 @@ def _random_step(rng: random.Random, planner, block_table, dql: int):
     qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     return QSAStepInputs(query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32), block_table=block_table,
                          slot_mapping=torch.full((sum(lens) + pad,), -1, dtype=torch.int64),
-                         ring_index=torch.zeros(len(lens), dtype=torch.int32), num_decodes=nd,
+                         ring_index=torch.arange(len(lens), dtype=torch.int32), num_decodes=nd,
                          max_query_len=max(lens), max_seq_len=max(seq), decode_query_len=dql, num_padding_rows=pad)
 
 
