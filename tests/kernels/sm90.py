@@ -247,8 +247,9 @@ def _binder_args(b: Binding) -> tuple:
 
     backend = make_backend(_target())
     kwargs = dict(b.options, debug=b.options.get("debug", b.fn.debug) or knobs.runtime.debug,
-                  instrumentation_mode=knobs.compilation.instrumentation_mode,
-                  fpsan_homomorphic_casts=knobs.compilation.fpsan_homomorphic_casts)
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # triton >= 3.9 passes it too
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
     binder = create_function_from_signature(b.fn.signature, b.fn.params, backend)
     bound_args, specialization, options = binder(*b.values, **kwargs)
     return backend, kwargs, bound_args, specialization, options
