@@ -391,7 +391,7 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     # H200, session 12 (select alone, us; bound 0, the 16-step resolve, no skip, seg 8192 ->
     # this): 128K B4 44.3 -> 35.5, 1M B4 131.9 -> 113.4, 128K B64 205.2 -> 193.6. Segments of
     # 4096 won at 128K (37.0 -> 35.5) and lost at 1M (113.4 -> 202.0: 64 lists to gather).
-    # Session 16 (select, us, bench_dsamp.py at 7bb3f93; default -> bound launch -> that at 4 warps): 1M B4 x 4
+    # Measured on the H200 (select, us, bench_dsamp.py at 7bb3f93; default -> bound launch -> that at 4 warps): 1M B4 x 4
     # MTP (16 rows) 119.9 -> 114.8 -> 112.8, 128K B16 x 4 85.8 -> 76.4 -> 73.6, 128K B64 175.8 ->
     # 171.3 -> 170.1; but chunks of 4 rows lost (1M B4 100.7 -> 102.2 -> 107.5, 1M + 3 x 64K 52.7 ->
     # 54.0 -> 57.5): programs repeating the search pay off only where a chunk runs in one wave.
