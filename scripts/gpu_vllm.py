@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -97,38 +96,17 @@ def run(out: str, name: str, llm: dict, env: dict) -> dict:
 
 @contextlib.contextmanager
 def vllm_server(folder: str, args: list[str], env: dict, log_path: str, timeout_s: float = 400) -> Iterator[str]:
-    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with `args`; yields its base URL
-    once /health answers (RuntimeError if it exits or is not healthy within timeout_s). Stopped
-    by its pid, its whole process group killed if it does not end within 60 s."""
-    from ports import free_port
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with `args` (tests'
+    `ServerProcess`); yields its base URL once /health answers, and stops it by its pid."""
+    from server_process import ServerProcess
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
-           "--port", str(port), "--skip-tokenizer-init", *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                start_new_session=True)
-        try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode} (log: {log_path})")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"server not healthy after {timeout_s:.0f} s (log: {log_path})")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    time.sleep(2)
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+    command = lambda port: [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,  # noqa: E731
+                            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", *args]
+    served = ServerProcess.launch(command, log_path, env, timeout_s)
+    try:
+        yield served.url
+    finally:
+        served.stop()
 
 
 def serve_and_ask(out: str, folder: str, env: dict) -> dict:
@@ -150,7 +128,7 @@ def serve_and_ask(out: str, folder: str, env: dict) -> dict:
 
             with ThreadPoolExecutor(max_workers=len(LENGTHS)) as pool:
                 return {"tokens": list(pool.map(complete, prompts()))}
-    except RuntimeError as e:
+    except (RuntimeError, TimeoutError) as e:
         return {"error": str(e)}
 
 

@@ -38,15 +38,15 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 
 import requests
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from server_process import ServerProcess  # noqa: E402
+
 START_TIMEOUT_S = 1200  # weights, CUDA graphs, Triton/JIT compiles of a large checkpoint
-STOP_TIMEOUT_S = 60
 REQUEST_TIMEOUT_S = 900
 PROMPT_LENS = (2200, 3100, 4500)
 SERVERS = {
@@ -58,14 +58,6 @@ SERVERS = {
 }
 CHECKED = (("core-mtp1", "core"), ("core-mtp3", "core"), ("core", "qsa"))
 REPORTED = (("qsa-mtp3", "qsa"),)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(model: str, backend: str, drafts: int, port: int, tp: int) -> list[str]:
@@ -80,41 +72,12 @@ def command(model: str, backend: str, drafts: int, port: int, tp: int) -> list[s
     return cmd
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """End the server's process group by the launcher's pid (SIGTERM, then SIGKILL)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=STOP_TIMEOUT_S)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def serve(name: str, model: str, prompts: list[list[int]], new: int, tp: int, out_dir: str) -> dict:
     backend, drafts = SERVERS[name]
-    port = free_port()
-    log_path = os.path.join(out_dir, f"{name}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(model, backend, drafts, port, tp), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    served = ServerProcess.launch(lambda port: command(model, backend, drafts, port, tp),
+                                  os.path.join(out_dir, f"{name}.log"), timeout_s=START_TIMEOUT_S)
+    url = served.url
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name}: server exited with {proc.returncode} during start-up (see {log_path})")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name}: not healthy within {START_TIMEOUT_S} s (see {log_path})")
-            try:
-                if requests.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(2)
         results = []
         for ids in prompts:
             r = requests.post(url + "/generate", timeout=REQUEST_TIMEOUT_S, json={
@@ -132,7 +95,7 @@ def serve(name: str, model: str, prompts: list[list[int]], new: int, tp: int, ou
             })
         return {"backend": backend, "drafts": drafts, "requests": results}
     finally:
-        stop(proc)
+        served.stop()
 
 
 def compare(runs: dict, a: str, b: str) -> list[dict]:

@@ -135,6 +135,17 @@ def served_alone_and_together(client: Client, vocab: int, running: Callable[[], 
             "max_running": seen[0]}
 
 
+def assert_together_equals_alone(out: dict, engine: str) -> None:
+    """`served_alone_and_together`'s result: every request got its tokens, the 12 ran batched
+    (at least 2 at once), and each gave batched what it gave alone."""
+    assert [len(ids) for ids in out["alone"]] == [LOAD_NEW_TOKENS] * len(LOAD_LENGTHS)
+    assert out["max_running"] >= 2, "the concurrent requests never ran together"
+    for i, (alone, together) in enumerate(zip(out["alone"], out["together"])):
+        assert together == alone, f"request {i} ({LOAD_LENGTHS[i]} tokens): batched {together}, alone {alone}"
+    print(f"\n{engine} load: alone {out['alone_s']:.1f} s, 12 concurrent {out['together_s']:.1f} s, "
+          f"at most {out['max_running']} running")
+
+
 def wait_until(probe, deadline_s: float, what: str, poll_s: float = 0.5):
     """Poll `probe()` until it returns a truthy value; raise with `what` and the last value past the deadline."""
     end = time.monotonic() + deadline_s

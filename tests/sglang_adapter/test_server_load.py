@@ -13,7 +13,8 @@ import os
 import pytest
 import requests
 import sglang  # noqa: F401  (the suite fails, never skips, without SGLang in its venv)
-from server_load import LOAD_LENGTHS, LOAD_NEW_TOKENS, Client, prompt, run_all, served_alone_and_together, wait_until
+from server_load import (Client, assert_together_equals_alone, prompt, run_all, served_alone_and_together,
+                         wait_until)
 from sglang_server import Server
 from tiny_checkpoint import TEXT, VOCAB_SIZE, VOCAB_WORDS, write_checkpoint
 
@@ -53,12 +54,7 @@ def assert_up(server) -> None:
 def test_concurrent_mixed_requests_equal_each_served_alone(server):
     _, client = server
     out = served_alone_and_together(client, VOCAB_WORDS, lambda: load(client.url)["num_running_reqs"], deadline_s=900)
-    assert [len(ids) for ids in out["alone"]] == [LOAD_NEW_TOKENS] * len(LOAD_LENGTHS)
-    assert out["max_running"] >= 2, "the concurrent requests never ran together"
-    for i, (alone, together) in enumerate(zip(out["alone"], out["together"])):
-        assert together == alone, f"request {i} ({LOAD_LENGTHS[i]} tokens): batched {together}, alone {alone}"
-    print(f"\nSGLang load: alone {out['alone_s']:.1f} s, 12 concurrent {out['together_s']:.1f} s, "
-          f"at most {out['max_running']} running")
+    assert_together_equals_alone(out, "SGLang")
 
 
 def test_closed_streams_free_their_memory(server):

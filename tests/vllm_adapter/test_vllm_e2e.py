@@ -11,7 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +20,7 @@ import torch
 from hf_reference import greedy, selection_gaps
 from ports import free_port
 from qwen4_checkpoint import VOCAB, add_mtp_layer, tiny_config, tiny_vl_config, write_checkpoint
+from server_process import ServerProcess
 
 from transformers import Qwen4ExpForCausalLM
 
@@ -430,32 +431,13 @@ def server(tmp_path_factory, full_checkpoint):
     """The OpenAI server (`server_command`) of the full checkpoint. Stopped by its pid at
     teardown, also when the test fails; every wait is bounded."""
     folder, _ = full_checkpoint
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = server_command(folder, port)
-    start = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    served = ServerProcess.launch(lambda port: server_command(folder, port), str(log), timeout_s=420)
     try:
-        deadline = start + 420
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-6000:]}"
-            assert time.monotonic() < deadline, f"server not healthy after 420 s:\n{log.read_text()[-6000:]}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(2)
-        print(f"\nvLLM OpenAI server healthy after {time.monotonic() - start:.0f} s")
-        yield f"http://127.0.0.1:{port}", folder
+        print(f"\nvLLM OpenAI server healthy after {served.start_s:.0f} s")
+        yield served.url, folder
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its session: the engine and worker processes
-            proc.wait(timeout=30)
+        served.stop()  # its process group: the engine and worker processes
 
 
 def test_openai_server_completions_equal_transformers(server, hf_greedy):
@@ -480,8 +462,6 @@ def test_openai_server_answers_token_ids_outside_the_vocabulary_with_400(server,
     """Under --skip-tokenizer-init vLLM 0.32 checks prompt ids only through a tokenizer: without
     the plugin's guard an id past the vocabulary kills the engine core. A 400 naming the id, then
     the server still serves a good request."""
-    import urllib.error
-
     url, model = server
 
     def post(prompt: list[int]) -> tuple[int, dict]:

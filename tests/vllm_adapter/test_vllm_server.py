@@ -9,24 +9,20 @@ not check prompt ids against the vocabulary: one id outside it kills the engine,
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import requests
-from ports import free_port
 from qwen4_checkpoint import tiny_config, write_checkpoint
-from server_load import LOAD_LENGTHS, LOAD_NEW_TOKENS, Client, prompt, run_all, served_alone_and_together, wait_until
+from server_load import (Client, assert_together_equals_alone, prompt, run_all, served_alone_and_together,
+                         wait_until)
+from server_process import ServerProcess
 
 VOCAB = 512
 CONTEXT = 4096
 MAX_SEQS = 4
 START_TIMEOUT_S = 300
-STOP_TIMEOUT_S = 30
 
 
 def save_word_tokenizer(folder: str) -> None:
@@ -50,40 +46,20 @@ def server(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("qwen4_served"))
     write_checkpoint(folder, tiny_config(max_position_embeddings=CONTEXT, vocab_size=VOCAB), seed=0)
     save_word_tokenizer(folder)
-    port = free_port()
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--attention-backend", "QSA_CORE", "--enforce-eager", "--no-enable-prefix-caching",
-           "--enable-chunked-prefill", "--block-size", "16", "--max-model-len", str(CONTEXT),
-           "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "512",
-           "--kv-cache-memory-bytes", str(64 << 20)]
-    start = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    client = Client(f"http://127.0.0.1:{port}", folder)
-
-    def up() -> bool:
-        assert proc.poll() is None, f"server exited with {proc.returncode}:\n{log.read_text()[-6000:]}"
-        try:
-            return client.healthy()
-        except requests.RequestException:
-            return False
-
+    command = lambda port: [  # noqa: E731
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--attention-backend", "QSA_CORE", "--enforce-eager", "--no-enable-prefix-caching",
+        "--enable-chunked-prefill", "--block-size", "16", "--max-model-len", str(CONTEXT),
+        "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "512",
+        "--kv-cache-memory-bytes", str(64 << 20)]
+    served = ServerProcess.launch(command, str(log), timeout_s=START_TIMEOUT_S)
     try:
-        wait_until(up, START_TIMEOUT_S, "vLLM server healthy", poll_s=2.0)
-        print(f"\nvLLM OpenAI server healthy after {time.monotonic() - start:.0f} s")
-        yield client, proc, log
+        print(f"\nvLLM OpenAI server healthy after {served.start_s:.0f} s")
+        yield Client(served.url, folder), served.proc, log
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # the launcher's process group: engine and workers
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=STOP_TIMEOUT_S)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        served.stop()  # the launcher's process group: engine and workers
 
 
 def assert_up(server) -> None:
@@ -96,12 +72,7 @@ def test_concurrent_mixed_requests_equal_each_served_alone(server):
     client, _, _ = server
     out = served_alone_and_together(client, VOCAB, lambda: int(metrics(client.url)["vllm:num_requests_running"]),
                                     deadline_s=600)
-    assert [len(ids) for ids in out["alone"]] == [LOAD_NEW_TOKENS] * len(LOAD_LENGTHS)
-    assert out["max_running"] >= 2, "the concurrent requests never ran together"
-    for i, (alone, together) in enumerate(zip(out["alone"], out["together"])):
-        assert together == alone, f"request {i} ({LOAD_LENGTHS[i]} tokens): batched {together}, alone {alone}"
-    print(f"\nvLLM load: alone {out['alone_s']:.1f} s, 12 concurrent {out['together_s']:.1f} s, "
-          f"at most {out['max_running']} running")
+    assert_together_equals_alone(out, "vLLM")
 
 
 def test_closed_streams_free_their_memory(server):
