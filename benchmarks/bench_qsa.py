@@ -14,6 +14,7 @@ the byte/FLOP model, the issue's targets and the table writers.
     python benchmarks/bench_qsa.py tp [--out DIR]            # per-rank kernel times under TP (bench_tp.py)
     python benchmarks/bench_qsa.py report DIR [--markdown BENCHMARKS.md --readme README.md]   # re-render a run
     python benchmarks/bench_qsa.py serving --out DIR         # vLLM's server: QSA_CORE vs its own QSA (bench_serving.py)
+    python benchmarks/bench_qsa.py peers --sglang-cuda --out DIR   # SGLang's default CUDA path beside ours (bench_peers.py)
 
 DIR/results.json is written after every measurement; a rerun with the same --out resumes
 (configurations already there are skipped), so a run cut by a time limit continues in the next
@@ -57,7 +58,8 @@ BF16 = torch.bfloat16
 SGLANG_MARK = Path("sglang/srt/layers/attention/qsa/sparse_attn.py")
 OVERLAP_PERIOD = 8  # default rows between the anchors of `correlated_rows` (--overlap-period)
 # The benchmark's other commands: `bench_qsa.py NAME ARGS` runs that module's main(ARGS).
-TOOLS = {"host": "bench_host", "tp": "bench_tp", "report": "bench_report", "serving": "bench_serving"}
+TOOLS = {"host": "bench_host", "tp": "bench_tp", "report": "bench_report", "serving": "bench_serving",
+         "peers": "bench_peers"}
 
 
 def qsa_config(index_dtype: str) -> QSAConfig:
@@ -163,10 +165,10 @@ class Step:
     """Caches, plan and projections of one step of `case` (random data, seeded). prefill_data
     "overlap": the prefill rows' indexer queries are correlated along positions
     (`correlated_rows` with anchors overlap_period rows apart), so neighbouring rows choose mostly
-    the same groups."""
+    the same groups. backend: the ops backend (default: Triton on CUDA, else the reference)."""
 
     def __init__(self, case: Case, device: torch.device, seed: int = 0, prefill_data: str = "random",
-                 overlap_period: int = OVERLAP_PERIOD) -> None:
+                 overlap_period: int = OVERLAP_PERIOD, backend: str | None = None) -> None:
         torch.manual_seed(seed)
         cfg = self.cfg = qsa_config(case.index_dtype)
         self.case = case
@@ -193,7 +195,7 @@ class Step:
         T = case.batch * case.rows
         planner = QSAPlanner(cfg, dtype=BF16, page_size=P, ring_capacity=C, max_num_tokens=T,
                              max_model_len=case.context, device=dev,
-                             backend="triton" if dev.type == "cuda" else "reference")
+                             backend=backend or ("triton" if dev.type == "cuda" else "reference"))
         self.plan = planner.plan(QSAStepInputs(
             query_start_loc=torch.arange(0, T + 1, case.rows, device=dev, dtype=torch.int32),
             seq_lens=torch.full((case.batch,), case.context, device=dev, dtype=torch.int32),
@@ -393,9 +395,11 @@ def sglang_check(step: Step, path, rows: int = 2) -> float:
 # -- one configuration -------------------------------------------------------------------------
 
 def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save, warm_timer=None,
-            prefill_data: str = "random", overlap_period: int = OVERLAP_PERIOD) -> Result:
-    """Fill result column by column (save() after each, so a killed run keeps what it has)."""
-    step = Step(case, device, prefill_data=prefill_data, overlap_period=overlap_period)
+            prefill_data: str = "random", overlap_period: int = OVERLAP_PERIOD, step: Step | None = None) -> Result:
+    """Fill result column by column (save() after each, so a killed run keeps what it has);
+    `step`: measure on this one (a caller that times peers on the same caches) instead of a new one."""
+    if step is None:
+        step = Step(case, device, prefill_data=prefill_data, overlap_period=overlap_period)
     step.select()
     if not result.check:
         result.check = step.check()
@@ -499,7 +503,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="other commands (each has its own --help): `host` times the host side of plan and the layer halves "
         "(bench_host.py); `tp` times a rank's kernels under tensor parallelism (bench_tp.py); `report DIR` re-renders "
         "a run's tables and plot from DIR/results.json on any machine (bench_report.py); `serving` serves a model "
-        "through vLLM's OpenAI server with QSA_CORE and with vLLM's own QSA: TTFT, TPOT, tokens/s (bench_serving.py)",
+        "through vLLM's OpenAI server with QSA_CORE and with vLLM's own QSA: TTFT, TPOT, tokens/s (bench_serving.py); "
+        "`peers --sglang-cuda` puts SGLang's default CUDA path beside ours, each checked before it is timed (bench_peers.py)",
     )
     ap.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
                     help="folder for results.json, table.md and latency.png; an existing results.json there is "

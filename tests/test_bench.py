@@ -179,7 +179,7 @@ def test_the_run_of_record_renders_the_docs_tables(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("command", ["host", "tp", "serving"])
+@pytest.mark.parametrize("command", ["host", "tp", "serving", "peers"])
 def test_the_gpu_commands_refuse_clearly_without_cuda(command, tmp_path, capsys):
     import bench_qsa
 
@@ -189,3 +189,91 @@ def test_the_gpu_commands_refuse_clearly_without_cuda(command, tmp_path, capsys)
     err = capsys.readouterr().err
     assert f"python benchmarks/bench_qsa.py {command}" in err and "needs a CUDA GPU" in err
     assert not (tmp_path / "r").exists()
+
+
+# -- `bench_qsa.py peers`: a peer column is held to the reference before it is timed --------------
+
+def test_valid_topk_accepts_any_tie_order_and_names_what_is_wrong():
+    from bench_peers import valid_topk
+
+    s = torch.tensor([0.5, 3.0, 1.0, 1.0, 2.0, 0.0])
+    assert valid_topk(s, torch.tensor([1, 4, 2]), 3) == ""
+    assert valid_topk(s, torch.tensor([3, 1, 4]), 3) == ""  # the other member of the tie at the boundary
+    assert valid_topk(s, torch.tensor([1, 4, 2]) , 3, rtol=0.0) == ""
+    assert valid_topk(s, torch.tensor([1, 4, 0]), 3) == "chose a group scoring 0.5 over one scoring 1"
+    assert valid_topk(s, torch.tensor([1, 4]), 3) == "2 groups chosen, expected 3 (visible 6)"
+    assert valid_topk(s, torch.tensor([1, 4, 6]), 3) == "group 6 outside 0..5"
+    assert valid_topk(s, torch.tensor([1, 1, 4]), 3) == "a group chosen twice"
+    assert valid_topk(s[:2], torch.tensor([0, 1]), 3) == ""  # fewer visible than k: every group
+    assert valid_topk(s[:2], torch.tensor([1]), 3) == "1 groups chosen, expected 2 (visible 2)"
+    # a near tie within rtol of the boundary score passes; beyond it fails
+    near = torch.tensor([1.0, 1.0 - 5e-5, 3.0])
+    assert valid_topk(near, torch.tensor([2, 1]), 2) == ""
+    assert valid_topk(near, torch.tensor([2, 1]), 2, rtol=1e-5) != ""
+
+
+class FakePeer:
+    """A peer that returns our reference selection and the reference attention, ungated
+    (optionally with one row's group swapped, or its output scaled)."""
+
+    def __init__(self, step, swap_row: int | None = None, scale: float = 1.0):
+        from qsa_core.reference import qsa_sparse_attention as ref_attention
+
+        self.step, W = step, step.cfg.selection_width
+        packed = step.select().clone()
+        if swap_row is not None:  # replace its best group by the best unchosen one (a lower score)
+            vis = int(step.meta.visible_blocks[swap_row])
+            scores = step.ref_scores(swap_row)
+            chosen = torch.zeros(vis, dtype=torch.bool)
+            toks = packed[swap_row, : int(packed[swap_row, -1])].long()
+            chosen[toks[toks < vis * 4] // 4] = True
+            best = int(torch.where(chosen, scores, -torch.inf).argmax())
+            other = int(torch.where(chosen, -torch.inf, scores).argmax())
+            row = packed[swap_row, :W]
+            row[(row >= 4 * best) & (row < 4 * best + 4)] += 4 * (other - best)
+        self.selection = packed[:, :W]
+        m = step.meta
+        T = self.selection.shape[0]
+        ungated = torch.full_like(step.gate, 100.0)  # sigmoid(100) == 1 in fp32
+        self.out = ref_attention(step.q, ungated, step.cache.k, step.cache.v, m.block_table, m.token_to_req[:T],
+                                 m.seq_lens, packed, softmax_scale=step.cfg.softmax_scale) * scale
+
+    def indexer(self):
+        return self.selection
+
+    def packed(self):
+        return torch.cat([self.selection, (self.selection >= 0).sum(1, dtype=torch.int32)[:, None]], 1)
+
+    def attention(self):
+        return self.out
+
+
+def test_a_peer_is_checked_against_the_reference_before_it_is_timed():
+    import bench_peers
+    import bench_qsa
+
+    step = bench_qsa.Step(Case("prefill", 4096, 1, 8), torch.device("cpu"))
+    step.select()
+    text, counts = bench_peers.check_peer(step, FakePeer(step))
+    assert counts == {"rows": 8, "valid": 8, "equal": 8, "all_rows": 8, "all_equal": 8}
+    assert text.startswith("selection a top-k of the reference in 8/8 rows (8 equal to ours; all rows 8/8)")
+    assert float(text.rsplit("attention err ", 1)[1]) < 1e-2
+    with pytest.raises(bench_peers.PeerMismatch, match=r"^row 7: not a top-k of the reference scores: chose a group"):
+        bench_peers.check_peer(step, FakePeer(step, swap_row=7))
+    with pytest.raises(bench_peers.PeerMismatch, match=r"attention on its own selection differs from the reference"):
+        bench_peers.check_peer(step, FakePeer(step, scale=1.1))
+
+
+def test_peers_records_a_peer_that_cannot_run_and_writes_its_table(tmp_path):
+    """Without SGLang installed (the core environment) the peer column records why and ours
+    are still measured, checked and written (peers.json, peers.md)."""
+    import bench_qsa
+
+    key = Case("decode", 4096, 2, 1).key
+    bench_qsa.main(["peers", "--sglang-cuda", "--dry-run", "--out", str(tmp_path), "--only", key])
+    meta, (r,) = rep.load(tmp_path / "peers.json")
+    assert r.case.key == key and r.check.startswith("ok") and r.done
+    assert {"select+expand", "attention", rep.NO_PREP, rep.WHOLE} <= set(r.us)
+    assert [n for n in r.notes if n.startswith("sglang-cuda: ModuleNotFoundError: No module named 'sglang")]
+    table = (tmp_path / "peers.md").read_text()
+    assert "| decode 4K, B2 | bf16 |" in table and "sglang-cuda: ModuleNotFoundError" in table
