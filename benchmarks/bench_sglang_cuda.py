@@ -26,6 +26,7 @@ torch expansion, and the backend's `qsa_sparse_attention` over physical slots.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 
@@ -63,6 +64,22 @@ def load() -> types.SimpleNamespace:
         except Exception as e:  # noqa: BLE001
             mods.missing["fast_topk_v2"] = f"{type(e).__name__}: {e}"
     return mods
+
+
+PREFILL_KERNELS = ("_tilelang_qsa_mqa_prefill_kernel", "_tilelang_qsa_mqa_prefill_relative_kernel")
+
+
+def single_stage_prefill(mods) -> bool:
+    """Rebuild SGLang's TileLang prefill scoring kernels with num_stages=1 (once; False when
+    already done or without TileLang). At its default 3 (and at 2) TileLang 0.1.15 failed in CUDA
+    codegen on the H200 machine ("Downcast from tirx.Sub to ir.IntImm failed"; bench_sglang.py)."""
+    mqa = mods.mqa
+    if not mqa.HAS_TILELANG or getattr(mqa, "_qsa_bench_single_stage", False):
+        return False
+    for name in PREFILL_KERNELS:
+        setattr(mqa, name, functools.partial(getattr(mqa, name), num_stages=1))
+    mqa._qsa_bench_single_stage = True
+    return True
 
 
 def resolve_varlen(missing: dict[str, str]):
@@ -168,6 +185,8 @@ class SGLangCudaPath:
     def _routes(self) -> dict[str, str]:
         m = self.m
         scoring = "TileLang" if self.cuda and m.mqa.HAS_TILELANG else "torch fallback (mqa.torch_qsa_mqa_*)"
+        if not self.decode and getattr(m.mqa, "_qsa_bench_single_stage", False):
+            scoring += " (prefill kernels at num_stages=1, not SGLang's default)"
         r = {"scoring": scoring,
              "orchestration": "QSAIndexer.select_*_tokens" if m.indexer is not None
              else "kernel.py / mqa.py steps (qsa_indexer does not import: " + m.missing.get("qsa_indexer", "") + ")"}

@@ -277,3 +277,46 @@ def test_peers_records_a_peer_that_cannot_run_and_writes_its_table(tmp_path):
     assert [n for n in r.notes if n.startswith("sglang-cuda: ModuleNotFoundError: No module named 'sglang")]
     table = (tmp_path / "peers.md").read_text()
     assert "| decode 4K, B2 | bf16 |" in table and "sglang-cuda: ModuleNotFoundError" in table
+
+
+@pytest.mark.parametrize("swap_row", [None, 3])
+def test_a_peer_that_disagrees_is_recorded_and_never_timed(monkeypatch, swap_row):
+    import types
+
+    import bench_peers
+    import bench_qsa
+    import bench_sglang_cuda
+
+    def fake(mods, step, **kw):
+        peer = FakePeer(step, swap_row=swap_row)
+        peer.routes = {"top-k": "fake"}
+        return peer
+
+    monkeypatch.setattr(bench_sglang_cuda, "SGLangCudaPath", fake)
+    mods = types.SimpleNamespace(missing={"fast_topk_v2": "not applicable"}, topk_v2=None)
+    r = Result(Case("prefill", 4096, 1, 8))
+    bench_peers.measure(r.case, torch.device("cpu"), bench_qsa.WallTimer(), mods, "", r, lambda: None)
+    assert r.check.startswith("ok") and rep.WHOLE in r.us  # ours, measured first
+    assert "sglang-cuda routes: top-k: fake" in r.notes and "sglang-cuda import fast_topk_v2: not applicable" in r.notes
+    peer_cols = {c for c in r.us if c.startswith("sglang-cuda")}
+    if swap_row is None:
+        assert peer_cols == {bench_peers.SG_INDEXER, bench_peers.SG_ATTN} and "sglang-cuda: selection a top-k" in r.check
+    else:
+        assert not peer_cols and "sglang-cuda" not in r.check
+        assert [n for n in r.notes if n.startswith("sglang-cuda: PeerMismatch: row 3: not a top-k of the reference")]
+
+
+def test_single_stage_prefill_rebuilds_sglangs_tilelang_prefill_kernels_once():
+    import types
+
+    from bench_sglang_cuda import PREFILL_KERNELS, single_stage_prefill
+
+    calls = []
+    mqa = types.SimpleNamespace(HAS_TILELANG=True, **{n: (lambda n: lambda **kw: calls.append((n, kw)))(n)
+                                                      for n in PREFILL_KERNELS})
+    mods = types.SimpleNamespace(mqa=mqa)
+    assert single_stage_prefill(mods) and not single_stage_prefill(mods)
+    for n in PREFILL_KERNELS:
+        getattr(mqa, n)(heads=4)
+    assert calls == [(n, {"heads": 4, "num_stages": 1}) for n in PREFILL_KERNELS]
+    assert not single_stage_prefill(types.SimpleNamespace(mqa=types.SimpleNamespace(HAS_TILELANG=False)))
