@@ -12,7 +12,8 @@ scores on rows spread over the step (`valid_topk`: any order among ties, 1e-4 re
 attention on its own selection, gated by ours, must be within 2e-2 of the reference; a peer
 that fails, or cannot run, records the exact error in the notes and the rest goes on. Every time
 is GraphTimer's (bench_qsa.py): one CUDA graph per column, median of replays, L2 flushed before
-each. DIR/peers.json is written after every measurement (a rerun resumes); DIR/peers.md at the end.
+each. DIR/peers.json is written after every measurement (a rerun resumes), DIR/peers.md after
+every configuration.
 """
 
 from __future__ import annotations

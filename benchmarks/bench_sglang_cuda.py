@@ -111,7 +111,8 @@ def resolve_varlen(missing: dict[str, str]):
 
 def varlen_name(fn) -> str:
     mod = getattr(fn, "__module__", "") or ""
-    return "flash-attn-4 cute varlen" if "cute" in mod or "qwen_sparse" in mod else f"{mod}.{fn.__name__}"
+    cute = "cute" in mod or "qwen_sparse" in mod or mod == __name__  # the backend's wrapper, or ours of it
+    return "flash-attn-4 cute varlen" if cute else f"{mod}.{fn.__name__}"
 
 
 class SGLangCudaPath:
@@ -165,12 +166,12 @@ class SGLangCudaPath:
             self.row_starts = self.cu_blocks[self.row_req].contiguous()
             self.row_ends = (self.row_starts + groups).contiguous()
         self.selection = torch.full((T, self.width), -1, **i32)
-        self.routes = self._routes()
         if self.decode:
             self.counts = torch.empty(T, **i32)
             self.cu_k = torch.empty(T + 1, **i32)
             self.cu_q = torch.arange(T + 1, **i32)
-            self.pk = torch.zeros(T * self.width, Hkv, D, device=dev, dtype=step.cache.k.dtype)  # zeroed once, as SGLang's
+            # zeroed once, as SGLang's scratch
+            self.pk = torch.zeros(T * self.width, Hkv, D, device=dev, dtype=step.cache.k.dtype)
             self.pv = torch.zeros_like(self.pk)
         else:
             self.cu_q = torch.arange(0, T + 1, rows, **i32)
@@ -181,6 +182,7 @@ class SGLangCudaPath:
             if not self.prefix:  # the chunk's own K/V rows, as the layer hands them to forward_extend
                 self.k_new = self.k_flat[self.req_to_token.reshape(-1).long()].contiguous()
                 self.v_new = self.v_flat[self.req_to_token.reshape(-1).long()].contiguous()
+        self.routes = self._routes()
 
     def _routes(self) -> dict[str, str]:
         m = self.m
@@ -272,6 +274,8 @@ class SGLangCudaPath:
         each row's first group (= group indices), -1 after a short row's groups."""
         if self.decode:
             if self._fast_decode():
+                if self.m.fast_topk is None:
+                    raise RuntimeError(f"no JIT fast_topk: {self.m.missing.get('fast_topk')}")
                 return [self.m.fast_topk(logits[0], self.lengths, topk=self.block_topk, row_starts=None)]
             return [self.m.kernel.qsa_fast_topk(logits[0], torch.zeros_like(self.lengths), self.lengths,
                                                 topk=self.block_topk)]
