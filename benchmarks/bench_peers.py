@@ -73,7 +73,7 @@ class PeerMismatch(AssertionError):
 # -- checks (no GPU needed) -----------------------------------------------------------------------
 
 def valid_topk(scores: torch.Tensor, chosen: torch.Tensor, k: int, rtol: float = RTOL_TIE) -> str:
-    """'' when `chosen` (group indices) is a top-k of `scores` (fp32 [visible]) by SPEC 2.7
+    """'' when `chosen` (group indices) is a top-k of `scores` (fp32 [visible]) by design.md §2.7
     up to ties: min(k, visible) distinct groups below visible, none scoring lower than an
     unchosen one by more than rtol (relative to the larger boundary score); else why not."""
     vis, chosen = scores.numel(), chosen.long()
