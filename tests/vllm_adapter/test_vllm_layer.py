@@ -254,10 +254,14 @@ def test_plugin_registers_backend_and_model_idempotently():
 
 @pytest.mark.parametrize("setting, match", [
     ({"cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not served yet"),
-    ({"mrope_section": [8, 4, 4]}, r"MRoPE \(rope_parameters.mrope_section\) is not served yet"),
+    ({"mrope_section": [8, 4, 4], "speculative": True},
+     r"speculative decoding \(speculative_config\) with MRoPE \(rope_parameters.mrope_section\) is not served yet"),
 ])
 def test_unserved_settings_are_refused_by_name(stack, setting, match):
-    """fp8 main KV and MRoPE: refused when the core-backed layer is built, naming the setting."""
+    """fp8 main KV, and MRoPE with speculative decoding: refused when the core-backed layer is
+    built, naming the setting (MRoPE alone is served)."""
+    from types import SimpleNamespace
+
     from qsa_adapters.vllm.qwen4_exp import check_supported
 
     hf = tiny_config()
@@ -265,8 +269,13 @@ def test_unserved_settings_are_refused_by_name(stack, setting, match):
         hf.rope_parameters = dict(hf.rope_parameters, mrope_section=setting["mrope_section"], mrope_interleaved=True)
     cache = CacheConfig(block_size=PAGE, enable_prefix_caching=False, cache_dtype=setting.get("cache_dtype", "auto"))
     vc = VllmConfig(model_config=stack.vllm_config.model_config, cache_config=cache)
-    with set_current_vllm_config(vc), pytest.raises(NotImplementedError, match=match):
-        check_supported(vc, hf)
+    with set_current_vllm_config(vc):
+        if setting.get("speculative"):
+            check_supported(vc, hf)  # MRoPE alone passes
+            # check_supported reads whether speculative_config is set; a real one needs a draft model
+            vc = SimpleNamespace(cache_config=cache, parallel_config=vc.parallel_config, speculative_config=object())
+        with pytest.raises(NotImplementedError, match=match):
+            check_supported(vc, hf)
 
 
 def test_specs_follow_the_block_size_vllm_settles_on(stack):
