@@ -195,6 +195,17 @@ def test_mrope_layers_match_the_core_runner_with_ring_positions_in_vllms_ring_bl
         for req in range(meta.num_reqs):
             mine, theirs = cache.ring_positions[ring_table[req, 0]], core_cache.ring_positions[meta.ring_index[req]]
             assert torch.equal(mine, theirs) and (mine[:, 0] != mine[:, 1]).any()
+    # positions that are not vLLM's int64 [3, >= T] are refused by name
+    from qsa_adapters.vllm.backend import with_mrope_positions
+
+    plan = stack.runner.last_plan
+    T = plan.num_tokens
+    assert torch.equal(with_mrope_positions(plan, torch.zeros(3, T + 2, dtype=torch.int64)).meta.rope_positions,
+                       torch.zeros(3, T, dtype=torch.int64))
+    for bad in (torch.zeros(3, T - 1, dtype=torch.int64), torch.zeros(2, T, dtype=torch.int64),
+                torch.zeros(3, T, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=rf"MRoPE positions must be int64 \[3, >= {T}\]"):
+            with_mrope_positions(plan, bad)
 
 
 @pytest.mark.parametrize("field", ["ring_index", "slot_mapping"])

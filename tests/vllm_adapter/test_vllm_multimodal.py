@@ -31,7 +31,7 @@ import requests
 import torch
 from hf_reference import spec_order_boundaries
 from PIL import Image
-from qwen4_checkpoint import VOCAB, save_vl_processor, tiny_vl_config, write_checkpoint
+from qwen4_checkpoint import save_vl_processor, tiny_vl_config, write_checkpoint
 from server_process import ServerProcess
 
 R = 4  # tiny_vl_config's compress ratio
@@ -63,9 +63,11 @@ def messages(seed: int, before: int, after: int, img: Image.Image | None) -> lis
     part transformers' chat template takes when img is None), `after` letters (one token each)."""
     g = torch.Generator().manual_seed(seed)
     letters = string.ascii_letters
-    text = ["".join(letters[i] for i in torch.randint(0, len(letters), (n,), generator=g).tolist()) for n in (before, after)]
+    text = ["".join(letters[i] for i in torch.randint(0, len(letters), (n,), generator=g).tolist())
+            for n in (before, after)]
     picture = {"type": "image"} if img is None else {"type": "image_url", "image_url": {"url": png_url(img)}}
-    return [{"role": "user", "content": [{"type": "text", "text": text[0]}, picture, {"type": "text", "text": text[1]}]}]
+    parts = [{"type": "text", "text": text[0]}, picture, {"type": "text", "text": text[1]}]
+    return [{"role": "user", "content": parts}]
 
 
 @pytest.fixture(scope="module")

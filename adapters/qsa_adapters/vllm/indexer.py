@@ -158,8 +158,8 @@ class QSAIndexer(nn.Module):
         indexer half's result or None).
 
         projected_qk [N, (Hi+1)*Di] = index_qk_proj(hidden); positions: the model's, int64 [N]
-        or [3, N] (MRoPE: the rope positions of the step, `QSAStep.record`); qkv: the main projections, one
-        fused [N, Hq*2D + 2*Hkv*D] tensor (per head [q | gate], then k, then v; split into
+        or [3, N] (MRoPE: the rope positions of the step, `QSAStep.record`); qkv: the main
+        projections, one fused [N, Hq*2D + 2*Hkv*D] tensor (per head [q | gate], then k, then v; split into
         views) or the (q_gate, k, v) tuple. The core's prepare is fused, so the same call
         writes `attn`'s K/V and returns its normed, rotated q and gate (in the `QSAIndexed`).
         Main slots come from the step metadata: `slot_mapping` is accepted for upstream's
