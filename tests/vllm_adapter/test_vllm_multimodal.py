@@ -13,7 +13,7 @@ concurrently (mixed prefill / decode steps). The server is stopped by its pid at
 Budget 16, not the production 2048: every row past 16 tokens selects, so the image's group
 keys decide selections all through these short prompts. At 2048 only rows past 2051 tokens
 select, and the oracle is too slow for CI: transformers took 58 s and 95 s for two 2.1K-token
-image prompts (4 new tokens) on the 2-core CI machine, and 245 of 252 of its selections had
+image prompts (4 new tokens) on a shared 2-core machine, and 245 of 252 of its selections had
 an exact 0.0 tie at the boundary. The production budget runs text-only in test_vllm_e2e.py. HF's top-k ties (exact
 ReLU zeros) are broken by SPEC 2.7, as the core breaks them (`spec_order_boundaries`).
 """
