@@ -53,15 +53,17 @@ VIDEO_CLASS = ("transformers.models.qwen3_vl.video_processing_qwen3_vl", "Qwen3V
 
 
 def _video_processor_type(path, kwargs: dict) -> str | None:
-    """The `video_processor_type` a checkpoint folder's processor config names, if any."""
+    """The `video_processor_type` a checkpoint's processor config names, if any (a local
+    folder or a Hub model id, resolved as transformers resolves it)."""
     import json
-    import os
 
-    if not os.path.isdir(path):
-        return None
+    from transformers.utils import cached_file
+
+    where = {k: kwargs[k] for k in ("cache_dir", "token", "revision", "local_files_only", "subfolder") if k in kwargs}
     for name, key in (("video_preprocessor_config.json", None), ("processor_config.json", "video_processor")):
-        file = os.path.join(path, kwargs.get("subfolder") or "", name)
-        if os.path.isfile(file):
+        file = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False, **where)
+        if file is not None:
             with open(file) as f:
                 config = json.load(f)
             config = config.get(key, {}) if key else config
