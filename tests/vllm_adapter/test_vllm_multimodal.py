@@ -23,8 +23,10 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import string
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -39,7 +41,7 @@ from server_process import ServerProcess
 R = 4  # tiny_vl_config's compress ratio
 BUDGET = 16
 CHUNK = 42  # max_num_batched_tokens: the first prompt's first chunk ends inside a group of its image
-MAX_TOKENS = 8
+MAX_TOKENS = 24  # decodes long enough for the concurrent requests to share steps
 MIN_GAP = 1e-4  # relative top-k boundary margin: 10x the ~1e-5 relative fp32 drift of hidden states
 # (letters before the image, image height x width in pixels, letters after it)
 PROMPTS = [(29, (128, 160), 25), (14, (160, 128), 40)]
@@ -151,13 +153,20 @@ def server(tmp_path_factory, checkpoint):
         served.stop()  # the launcher's process group: engine and workers
 
 
+def running_requests(url: str) -> int:
+    """vLLM's `vllm:num_requests_running` gauge (one engine)."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    return int(float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1)))
+
+
 def test_image_requests_equal_transformers(server, hf_runs):
-    """Image chat requests, the first alone, then both concurrently: vLLM's prompt ids are HF's
-    processor's, and its greedy tokens equal HF `generate`'s, token for token."""
+    """Image chat requests, the first alone, then both concurrently (seen running together):
+    vLLM's prompt ids are HF's processor's, and its greedy tokens equal HF `generate`'s, token
+    for token."""
     url, folder = server
     runs, _ = hf_runs
 
-    def chat(i: int) -> dict:
+    def chat(i: int) -> tuple[list[int], list[int]]:
         before, size, after = PROMPTS[i]
         body = {"model": folder, "messages": messages(i, before, after, image(i, size)), "max_tokens": MAX_TOKENS,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -167,7 +176,20 @@ def test_image_requests_equal_transformers(server, hf_runs):
         return answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
 
     alone = chat(0)
-    with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
-        together = list(pool.map(chat, range(len(PROMPTS))))
+    seen, done = [0], threading.Event()
+
+    def poll() -> None:
+        while not done.wait(0.02):
+            seen[0] = max(seen[0], running_requests(url))
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
+            together = list(pool.map(chat, range(len(PROMPTS))))
+    finally:
+        done.set()
+        poller.join(timeout=60)
     assert alone == (runs[0][0], runs[0][2])
     assert together == [(ids, want) for ids, _, want in runs]
+    assert seen[0] == len(PROMPTS), f"the concurrent requests never ran together (at most {seen[0]})"
