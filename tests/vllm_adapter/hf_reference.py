@@ -43,3 +43,31 @@ def greedy(model, prompts: list[list[int]], max_tokens: list[int]) -> list[list[
                              do_sample=False)
         out.append(gen[0, len(prompt):].tolist())
     return out
+
+
+@contextlib.contextmanager
+def spec_order_boundaries() -> Iterator[list[tuple[float, float, float]]]:
+    """HF's indexer top-k with ties broken by SPEC 2.7 (higher score first, then lower group
+    index), recording each selection's boundary inside the block: (s[k-1], s[k], max |s|) of the
+    sorted scores s for every `scores.topk(k, dim=0)` on a 1-D vector with k < len(scores).
+
+    `torch.topk` has no defined order among equal scores (design.md §6.10); ReLU makes exact
+    zeros common, so an exact tie at the boundary (both 0.0) is decided by the group index, as
+    the core decides it. A boundary that is not an exact tie must have a clear gap instead.
+    """
+    bounds: list[tuple[float, float, float]] = []
+    original = torch.Tensor.topk
+
+    def spec_topk(self, k, *args, **kwargs):
+        if self.dim() != 1 or k >= self.numel():
+            return original(self, k, *args, **kwargs)
+        order = torch.sort(self, descending=True, stable=True)
+        s = order.values.detach().float()
+        bounds.append((float(s[k - 1]), float(s[k]), float(s.abs().max())))
+        return torch.return_types.topk((order.values[:k], order.indices[:k]))
+
+    torch.Tensor.topk = spec_topk
+    try:
+        yield bounds
+    finally:
+        torch.Tensor.topk = original

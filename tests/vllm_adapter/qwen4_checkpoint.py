@@ -4,6 +4,8 @@ Weights are random (norm weights included: HF's start at zero) with two correlat
 trained model has and that give the indexer's top-k boundary a clear gap: every token
 embedding shares a component, and each indexer query head's weights resemble the key's.
 `selection_gaps` measures the gap on real prompts (tests check it).
+`save_vl_processor` saves the processor a multimodal server needs beside a
+`Qwen4ExpForConditionalGeneration` checkpoint.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def tiny_vl_config(**overrides: Any) -> Qwen4ExpConfig:
             "mrope_section": [11, 11, 10], "mrope_interleaved": True}
     text = tiny_config(head_dim=128, rope_parameters=rope, architectures=None, **overrides)
     vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text.hidden_size,
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[])  # vLLM reads it in multimodal mode (none: no deepstack)
     return Qwen4ExpConfig(text_config=text.to_dict(), vision_config=vision, image_token_id=VOCAB - 4,
                           video_token_id=VOCAB - 3, vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1,
                           architectures=["Qwen4ExpForConditionalGeneration"])
@@ -152,3 +155,56 @@ def add_mtp_layer(folder: str | os.PathLike, model: Qwen4ExpForCausalLM, seed: i
         mtp_num_hidden_layers=1, index_share_for_mtp_iteration=True)
     with open(config_path, "w") as f:
         json.dump(saved, f, indent=2)
+
+
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")  # ids VOCAB-4 ..
+# A message's text parts and its image (the vision span), each followed by a space.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m.content is string %}{{ m.content }} {% else %}{% for c in m.content %}"
+    "{% if c.type in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|> "
+    "{% elif c.type == 'text' %}{{ c.text }} {% endif %}{% endfor %}{% endif %}{% endfor %}"
+)
+
+
+def byte_alphabet() -> list[str]:
+    """The 256 characters of byte-level BPE, sorted: token ids 0 .. 255 of `save_vl_processor`'s
+    tokenizer (an ASCII letter is its own character: text of letters is one token a letter)."""
+    from tokenizers import pre_tokenizers
+
+    return sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def save_vl_processor(folder: str | os.PathLike, config: Qwen4ExpConfig) -> None:
+    """Save the `Qwen3VLProcessor` of a `tiny_vl_config` checkpoint into `folder`.
+
+    Tokenizer: transformers loads any tokenizer of a qwen4_exp checkpoint as `Qwen3_5Tokenizer`
+    (byte-level BPE), so it is one, without merges: ids 0 .. 255 are the byte characters
+    (`byte_alphabet`), ids up to VOCAB - 5 fill the vocabulary (generated, never read from text),
+    and `VISION_TOKENS` are the config's image / video / vision start / end ids. Image and
+    video processors follow the vision tower (patch 16, merge 2, temporal patch 2) with 4 to 64
+    merged tokens per image; `CHAT_TEMPLATE` is the chat template. The video processor class is
+    built directly: transformers hides it without torchvision (scripts/vllm_cpu_torchvision_shim.py
+    lets vLLM load it the same way).
+    """
+    import importlib
+
+    from transformers import Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
+
+    ids = (config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id)
+    if ids != tuple(range(VOCAB - 4, VOCAB)):
+        raise ValueError(f"vision token ids must be {VOCAB - 4} .. {VOCAB - 1} (tiny_vl_config), got {ids}")
+    chars = byte_alphabet()
+    vocab = {c: i for i, c in enumerate(chars)} | {f"<|t{i}|>": i for i in range(len(chars), VOCAB - 4)}
+    tokenizer = Qwen3_5Tokenizer(vocab=vocab | dict(zip(VISION_TOKENS, ids)), merges=[], unk_token=f"<|t{VOCAB - 5}|>",
+                                 eos_token=f"<|t{VOCAB - 5}|>", pad_token=f"<|t{VOCAB - 5}|>",
+                                 extra_special_tokens=list(VISION_TOKENS), chat_template=CHAT_TEMPLATE)
+    vision = config.vision_config
+    patch, merge, temporal = vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
+    pixels_per_token = (patch * merge) ** 2
+    size = {"shortest_edge": 4 * pixels_per_token, "longest_edge": 64 * pixels_per_token}
+    shape = dict(patch_size=patch, merge_size=merge, temporal_patch_size=temporal, size=size)
+    video = importlib.import_module("transformers.models.qwen3_vl.video_processing_qwen3_vl").Qwen3VLVideoProcessor
+    Qwen3VLProcessor(image_processor=Qwen2VLImageProcessorPil(**shape), tokenizer=tokenizer,
+                     video_processor=video(**shape), chat_template=CHAT_TEMPLATE).save_pretrained(folder)

@@ -404,12 +404,14 @@ def server_command(folder: str, port: int, *extra: str) -> list[str]:
             "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), *extra]
 
 
-@pytest.mark.parametrize("setting", ["fp8_kv_cache", "mrope_multimodal"])
+@pytest.mark.parametrize("setting", ["fp8_kv_cache", "mrope_multimodal_speculative"])
 def test_server_refuses_unserved_settings_at_startup(tmp_path, full_checkpoint, vl_checkpoint, setting):
     """The OpenAI server exits at start-up (before any weight loads) with an error naming the flag."""
+    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
     folder, extra, names = {
         "fp8_kv_cache": (full_checkpoint[0], ["--kv-cache-dtype", "fp8"], "use --kv-cache-dtype auto"),
-        "mrope_multimodal": (vl_checkpoint[0], [], "serve text only with --language-model-only"),
+        "mrope_multimodal_speculative": (vl_checkpoint[0], ["--speculative-config", mtp],
+                                         "QSA_CORE does not serve --speculative-config with Qwen4-Exp's MRoPE"),
     }[setting]
     log = tmp_path / "server.log"
     with open(log, "w") as out:

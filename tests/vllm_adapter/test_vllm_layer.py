@@ -38,9 +38,9 @@ RING_BLOCKS = NUM_PAGES + 1  # ring blocks after the main pages: one pool serves
 class Stack:
     """Two vLLM QSA layers bound to vLLM-allocated caches, and their core twins in a Runner."""
 
-    def __init__(self) -> None:
+    def __init__(self, hf=None) -> None:
         load_general_plugins()
-        self.hf = tiny_config()
+        self.hf = tiny_config() if hf is None else hf
         folder = tempfile.mkdtemp()
         weights = write_checkpoint(folder, self.hf, seed=3).state_dict()
         model_config = ModelConfig(model=folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256)
@@ -92,16 +92,18 @@ class Stack:
             out.update({name: record for name in names})
         return out
 
-    def step(self, chunks, block_offset: int = 1):
+    def step(self, chunks, block_offset: int = 1, rope_positions=None):
         """Run one step on both sides: ({id: runner output}, {id: vLLM layer output}); vLLM's
-        block = the runner's page + block_offset."""
-        ref = self.runner.step(chunks)
+        block = the runner's page + block_offset. rope_positions: {id: int64 [3, n]} (MRoPE),
+        handed to vLLM's layers as its model runner hands them, [3, T] beside 1-D metadata."""
+        ref = self.runner.step(chunks, rope_positions=rope_positions)
         meta = self.runner.last_metadata
         common, ring = common_metadata(meta, block_offset=block_offset, ring_offset=RING_BLOCKS)
+        positions = common.positions if rope_positions is None else meta.rope_positions
         x = torch.cat([chunks[k] for k in ref])
         with set_forward_context(self.attn_metadata(common, ring), self.vllm_config), torch.no_grad():
             for layer in self.layers:
-                x = layer(common.positions, x)
+                x = layer(positions, x)
         mine, start = {}, 0
         for k, out in ref.items():
             mine[k] = x[start : start + out.shape[0]]
@@ -152,6 +154,58 @@ def test_layers_match_the_core_runner_over_vllm_caches(stack):
             torch.testing.assert_close(cache.v[vpages].flatten(0, 1)[:n], core_cache.v[pages].flatten(0, 1)[:n])
             torch.testing.assert_close(cache.compressed[vpages].flatten(0, 1)[: n // 4],
                                        core_cache.compressed[pages].flatten(0, 1)[: n // 4], rtol=1e-4, atol=1e-5)
+
+
+def test_mrope_layers_match_the_core_runner_with_ring_positions_in_vllms_ring_blocks():
+    """MRoPE (interleaved (11, 11, 10)): the ring positions live in the padding of vLLM's ring
+    blocks (right behind each block's raw keys), and with 3-axis positions that differ per axis
+    the layers equal the core Runner. Chunks end inside groups, so group keys are rotated at a
+    first token's 3-axis position stored by an earlier step: the positions vLLM's ring blocks
+    hold equal the Runner's."""
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+            "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    stack = Stack(tiny_config(head_dim=128, rope_parameters=rope))
+    layer = stack.layers[0]
+    cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
+    ring = layer.indexer.raw_key_cache.kv_cache  # [blocks, 1, C, Di] fp32, padded blocks
+    C, Di = geometry.ring_capacity, stack.hf.indexer_head_dim
+    assert cache.ring_positions.shape == (ring.shape[0], C, 3) and cache.ring_positions.dtype == torch.int64
+    assert cache.ring_positions.data_ptr() == ring.data_ptr() + C * Di * 4  # behind the block's raw keys
+    assert cache.ring_positions.stride(0) * 8 == ring.stride(0) * 4 >= C * Di * 4 + C * 3 * 8
+
+    g = torch.Generator().manual_seed(6)
+    hid = stack.hf.hidden_size
+    lengths = {"a": 70, "b": 40}
+    # t, h, w apart (an image's positions are such); any int64 values are valid MRoPE positions
+    rope_of = {k: torch.stack([torch.arange(n), torch.randint(0, 200, (n,), generator=g),
+                               torch.randint(0, 200, (n,), generator=g)]) for k, n in lengths.items()}
+    done = dict.fromkeys(lengths, 0)
+    schedule = [{"a": 37, "b": 11}, {"b": 6, "a": 30}, {"a": 1, "b": 1}, {"b": 21, "a": 1}, {"a": 1, "b": 1}]
+    for step in schedule:
+        chunks = {k: torch.randn(n, hid, generator=g) for k, n in step.items()}
+        positions = {k: rope_of[k][:, done[k]: done[k] + n] for k, n in step.items()}
+        ref, mine = stack.step(chunks, rope_positions=positions)
+        for k, n in step.items():
+            done[k] += n
+            torch.testing.assert_close(mine[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"request {k}, step {step}")
+    meta = stack.runner.last_metadata
+    _, ring_table = common_metadata(meta, block_offset=1, ring_offset=RING_BLOCKS)
+    for layer, core_cache in zip(stack.layers, stack.runner.caches):
+        cache, _ = layer.indexer.layer_cache(layer.kv_cache)
+        for req in range(meta.num_reqs):
+            mine, theirs = cache.ring_positions[ring_table[req, 0]], core_cache.ring_positions[meta.ring_index[req]]
+            assert torch.equal(mine, theirs) and (mine[:, 0] != mine[:, 1]).any()
+    # positions that are not vLLM's int64 [3, >= T] are refused by name
+    from qsa_adapters.vllm.backend import with_mrope_positions
+
+    plan = stack.runner.last_plan
+    T = plan.num_tokens
+    assert torch.equal(with_mrope_positions(plan, torch.zeros(3, T + 2, dtype=torch.int64)).meta.rope_positions,
+                       torch.zeros(3, T, dtype=torch.int64))
+    for bad in (torch.zeros(3, T - 1, dtype=torch.int64), torch.zeros(2, T, dtype=torch.int64),
+                torch.zeros(3, T, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=rf"MRoPE positions must be int64 \[3, >= {T}\]"):
+            with_mrope_positions(plan, bad)
 
 
 @pytest.mark.parametrize("field", ["ring_index", "slot_mapping"])
@@ -254,10 +308,14 @@ def test_plugin_registers_backend_and_model_idempotently():
 
 @pytest.mark.parametrize("setting, match", [
     ({"cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not served yet"),
-    ({"mrope_section": [8, 4, 4]}, r"MRoPE \(rope_parameters.mrope_section\) is not served yet"),
+    ({"mrope_section": [8, 4, 4], "speculative": True},
+     r"speculative decoding \(speculative_config\) with MRoPE \(rope_parameters.mrope_section\) is not served yet"),
 ])
 def test_unserved_settings_are_refused_by_name(stack, setting, match):
-    """fp8 main KV and MRoPE: refused when the core-backed layer is built, naming the setting."""
+    """fp8 main KV, and MRoPE with speculative decoding: refused when the core-backed layer is
+    built, naming the setting (MRoPE alone is served)."""
+    from types import SimpleNamespace
+
     from qsa_adapters.vllm.qwen4_exp import check_supported
 
     hf = tiny_config()
@@ -265,8 +323,13 @@ def test_unserved_settings_are_refused_by_name(stack, setting, match):
         hf.rope_parameters = dict(hf.rope_parameters, mrope_section=setting["mrope_section"], mrope_interleaved=True)
     cache = CacheConfig(block_size=PAGE, enable_prefix_caching=False, cache_dtype=setting.get("cache_dtype", "auto"))
     vc = VllmConfig(model_config=stack.vllm_config.model_config, cache_config=cache)
-    with set_current_vllm_config(vc), pytest.raises(NotImplementedError, match=match):
-        check_supported(vc, hf)
+    with set_current_vllm_config(vc):
+        if setting.get("speculative"):
+            check_supported(vc, hf)  # MRoPE alone passes
+            # check_supported reads whether speculative_config is set; a real one needs a draft model
+            vc = SimpleNamespace(cache_config=cache, parallel_config=vc.parallel_config, speculative_config=object())
+        with pytest.raises(NotImplementedError, match=match):
+            check_supported(vc, hf)
 
 
 def test_specs_follow_the_block_size_vllm_settles_on(stack):

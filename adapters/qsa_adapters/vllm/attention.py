@@ -110,7 +110,7 @@ def run_core_attention(
     """
     cfg = indexer.qsa_config
     n = projected_qk.shape[0]
-    step = indexer.step_inputs(attn)
+    step = indexer.step_inputs(attn, positions)
     if step is None:
         return projected_qk.new_zeros(n, cfg.num_heads * cfg.head_dim)
     plan, cache = step

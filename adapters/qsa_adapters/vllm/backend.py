@@ -43,14 +43,40 @@ class QSAStep:
     main: CommonAttentionMetadata | None = None
     ring_block_table: torch.Tensor | None = None  # int32 [>= R, 1]
     records: dict[PagedGeometry, QSAPlan] = field(default_factory=dict)
+    # the plans with the model's 3-axis MRoPE positions, made by the step's first layer
+    mrope_records: dict[PagedGeometry, QSAPlan] = field(default_factory=dict)
 
-    def record(self, geometry: PagedGeometry) -> QSAPlan:
+    def record(self, geometry: PagedGeometry, mrope_positions: torch.Tensor | None = None) -> QSAPlan:
+        """The step's plan for `geometry`; with mrope_positions (int64 [3, >= T], the positions
+        vLLM hands the model under MRoPE) the plan with those as its rope positions."""
         if geometry not in self.records:
             raise RuntimeError(
                 "QSA step record missing: vLLM built the main and ring KV-cache groups' metadata "
                 f"for different steps (or not both); geometry {geometry}"
             )
-        return self.records[geometry]
+        plan = self.records[geometry]
+        if mrope_positions is None:
+            return plan
+        found = self.mrope_records.get(geometry)
+        if found is None:
+            found = self.mrope_records[geometry] = with_mrope_positions(plan, mrope_positions)
+        return found
+
+
+def with_mrope_positions(plan: QSAPlan, positions: torch.Tensor) -> QSAPlan:
+    """`plan` with rope positions [3, T] from vLLM's MRoPE positions int64 [3, >= T] (once per step).
+
+    vLLM computes MRoPE positions in its model runner and hands them to the model only; the
+    step metadata carries the logical positions. The core rotates queries, keys and group keys
+    (and stores ring positions) at the plan's rope positions, so every layer of the step must
+    see these."""
+    T = plan.num_tokens
+    if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] < T or positions.dtype != torch.int64:
+        raise ValueError(
+            f"MRoPE positions must be int64 [3, >= {T}] (vLLM's mrope_positions), got {positions.dtype} "
+            f"{tuple(positions.shape)}"
+        )
+    return replace(plan, meta=replace(plan.meta, rope_positions=positions[:, :T]))
 
 
 @dataclass

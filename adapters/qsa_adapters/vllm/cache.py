@@ -3,7 +3,9 @@
 vLLM's allocator owns all three caches of a QSA layer:
 - main K/V and compressed keys: one `FullAttentionSpec` page [Hkv, page_size, 2D] (K and V
   side by side) followed by the block's page_size / r compressed rows of Di (row = main slot // r);
-- raw-key ring: `CircularBufferSpec(block_size=C)`, a group of its own, one block per request.
+- raw-key ring: `CircularBufferSpec(block_size=C)`, a group of its own, one block per request;
+  for MRoPE each block's C rows of Di are followed by their int64 [C, 3] RoPE positions (the
+  first token of an open group may come from an earlier step, design.md §6.2).
 All QSA backends declare block-outermost layouts (mixed page sizes in several groups need
 them), so one block holds every layer's page; the core's paged views keep vLLM's block
 strides (core page = vLLM block), with no renumbering.
@@ -85,7 +87,9 @@ def compressed_view(kv_cache: torch.Tensor, config: QSAConfig, index_dtype: torc
 
 
 def ring_spec(vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype) -> CircularBufferSpec:
-    """Raw-key ring: one block of C = r * ceil((r + num_spec) / r) rows of Di per request.
+    """Raw-key ring: one block of C = r * ceil((r + num_spec) / r) rows of Di per request,
+    and for MRoPE the rows' int64 [C, 3] positions in the block's padding (`page_size_padded`,
+    as the compressed keys ride in the main page's: vLLM allocates and rebinds them with the ring).
 
     C must divide the block size vLLM has settled on: the ring's block size joins the least
     common multiple that sets the scheduler's block size.
@@ -97,7 +101,30 @@ def ring_spec(vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype) ->
             f"cache_config.block_size ({block_size}) must be a multiple of the QSA ring capacity {C} "
             f"(r = {config.compress_ratio}, {speculative_tokens(vllm_config)} speculative tokens)"
         )
-    return CircularBufferSpec(block_size=C, num_kv_heads=1, head_size=config.index_head_dim, head_size_v=0, dtype=dtype)
+    padded = None
+    if config.uses_mrope:
+        padded = C * config.index_head_dim * dtype.itemsize + C * 3 * torch.int64.itemsize
+    return CircularBufferSpec(
+        block_size=C, num_kv_heads=1, head_size=config.index_head_dim, head_size_v=0, dtype=dtype,
+        page_size_padded=padded,
+    )
+
+
+def ring_positions_view(ring: torch.Tensor) -> torch.Tensor:
+    """The int64 [B, C, 3] RoPE positions behind the C raw-key rows of each block of vLLM's
+    ring view ring [B, 1, C, Di] (see `ring_spec`)."""
+    B, _, C, Di = ring.shape
+    item = ring.element_size()
+    rows_bytes, positions_bytes = C * Di * item, C * 3 * torch.int64.itemsize
+    block_bytes = ring.stride(0) * item
+    if block_bytes < rows_bytes + positions_bytes or rows_bytes % torch.int64.itemsize:
+        raise ValueError(
+            f"ring blocks ({block_bytes} bytes apart) leave no room for {C} int64 [3] positions after the "
+            f"{rows_bytes} bytes of raw keys: the ring was not allocated from ring_spec of an MRoPE config"
+        )
+    raw = ring.view(torch.uint8)  # the same storage, byte-addressed
+    region = raw.as_strided((B, positions_bytes), (block_bytes, 1), raw.storage_offset() + rows_bytes)
+    return region.view(torch.int64).unflatten(-1, (C, 3))
 
 
 def mtp_ring_prefixes(vllm_config: VllmConfig, text_config) -> list[str]:
@@ -179,11 +206,10 @@ def bind_layer_cache(
     """The core's cache views of one QSA layer over vLLM's two bound tensors.
 
     kv_cache [B, Hkv, page, 2D] (compressed keys behind each page, viewed as index_dtype);
-    ring [B, 1, C, Di]; dtype: the model dtype. Returns the views and the `PagedGeometry`
+    ring [B, 1, C, Di] (for MRoPE with its rows' positions behind, `ring_positions_view`);
+    dtype: the model dtype. Returns the views and the `PagedGeometry`
     the step metadata must use with them.
     """
-    if config.uses_mrope:
-        raise NotImplementedError("the vLLM adapter keeps no ring positions: MRoPE (mrope_section) is not supported")
     page = kv_cache.shape[2]
     compressed = compressed_view(kv_cache, config, index_dtype)
     rows_per_page = page // config.compress_ratio
@@ -196,6 +222,7 @@ def bind_layer_cache(
     k, v = kv_cache[..., :D].transpose(1, 2), kv_cache[..., D:].transpose(1, 2)
     C = ring.shape[2]
     geometry = PagedGeometry(compress_ratio=config.compress_ratio, page_size=page, ring_capacity=C)
-    cache = QSALayerCache(k=k, v=v, compressed=compressed[:, 0], ring=ring[:, 0], ring_positions=None)
+    positions = ring_positions_view(ring) if config.uses_mrope else None
+    cache = QSALayerCache(k=k, v=v, compressed=compressed[:, 0], ring=ring[:, 0], ring_positions=positions)
     validate_layer_cache(cache, config, page, ring_capacity=C, dtype=dtype)
     return cache, geometry

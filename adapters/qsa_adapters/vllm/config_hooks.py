@@ -25,10 +25,11 @@ def refuse_unserved_settings(vllm_config: Any) -> None:
 
     - an fp8 KV cache (`--kv-cache-dtype fp8*`): vLLM's fp8 pages (uint8 storage, per-layer
       scales loaded after construction) are not mapped onto the core's fp8 K/V path;
-    - MRoPE in multimodal mode: the ring would need each open group's first 3-axis position,
-      which the adapter does not keep. vLLM strips MRoPE for text-only serving
-      (`--language-model-only`, or the CausalLM architecture), where a 1-D position feeds all
-      three axes and QSA is exact.
+    - MTP speculative decoding with MRoPE in multimodal mode: the draft steps are planned at
+      logical positions (vLLM's proposer hands the draft layers no 3-axis positions to the
+      step metadata), which after an image are not the MRoPE ones. Multimodal MRoPE without
+      speculation is served (the ring keeps each row's 3-axis position), and so is MTP
+      text-only (`--language-model-only` strips MRoPE: a 1-D position feeds all three axes).
     """
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -45,10 +46,11 @@ def refuse_unserved_settings(vllm_config: Any) -> None:
             "the core's fp8 K/V path): use --kv-cache-dtype auto"
         )
     text = vllm_config.model_config.hf_text_config
-    if (getattr(text, "rope_parameters", None) or {}).get("mrope_section"):
+    if (getattr(text, "rope_parameters", None) or {}).get("mrope_section") and vllm_config.speculative_config:
         raise ValueError(
-            "QSA_CORE does not serve Qwen4-Exp's MRoPE (rope_parameters.mrope_section) in multimodal mode yet "
-            "(the raw-key ring keeps no 3-axis positions): serve text only with --language-model-only"
+            "QSA_CORE does not serve --speculative-config with Qwen4-Exp's MRoPE (rope_parameters.mrope_section) "
+            "in multimodal mode yet (draft steps would rotate at logical, not 3-axis, positions): serve "
+            "multimodal without --speculative-config, or text only with --language-model-only"
         )
 
 

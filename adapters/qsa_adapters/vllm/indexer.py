@@ -126,9 +126,12 @@ class QSAIndexer(nn.Module):
             self._bound = (tensors, *bind_layer_cache(*tensors, self.qsa_config, self.index_dtype, self.dtype))
         return self._bound[1], self._bound[2]
 
-    def step_inputs(self, attn: QSAAttentionLike) -> tuple[QSAPlan, QSALayerCache] | None:
+    def step_inputs(
+        self, attn: QSAAttentionLike, positions: torch.Tensor | None = None
+    ) -> tuple[QSAPlan, QSALayerCache] | None:
         """This step's plan (made by the backend's builders) and cache views; None
-        when vLLM runs without metadata (profiling, dummy runs)."""
+        when vLLM runs without metadata (profiling, dummy runs). positions: what vLLM hands
+        the model (int64 [N], or [3, N] under MRoPE: the plan then rotates at them)."""
         records = step_metadata(attn.layer_name)
         if records is None:
             return None
@@ -138,7 +141,8 @@ class QSAIndexer(nn.Module):
         if ring is not None and ring[0].step is not main.step:
             raise RuntimeError(f"{self.raw_key_cache.prefix}: its group's metadata belongs to another step")
         cache, geometry = self.layer_cache(attn.kv_cache)
-        return main.step.record(geometry), cache
+        mrope = positions if self.qsa_config.uses_mrope and positions is not None and positions.dim() == 2 else None
+        return main.step.record(geometry, mrope), cache
 
     def forward(
         self,
@@ -153,8 +157,9 @@ class QSAIndexer(nn.Module):
         """Update the caches and select (the core's `qsa_indexer`); returns (selection, the
         indexer half's result or None).
 
-        projected_qk [N, (Hi+1)*Di] = index_qk_proj(hidden); qkv: the main projections, one
-        fused [N, Hq*2D + 2*Hkv*D] tensor (per head [q | gate], then k, then v; split into
+        projected_qk [N, (Hi+1)*Di] = index_qk_proj(hidden); positions: the model's, int64 [N]
+        or [3, N] (MRoPE: the rope positions of the step, `QSAStep.record`); qkv: the main
+        projections, one fused [N, Hq*2D + 2*Hkv*D] tensor (per head [q | gate], then k, then v; split into
         views) or the (q_gate, k, v) tuple. The core's prepare is fused, so the same call
         writes `attn`'s K/V and returns its normed, rotated q and gate (in the `QSAIndexed`).
         Main slots come from the step metadata: `slot_mapping` is accepted for upstream's
@@ -163,7 +168,7 @@ class QSAIndexer(nn.Module):
         T are padding). Without step metadata: inert rows (all -1, count 0) and None.
         """
         cfg = self.qsa_config
-        step = self.step_inputs(attn)
+        step = self.step_inputs(attn, positions)
         if step is None:
             if self.skip_topk and out is not None:
                 return out, None

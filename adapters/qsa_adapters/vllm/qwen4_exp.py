@@ -69,10 +69,10 @@ def check_supported(vllm_config: VllmConfig, config: Any) -> None:
             "fp8 main K/V path exists, but vLLM's fp8 cache (uint8 storage, per-layer scales loaded "
             "after construction) is not mapped onto it or tested"
         )
-    if (config.rope_parameters or {}).get("mrope_section"):
+    if (config.rope_parameters or {}).get("mrope_section") and vllm_config.speculative_config is not None:
         raise NotImplementedError(
-            "QSA_CORE: MRoPE (rope_parameters.mrope_section) is not served yet: the adapter keeps no "
-            "ring positions (the raw-key ring would need a [.., 3] position cache vLLM allocates)"
+            "QSA_CORE: speculative decoding (speculative_config) with MRoPE (rope_parameters.mrope_section) is "
+            "not served yet: draft steps would rotate at logical, not 3-axis, positions"
         )
     parallel = vllm_config.parallel_config
     if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
