@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from qsa_core import QSAConfig, QSAPlanner, QSAStepInputs  # noqa: E402
 from qsa_core.reference import qsa_build_metadata as reference_build  # noqa: E402
-from qsa_kernels.metadata import qsa_build_metadata  # noqa: E402
+from entry import build_metadata as qsa_build_metadata  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.interpreter  # (TRITON_INTERPRET=1, CPU tensors: tests/conftest.py)
