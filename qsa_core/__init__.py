@@ -2,16 +2,19 @@
 
 Config and cache layouts are validated once; an engine describes each step as
 `QSAStepInputs`, a `QSAPlanner` (one per engine) turns it into a `QSAPlan` once per step,
-and the layer halves `qsa_indexer` / `qsa_attention` only launch on it. `qsa_core.ops`
-holds the op API (reference in `qsa_core.reference`, Triton in `qsa_kernels`);
-`QSAAttention` is a whole layer; `standalone.Runner` runs it with no engine.
+and the layer halves `qsa_indexer` / `qsa_attention` only launch on it. Each op has one
+definition, its reference in `qsa_core.reference`, and one production kernel, a bound Triton
+launch in `qsa_kernels`; the planner's backend object (`qsa_core.backends`) runs one or the
+other, and `QSAOptions` holds the core's switches. `QSAAttention` is a whole layer;
+`standalone.Runner` runs it with no engine.
 """
 
 from .cache import QSACacheLayout, QSALayerCache, check_page_size, ring_capacity, validate_layer_cache
 from .config import QSAConfig, resolve_dtype
-from .inputs import QSAStepInputs, debug_enabled
+from .inputs import QSAStepInputs
 from .layer import GemmaRMSNorm, QSAAttention, QSAIndexed, QSANormWeights, qsa_attention, qsa_indexer, qsa_prepare, qsa_select
 from .metadata import QSAForwardMetadata
+from .options import QSAOptions, debug_enabled
 from .planner import QSAPlan, QSAPlanner
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "QSAIndexed",
     "QSALayerCache",
     "QSANormWeights",
+    "QSAOptions",
     "QSAPlan",
     "QSAPlanner",
     "QSAStepInputs",

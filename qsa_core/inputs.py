@@ -11,16 +11,10 @@ fixed once: they belong to `QSAPlanner`, not to a step.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-
-
-def debug_enabled() -> bool:
-    """`QSA_DEBUG=1`: run the value checks of every step (they sync the device)."""
-    return os.environ.get("QSA_DEBUG", "0") not in ("", "0")
 
 
 def _expect(name: str, t: object, dtype: torch.dtype, ndim: int, device: torch.device) -> None:

@@ -3,19 +3,19 @@
 `qsa_indexer` (prepare, then select writing packed selection rows) writes the step's K/V, ring rows and compressed keys
 and returns the selection with the attention's q and gate; `qsa_attention` (sparse attention
 and gate) writes the gated output. Engines with their own projection layers call the two
-halves directly; `QSAAttention` is the whole layer with HF weight names.
+halves directly; `QSAAttention` is the whole layer with HF weight names. Each half runs the
+launches the plan's backend bound to the step shape and layer cache (`QSAPlan.launches`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from . import ops
-from .cache import QSALayerCache, validate_layer_cache
+from .cache import QSALayerCache
 from .config import QSAConfig
 from .planner import QSAPlan
 
@@ -173,70 +173,12 @@ def qsa_prepare(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused write side on a plan (inputs as `qsa_indexer`): stores the step's compressed
     keys, ring rows and K/V; returns q_idx [T, Hi, Di] (index dtype), q and gate [T, Hq, D].
-
-    On Triton the launches are bound once per (schedule, cache) and relaunched with this
-    call's tensors only."""
-    meta, s, cfg = plan.meta, plan.schedule, plan.config
-    T = s.num_tokens
+    The cache and projections are checked once per (schedule, cache), when bound."""
+    T = plan.schedule.num_tokens
     if index_qk.shape[0] != T or q_gate.shape[0] != T or k.shape[0] != T or v.shape[0] != T:
         index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in
                                   ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
-    split = cfg.index_n_heads * cfg.index_head_dim
-    if plan.backend != "triton" or T == 0:  # the reference (or nothing to do)
-        launches = s.layer_launches(cache)
-        if "checked" not in launches:  # once per (schedule, cache), as Triton's binding
-            _check_binding(plan, index_qk, q_gate, k, v, cache, split)
-            launches["checked"] = True
-        return ops.prepare(
-            index_qk[:, :split], index_qk[:, split:], q_gate, k, v, meta.rope_positions,
-            index_q_norm=norms.index_q, index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k,
-            eps=cfg.rms_norm_eps, inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, index_dtype=plan.index_dtype,
-            cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q, backend=plan.backend,
-        )
-    prepare = _bound(s.layer_launches(cache), "prepare", lambda: _prepare_launch(
-        plan, norms, index_qk, q_gate, k, v, cache, split))
-    return prepare(index_qk, index_qk, q_gate, k, v, meta.rope_positions, norms.index_q, norms.index_k, norms.q,
-                   norms.k, meta.query_start_loc, meta.ring_index)
-
-
-def _bound(launches: dict, name: str, make: Callable[[], Any]) -> Any:
-    """The Triton launch `name` bound to a schedule (and layer cache), made on first use."""
-    found = launches.get(name)
-    if found is None:
-        found = launches[name] = make()
-    return found
-
-
-def _check_binding(plan: QSAPlan, index_qk: torch.Tensor, q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   cache: QSALayerCache, split: int) -> None:
-    """The write side's cache and projections against the plan, once per (schedule, cache):
-    the stores are bounded by these shapes (K's slots for V, the plan's C for the ring, the
-    projections' head counts for the caches') and cast to the caches' dtypes; the projections
-    must be in the model dtype (the kernels compute in their inputs' precision)."""
-    meta, cfg = plan.meta, plan.config
-    validate_layer_cache(cache, cfg, meta.page_size, meta.ring_capacity, dtype=plan.dtype)
-    widths = (("index_qk", index_qk, split + cfg.index_head_dim), ("q_gate", q_gate, 2 * cfg.num_heads * cfg.head_dim),
-              ("k", k, cfg.num_kv_heads * cfg.head_dim), ("v", v, cfg.num_kv_heads * cfg.head_dim))
-    for name, x, width in widths:
-        if x.dim() != 2 or x.shape[1] != width:
-            raise ValueError(f"{name} must be [T, {width}] for this layer's heads, got {tuple(x.shape)}")
-        if x.dtype != plan.dtype:
-            raise ValueError(f"{name} must be {plan.dtype} (the model dtype the plan was made for), got {x.dtype}")
-
-
-def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tensor, q_gate: torch.Tensor,
-                    k: torch.Tensor, v: torch.Tensor, cache: QSALayerCache, split: int) -> Any:
-    from qsa_kernels.prepare import PrepareLaunch
-
-    meta, s, cfg = plan.meta, plan.schedule, plan.config
-    _check_binding(plan, index_qk, q_gate, k, v, cache, split)
-    # index_qk as both index_q (its first Hi*Di columns) and raw_keys (from column Hi*Di).
-    return PrepareLaunch(
-        index_qk, index_qk, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,
-        index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k, eps=cfg.rms_norm_eps,
-        inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q,
-        raw_offset=split, fuse_ring=s.fuse_ring,
-    )
+    return plan.launches(cache).prepare(plan, norms, index_qk, q_gate, k, v)
 
 
 def qsa_select(
@@ -247,7 +189,7 @@ def qsa_select(
     q_idx [T, Hi, Di] in the index dtype (prepare's output); out: int32 [T, W + 1], default
     the plan's workspace.
     """
-    meta, s, cfg = plan.meta, plan.schedule, plan.config
+    s, cfg = plan.schedule, plan.config
     T = s.num_tokens
     if out is None:
         out = s.selection
@@ -255,39 +197,7 @@ def qsa_select(
         raise ValueError(f"selection out must be int32 [{T}, {cfg.packed_width}], got {out.dtype} {tuple(out.shape)}")
     if q_idx.shape[0] != T:
         q_idx = _rows(q_idx, T, "q_idx")
-    nd = s.num_decode_tokens
-    if plan.backend != "triton" or T == 0:  # the reference (or nothing to do)
-        kw = dict(page_size=meta.page_size, compress_ratio=cfg.compress_ratio, block_topk=cfg.block_topk,
-                  backend=plan.backend)
-        comp, table = cache.compressed, meta.block_table
-        if nd:
-            to_req, vis, blocks = s.decode_rows
-            ops.select_decode(q_idx[:nd], comp, table, to_req, vis, out=blocks, schedule=s.select_decode, **kw)
-        if nd < T:
-            to_req, vis, blocks = s.prefill_rows
-            ops.select_prefill(q_idx[nd:], comp, table, to_req, vis, out=blocks, schedule=s.select_prefill, **kw)
-        return ops.expand(s.blocks, meta.positions, meta.visible_blocks, compress_ratio=cfg.compress_ratio, out=out,
-                          backend=plan.backend)
-    for launch in _bound(s.layer_launches(cache), "select", lambda: _select_launches(plan, q_idx, cache, out)):
-        launch(q_idx, meta.block_table, out)
-    return out
-
-
-def _select_launches(plan: QSAPlan, q_idx: torch.Tensor, cache: QSALayerCache, out: torch.Tensor) -> tuple:
-    """The decode select launch (rows [0, num_decode_tokens)) and the prefill one (the rest)
-    of a step shape and layer cache, over the step's whole row tensors, writing packed
-    selection rows (no expand launch); each takes (q_idx [T, Hi, Di], block_table, out
-    int32 [T, W + 1])."""
-    from qsa_kernels.select import SelectLaunch
-
-    meta, s, cfg = plan.meta, plan.schedule, plan.config
-    nd, T = s.num_decode_tokens, s.num_tokens
-    kw = dict(page_size=meta.page_size, compress_ratio=cfg.compress_ratio, block_topk=cfg.block_topk)
-    return tuple(
-        SelectLaunch(sched, q_idx, cache.compressed, meta.block_table, meta.token_to_req, meta.visible_blocks,
-                     out, first_row=lo, positions=meta.positions, kv_cache=(cache.k, cache.v), **kw)
-        for sched, lo, hi in ((s.select_decode, 0, nd), (s.select_prefill, nd, T)) if lo < hi
-    )
+    return plan.launches(cache).select(plan, q_idx, out)
 
 
 def qsa_attention(
@@ -299,27 +209,9 @@ def qsa_attention(
     [>= T, Hq*D] is given (rows past T untouched), else the plan's workspace buffer. Padding
     rows and rows with an empty selection are exactly 0.
     """
-    meta, s, cfg = plan.meta, plan.schedule, plan.config
-    dst = s.attn_out if out is None else _rows(out, meta.num_tokens, "out")
-    if s.q is None or s.num_tokens == 0:  # the reference backend (or nothing to do)
-        return ops.sparse_attention(
-            indexed.q, indexed.gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens,
-            indexed.selection, softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
-            out=dst, schedule=s.attention, backend=plan.backend,
-        )
-    attend = _bound(s.layer_launches(cache), "attention", lambda: _attention_launch(plan, indexed, cache, dst))
-    return attend(indexed.q, indexed.gate, meta.block_table, meta.token_to_req, meta.seq_lens, indexed.selection, dst)
-
-
-def _attention_launch(plan: QSAPlan, indexed: QSAIndexed, cache: QSALayerCache, dst: torch.Tensor) -> Any:
-    from qsa_kernels.attention import AttentionLaunch
-
-    meta, cfg = plan.meta, plan.config
-    return AttentionLaunch(
-        indexed.q, indexed.gate, cache.k, cache.v, meta.block_table, meta.token_to_req, meta.seq_lens,
-        indexed.selection, softmax_scale=cfg.softmax_scale, k_scale=cache.k_scale, v_scale=cache.v_scale,
-        out=dst, schedule=plan.schedule.attention,
-    )
+    s = plan.schedule
+    dst = s.attn_out if out is None else _rows(out, s.num_tokens, "out")
+    return plan.launches(cache).attention(plan, indexed.q, indexed.gate, indexed.selection, dst)
 
 
 def bind_layer(plan: QSAPlan, norms: QSANormWeights, index_qk: torch.Tensor, q_gate: torch.Tensor, k: torch.Tensor,
@@ -327,17 +219,7 @@ def bind_layer(plan: QSAPlan, norms: QSANormWeights, index_qk: torch.Tensor, q_g
     """Bind the launches `qsa_indexer` and `qsa_attention` make on this plan and cache (inputs
     as `qsa_indexer`), launching nothing: on a GPU this compiles them (start-up warm-up,
     `warmup.warm`). The halves reuse these bindings. Nothing to bind on the reference backend."""
-    s, cfg = plan.schedule, plan.config
-    T = s.num_tokens
-    if plan.backend != "triton" or T == 0:
-        return
+    T = plan.schedule.num_tokens
     index_qk, q_gate, k, v = (_rows(x, T, n) for x, n in
                               ((index_qk, "index_qk"), (q_gate, "q_gate"), (k, "k"), (v, "v")))
-    split = cfg.index_n_heads * cfg.index_head_dim
-    launches = s.layer_launches(cache)
-    _bound(launches, "prepare", lambda: _prepare_launch(plan, norms, index_qk, q_gate, k, v, cache, split))
-    _bound(launches, "select", lambda: _select_launches(plan, s.q_idx, cache, s.selection))
-    D = cfg.head_dim
-    gate = q_gate.view(T, cfg.num_heads, 2 * D)[..., D:]  # prepare's gate view
-    indexed = QSAIndexed(s.selection, s.q, gate)
-    _bound(launches, "attention", lambda: _attention_launch(plan, indexed, cache, s.attn_out))
+    plan.launches(cache).bind_all(plan, norms, index_qk, q_gate, k, v)

@@ -1,15 +1,17 @@
 """`QSAPlanner` / `QSAPlan`: one plan per forward step, FlashInfer style (plan once, run many).
 
-A planner is made once per engine (per model geometry and rank). It resolves the ops backend,
-holds the RoPE table and owns the workspace: the derived metadata, the prepare outputs, the
+A planner is made once per engine (per model geometry and rank). It holds its options
+(`QSAOptions`) and one ops backend object (`qsa_core.backends`, chosen here once), holds the
+RoPE table and owns the workspace with its backend: the derived metadata, the prepare outputs, the
 selection buffers, the score / top-k scratch and the attention's split-K partials, all
 allocated once for `max_num_tokens` rows, so a captured CUDA graph keeps every address.
 
 `plan(inputs)` runs once per step: it validates the `QSAStepInputs` (host ints and tensor
 metadata; the values too for CPU tensors or under `QSA_DEBUG=1`), derives the per-row fields
-on the device (guards + derivation in one launch, no host read) and fixes the schedule of every op for
-this step's shape. The layer halves (`qsa_indexer`, `qsa_attention`) then
-only launch: no allocation, no derivation, no host read.
+on the device (the backend's metadata build: guards + derivation in one launch, no host read)
+and fixes the schedule of every op for this step's shape. The layer halves (`qsa_indexer`,
+`qsa_attention`) then only launch what the backend bound: no allocation, no derivation, no
+host read.
 
 Column bound: selection scores at most `max_seq_len // r` groups per row (rounded up to a
 bucket, so that schedules repeat). Guards: a malformed request (seq_len > max_seq_len or
@@ -24,19 +26,20 @@ reason into a sticky device flag (`check_guard` names it); with the engine's hos
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import ops
+from . import backends
+from .backends import LayerLaunches, QSABackend
 from .cache import QSALayerCache, check_page_size, ring_store_fuses
 from .config import QSAConfig, resolve_dtype
-from .inputs import QSAStepInputs, debug_enabled
+from .inputs import QSAStepInputs
 from .metadata import QSAForwardMetadata
+from .options import QSAOptions
 from .reference import metadata as reference_metadata
 
 _DERIVED = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot", "kv_slot")
-_NO_BOUND = 1 << 62
 _SCHEDULE_CACHE = 512
 _LAYER_CACHE = 256  # bound layer caches per schedule
 
@@ -55,14 +58,15 @@ class StepSchedule:
     """Everything of a plan that depends on the step's shape only (cached per shape).
 
     fuse_ring: prepare stores the ring rows in its first launch (`ring_store_fuses`: no
-    request of the step has C - 2 rows or more). Row views [T, ...] of the workspace: the derived metadata fields, q_idx, q (prepare
-    outputs; None on the reference), blocks int32 [T, Kb] (the reference's chosen groups),
-    selection int32 [T, W + 1], attn_out [T, Hq*D]; the select
-    schedules of the decode rows [:num_decode_tokens] and the prefill rows after them (and
-    their views of token_to_req, visible_blocks, blocks: `decode_rows`, `prefill_rows`), and
-    the attention schedule (None on the reference backend); `meta_fixed`: the metadata fields
-    every step of this shape shares (derived views, geometry); `launches`: the Triton launches
-    bound to this shape per layer cache (`layer_launches`).
+    request of the step has C - 2 rows or more). Row views [T, ...] of the workspace: the
+    derived metadata fields, q_idx, q (prepare outputs; None on the reference), blocks int32
+    [T, Kb] (the reference's chosen groups), selection int32 [T, W + 1], attn_out [T, Hq*D];
+    the backend's select schedules of the decode rows [:num_decode_tokens] and the prefill
+    rows after them (and their views of token_to_req, visible_blocks, blocks: `decode_rows`,
+    `prefill_rows`), and its attention schedule (None on the reference backend);
+    `meta_fixed`: the metadata fields every step of this shape shares (derived views,
+    geometry); `launches`: the backend's layer launches of this shape per layer cache
+    (`layer_launches`).
     """
 
     num_tokens: int
@@ -83,9 +87,8 @@ class StepSchedule:
     meta_fixed: dict = field(default_factory=dict, compare=False, repr=False)
     launches: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def layer_launches(self, cache: QSALayerCache) -> dict:
-        """The Triton launches bound to this shape and one layer cache, by op name (each op
-        adds its own on first use).
+    def layer_launches(self, backend: QSABackend, plan: "QSAPlan", cache: QSALayerCache) -> LayerLaunches:
+        """The layer launches of this shape on one layer cache (`backend.bind`, once).
 
         Found by the cache object (kept alive by the entry, so its id is never reused while
         cached), else by what the launches bake in (its views' pointers, dtypes, shapes and
@@ -100,7 +103,7 @@ class StepSchedule:
         if found is None:
             if len(by_views) >= _LAYER_CACHE:
                 by_views.clear()
-            found = by_views[key] = {}
+            found = by_views[key] = backend.bind(plan, cache)
         if len(self.launches) >= _LAYER_CACHE:
             self.launches.clear()
             self.launches["by_views"] = by_views
@@ -137,7 +140,7 @@ class QSAPlan:
     meta: QSAForwardMetadata
     schedule: StepSchedule
     config: QSAConfig
-    backend: str
+    backend: QSABackend
     dtype: torch.dtype
     index_dtype: torch.dtype
     inv_freq: torch.Tensor
@@ -146,6 +149,10 @@ class QSAPlan:
     @property
     def num_tokens(self) -> int:
         return self.meta.num_tokens
+
+    def launches(self, cache: QSALayerCache) -> LayerLaunches:
+        """The backend's layer launches of this plan's step shape on `cache` (bound once)."""
+        return self.schedule.layer_launches(self.backend, self, cache)
 
 
 class QSAPlanner:
@@ -157,13 +164,14 @@ class QSAPlanner:
     max_num_reqs: requests per step, needed only for `plan(..., static=True)`;
     num_slots / num_ring_rows: bounds of the value checks and device guards (num_slots also
     sizes the guard against two live rows writing one slot, a claim table of int64
-    [num_slots + 1] on Triton; without num_slots that guard is off); backend: the
-    ops backend (default: from the device and `QSA_BACKEND`, resolved here once);
-    value_checks: read the step's values in `plan` and raise on malformed ones (default: on
-    for CPU tensors, where it costs no sync; `QSA_DEBUG=1` when the planner is made turns it
-    on everywhere). Without
-    them the metadata build's device guards make a malformed request's rows inert (output 0,
-    no cache write) and flag the reason (`check_guard`).
+    [num_slots + 1] on Triton; without num_slots that guard is off); options: the core's
+    switches (`QSAOptions`; default `QSAOptions.from_env()`, read here once): the ops
+    backend (by device unless set; `backend` is the object made from it, `backend.name`
+    "reference" or "triton"), value_checks (read the step's values in `plan` and raise on
+    malformed ones; default on for CPU tensors, where it costs no sync) and debug (value
+    checks everywhere); backend= / value_checks=: shorthands that override those two fields.
+    Without value checks the metadata build's device guards make a malformed request's rows
+    inert (output 0, no cache write) and flag the reason (`check_guard`).
     """
 
     def __init__(
@@ -179,6 +187,7 @@ class QSAPlanner:
         device: torch.device | str = "cpu",
         num_slots: int | None = None,
         num_ring_rows: int | None = None,
+        options: QSAOptions | None = None,
         backend: str | None = None,
         value_checks: bool | None = None,
     ) -> None:
@@ -203,9 +212,13 @@ class QSAPlanner:
         if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
-        self.value_checks = self.device.type == "cpu" if value_checks is None else value_checks
-        self._read_values = self.value_checks or debug_enabled()  # QSA_DEBUG is read here, once
-        self.backend = ops.resolve_backend(self.device, backend)
+        options = QSAOptions.from_env() if options is None else options
+        if backend is not None or value_checks is not None:
+            options = replace(options, backend=backend or options.backend,
+                              value_checks=options.value_checks if value_checks is None else value_checks)
+        self.options = options
+        self.value_checks = self.device.type == "cpu" if options.value_checks is None else options.value_checks
+        self._read_values = self.value_checks or options.debug
         self.index_dtype = resolve_dtype(config.index_dtype, dtype)
         # Normal tensors even when built inside torch.inference_mode(): the workspace is
         # written in place by steps that may run outside it.
@@ -213,6 +226,7 @@ class QSAPlanner:
             self.inv_freq = config.inv_freq().to(self.device)
             self.rope_axes = config.rope_axes().to(self.device)
             self._allocate(max_num_reqs)
+            self.backend = backends.create(self)
         self._schedules: dict[tuple, StepSchedule] = {}
         self._plan_fixed = dict(config=config, backend=self.backend, dtype=dtype, index_dtype=self.index_dtype,
                                 inv_freq=self.inv_freq, rope_axes=self.rope_axes)  # every plan's
@@ -220,9 +234,10 @@ class QSAPlanner:
     # -- workspace ------------------------------------------------------------------------
 
     def _allocate(self, max_num_reqs: int | None) -> None:
+        """The planner's own buffers (the backend allocates its part after)."""
         cfg, n, dev = self.config, self.max_num_tokens, self.device
         i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
-        self._derived = dict(
+        self.derived = dict(
             token_to_req=torch.zeros(n, **i32),
             positions=torch.full((n,), -1, **i64),
             visible_blocks=torch.zeros(n, **i32),
@@ -233,48 +248,13 @@ class QSAPlanner:
         # The guard flag, then each request's bits: one buffer, so a watch copies both at once.
         self._flags = torch.zeros(1 + max(max_num_reqs or 0, n), **i32)
         self.guard, self._request_flags = self._flags[:1], self._flags[1:]
-        # The shared-slot guard's claim table (Triton; the reference needs only the switch).
-        self._slot_claims = None if self.num_slots is None else torch.zeros(
-            self.num_slots + 1 if self.backend == "triton" else 1, **i64)
-        self._arrive = torch.zeros(2, **i32)  # the metadata build's arrival counter (left zero)
         self._blocks = torch.empty(n, cfg.block_topk, **i32)
         self._selection = torch.empty(n, cfg.packed_width, **i32)
         self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
-        self._q_idx = self._q = None
-        self._select_ws = self._partials = self._attn_prefill_ws = None
-        if self.backend == "triton":
-            from qsa_kernels import attention
-            from qsa_kernels.attention import partials_size
-            from qsa_kernels.select import select_workspace
-
-            self._q_idx = torch.empty(n, cfg.index_n_heads, cfg.index_head_dim, dtype=self.index_dtype, device=dev)
-            self._q = torch.empty(n, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev)
-            max_cols = column_bucket(self.max_model_len // cfg.compress_ratio)
-            self._select_ws = select_workspace(n, max_cols, cfg.block_topk, dev)
-            acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
-            self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
-                              torch.empty(acc, dtype=torch.float32, device=dev))
-            self._shared_prefill = attention.shared_prefill_enabled()  # QSA_SHARED_PREFILL, read once
-            if n >= attention._PREFILL_MIN_ROWS and self._shared_prefill:
-                from qsa_kernels.attention_prefill import workspace_size
-
-                self._attn_prefill_ws = torch.empty(workspace_size(
-                    n, cfg.num_heads, cfg.num_kv_heads, cfg.selection_width, cfg.compress_ratio), **i32)
-        self._build = None
-        if self.backend == "triton":
-            from qsa_kernels.metadata import MetadataBuild
-
-            self._build = MetadataBuild(
-                **self._derived, request_flags=self._request_flags, arrive=self._arrive, guard=self.guard,
-                compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, page_size=self.page_size,
-                num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
-                num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
-                slot_claims=self._slot_claims, inputs_checked=True,  # plan validates them first
-            )
-        self._static: dict[str, torch.Tensor] | None = None
+        self.static: dict[str, torch.Tensor] | None = None
         if max_num_reqs is not None:
             pages = -(-self.max_model_len // self.page_size)
-            self._static = dict(
+            self.static = dict(
                 query_start_loc=torch.zeros(max_num_reqs + 1, **i32),
                 seq_lens=torch.zeros(max_num_reqs, **i32),
                 block_table=torch.full((max_num_reqs, pages), -1, **i32),
@@ -282,11 +262,6 @@ class QSAPlanner:
                 ring_index=torch.zeros(max_num_reqs, **i32),
                 rope_positions=torch.zeros(3 if cfg.uses_mrope else 1, n, **i64),
             )
-        self._stager = None
-        if self._static is not None and self.backend == "triton":
-            from qsa_kernels.metadata import StaticStage
-
-            self._stager = StaticStage(**self._static)
 
     def _schedule(self, num_tokens: int, num_decode_tokens: int, num_cols: int,
                   decode_query_len: int, fuse_ring: bool, decode_only: bool) -> StepSchedule:
@@ -295,29 +270,13 @@ class QSAPlanner:
         if found is not None:
             return found
         cfg, T, nd = self.config, num_tokens, num_decode_tokens
-        dec = pre = attn = None
-        if self.backend == "triton":
-            from qsa_kernels.attention import plan_attention
-            from qsa_kernels.select import plan_select
-
-            ws = self._select_ws
-            if nd:
-                dec = plan_select(nd, num_cols, cfg.block_topk, decode=True, device=self.device, workspace=ws,
-                                  rows_per_request=decode_query_len, rows_aligned=decode_only)
-            if nd < T:
-                pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
-            attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
-                                  device=self.device, partials=self._partials, compress_ratio=cfg.compress_ratio,
-                                  shared_prefill=self._shared_prefill, prefill_workspace=self._attn_prefill_ws,
-                                  context=num_cols * cfg.compress_ratio)
-        rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
+        kernel = self.backend.schedule(T, nd, num_cols, decode_query_len, decode_only)
+        rows = (self.derived["token_to_req"][:T], self.derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols, fuse_ring=fuse_ring,
-            derived={k: self._derived[k][:T] for k in _DERIVED},
-            q_idx=None if self._q_idx is None else self._q_idx[:T],
-            q=None if self._q is None else self._q[:T],
+            derived={k: self.derived[k][:T] for k in _DERIVED}, q_idx=kernel.q_idx, q=kernel.q,
             blocks=self._blocks[:T], selection=self._selection[:T], attn_out=self._attn_out[:T],
-            select_decode=dec, select_prefill=pre, attention=attn,
+            select_decode=kernel.select_decode, select_prefill=kernel.select_prefill, attention=kernel.attention,
             decode_rows=tuple(x[:nd] for x in rows), prefill_rows=tuple(x[nd:] for x in rows),
         )
         d = found.derived
@@ -338,10 +297,10 @@ class QSAPlanner:
         """Copy the step's tensors into the planner's static buffers (CUDA-graph addresses);
         returns (query_start_loc, seq_lens, block_table, slot_mapping, ring_index,
         rope_positions or None) as views of them."""
-        s = self._static
+        s = self.static
         if s is None:
             raise ValueError("plan(..., static=True) needs a planner built with max_num_reqs")
-        R, T = inputs.num_reqs, inputs.num_tokens
+        R = inputs.num_reqs
         if R > s["seq_lens"].shape[0]:
             raise ValueError(f"num_reqs ({R}) exceeds the planner's max_num_reqs ({s['seq_lens'].shape[0]})")
         P = inputs.block_table.shape[1]
@@ -352,21 +311,7 @@ class QSAPlanner:
         rp = inputs.rope_positions
         if rp is not None and rp.dim() == 2 and s["rope_positions"].shape[0] != 3:
             raise ValueError("3-axis rope_positions need an MRoPE config (mrope_section)")
-        if self._stager is not None:  # one launch
-            return self._stager(inputs.query_start_loc, inputs.seq_lens, inputs.block_table, inputs.slot_mapping,
-                                inputs.ring_index, rp)
-        rope = None
-        if rp is not None:
-            buf = s["rope_positions"]
-            rope = (buf[0] if rp.dim() == 1 else buf)[..., :T].copy_(rp)
-        return (
-            s["query_start_loc"][: R + 1].copy_(inputs.query_start_loc),
-            s["seq_lens"][:R].copy_(inputs.seq_lens),
-            s["block_table"][:R, :P].copy_(inputs.block_table[:R]),
-            s["slot_mapping"][:T].copy_(inputs.slot_mapping),
-            s["ring_index"][:R].copy_(inputs.ring_index),
-            rope,
-        )
+        return self.backend.stage(inputs, s)
 
     def _check_capacity(self, inputs: QSAStepInputs) -> None:
         """The step fits the workspace (host ints only)."""
@@ -407,20 +352,7 @@ class QSAPlanner:
         # A captured graph replays with any padding: the live-row bound then comes from
         # query_start_loc on the device, never from this step's host int.
         live = -1 if static else T - inputs.num_padding_rows
-        if self._build is not None:
-            self._build(qsl, seq, slots, ring, table, max_seq_len, inputs.max_query_len, live, inputs.num_decodes,
-                        inputs.decode_query_len)
-        else:
-            ops.build_metadata(
-                qsl, seq, slots, ring, table,
-                compress_ratio=cfg.compress_ratio, ring_capacity=self.ring_capacity, max_seq_len=inputs.max_seq_len,
-                max_query_len=inputs.max_query_len,
-                page_size=self.page_size, num_live_rows=live,
-                num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
-                num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
-                request_flags=self._request_flags, guard=self.guard, num_decodes=inputs.num_decodes,
-                decode_query_len=inputs.decode_query_len, slot_claims=self._slot_claims, backend=self.backend, **d,
-            )
+        self.backend.build_metadata(inputs, (qsl, seq, slots, ring, table), live, d)
         meta = _record(
             QSAForwardMetadata, schedule.meta_fixed, query_start_loc=qsl, seq_lens=seq, block_table=table,
             ring_index=ring, num_decodes=inputs.num_decodes, max_query_len=inputs.max_query_len,

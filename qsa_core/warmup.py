@@ -111,7 +111,7 @@ def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query
     engine does (`plan(static=True)`); max_num_reqs: the engine's request bound (default the
     planner's). The planner's schedules are restored afterwards; its workspace is left as the
     last warm step's metadata build wrote it (no cache is written)."""
-    if planner.backend != "triton":
+    if not planner.backend.compiles:
         return []
     from .layer import QSANormWeights, bind_layer
 
@@ -120,8 +120,8 @@ def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query
         return []
     cfg, dev, dtype = planner.config, planner.device, planner.dtype
     T, L = planner.max_num_tokens, planner.max_model_len
-    if max_num_reqs is None and planner._static is not None:
-        max_num_reqs = planner._static["seq_lens"].shape[0]
+    if max_num_reqs is None and planner.static is not None:
+        max_num_reqs = planner.static["seq_lens"].shape[0]
     if planner.num_ring_rows is not None:  # a valid step's requests each hold a ring row
         max_num_reqs = min(max_num_reqs or T, planner.num_ring_rows)
     steps = warm_steps(cfg.compress_ratio, max_num_tokens=T, max_model_len=L, max_num_reqs=max_num_reqs,
@@ -165,12 +165,12 @@ def start_up_warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *,
     """An engine's start-up warm-up: `planner.warm(caches, decode_query_lens, static=True)`
     (engines plan static steps); returns the line to log, "QSA: warmed N kernel variants
     over M step shapes in S s" (N: kernels Triton compiled meanwhile). None where nothing
-    compiles: the reference backend, or TRITON_INTERPRET=1 (skipped: binding every shape in
-    the interpreter would cost the CPU engine suites minutes for nothing)."""
-    import os
+    compiles: the reference backend, or the interpreter (`planner.options.interpret`,
+    TRITON_INTERPRET=1; skipped: binding every shape in the interpreter would cost the CPU
+    engine suites minutes for nothing)."""
     import time
 
-    if planner.backend != "triton" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not planner.backend.compiles or planner.options.interpret:
         return None
     before, t0 = _compiled_kernels(), time.perf_counter()
     steps = planner.warm(caches, decode_query_lens=tuple(sorted(set(decode_query_lens))), static=True)

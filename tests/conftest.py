@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(params=["reference", "triton"])
 def backend(request, monkeypatch):
-    """Run a test with each backend of the op API (QSA_BACKEND)."""
+    """Run a test with each ops backend (QSA_BACKEND, read when a planner is made)."""
     if request.param == "triton" and DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton kernels need CUDA tensors (QSA_TEST_DEVICE=cuda) or TRITON_INTERPRET=1")
     monkeypatch.setenv("QSA_BACKEND", request.param)

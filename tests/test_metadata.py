@@ -191,21 +191,20 @@ def test_layer_launches_are_shared_by_equal_cache_views_only():
     buffer, stride or scale gets its own."""
     from qsa_core import QSACacheLayout, QSALayerCache
 
-    p = planner()
-    schedule = p.plan(mixed_step()).schedule
+    plan = planner().plan(mixed_step())
     cache = QSACacheLayout(num_layers=2, page_size=8, num_pages=4, ring_rows=4).allocate(CONFIG, torch.float32)
     a, other = cache
-    launches = schedule.layer_launches(a)
-    launches["prepare"] = "bound"
+    launches = plan.launches(a)
     same_views = QSALayerCache(k=a.k[:], v=a.v[:], compressed=a.compressed[:], ring=a.ring[:],
                                ring_positions=a.ring_positions)
-    assert schedule.layer_launches(a) is launches and schedule.layer_launches(same_views) is launches
+    assert plan.launches(a) is launches and plan.launches(same_views) is launches
     rescaled = QSALayerCache(k=a.k, v=a.v, compressed=a.compressed, ring=a.ring, ring_positions=a.ring_positions,
                              k_scale=0.5)
     fewer_pages = QSALayerCache(k=a.k[:3], v=a.v[:3], compressed=a.compressed[:3], ring=a.ring,
                                 ring_positions=a.ring_positions)
-    for cache in (other, rescaled, fewer_pages):
-        assert schedule.layer_launches(cache) == {}
+    found = [plan.launches(cache) for cache in (other, rescaled, fewer_pages)]
+    assert len({id(x) for x in [launches, *found]}) == 4 and all(x.cache is c for x, c in
+                                                                 zip(found, (other, rescaled, fewer_pages)))
 
 
 def test_a_plan_records_every_field_of_its_dataclasses():

@@ -71,13 +71,12 @@ def run_select(sched, vis: torch.Tensor, decode: bool) -> torch.Tensor:
     (`InjectedScores` stands in for their scores)."""
     page, r = 16, 4
     pages = G * r // page + 1
-    fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
-    return fn(
-        torch.zeros(T, 1, 16, device=DEV), torch.zeros(pages, page // r, 16, device=DEV),
-        torch.arange(pages, dtype=torch.int32, device=DEV)[None, :], torch.zeros(T, dtype=torch.int32, device=DEV),
-        vis.to(DEV), page_size=page, compress_ratio=r, block_topk=KB,
-        out=torch.full((T, KB), 7, dtype=torch.int32, device=DEV), schedule=sched,
-    ).cpu()
+    q, table = torch.zeros(T, 1, 16, device=DEV), torch.arange(pages, dtype=torch.int32, device=DEV)[None, :]
+    out = torch.full((T, KB), 7, dtype=torch.int32, device=DEV)
+    launch = ker.SelectLaunch(sched, q, torch.zeros(pages, page // r, 16, device=DEV), table,
+                              torch.zeros(T, dtype=torch.int32, device=DEV), vis.to(DEV), out, page_size=page,
+                              compress_ratio=r, block_topk=KB)
+    return launch(q, table, out).cpu()
 
 
 def test_reference_topk_ties_signed_zeros():

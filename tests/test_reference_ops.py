@@ -49,19 +49,17 @@ def test_expand_groups_then_tail_with_count():
     assert out[2].tolist() == [-1] * 15 + [0]
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_expand_refuses_an_output_too_narrow_for_its_groups(backend):
-    """The op checks out's shape before either backend writes: Kb groups of r tokens and an
-    open tail of up to r - 1 need W >= Kb * r + r - 1 (a narrower row would take the kernel's
-    group tokens past its end, or count a tail it has no room for)."""
-    from qsa_core import ops
-
+def test_expand_refuses_an_output_too_narrow_for_its_groups():
+    """Expansion checks out's shape before it writes: Kb groups of r tokens and an open tail
+    of up to r - 1 need W >= Kb * r + r - 1 (a narrower row would take group tokens past its
+    end, or count a tail it has no room for). The kernel's test entry makes the same check
+    (tests/kernels/test_kernel_expand.py)."""
     blocks = torch.tensor([[0, 2, 1]], dtype=torch.int32)
     args = (blocks, torch.tensor([14]), torch.tensor([3], dtype=torch.int32))
     for shape in ((1, 3 * 4 + 1), (1, 3 * 4 + 3), (2, 3 * 4 + 4), (1,)):
         with pytest.raises(ValueError, match=r"out must be \[T = 1, W \+ 1\] with W >= Kb \* r \+ r - 1 = 15"):
-            ops.expand(*args, compress_ratio=4, out=torch.empty(shape, dtype=torch.int32), backend=backend)
-    out = ops.expand(*args, compress_ratio=4, out=torch.empty(1, 3 * 4 + 4, dtype=torch.int32), backend="reference")
+            qsa_expand(*args, compress_ratio=4, out=torch.empty(shape, dtype=torch.int32))
+    out = qsa_expand(*args, compress_ratio=4, out=torch.empty(1, 3 * 4 + 4, dtype=torch.int32))
     assert out[0].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]  # the tail 12..14 fits
 
 

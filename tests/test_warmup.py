@@ -5,6 +5,7 @@ which records the same `warm` call.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -88,8 +89,9 @@ def test_warm_binds_every_step_and_writes_nothing(monkeypatch):
 
 
 def test_start_up_warm_compiles_nothing_where_nothing_compiles(monkeypatch):
-    """Engines call `start_up_warm`: on the reference backend, and under TRITON_INTERPRET=1
-    (the CPU engine suites), it plans nothing and returns no line to log."""
+    """Engines call `start_up_warm`: on the reference backend, and in the interpreter (a
+    planner made under TRITON_INTERPRET=1: the CPU engine suites), it plans nothing and
+    returns no line to log."""
     from qsa_core.warmup import start_up_warm
 
     planner, caches = _planner("reference")
@@ -99,7 +101,8 @@ def test_start_up_warm_compiles_nothing_where_nothing_compiles(monkeypatch):
     called = []
     monkeypatch.setattr(planner, "warm", lambda *a, **k: called.append(1) or [])
     assert start_up_warm(planner, caches, decode_query_lens=(1, 2)) is None and not called
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled path: warm runs, static, lengths deduped
+    # the compiled path (the planner's options say no interpreter): warm runs, static, lengths deduped
+    monkeypatch.setattr(planner, "options", dataclasses.replace(planner.options, interpret=False))
     monkeypatch.setattr(planner, "warm", lambda c, **k: called.append(k) or [None] * 3)
     line = start_up_warm(planner, caches, decode_query_lens=(2, 1, 2))
     assert called == [dict(decode_query_lens=(1, 2), static=True)]

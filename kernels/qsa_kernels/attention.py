@@ -374,7 +374,7 @@ _COMBINE_FREE = ("gate_ptr", "out_ptr", "stride_gt", "stride_gh", "stride_ot")
 
 
 class AttentionLaunch:
-    """`qsa_sparse_attention` bound once to a schedule, a layer's K/V cache and its scales
+    """The reference's `qsa_sparse_attention` as a launch bound once to a schedule, a layer's K/V cache and its scales
     (`qsa_kernels.launch`); `__call__(q, gate, block_table, token_to_req, seq_lens, selection,
     out)` relaunches with those tensors only (same shapes, any strides as in the op)."""
 
@@ -437,37 +437,6 @@ class AttentionLaunch:
                 launch(q, gate, block_table, token_to_req, seq_lens, selection, out, qs[0], qs[1], gs[0], gs[1], os[0],
                        bs[0], bs[1], ss[0], ss[1])
         return out
-
-
-def qsa_sparse_attention(
-    q: torch.Tensor,
-    gate: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    token_to_req: torch.Tensor,
-    seq_lens: torch.Tensor,
-    selection: torch.Tensor,
-    *,
-    softmax_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    out: torch.Tensor,
-    schedule: AttentionSchedule,
-) -> torch.Tensor:
-    """out [T, Hq*D] (q.dtype) = dtype(softmax(q.k * scale) v) * sigmoid(gate), fp32 math.
-
-    q, gate [T, Hq, D] (last dim contiguous); k_cache, v_cache [pages, page_size, Hkv, D]
-    (any strides, contiguous last dim; bf16 or fp8 with per-tensor k_scale / v_scale);
-    selection int32 [T, W + 1] with the count in the last column; out [T, Hq*D] contiguous
-    rows (any row stride). schedule: `plan_attention(T, Hq, Hkv, D, W, ...)`. Binds on every
-    call: a plan keeps an `AttentionLaunch` per layer cache instead.
-    """
-    if q.shape[0] == 0:
-        return out
-    launch = AttentionLaunch(q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection,
-                             softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale, out=out, schedule=schedule)
-    return launch(q, gate, block_table, token_to_req, seq_lens, selection, out)
 
 
 _per_row = Launcher(_attn_kernel)

@@ -552,32 +552,6 @@ class PrefillAttentionLaunch:
         return out
 
 
-def qsa_prefill_attention(
-    q: torch.Tensor,
-    gate: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    token_to_req: torch.Tensor,
-    seq_lens: torch.Tensor,
-    selection: torch.Tensor,
-    *,
-    softmax_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    out: torch.Tensor,
-    schedule: PrefillSchedule,
-) -> torch.Tensor:
-    """`attention.qsa_sparse_attention` (same arguments and result) by the shared-tile kernels;
-    schedule: `plan_prefill_attention(T, Hq, Hkv, D, W, r, ...)`. Binds on every call."""
-    if q.shape[0] == 0:
-        return out
-    launch = PrefillAttentionLaunch(q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection,
-                                    softmax_scale=softmax_scale, k_scale=k_scale, v_scale=v_scale, out=out,
-                                    schedule=schedule)
-    return launch(q, gate, block_table, token_to_req, seq_lens, selection, out)
-
-
 _union = Launcher(_union_kernel)
 _shared = Launcher(_shared_kernel)
 _per_row = Launcher(_per_row_kernel)

@@ -17,8 +17,8 @@ slot another row holds, makes every live row of a flagged request inert (as padd
 those requests' reasons into the guard: loops over the rows that run only in a step with a
 flagged request, so a well-formed step pays one atomic (and one per writing row with claims).
 
-`MetadataBuild` binds the launch (`qsa_kernels.launch`) to fixed outputs, once per (R, T);
-`qsa_build_metadata` is the op on it. `StaticStage` copies a step's inputs into a
+`MetadataBuild` binds the launch (`qsa_kernels.launch`) to fixed outputs, once per (R, T).
+`StaticStage` copies a step's inputs into a
 planner's fixed buffers in one launch (`plan(static=True)`).
 """
 
@@ -319,7 +319,7 @@ class MetadataBuild:
         ring_index: torch.Tensor, block_table: torch.Tensor, max_seq_len: int, max_query_len: int,
         num_live_rows: int, num_decodes: int = 0, decode_query_len: int = 1,
     ) -> None:
-        """Inputs as `qsa_build_metadata`; num_live_rows -1: query_start_loc[R] alone bounds."""
+        """Inputs as the reference's `qsa_build_metadata`; num_live_rows -1: query_start_loc[R] alone bounds."""
         T, R = slot_mapping.shape[0], seq_lens.shape[0]
         if T == 0:
             return
@@ -352,55 +352,6 @@ class MetadataBuild:
             self._bound.clear()
         self._bound[(R, T)] = launch
         return launch
-
-
-def qsa_build_metadata(
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    ring_index: torch.Tensor,
-    block_table: torch.Tensor,
-    *,
-    compress_ratio: int,
-    ring_capacity: int,
-    max_seq_len: int,
-    max_query_len: int,
-    page_size: int,
-    num_live_rows: int,
-    num_slots: int,
-    num_ring_rows: int,
-    token_to_req: torch.Tensor,
-    positions: torch.Tensor,
-    visible_blocks: torch.Tensor,
-    ring_slot: torch.Tensor,
-    compressed_slot: torch.Tensor,
-    kv_slot: torch.Tensor,
-    request_flags: torch.Tensor,
-    guard: torch.Tensor,
-    num_decodes: int = 0,
-    decode_query_len: int = 1,
-    slot_claims: torch.Tensor | None = None,
-) -> None:
-    """Fill the derived per-row fields in place; same contract as the reference.
-
-    Inputs: query_start_loc int32 [R+1], seq_lens int32 [R], slot_mapping int64 [T],
-    ring_index int32 [R] (all contiguous), block_table int32 [>= R, P] (any strides).
-    Outputs, contiguous [T]: token_to_req int32, positions int64, visible_blocks int32,
-    ring_slot int64, compressed_slot int64, kv_slot int64; guard int32 [1] gets the GUARD_*
-    bits of the malformed requests (never cleared here); request_flags int32 [>= R] gets each
-    request's bits; slot_claims int64 [num_slots + 1] (zero at first, then kept for the next
-    builds) turns the shared-slot guard on.
-    Binds its launch (and allocates its arrival counter) on every call: a planner keeps a
-    `MetadataBuild` instead.
-    """
-    MetadataBuild(
-        token_to_req=token_to_req, positions=positions, visible_blocks=visible_blocks, ring_slot=ring_slot,
-        compressed_slot=compressed_slot, kv_slot=kv_slot, request_flags=request_flags,
-        arrive=torch.zeros(2, dtype=torch.int32, device=slot_mapping.device), guard=guard,
-        compress_ratio=compress_ratio, ring_capacity=ring_capacity, page_size=page_size, num_slots=num_slots,
-        num_ring_rows=num_ring_rows, slot_claims=slot_claims,
-    )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len, max_query_len, num_live_rows,
-      num_decodes, decode_query_len)
 
 
 @triton.jit(do_not_specialize=["R", "T", "P", "stride_bt0", "stride_bt1", "rope_stride_axis", "rope_stride_t"])

@@ -1,18 +1,17 @@
-"""Triton write side of a QSA step: row stores, K/V store, group compression, fused prepare.
+"""Triton write side of a QSA step: the fused prepare (group compression, ring and K/V stores).
 
 Mirrors `qsa_core.reference.prepare`. Numerics follow the reference's dtype path: norms in
 fp32 rounded to the model dtype, RoPE with the cos/sin table rounded to the model dtype and
 every product and sum rounded to it, as torch does for bf16 tensors.
 
-`qsa_prepare` is one or two launches. Launch 1, grid (T, 3 + ceil(Hq / heads per program)):
+`PrepareLaunch` is one or two launches. Launch 1, grid (T, 3 + ceil(Hq / heads per program)):
 task 0 the indexer query, task 1 the compression of the group the row closes (if any),
 task 2 the row's K/V store, tasks 3.. blocks of main query heads. The raw keys (and MRoPE
 positions) go into the ring in launch 2, after launch 1: compression reads ring rows of
 earlier steps, and a chunk's last C rows map onto those same ring slots. Where no request
 of the step has C - r + 2 rows or more (every decode step), those slots cannot meet and task 2
 stores the ring row too: one launch (`ring_store_fuses`).
-`PrepareLaunch` binds them (`qsa_kernels.launch`) once per step shape and layer cache; the
-standalone stores and compression (not on a layer's path) launch the ordinary way.
+`PrepareLaunch` binds them (`qsa_kernels.launch`) once per step shape and layer cache.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa_core.cache import ring_store_fuses
-
 from .launch import Launcher, pdl_end, pdl_start
 
 if TYPE_CHECKING:
@@ -34,7 +31,6 @@ if TYPE_CHECKING:
 
 # Elements of one [heads, dims] tile of the main-query task.
 MAIN_TILE = 2048
-STORE_BLOCK = 1024
 
 
 def _interpreting() -> bool:
@@ -362,63 +358,6 @@ def _ring_store_kernel(
     pdl_end(PDL)
 
 
-@triton.jit(do_not_specialize=["rope_stride_axis"])
-def _compress_kernel(
-    raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
-    w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
-    comp_ptr, stride_cpage, stride_comp, comp_rows, ring_ptr, stride_rpage, stride_ring,
-    ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
-    comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
-    r: tl.constexpr, C: tl.constexpr, RPP: tl.constexpr, RD: tl.constexpr, BD: tl.constexpr,
-    HAS_RING_POS: tl.constexpr, INTERP: tl.constexpr,
-):
-    _compress_row(
-        tl.program_id(0).to(tl.int64), raw_ptr, stride_raw, rope_ptr, rope_stride_axis, rope_stride_t,
-        w_ptr, eps, inv_freq_ptr, rope_axes_ptr,
-        comp_ptr, stride_cpage, stride_comp, comp_rows, ring_ptr, stride_rpage, stride_ring,
-        ring_pos_ptr, stride_rpp, stride_rp0, stride_rp1,
-        comp_slot_ptr, to_req_ptr, pos_ptr, qsl_ptr, ring_index_ptr, Di,
-        r, C, RPP, RD, BD, HAS_RING_POS, INTERP,
-    )
-
-
-@triton.jit
-def _store_rows_kernel(
-    cache_ptr, stride_p, stride_n, stride_f, M, N, slots_ptr, rows_ptr, stride_t, stride_rf, scale,
-    F: tl.constexpr, IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + t)
-    if (slot >= 0) & (slot < N):
-        for f0 in range(0, F, BLOCK):
-            f = f0 + tl.arange(0, BLOCK)
-            x = tl.load(rows_ptr + t * stride_t + f * stride_rf, mask=f < F)
-            if IS_FLOAT:
-                x = _cvt(tl.div_rn(x.to(tl.float32), tl.full([BLOCK], scale, tl.float32)),
-                         cache_ptr.dtype.element_ty, INTERP)
-            else:
-                x = x.to(cache_ptr.dtype.element_ty)
-            tl.store(cache_ptr + (slot // M) * stride_p + (slot % M) * stride_n + f * stride_f, x, mask=f < F)
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr, k_stride_t, k_stride_h, v_ptr, v_stride_t, v_stride_h, slots_ptr, Hkv, D,
-    kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size, num_slots,
-    k_scale, v_scale, BKV: tl.constexpr, BD: tl.constexpr, INTERP: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + t)
-    if (slot >= 0) & (slot < num_slots):
-        d = tl.arange(0, BD)
-        h = tl.arange(0, BKV)
-        mask = (h < Hkv)[:, None] & (d < D)[None, :]
-        k = tl.load(k_ptr + t * k_stride_t + h[:, None] * k_stride_h + d[None, :], mask=mask, other=0.0)
-        _store_kv_row(slot, k.to(tl.float32), v_ptr, t * v_stride_t, v_stride_h, h, h < Hkv, d, D,
-                      kc_ptr, vc_ptr, kc_sp, kc_so, kc_sh, vc_sp, vc_so, vc_sh, page_size,
-                      k_scale, v_scale, INTERP)
-
-
 # ----------------------------------------------------------------------------- host side
 
 
@@ -456,75 +395,6 @@ def _has_ring_positions(rope_positions: torch.Tensor, cache: "QSALayerCache") ->
     return cache.ring_positions is not None
 
 
-def qsa_store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, scale: float = 1.0) -> None:
-    """cache[slots[t]] = rows[t] / scale for 0 <= slots[t] < len(cache); other rows skip.
-
-    cache [N, M, ...] (a paged view, flat slot s at [s // M, s % M]; trailing dims flatten;
-    float, fp8 or integer), slots int64
-    [T], rows [T, ...]. Integer caches copy without scaling.
-    """
-    T = slots.shape[0]
-    if T == 0:
-        return
-    flat = cache.flatten(2)
-    src = rows.reshape(T, -1)
-    _store_rows_kernel[(T,)](
-        flat, flat.stride(0), flat.stride(1), flat.stride(2), flat.shape[1], flat.shape[0] * flat.shape[1],
-        slots, src, src.stride(0), src.stride(1),
-        float(scale), F=flat.shape[2], IS_FLOAT=cache.dtype.is_floating_point,
-        BLOCK=min(STORE_BLOCK, _pow2(flat.shape[2])), INTERP=_interpreting(),
-    )
-
-
-def qsa_store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    k_scale: float = 1.0, v_scale: float = 1.0,
-) -> None:
-    """Write K/V [T, Hkv, D] into paged caches [pages, page_size, Hkv, D] at main slots."""
-    T, Hkv, D = k.shape
-    if T == 0:
-        return
-    page = k_cache.shape[1]
-    _store_kv_kernel[(T,)](
-        k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), slots, Hkv, D,
-        *_kv_cache_args(k_cache, v_cache), page, k_cache.shape[0] * page,
-        float(k_scale), float(v_scale), BKV=_pow2(Hkv), BD=_pow2(D), INTERP=_interpreting(),
-    )
-
-
-def qsa_compress_groups(
-    raw_keys: torch.Tensor,
-    rope_positions: torch.Tensor,
-    *,
-    k_norm: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    rope_axes: torch.Tensor,
-    cache: "QSALayerCache",
-    meta: "QSAForwardMetadata",
-) -> None:
-    """Compress every group this step closes into cache.compressed (one program per row).
-
-    raw_keys [T, Di] (contiguous last dim), rope_positions int64 [T] or [3, T]; the ring is
-    only read, so call this before the step's ring store.
-    """
-    T, Di = raw_keys.shape
-    if T == 0:
-        return
-    has_ring_pos = _has_ring_positions(rope_positions, cache)
-    rope, rs_axis, rs_t = _rope_args(rope_positions)
-    ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, rope)
-    _compress_kernel[(T,)](
-        raw_keys, raw_keys.stride(0), rope, rs_axis, rs_t,
-        k_norm, float(eps), inv_freq, rope_axes,
-        *_paged_args(cache.compressed), *_paged_args(cache.ring)[:3],
-        ring_pos, rpp, rp0, rp1,
-        meta.compressed_slot, meta.token_to_req, meta.positions, meta.query_start_loc, meta.ring_index, Di,
-        r=meta.compress_ratio, C=meta.ring_capacity, RPP=cache.compressed.shape[1], RD=2 * inv_freq.shape[0],
-        BD=_pow2(Di), HAS_RING_POS=has_ring_pos, INTERP=_interpreting(),
-    )
-
-
 _prepare = Launcher(_prepare_kernel)
 _ring_store = Launcher(_ring_store_kernel)
 # Per call: the projections, the norm weights (per layer), the step's positions and requests.
@@ -535,7 +405,7 @@ _RING_FREE = ("raw_ptr", "stride_raw", "rope_ptr", "rope_stride_axis", "rope_str
 
 
 class PrepareLaunch:
-    """`qsa_prepare` bound to one step shape (T rows, the plan's workspace) and one layer
+    """The reference's `qsa_prepare` bound to one step shape (T rows, the plan's workspace) and one layer
     cache: one launch where `ring_store_fuses(meta.max_query_len, C, r)` (fuse_ring), else two;
     `__call__` takes what changes per layer call.
 
@@ -598,7 +468,7 @@ class PrepareLaunch:
         v: torch.Tensor, rope_positions: torch.Tensor, index_q_norm: torch.Tensor, index_k_norm: torch.Tensor,
         q_norm: torch.Tensor, k_norm: torch.Tensor, query_start_loc: torch.Tensor, ring_index: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Shapes as `qsa_prepare` (T rows each); returns (q_idx, q, gate)."""
+        """Shapes as the reference's `qsa_prepare` (T rows each); returns (q_idx, q, gate)."""
         rope, rs_axis, rs_t = _rope_args(rope_positions)
         iq_stride = index_q.stride()[0]
         raw_stride = iq_stride if raw_keys is index_q else raw_keys.stride()[0]
@@ -619,46 +489,3 @@ def _gate(q_gate: torch.Tensor, T: int, Hq: int, D: int, st: tuple[int, ...]) ->
     return q_gate.as_strided((T, Hq, D), (st[0], 2 * D, 1), q_gate.storage_offset() + D)
 
 
-def qsa_prepare(
-    index_q: torch.Tensor,
-    raw_keys: torch.Tensor,
-    q_gate: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    rope_positions: torch.Tensor,
-    *,
-    index_q_norm: torch.Tensor,
-    index_k_norm: torch.Tensor,
-    q_norm: torch.Tensor,
-    k_norm: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    rope_axes: torch.Tensor,
-    index_dtype: torch.dtype,
-    cache: "QSALayerCache",
-    meta: "QSAForwardMetadata",
-    q_idx_out: torch.Tensor | None = None,
-    q_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused write side of a QSA layer for one step (same contract as the reference).
-
-    Inputs (model dtype, rows of any stride, contiguous within a row): index_q [T, Hi*Di],
-    raw_keys [T, Di], q_gate [T, Hq*2D], k and v [T, Hkv*D]. Returns q_idx [T, Hi, Di]
-    (index_dtype), q [T, Hq, D] and gate [T, Hq, D] (a view of q_gate, as the reference).
-    q_idx_out / q_out: contiguous buffers of those shapes (a plan's workspace), else allocated.
-    Binds its launches on every call: a plan keeps a `PrepareLaunch` per layer cache instead.
-    """
-    T, Di = raw_keys.shape
-    D = k_norm.shape[0]
-    Hi, Hq = index_q.shape[1] // Di, q_gate.shape[1] // (2 * D)
-    q_idx = torch.empty(T, Hi, Di, dtype=index_dtype, device=index_q.device) if q_idx_out is None else q_idx_out
-    q = torch.empty(T, Hq, D, dtype=q_gate.dtype, device=q_gate.device) if q_out is None else q_out
-    if T == 0:
-        return q_idx, q, q_gate.view(T, Hq, 2 * D)[..., D:]  # as the reference
-    norms = (index_q_norm, index_k_norm, q_norm, k_norm)
-    launch = PrepareLaunch(index_q, raw_keys, q_gate, k, v, rope_positions, index_q_norm=norms[0],
-                           index_k_norm=norms[1], q_norm=norms[2], k_norm=norms[3], eps=eps, inv_freq=inv_freq,
-                           rope_axes=rope_axes, cache=cache, meta=meta, q_idx_out=q_idx, q_out=q,
-                           fuse_ring=ring_store_fuses(meta.max_query_len, meta.ring_capacity,
-                                                      meta.compress_ratio))
-    return launch(index_q, raw_keys, q_gate, k, v, rope_positions, *norms, meta.query_start_loc, meta.ring_index)

@@ -1,6 +1,7 @@
 """Pure-PyTorch references: the definition of every QSA op (design.md §5).
 
-Each function has a Triton twin of the same name in `qsa_kernels` that must match it.
+Each op's Triton form is a bound launch in `qsa_kernels` (run by `qsa_core.backends.triton`)
+that must match its reference here.
 """
 
 from .attention import qsa_sparse_attention

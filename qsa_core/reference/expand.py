@@ -5,6 +5,16 @@ from __future__ import annotations
 import torch
 
 
+def check_expand_out(out: torch.Tensor, num_rows: int, block_topk: int, compress_ratio: int) -> None:
+    """out must be [T, W + 1] with W >= Kb * r + r - 1: room for Kb groups of r tokens and
+    an open tail of up to r - 1 (a narrower row would take group tokens past its end, or
+    count a tail it has no room for)."""
+    width = block_topk * compress_ratio + compress_ratio - 1
+    if out.dim() != 2 or out.shape[0] != num_rows or out.shape[1] - 1 < width:
+        raise ValueError(f"out must be [T = {num_rows}, W + 1] with W >= Kb * r + r - 1 = {width}, "
+                         f"got {tuple(out.shape)}")
+
+
 def qsa_expand(
     block_indices: torch.Tensor,
     positions: torch.Tensor,
@@ -21,6 +31,7 @@ def qsa_expand(
     """
     r = compress_ratio
     T, Kb = block_indices.shape
+    check_expand_out(out, T, Kb, r)
     W = out.shape[1] - 1
     g = block_indices.long()
     vis = visible_blocks.long()

@@ -188,7 +188,7 @@ def recording(sms: int = 132):
     sm_90 GPU of `sms` SMs (the H100 / H200's 132): PDL on, the decode top-k's L2 warm on,
     the attention's split count planned for that many SMs, the triton backend on CPU tensors. Run without TRITON_INTERPRET, so
     every tile choice is the production one."""
-    from qsa_core import ops
+    from qsa_core import backends
     from qsa_kernels import attention, launch, warm
 
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "recording needs the compiled kernels' tile choices"
@@ -201,18 +201,19 @@ def recording(sms: int = 132):
         def __call__(self, *free):
             return None
 
-    saved = launch.BoundLaunch, launch.pdl_enabled, warm.warm_enabled, attention._num_sms, ops.resolve_backend
-    real_backend = ops.resolve_backend
+    saved = launch.BoundLaunch, launch.pdl_enabled, warm.warm_enabled, attention._num_sms, backends.resolve_backend
+    real_backend = backends.resolve_backend
     launch.BoundLaunch = Recorded
     # the CPU tensors stand for the GPU's: nothing launches, so the triton backend may take them
-    ops.resolve_backend = lambda device, name=None: "triton" if name == "triton" else real_backend(device, name)
+    backends.resolve_backend = lambda device, options: (
+        "triton" if options.backend == "triton" else real_backend(device, options))
     launch.pdl_enabled = lambda fn: launch._pdl > 0
     warm.warm_enabled = lambda part, device: bool(warm.warm_mask() & part)
     attention._num_sms = lambda device: sms
     try:
         yield found
     finally:
-        launch.BoundLaunch, launch.pdl_enabled, warm.warm_enabled, attention._num_sms, ops.resolve_backend = saved
+        launch.BoundLaunch, launch.pdl_enabled, warm.warm_enabled, attention._num_sms, backends.resolve_backend = saved
 
 
 def portable(b: Binding) -> tuple:

@@ -182,7 +182,7 @@ def bound_topks(engine: Engine):
     for schedule in engine.planner._schedules.values():
         for key, entry in schedule.launches.items():
             if key != "by_views":
-                for select in entry[1].get("select", ()):
+                for select in getattr(entry[1], "select_launches", ()):  # none on a step of no rows
                     yield from (topk for _, _, topk in select._chunks)
 
 

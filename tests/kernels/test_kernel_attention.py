@@ -13,6 +13,8 @@ if DEV == "cpu":
 
 from qsa_core.reference.attention import qsa_sparse_attention as reference  # noqa: E402
 from qsa_kernels import attention as ker  # noqa: E402
+
+import entry  # noqa: E402
 from test_kernel_select import graph_replay, kernel_breakdown  # noqa: E402  (imported here: a rename fails on CPU too)
 
 
@@ -76,7 +78,7 @@ def attend(q, gate, k, v, table, to_req, seq, sel, **kw):
     T, Hq, D = q.shape
     sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
     out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
-    return ker.qsa_sparse_attention(q, gate, k, v, table, to_req, seq, sel, out=out, schedule=sched, **kw)
+    return entry.sparse_attention(q, gate, k, v, table, to_req, seq, sel, out=out, schedule=sched, **kw)
 
 
 def compare(problem, *, k_scale=1.0, v_scale=1.0, tol=1e-5, ref_device=None):
@@ -139,7 +141,7 @@ def test_output_rows_of_a_wider_buffer():
     T, Hq, D = q.shape
     wide = torch.full((T + 2, Hq * D + 8), 5.0, device=q.device)
     sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
-    ker.qsa_sparse_attention(*problem, softmax_scale=D**-0.5, out=wide[:T, : Hq * D], schedule=sched)
+    entry.sparse_attention(*problem, softmax_scale=D**-0.5, out=wide[:T, : Hq * D], schedule=sched)
     torch.testing.assert_close(wide[:T, : Hq * D], attend(*problem, softmax_scale=D**-0.5), rtol=0, atol=0)
     assert (wide[T:] == 5.0).all() and (wide[:, Hq * D :] == 5.0).all()
 
@@ -226,7 +228,7 @@ def test_gpu_cuda_graph_and_timing(capsys):
                                device="cuda")
         sched = ker.plan_attention(sum(ql), 24, 2, 256, 2051, device="cuda")
         out = torch.empty(sum(ql), 24 * 256, dtype=torch.bfloat16, device="cuda")
-        run = lambda: ker.qsa_sparse_attention(*problem, softmax_scale=256**-0.5, out=out, schedule=sched)  # noqa: E731
+        run = lambda: entry.sparse_attention(*problem, softmax_scale=256**-0.5, out=out, schedule=sched)  # noqa: E731
         eager = run().clone()
         replayed, us = graph_replay(run)
         assert torch.equal(replayed, eager)

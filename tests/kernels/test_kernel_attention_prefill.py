@@ -16,6 +16,8 @@ from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_kernels import attention as per_row  # noqa: E402
 from qsa_kernels import attention_prefill as ker  # noqa: E402
 
+import entry  # noqa: E402
+
 R = 4
 
 
@@ -78,7 +80,7 @@ def attend(problem, *, ratio=ker.MAX_UNION_RATIO, block_rows=None, k_scale=1.0, 
     sched = ker.plan_prefill_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, R, device=q.device,
                                        block_rows=block_rows, max_union_ratio=ratio)
     out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
-    ker.qsa_prefill_attention(*problem, softmax_scale=D**-0.5, k_scale=k_scale, v_scale=v_scale, out=out,
+    entry.prefill_attention(*problem, softmax_scale=D**-0.5, k_scale=k_scale, v_scale=v_scale, out=out,
                               schedule=sched)
     return out, sched
 
@@ -88,7 +90,7 @@ def per_row_kernel(problem, **kw):
     T, Hq, D = q.shape
     sched = per_row.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
     out = torch.empty(T, Hq * D, dtype=q.dtype, device=q.device)
-    return per_row.qsa_sparse_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched, **kw)
+    return entry.sparse_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched, **kw)
 
 
 def compare(problem, *, tol=1e-5, k_scale=1.0, v_scale=1.0, with_per_row=False, **kw):
@@ -225,7 +227,7 @@ def test_first_look_sends_independent_blocks_per_row_at_once():
                                            max_union_ratio=0.3)
         sched.last.fill_(-7)
         out = torch.empty(T, Hq * D, device=q.device)
-        ker.qsa_prefill_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
+        entry.prefill_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
         torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
         assert shared_blocks(sched).tolist() == [shared] * 2
         assert (sched.last == -7).all().item() is not shared
@@ -247,7 +249,7 @@ def test_union_writes_stay_within_the_planned_capacity(monkeypatch):
     sched = ker.plan_prefill_attention(T, Hq, 2, D, sel.shape[1] - 1, R, device=q.device, block_rows=5,
                                        max_union_ratio=0.3, workspace=ws)
     out = torch.empty(T, Hq * D, device=q.device)
-    ker.qsa_prefill_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
+    entry.prefill_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
     torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
     ran_full = sched.last.view(-1, 5)[:, 0] != -9  # the full pass writes the rows' last entries
     assert (ran_full & ~shared_blocks(sched)).any(), "no block outgrew the ratio: the case tests nothing"

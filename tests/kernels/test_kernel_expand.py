@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from qsa_core.reference import qsa_expand as reference_expand  # noqa: E402
-from qsa_kernels.expand import qsa_expand  # noqa: E402
+from entry import expand as qsa_expand  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.interpreter  # (TRITON_INTERPRET=1, CPU tensors: tests/conftest.py)
@@ -99,3 +99,18 @@ def test_production_gpu():
     vis[-16:] = 0
     got, want = run_both(blocks.cuda(), pos.cuda(), vis.to(torch.int32).cuda(), r, Kb * r + r - 1)
     assert torch.equal(got, want)
+
+
+@interp
+def test_refuses_an_output_too_narrow_for_its_groups():
+    """As the reference (tests/test_reference_ops.py): W >= Kb * r + r - 1 is checked before
+    the kernel writes (a narrower row would take group tokens past its end)."""
+    blocks = torch.tensor([[0, 2, 1]], dtype=torch.int32)
+    args = (blocks, torch.tensor([14]), torch.tensor([3], dtype=torch.int32))
+    for shape in ((1, 3 * 4 + 1), (1, 3 * 4 + 3), (2, 3 * 4 + 4), (1,)):
+        out = torch.full(shape, 7, dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"out must be \[T = 1, W \+ 1\] with W >= Kb \* r \+ r - 1 = 15"):
+            qsa_expand(*args, compress_ratio=4, out=out)
+        assert (out == 7).all()
+    out = qsa_expand(*args, compress_ratio=4, out=torch.empty(1, 3 * 4 + 4, dtype=torch.int32))
+    assert out[0].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]

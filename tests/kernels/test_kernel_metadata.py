@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from qsa_core import QSAConfig, QSAPlanner, QSAStepInputs  # noqa: E402
 from qsa_core.reference import qsa_build_metadata as reference_build  # noqa: E402
-from qsa_kernels.metadata import qsa_build_metadata  # noqa: E402
+from entry import build_metadata as qsa_build_metadata  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.interpreter  # (TRITON_INTERPRET=1, CPU tensors: tests/conftest.py)
@@ -218,7 +218,7 @@ def test_planner_persistent_buffers(monkeypatch):
                        index_head_dim=16, token_topk=8, compress_ratio=4, rotary_dim=8, rope_theta=1e4)
     planner = QSAPlanner(config, dtype=torch.float32, page_size=8, ring_capacity=8, max_num_tokens=64,
                          max_model_len=64)
-    assert planner.backend == "triton"
+    assert planner.backend.name == "triton"
     for qlens, ctx, pad in (([1, 1, 6], [9, 4, 0], 3), ([2, 9], [5, 14], 0)):
         qsl, seq, slots, ring = make_step(qlens, ctx, pad, gen, "cpu", num_slots=200, ring_rows=4)
         table = torch.arange(len(qlens) * 4, dtype=torch.int32).view(len(qlens), 4)

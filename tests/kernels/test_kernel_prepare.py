@@ -1,4 +1,4 @@
-"""Triton write side (store rows, store K/V, group compression, fused prepare) vs the reference.
+"""Triton write side (the fused prepare: group compression, ring and K/V stores) vs the reference.
 
 Realistic steps come from `QSAPlanner` + `QSACacheLayout`: chunked prefills that end
 inside a group and are longer than the ring, decodes, speculative ring capacity, MRoPE
@@ -19,10 +19,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from qsa_core import reference  # noqa: E402
-from qsa_core.cache import QSACacheLayout, QSALayerCache, ring_capacity  # noqa: E402
+from qsa_core.cache import QSACacheLayout, QSALayerCache, ring_capacity, ring_store_fuses  # noqa: E402
 from qsa_core.config import QSAConfig, resolve_dtype  # noqa: E402
 from qsa_core import QSAPlanner, QSAStepInputs  # noqa: E402
-from qsa_kernels import prepare as kernels  # noqa: E402
+
+import entry  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.interpreter  # (TRITON_INTERPRET=1, CPU tensors: tests/conftest.py)
@@ -236,7 +237,7 @@ def run_prepare_step(cfg, sched, caches, weights, chunks, num_pad, num_decodes, 
     args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
     kw = dict(weights, index_dtype=index_dtype, meta=meta)
     want = reference.qsa_prepare(*args, **kw, cache=want_cache)
-    got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
+    got = entry.prepare(*args, **kw, cache=got_cache)
     live = meta.positions >= 0
     assert got[0].dtype == index_dtype and got[0].shape == want[0].shape
     assert_close(got[0][live], want[0][live], index_dtype, "q_idx")
@@ -294,12 +295,12 @@ def test_ring_store_fuses_only_where_the_step_reads_no_slot_it_writes():
     for r in (2, 4, 5, 8):
         for C in (ring_capacity(r, spec) for spec in (0, 1, 3, 7)):
             for n in range(1, 2 * C + 2):
-                if kernels.ring_store_fuses(n, C, r):
+                if ring_store_fuses(n, C, r):
                     assert not any(meet(s, n, C, r) for s in range(3 * C)), (r, C, n)
-            fused = max(n for n in range(1, 2 * C + 2) if kernels.ring_store_fuses(n, C, r))
+            fused = max(n for n in range(1, 2 * C + 2) if ring_store_fuses(n, C, r))
             assert any(meet(s, fused + 1, C, r) for s in range(3 * C)), (r, C)  # one row more and they meet
-    assert kernels.ring_store_fuses(1, 4, 4) and kernels.ring_store_fuses(4, 8, 4)  # decode, 3-draft MTP
-    assert kernels.ring_store_fuses(8, 16, 8) and not kernels.ring_store_fuses(5, 8, 8)  # 7-draft; r 8 chunk
+    assert ring_store_fuses(1, 4, 4) and ring_store_fuses(4, 8, 4)  # decode, 3-draft MTP
+    assert ring_store_fuses(8, 16, 8) and not ring_store_fuses(5, 8, 8)  # 7-draft; r 8 chunk
 
 
 CASES = [
@@ -339,7 +340,7 @@ def test_prepare_one_d_rope_differs_from_logical(ring_positions):
         args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
         kw = dict(weights, index_dtype=torch.bfloat16, meta=meta)
         want = reference.qsa_prepare(*args, **kw, cache=want_cache)
-        got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
+        got = entry.prepare(*args, **kw, cache=got_cache)
         live = meta.positions >= 0
         assert_close(got[0][live], want[0][live], torch.bfloat16, "q_idx")
         compare_caches(got_cache, want_cache, cfg)
@@ -347,86 +348,56 @@ def test_prepare_one_d_rope_differs_from_logical(ring_positions):
 
 @interp
 @pytest.mark.parametrize("mrope", [False, True])
-def test_compress_groups(mrope):
-    """Standalone compression over a step whose first group completes from the ring."""
+def test_prepare_compresses_groups_that_complete_from_the_ring(mrope):
+    """Fused prepare over steps whose first group completes from the ring (the earlier step's
+    raw keys), fp8 index keys: the compressed keys, ring and K/V match the reference."""
     cfg = small_config(mrope, "fp8_e4m3")
     layout = QSACacheLayout(num_layers=1, page_size=8, num_pages=12, ring_rows=3)
     torch.manual_seed(2)
     sched = Scheduler(cfg, layout, "cpu", 2)
-    got_cache, want_cache = random_caches(cfg, layout, torch.bfloat16, "cpu", fp8_scales=False)
+    caches = random_caches(cfg, layout, torch.bfloat16, "cpu", fp8_scales=False)
     weights = layer_weights(cfg, torch.bfloat16, "cpu")
-    kw = dict(k_norm=weights["index_k_norm"], eps=cfg.rms_norm_eps, inv_freq=weights["inv_freq"],
-              rope_axes=weights["rope_axes"])
+    closed_from_ring = 0
     for chunks, pad in (([("a", 7), ("b", 2)], 2), ([("b", 13), ("a", 10)], 1)):
-        meta, rope = sched.step(chunks, pad, 0)
-        raw = step_inputs(cfg, meta.num_tokens, pad, torch.bfloat16, "cpu")["raw_keys"]
-        reference.qsa_compress_groups(raw, rope, **kw, cache=want_cache, meta=meta)
-        kernels.qsa_compress_groups(raw, rope, **kw, cache=got_cache, meta=meta)
-        assert_close(got_cache.compressed, want_cache.compressed, got_cache.compressed.dtype, "compressed")
-        # Feed the ring as prepare would, so the next step's groups start from it.
-        reference.qsa_store_rows(want_cache.ring, meta.ring_slot, raw)
-        reference.qsa_store_rows(got_cache.ring, meta.ring_slot, raw)
-        if mrope:
-            rows3 = rope.T
-            reference.qsa_store_rows(want_cache.ring_positions, meta.ring_slot, rows3)
-            reference.qsa_store_rows(got_cache.ring_positions, meta.ring_slot, rows3)
+        meta = run_prepare_step(cfg, sched, caches, weights, chunks, pad, 0, torch.bfloat16, "cpu")
+        live = meta.positions >= 0
+        start = meta.positions[meta.query_start_loc[meta.token_to_req.long()].long()]  # each row's chunk start
+        from_ring = (meta.compressed_slot >= 0) & (meta.positions - (cfg.compress_ratio - 1) < start)
+        closed_from_ring += int((from_ring & live).sum())
+    assert closed_from_ring > 0, "no group completed from the ring"
+
+
+def _out_of_range_slots(meta, num_slots: int, ring_rows: int, compressed_rows: int) -> None:
+    """Point some live rows' writes outside their caches (past the end, or negative other than
+    -1), in the planned metadata's own buffers: every store must skip them."""
+    for slots, n in ((meta.slot_mapping, num_slots), (meta.ring_slot, ring_rows), (meta.compressed_slot,
+                                                                                    compressed_rows)):
+        live = (slots >= 0).nonzero().flatten()
+        assert live.numel() >= 3
+        slots[live[0]], slots[live[1]], slots[live[2]] = n, n + 7, -5
 
 
 @interp
-@pytest.mark.parametrize(
-    "cache_dtype,row_dtype,scale",
-    [(torch.bfloat16, torch.bfloat16, 1.0), (torch.float8_e4m3fn, torch.bfloat16, 0.5),
-     (torch.float8_e5m2, torch.float32, 2.0), (torch.int64, torch.int64, 1.0), (torch.float32, torch.bfloat16, 1.0)],
-)
-def test_store_rows(cache_dtype, row_dtype, scale):
+@pytest.mark.parametrize("mrope,dtype,index_dtype,kv_dtype,spec", CASES)
+def test_prepare_skips_slots_outside_the_caches(mrope, dtype, index_dtype, kv_dtype, spec):
+    """K/V, ring (+ MRoPE positions) and compressed-key slots past the caches' ends or below
+    -1 write nothing (every cache and its interleaved neighbour compared), in each cache dtype
+    (bf16, fp8 with scales, fp32 / fp8_e5m2, int64 positions)."""
+    cfg = small_config(mrope, index_dtype, kv_dtype)
+    layout = QSACacheLayout(num_layers=1, page_size=8, num_pages=6, ring_rows=3, num_speculative_tokens=spec)
     torch.manual_seed(3)
-    # Pages of 2 rows with a page stride of 3 rows (a neighbour's row between): 10 slots.
-    N, T, F = 10, 9, 12
-    if cache_dtype.is_floating_point:
-        base = torch.randn(N // 2, 3, F).to(cache_dtype)
-        rows = torch.randn(T, F).to(row_dtype)
-    else:
-        base = torch.randint(-9, 9, (N // 2, 3, F))
-        rows = torch.randint(-99, 99, (T, F))
-    cache = base[:, :2]
-    slots = torch.tensor([3, -1, 0, 9, 10, 25, 7, -5, 1])
-    if rows.is_floating_point():
-        rows[slots < 0] = float("nan")
-        rows[slots >= N] = float("nan")
-    want_base = base.clone()
-    reference.qsa_store_rows(want_base[:, :2], slots, rows, scale)
-    kernels.qsa_store_rows(cache, slots, rows, scale)
-    assert torch.equal(base[:, 2], want_base[:, 2]), "a neighbour row was written"
-    assert_same(cache, want_base[:, :2], "store_rows")
-
-
-@interp
-def test_store_rows_transposed_positions():
-    """The ring-position store passes a transposed [T, 3] view of rope positions."""
-    rope = torch.randint(0, 1000, (3, 6))
-    cache = torch.zeros(4, 2, 3, dtype=torch.int64)
-    want = cache.clone()
-    slots = torch.tensor([5, -1, 2, 8, 0, 3])
-    reference.qsa_store_rows(want, slots, rope.T)
-    kernels.qsa_store_rows(cache, slots, rope.T)
-    assert torch.equal(cache, want)
-
-
-@interp
-@pytest.mark.parametrize("kv_dtype,scales", [(torch.bfloat16, (1.0, 1.0)), (torch.float8_e4m3fn, (0.5, 2.0))])
-def test_store_kv(kv_dtype, scales):
-    torch.manual_seed(4)
-    pages, page, Hkv, D, T = 3, 4, 2, 16, 7
-    kv = torch.randn(pages, page, Hkv, 2 * D).to(kv_dtype)
-    want_kv = kv.clone()
-    k = torch.randn(T, Hkv, D).to(torch.bfloat16)
-    v = torch.randn(T, Hkv, D).to(torch.bfloat16)
-    slots = torch.tensor([0, 5, -1, 11, 12, 40, 3])
-    k[slots < 0] = float("nan")
-    v[slots >= pages * page] = float("nan")
-    reference.qsa_store_kv(want_kv[..., :D], want_kv[..., D:], slots, k, v, *scales)
-    kernels.qsa_store_kv(kv[..., :D], kv[..., D:], slots, k, v, *scales)
-    assert_same(kv, want_kv, "kv")
+    sched = Scheduler(cfg, layout, "cpu", 3)
+    got_cache, want_cache = random_caches(cfg, layout, dtype, "cpu", fp8_scales=kv_dtype != "auto")
+    weights = layer_weights(cfg, dtype, "cpu")
+    meta, rope = sched.step([("a", 9), ("b", 6)], 2, 0)
+    C = layout.ring_capacity(cfg)
+    _out_of_range_slots(meta, layout.num_slots, layout.ring_rows * C, layout.num_slots // cfg.compress_ratio)
+    inputs = step_inputs(cfg, meta.num_tokens, 2, dtype, "cpu")
+    args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
+    kw = dict(weights, index_dtype=resolve_dtype(cfg.index_dtype, dtype), meta=meta)
+    reference.qsa_prepare(*args, **kw, cache=want_cache)
+    entry.prepare(*args, **kw, cache=got_cache)
+    compare_caches(got_cache, want_cache, cfg)
 
 
 @interp
@@ -443,7 +414,7 @@ def test_prepare_empty_step():
     )).meta
     inputs = step_inputs(cfg, 3, 3, torch.bfloat16, "cpu")
     args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [meta.rope_positions]
-    got = kernels.qsa_prepare(*args, **layer_weights(cfg, torch.bfloat16, "cpu"), index_dtype=torch.bfloat16,
+    got = entry.prepare(*args, **layer_weights(cfg, torch.bfloat16, "cpu"), index_dtype=torch.bfloat16,
                               cache=got_cache, meta=meta)
     assert got[0].shape == (3, cfg.index_n_heads, cfg.index_head_dim)
     compare_caches(got_cache, want_cache, cfg)
@@ -473,6 +444,8 @@ def test_prepare_production_gpu(mrope, index_dtype, kv_dtype, spec, Hq):
     prepare kernel: one per ring mode, fused into it for decode steps or a launch of its own)."""
     cfg = production_config(mrope, index_dtype, kv_dtype, Hq)
     layout = QSACacheLayout(num_layers=1, page_size=64, num_pages=400, ring_rows=8, num_speculative_tokens=spec)
+    from qsa_kernels import prepare as kernels
+
     before = {k: compiled_variants(k) for k in (kernels._prepare_kernel, kernels._ring_store_kernel)}
     run_scenario(cfg, layout, torch.bfloat16, "cuda", production_schedule(spec))
     for kernel, n in before.items():

@@ -14,6 +14,8 @@ if DEV == "cpu":
 from qsa_core.reference import select as ref  # noqa: E402
 from qsa_kernels import select as ker  # noqa: E402
 
+import entry  # noqa: E402
+
 
 def make_problem(
     seq_lens, query_lens, *, r=4, page=16, Hi=4, Di=32, kind="int", pad_rows=0, device=DEV, seed=0,
@@ -80,7 +82,7 @@ def reference(problem, *, r=4, page=16, Kb=8, device=None):
 def run_both(problem, *, route, r=4, page=16, Kb=8, decode=False, ref_device=None):
     """(kernel selection through a schedule asserted to take `route`, reference selection)."""
     q, comp, table, to_req, vis, max_seq = problem
-    fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
+    fn = entry.select_decode if decode else entry.select_prefill
     sched = schedule(q.shape[0], max_seq, r, Kb, decode, q.device, route)
     out = fn(q, comp, table, to_req, vis, out=torch.full((q.shape[0], Kb), 7, dtype=torch.int32, device=q.device),
              schedule=sched, page_size=page, compress_ratio=r, block_topk=Kb)
@@ -275,7 +277,7 @@ def test_one_workspace_serves_consecutive_calls(nan_scratch):
         q, comp, table, to_req, vis, ms = problem
         sched = ker.plan_select(q.shape[0], 64, 8, decode=decode, device=DEV, workspace=ws)
         assert sched.route == (MID_DECODE if decode else "prefill")
-        fn = ker.qsa_select_decode if decode else ker.qsa_select_prefill
+        fn = entry.select_decode if decode else entry.select_prefill
         out = torch.full((q.shape[0], 8), 7, dtype=torch.int32, device=DEV)
         fn(q, comp, table, to_req, vis, page_size=16, compress_ratio=4, block_topk=8, out=out, schedule=sched)
         assert torch.equal(out, reference(problem))
@@ -293,7 +295,7 @@ def test_empty_batch():
     problem = make_problem([40], [1], kind="int")
     q, comp, table, to_req, vis, ms = problem
     out = torch.empty(0, 8, dtype=torch.int32)
-    ker.qsa_select_decode(q[:0], comp, table, to_req[:0], vis[:0], page_size=16, compress_ratio=4,
+    entry.select_decode(q[:0], comp, table, to_req[:0], vis[:0], page_size=16, compress_ratio=4,
                           block_topk=8, schedule=schedule(0, ms, 4, 8, True, "cpu", "topk-short"), out=out)
     assert out.shape == (0, 8)
 
@@ -329,7 +331,7 @@ def test_gpu_decode_1m_and_batch_invariance(nan_scratch, route):
     def run(sl):
         o = torch.empty(q[sl].shape[0], 512, dtype=torch.int32, device="cuda")
         sched = schedule(o.shape[0], ms, 4, 512, True, "cuda", route)
-        return ker.qsa_select_decode(q[sl], comp, table, to_req[sl], vis[sl], out=o, schedule=sched, **kw)
+        return entry.select_decode(q[sl], comp, table, to_req[sl], vis[sl], out=o, schedule=sched, **kw)
 
     full = run(slice(None))
     assert torch.equal(full, run(slice(None)))  # deterministic across runs
@@ -365,7 +367,7 @@ def test_gpu_prefill_batch_invariance(nan_scratch, route):
     def run(sl):
         o = torch.empty(q[sl].shape[0], 512, dtype=torch.int32, device="cuda")
         sched = schedule(o.shape[0], ms, 4, 512, False, "cuda", route)
-        return ker.qsa_select_prefill(q[sl], comp, table, to_req[sl], vis[sl], out=o, schedule=sched, **kw)
+        return entry.select_prefill(q[sl], comp, table, to_req[sl], vis[sl], out=o, schedule=sched, **kw)
 
     full = run(slice(None))
     assert torch.equal(full, run(slice(None)))
@@ -412,14 +414,14 @@ def test_gpu_cuda_graph_and_timing(capsys):
     and a per-kernel breakdown (no assertion on speed)."""
     kw = dict(page_size=64, compress_ratio=4, block_topk=512)
     for name, seq, ql, fn, route in [
-        ("decode 4x1M", [1 << 20] * 4, [1] * 4, ker.qsa_select_decode, "dsamp"),
-        ("decode 64x128K", [131072] * 64, [1] * 64, ker.qsa_select_decode, "dsamp"),
-        ("prefill 8K rows @128K", [131072], [8192], ker.qsa_select_prefill, "prefill"),
+        ("decode 4x1M", [1 << 20] * 4, [1] * 4, entry.select_decode, "dsamp"),
+        ("decode 64x128K", [131072] * 64, [1] * 64, entry.select_decode, "dsamp"),
+        ("prefill 8K rows @128K", [131072], [8192], entry.select_prefill, "prefill"),
     ]:
         q, comp, table, to_req, vis, ms = _prod_problem(seq, ql, "bf16")
         comp = torch.nan_to_num(comp)
         o = torch.empty(q.shape[0], 512, dtype=torch.int32, device="cuda")
-        sched = schedule(q.shape[0], ms, 4, 512, fn is ker.qsa_select_decode, "cuda", route)
+        sched = schedule(q.shape[0], ms, 4, 512, fn is entry.select_decode, "cuda", route)
         run = lambda: fn(q, comp, table, to_req, vis, out=o, schedule=sched, **kw)  # noqa: E731
         eager = run().clone()
         replayed, us = graph_replay(run)

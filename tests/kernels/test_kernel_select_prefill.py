@@ -21,6 +21,8 @@ from test_kernel_select import make_problem, run_both, scores_of  # noqa: E402
 from qsa_core.reference import select as ref  # noqa: E402
 from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_kernels import select as ker  # noqa: E402
+
+import entry  # noqa: E402
 from qsa_kernels import select_prefill as sp  # noqa: E402
 
 R = 4  # compress ratio
@@ -318,7 +320,7 @@ def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkey
     expect = ref.qsa_select_prefill(*(t.cpu() for t in (q, comp, table, to_req, vis)),
                                     out=torch.empty(T, 8, dtype=torch.int32), **kw)
     for _ in range(2):
-        out = ker.qsa_select_prefill(q, comp, table, to_req, vis, out=torch.full((T, 8), 7, dtype=torch.int32,
+        out = entry.select_prefill(q, comp, table, to_req, vis, out=torch.full((T, 8), 7, dtype=torch.int32,
                                      device=DEV), schedule=s, **kw)
         assert torch.equal(out.cpu(), expect)
 

@@ -26,6 +26,8 @@ if DEV == "cpu":
 
 from qsa_core.reference import select as ref  # noqa: E402
 from qsa_kernels import select as sel  # noqa: E402
+
+import entry  # noqa: E402
 from qsa_kernels import select_score as ss  # noqa: E402
 
 DTYPE = {"int": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "randn": torch.bfloat16}
@@ -202,7 +204,7 @@ def test_mtp_decode_select_through_the_plan(monkeypatch, aligned, chunk_rows):
     sched = sel.plan_select(q.shape[0], 200 // 4, 8, decode=True, device=DEV, rows_per_request=4,
                             rows_aligned=aligned)
     assert sched.chunk == (4 if chunk_rows else q.shape[0])
-    out = sel.qsa_select_decode(q, comp, table, to_req, vis, out=torch.full((q.shape[0], 8), 7, dtype=torch.int32,
+    out = entry.select_decode(q, comp, table, to_req, vis, out=torch.full((q.shape[0], 8), 7, dtype=torch.int32,
                                 device=DEV), schedule=sched, **kw)
     args = [t.cpu() for t in problem]
     expect = ref.qsa_select_prefill(*args, out=torch.empty(q.shape[0], 8, dtype=torch.int32), **kw)

@@ -389,7 +389,7 @@ def test_each_new_mapper_is_warmed_on_its_geometry_caches(stack, monkeypatch):
     def spy(planner, caches, *, decode_query_lens):
         calls.append((planner, list(caches), tuple(decode_query_lens)))
         out = real(planner, caches, decode_query_lens=decode_query_lens)
-        assert out is None and planner.backend == "reference"
+        assert out is None and planner.backend.name == "reference"
         return out
 
     monkeypatch.setattr(backend, "start_up_warm", spy)
