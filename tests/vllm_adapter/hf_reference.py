@@ -47,7 +47,7 @@ def greedy(model, prompts: list[list[int]], max_tokens: list[int]) -> list[list[
 
 @contextlib.contextmanager
 def spec_order_boundaries() -> Iterator[list[tuple[float, float, float]]]:
-    """HF's indexer top-k with ties broken by SPEC 2.7 (higher score first, then lower group
+    """HF's indexer top-k with ties broken by design.md §2.7 (higher score first, then lower group
     index), recording each selection's boundary inside the block: (s[k-1], s[k], max |s|) of the
     sorted scores s for every `scores.topk(k, dim=0)` on a 1-D vector with k < len(scores).
 

@@ -15,7 +15,7 @@ keys decide selections all through these short prompts. At 2048 only rows past 2
 select, and the oracle is too slow for CI: transformers took 58 s and 95 s for two 2.1K-token
 image prompts (4 new tokens) on a shared 2-core machine, and 245 of 252 of its selections had
 an exact 0.0 tie at the boundary. The production budget runs text-only in test_vllm_e2e.py. HF's top-k ties (exact
-ReLU zeros) are broken by SPEC 2.7, as the core breaks them (`spec_order_boundaries`).
+ReLU zeros) are broken by design.md §2.7, as the core breaks them (`spec_order_boundaries`).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_runs(checkpoint):
     """Per prompt: HF's prompt ids, MRoPE positions int64 [3, L] and greedy tokens (HF's top-k
-    ties broken by SPEC 2.7); and the top-k boundary of every selection HF made."""
+    ties broken by design.md §2.7); and the top-k boundary of every selection HF made."""
     _, model, processor = checkpoint
     runs = []
     with spec_order_boundaries() as bounds, torch.no_grad():
