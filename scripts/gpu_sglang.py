@@ -41,9 +41,14 @@ SGLang's verify steps and accepted drafts. Each server's log must name the backe
 it (qsa_core's plugin line and its 8-row ring with NEXTN; SGLang's QSA line).
 
 Every run's JSON (`<run>.json`) and log (`<run>.log`) land in OUT_DIR as soon as it ends, and
-OUT_DIR/summary.md is rewritten after each run. A run whose JSON is already there is kept (give
---redo to run it again), so a call cut by a time limit, or calls split by --backends / --modes,
+OUT_DIR/summary.md is rewritten after each run. A run whose JSON is already there without an
+error is kept (give --redo to run it again), so a call cut by a time limit, or calls split by --backends / --modes,
 continue in the same OUT_DIR and the summary compares everything there.
+
+A server starts in about 1-2.5 minutes on the GPU host (start-up kernel warm-up, Triton and JIT
+compiles, graph capture; estimated, not measured), so the default set (6 runs) takes about 10-12
+minutes: split it in calls of at most 9 minutes, `--backends qsa_core` then `--backends qsa`, each
+under `timeout -s TERM` (the script then stops its server by pid and exits).
 
 --smoke: the same script on the CPU through SGLang's CPU build (device cpu, eager only, the
 tests' tiny geometry: hidden 256, 4 / 2 heads of 64, budget 2048, every layer QSA; prompts of 40,
@@ -243,7 +248,8 @@ def serve(out: str, folder: str, run: Run, profile: Profile, smoke: bool) -> dic
         server = ServerProcess.launch(lambda port: command(folder, run, profile, port), log,
                                       server_env(run, smoke), profile.start_timeout_s)
     except (RuntimeError, TimeoutError) as e:
-        return {**result, "error": f"start: {str(e).splitlines()[0]}", "wall_s": time.monotonic() - t0}
+        lines = str(e).splitlines()
+        return {**result, "error": f"start: {lines[0]}", "tail": lines[1:], "wall_s": round(time.monotonic() - t0, 1)}
     pool = ThreadPoolExecutor(len(profile.lengths))
     try:
         t1 = time.monotonic()
@@ -265,6 +271,8 @@ def serve(out: str, folder: str, run: Run, profile: Profile, smoke: bool) -> dic
     decode_graphs = any("decode" in c or "verify" in c for c in result["captured"])
     if "error" not in result and decode_graphs != (run.mode != "eager"):
         result["error"] = f"{run.mode} run, but the graphs SGLang captured are {result['captured']}"
+    if "error" in result:
+        result["tail"] = server.log_tail(40).splitlines()
     return result
 
 
@@ -402,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     default = plan(["qsa_core", "qsa"], ["eager"] if args.smoke else ["eager", "graphs"], True, spec_backends)
     everything = default + [r for r in wanted if r not in default]  # the summary covers earlier calls' runs too
     for run in wanted:
-        if not args.redo and load(args.out, run) is not None:
+        earlier = load(args.out, run)
+        if not args.redo and earlier is not None and "error" not in earlier:
             print(f"{run.name}: kept from an earlier call", flush=True)
             continue
         result = serve(args.out, folder, run, profile, args.smoke)
@@ -410,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(result, f)
         print(f"{run.name}: {result.get('error', 'ok')} (start {result.get('start_s')} s, generate "
               f"{result.get('generate_s')} s, wall {result['wall_s']} s)", flush=True)
+        if "error" in result:
+            print("\n".join(f"    {line}" for line in result.get("tail", [])), flush=True)
         summarize(args.out, everything, profile)
     failures = summarize(args.out, everything, profile)
     with open(os.path.join(args.out, "summary.md")) as f:

@@ -74,5 +74,5 @@ def test_serving_table_compares_qsa_core_with_the_engine_own_qsa():
     results = [dict(wave, backend="qsa_core", ttft_ms=50.0, tpot_ms=4.0, output_tok_s=2000.0),
                dict(wave, backend="qsa", ttft_ms=100.0, tpot_ms=0.0, output_tok_s=1000.0)]
     text = bench_serving.tables(results, "sglang")
-    assert "| 8192 | 8 | 128 | qsa_core | 50 | 4.00 | 2000 |" in text
+    assert "| 8192 | 8 | 128 | qsa_core | 50 | 4.00 | 2000.0 |" in text
     assert "| 8192 | 8 | 128 | 0.50 | - | 2.00 |" in text
