@@ -13,7 +13,7 @@ the byte/FLOP model, the issue's targets and the table writers.
     python benchmarks/bench_qsa.py host [--out DIR]          # host time of plan and the layer halves (bench_host.py)
     python benchmarks/bench_qsa.py tp [--out DIR]            # per-rank kernel times under TP (bench_tp.py)
     python benchmarks/bench_qsa.py report DIR [--markdown BENCHMARKS.md --readme README.md]   # re-render a run
-    python benchmarks/bench_qsa.py serving --out DIR [--engine sglang]   # a server: qsa_core vs the engine's own QSA (bench_serving.py)
+    python benchmarks/bench_qsa.py serving --out DIR [--engine sglang]  # qsa_core vs the engine's QSA (bench_serving)
 
 DIR/results.json is written after every measurement; a rerun with the same --out resumes
 (configurations already there are skipped), so a run cut by a time limit continues in the next

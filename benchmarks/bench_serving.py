@@ -12,7 +12,7 @@ concurrency), on a checkpoint of the production attention geometry with random w
 - SGLang (backends qsa_core, qsa = SGLang's own QSA): `scripts/gpu_sglang.py`'s model,
   --layer-pairs x (GDN, QSA) (SGLang serves Qwen4-Exp as its ConditionalGeneration class),
   `python3 -m sglang.launch_server` (`/generate` with `input_ids`, streamed), radix cache off,
-  chunked prefill 8192, `--mem-fraction-static 0.85`. KV per QSA layer and token: K and V of
+  chunked prefill 8192, `--mem-fraction-static 0.7`. KV per QSA layer and token: K and V of
   2 heads x 256 in bf16 (2 KiB) + a compressed key of 128 bf16 per 4 tokens (64 B): 128K x 32
   requests (4.2M tokens) take 8.8 GB a QSA layer, so the default 2 pairs (17.6 GB) fit an H100.
 For each prompt length and concurrency it sends that many streaming requests at once (random
@@ -148,8 +148,8 @@ class Engine:
                 return cmd + ["--device", "cpu", "--chunked-prefill-size", "1024", "--max-total-tokens",
                               str(max(self.conc) * self.context + 4096), "--cuda-graph-backend-decode=disabled",
                               "--cuda-graph-backend-prefill=disabled"]
-            return cmd + ["--chunked-prefill-size", str(CHUNK), "--mem-fraction-static", "0.85",
-                          "--cuda-graph-max-bs-decode", str(max(self.conc)), *GPU_FLAGS]
+            return cmd + ["--chunked-prefill-size", str(CHUNK), "--cuda-graph-max-bs-decode", str(max(self.conc)),
+                          *GPU_FLAGS]
 
         @contextlib.contextmanager
         def served():

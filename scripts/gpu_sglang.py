@@ -102,8 +102,9 @@ GDN = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim
 
 # SGLang on the GPU host without flashinfer: GDN on Triton; the vision tower (unused by token-id
 # requests) on Triton too, which needs nothing from the trimmed sglang-kernel (its default on
-# Hopper is FA3).
-GPU_FLAGS = ("--linear-attn-backend", "triton", "--mm-attention-backend", "triton_attn")
+# Hopper is FA3). 70 % of the GPU for weights and caches leaves room for the graphs and
+# qsa_core's step workspace (128K x 32 requests of KV take 18 GB at 2 QSA layers).
+GPU_FLAGS = ("--linear-attn-backend", "triton", "--mm-attention-backend", "triton_attn", "--mem-fraction-static", "0.7")
 
 
 @dataclass(frozen=True)
