@@ -19,11 +19,13 @@ in this order:
 |---|---|---|---|
 | qsa_core-eager | qsa_core | off | - |
 | qsa_core-graphs | qsa_core | SGLang's default: decode (batch <= 8), breakable prefill | - |
-| qsa_core-graphs-nextn3 | qsa_core | as above (verify and draft graphs) | NEXTN, 3 drafts (C = 8 raw-key ring rows) |
+| qsa_core-eager-nextn3 | qsa_core | off (see below) | NEXTN, 3 drafts (C = 8 raw-key ring rows) |
 | qsa-eager, qsa-graphs | SGLang's qsa | off / default | - |
-| qsa-graphs-nextn3 | SGLang's qsa | as above | NEXTN, 3 drafts (SGLang's ring of r = 4 rows) |
+| qsa-eager-nextn3 | SGLang's qsa | off | NEXTN, 3 drafts (SGLang's ring of r = 4 rows) |
 
-`--modes decodegraphs` adds decode graphs with prefill eager (a fallback should the breakable
+NEXTN runs eagerly: SGLang 0.5.23's EAGLE draft worker imports `flash_mla` when it captures
+draft graphs on CUDA (for any attention backend), and the staged GPU set has no flash_mla (seen
+on an H100). `--modes decodegraphs` adds decode graphs with prefill eager (a fallback should the breakable
 prefill graphs fail). A graphs run must log a captured decode graph, an eager run none.
 
 Each server gets six prompts of 40 to 8000 tokens at once (`input_ids` on /generate, chunked
@@ -159,8 +161,9 @@ def plan(backends: list[str], modes: list[str], spec: bool,
 
 
 def spec_mode(modes: list[str]) -> str:
-    """NEXTN runs as a user serves it: with CUDA graphs where the call runs graphs."""
-    return next((m for m in ("graphs", "decodegraphs") if m in modes), modes[0])
+    """NEXTN runs eagerly where the call runs eager: SGLang 0.5.23's draft worker imports
+    flash_mla whenever it captures draft graphs on CUDA, and the staged GPU set carries none."""
+    return "eager" if "eager" in modes else modes[0]
 
 
 # -- the checkpoint --------------------------------------------------------------------------
@@ -382,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                     "decode graphs with prefill eager")
     ap.add_argument("--backends", default="qsa_core,qsa", help="qsa_core and/or qsa (SGLang's own QSA)")
     ap.add_argument("--spec", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run each backend with NEXTN (3 drafts) in the graphs mode (else the first mode)")
+                    help="also run each backend with NEXTN (3 drafts), eager (else in the first mode)")
     ap.add_argument("--redo", action="store_true", help="run again the runs whose JSON is already in OUT")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU through SGLang's CPU build")
     args = ap.parse_args(argv)
