@@ -13,7 +13,7 @@ the byte/FLOP model, the issue's targets and the table writers.
     python benchmarks/bench_qsa.py host [--out DIR]          # host time of plan and the layer halves (bench_host.py)
     python benchmarks/bench_qsa.py tp [--out DIR]            # per-rank kernel times under TP (bench_tp.py)
     python benchmarks/bench_qsa.py report DIR [--markdown BENCHMARKS.md --readme README.md]   # re-render a run
-    python benchmarks/bench_qsa.py serving --out DIR         # vLLM's server: QSA_CORE vs its own QSA (bench_serving.py)
+    python benchmarks/bench_qsa.py serving --out DIR [--engine sglang]  # qsa_core vs the engine's QSA (bench_serving)
     python benchmarks/bench_qsa.py peers --sglang-cuda --out DIR   # SGLang's default CUDA path beside ours (bench_peers.py)
 
 DIR/results.json is written after every measurement; a rerun with the same --out resumes
@@ -503,8 +503,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="other commands (each has its own --help): `host` times the host side of plan and the layer halves "
         "(bench_host.py); `tp` times a rank's kernels under tensor parallelism (bench_tp.py); `report DIR` re-renders "
         "a run's tables and plot from DIR/results.json on any machine (bench_report.py); `serving` serves a model "
-        "through vLLM's OpenAI server with QSA_CORE and with vLLM's own QSA: TTFT, TPOT, tokens/s (bench_serving.py); "
-        "`peers --sglang-cuda` puts SGLang's default CUDA path beside ours, each checked before it is timed (bench_peers.py)",
+        "through vLLM's or SGLang's server with qsa_core and with the engine's own QSA: TTFT, TPOT, tokens/s "
+        "(bench_serving.py); `peers --sglang-cuda` puts SGLang's default CUDA path beside ours, each checked before "
+        "it is timed (bench_peers.py)",
     )
     ap.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
                     help="folder for results.json, table.md and latency.png; an existing results.json there is "

@@ -258,3 +258,12 @@ def test_cuda_graph_state_warms_the_graph_planner(layer, monkeypatch):
     assert env.layer_id in ids
     assert [c.k.data_ptr() for c in caches] == [env.pool.get_key_buffer(i).data_ptr() for i in ids]
     assert lens == (1, 3)
+    # Where Triton compiles (a GPU) the warm-up plans static steps, which need the graph
+    # planner's request bound (seen on an H100: without it every launch with graphs failed).
+    from qsa_adapters.sglang.batch_map import step_inputs
+
+    env.admit("a")
+    be = env.backend
+    step = step_inputs(env.extend({"a": 8}), be.req_to_token, page_size=be.page_size, mrope=be.mrope,
+                       max_seq_len_bound=be.max_seq_len)
+    assert planner.plan(step, static=True).num_tokens == 8

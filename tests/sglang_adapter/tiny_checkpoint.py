@@ -72,9 +72,10 @@ def hf_config(**text_overrides: Any):
     from transformers import Qwen4ExpConfig
 
     ids = {name: VOCAB_WORDS + i for i, name in enumerate(SPECIALS)}
+    text = {**TEXT, **text_overrides}
     return Qwen4ExpConfig(
-        text_config={**TEXT, **text_overrides},
-        vision_config=VISION,
+        text_config=text,
+        vision_config={**VISION, "out_hidden_size": text["hidden_size"]},  # the merger feeds the text model
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],

@@ -115,14 +115,17 @@ class QSACoreBackend(AttentionBackend):
 
     # -- per-step metadata ------------------------------------------------------------
 
-    def _planner(self, max_num_tokens: int, graphs: bool = False) -> QSAPlanner:
+    def _planner(self, max_num_tokens: int, max_num_reqs: int | None = None) -> QSAPlanner:
         """Main slots: the pool's `size` plus the reserved page 0; the ring: the adapter's C rows
-        per request slot. A planner for CUDA graphs never reads values back at a replay refresh
+        per request slot. A planner for CUDA graphs (max_num_reqs: the graphs' batch bound, which
+        the start-up warm-up's static steps need) never reads values back at a replay refresh
         (the device guards stand in for the host value checks, as on a GPU)."""
+        graphs = max_num_reqs is not None
         pool = self.token_to_kv_pool
         return QSAPlanner(
             self.config, dtype=self.dtype, page_size=self.page_size, ring_capacity=self.ring.capacity,
-            max_num_tokens=max_num_tokens, max_model_len=self.max_seq_len, device=self.device,
+            max_num_tokens=max_num_tokens, max_model_len=self.max_seq_len, max_num_reqs=max_num_reqs,
+            device=self.device,
             num_slots=pool.size + self.page_size, num_ring_rows=pool.qsa_num_request_slots,
             value_checks=False if graphs else None,
         )
@@ -154,7 +157,7 @@ class QSACoreBackend(AttentionBackend):
             max_num_tokens=max_num_tokens,
             max_seq_len=self.max_seq_len,
             page_size=self.page_size,
-            planner=self._planner(max_num_tokens, graphs=True),
+            planner=self._planner(max_num_tokens, max_num_reqs=max_bs),
             device=self.device,
         )
         # Compile the graphs' kernel variants before capture: decode steps of 1 row per

@@ -1,0 +1,80 @@
+"""The GPU scripts' own logic on the CPU (no server): scripts/gpu_sglang.py's tie-aware comparison,
+run plan and summary, and bench_serving.py's table. The scripts themselves run on a GPU host
+(`--smoke` / `--dry-run` run them end to end through SGLang's CPU build)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.join(ROOT, "scripts"), os.path.join(ROOT, "benchmarks")]
+
+import bench_serving  # noqa: E402
+import gpu_sglang as g  # noqa: E402
+
+TIE = g.TIE
+
+
+def result(tokens, margins=None, **kw):
+    return {"tokens": tokens, "margins": margins, **kw}
+
+
+def test_compare_passes_equal_runs_and_bf16_ties_only():
+    a = result([[1, 2, 3], [4, 5, 6]], [[1.0, 1.0, 1.0], [1.0, TIE, 1.0]])
+    assert g.compare(a, result([[1, 2, 3], [4, 5, 6]]))[0]
+    # Parting at token 1 of prompt 1, where both runs stand at a tie: allowed.
+    b = result([[1, 2, 3], [4, 9, 9]], [[1.0, 1.0, 1.0], [1.0, TIE / 2, 1.0]])
+    ok, notes = g.compare(a, b)
+    assert ok and "prompt 1 at token 1" in notes
+    # Only one run at a tie: a real difference.
+    c = result([[1, 2, 3], [4, 9, 9]], [[1.0, 1.0, 1.0], [1.0, 0.5, 1.0]])
+    assert not g.compare(a, c)[0]
+    # No log-probs on either side (two speculative runs): no tie can be shown.
+    assert not g.compare(result([[1, 2]]), result([[1, 3]]))[0]
+    # A shorter output is a difference too.
+    assert not g.compare(result([[1, 2]], [[1.0, 1.0]]), result([[1]], [[1.0]]))[0]
+
+
+def test_plan_puts_qsa_core_first_and_nextn_after_the_eager_run():
+    names = [r.name for r in g.plan(["qsa", "qsa_core"], ["eager", "graphs"], spec=True)]
+    assert names == ["qsa_core-eager", "qsa_core-eager-nextn3", "qsa_core-graphs", "qsa-eager", "qsa-eager-nextn3",
+                     "qsa-graphs"]
+    names = [r.name for r in g.plan(["qsa_core"], ["graphs"], spec=True)]
+    assert names == ["qsa_core-graphs", "qsa_core-graphs-nextn3"]
+    assert [r.name for r in g.plan(["qsa_core"], ["eager"], spec=True)] == ["qsa_core-eager", "qsa_core-eager-nextn3"]
+    assert [r.name for r in g.plan(["qsa"], ["eager", "decodegraphs"], spec=False)] == ["qsa-eager", "qsa-decodegraphs"]
+
+
+def test_summary_checks_what_ran_and_leaves_the_rest_pending(tmp_path):
+    runs = g.plan(["qsa_core", "qsa"], ["eager", "graphs"], spec=True)
+    tokens = [[1, 2, 3]] * len(g.GPU.lengths)
+    margins = [[1.0, 1.0, 1.0]] * len(g.GPU.lengths)
+    write = lambda name, r: (tmp_path / f"{name}.json").write_text(json.dumps(r))  # noqa: E731
+    write("qsa_core-eager", result(tokens, margins))
+    write("qsa-eager", result(tokens, margins))
+    assert g.summarize(str(tmp_path), runs, g.GPU) == []
+    text = (tmp_path / "summary.md").read_text()
+    assert "| eager: qsa_core vs qsa | 6/6 | - | ok |" in text
+    assert "| qsa_core: graphs vs eager | | | pending |" in text and "| qsa-graphs | | | | | not run |" in text
+    # qsa_core's graphs part from its eager run beyond a tie: a failure; qsa's own parting is reported only.
+    other = [[1, 9, 9]] + tokens[1:]
+    write("qsa_core-graphs", result(other, margins))
+    write("qsa-graphs", result(other, margins))
+    write("qsa_core-eager-nextn3", result(tokens, None, spec=[{"spec_verify_ct": 0}] * 6))
+    write("qsa-eager-nextn3", result(other, None, spec=[{"spec_verify_ct": 2}] * 6))
+    failures = g.summarize(str(tmp_path), runs, g.GPU)
+    assert "qsa_core: graphs vs eager" in failures and "qsa: graphs vs eager (reported)" not in failures
+    assert "qsa_core-eager-nextn3: no verify step: speculation did not run" in failures
+    assert not any(f.startswith("qsa eager: NEXTN") or f.startswith("qsa-eager-nextn3") for f in failures)
+    assert "differs (reported)" in (tmp_path / "summary.md").read_text()
+
+
+def test_serving_table_compares_qsa_core_with_the_engine_own_qsa():
+    wave = dict(prompt_len=8192, concurrency=8, output_tokens=128)
+    results = [dict(wave, backend="qsa_core", ttft_ms=50.0, tpot_ms=4.0, output_tok_s=2000.0),
+               dict(wave, backend="qsa", ttft_ms=100.0, tpot_ms=0.0, output_tok_s=1000.0)]
+    text = bench_serving.tables(results, "sglang")
+    assert "| 8192 | 8 | 128 | qsa_core | 50 | 4.00 | 2000.0 |" in text
+    assert "| 8192 | 8 | 128 | 0.50 | - | 2.00 |" in text
