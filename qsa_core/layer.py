@@ -234,8 +234,12 @@ def _prepare_launch(plan: QSAPlan, norms: "QSANormWeights", index_qk: torch.Tens
     return PrepareLaunch(
         index_qk, index_qk, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,
         index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k, eps=cfg.rms_norm_eps,
-        inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q,
-        raw_offset=split, fuse_ring=s.fuse_ring,
+        inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, k_cache=cache.k, v_cache=cache.v, k_scale=cache.k_scale,
+        v_scale=cache.v_scale, compressed=cache.compressed, ring=cache.ring, ring_positions=cache.ring_positions,
+        slot_mapping=meta.slot_mapping, compressed_slot=meta.compressed_slot, token_to_req=meta.token_to_req,
+        positions=meta.positions, ring_slot=meta.ring_slot, query_start_loc=meta.query_start_loc,
+        ring_index=meta.ring_index, compress_ratio=meta.compress_ratio, ring_capacity=meta.ring_capacity,
+        q_idx_out=s.q_idx, q_out=s.q, raw_offset=split, fuse_ring=s.fuse_ring, options=plan.kernel_options,
     )
 
 

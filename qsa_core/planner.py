@@ -23,8 +23,10 @@ reason into a sticky device flag (`check_guard` names it); with the engine's hos
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +40,36 @@ from .reference import metadata as reference_metadata
 _DERIVED = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot", "kv_slot")
 _NO_BOUND = 1 << 62
 _SCHEDULE_CACHE = 512
+
+
+def kernel_options_from_env() -> Any:
+    """The Triton kernels' `qsa_kernels.options.KernelOptions`, from the environment (read
+    when a planner is made): TRITON_INTERPRET=1 -> `KernelOptions.for_interpreter()`;
+    QSA_FAST_LAUNCH=0 -> fast_launch off; QSA_PDL=0|1|2 -> pdl (default 2);
+    QSA_DECODE_SAMPLES=0 -> decode_samples off (auto, 1 or unset: on); QSA_SHARED_PREFILL=0 ->
+    shared_prefill off; QSA_L2_WARM=0 -> l2_warm off (1 or unset: on)."""
+    from qsa_kernels.options import KernelOptions
+
+    env = os.environ
+    kw: dict[str, Any] = {}
+    if env.get("QSA_FAST_LAUNCH", "1") == "0":
+        kw["fast_launch"] = False
+    pdl = env.get("QSA_PDL", "") or "2"
+    if pdl not in ("0", "1", "2"):
+        raise ValueError(f"QSA_PDL must be 0, 1 or 2, got {pdl!r}")
+    kw["pdl"] = int(pdl)
+    samples = env.get("QSA_DECODE_SAMPLES", "") or "auto"
+    if samples not in ("auto", "0", "1"):
+        raise ValueError(f"QSA_DECODE_SAMPLES must be auto, 0 or 1, got {samples!r}")
+    kw["decode_samples"] = samples != "0"
+    kw["shared_prefill"] = env.get("QSA_SHARED_PREFILL", "1") != "0"
+    warm = env.get("QSA_L2_WARM", "") or "1"
+    if warm not in ("0", "1"):
+        raise ValueError(f"QSA_L2_WARM must be an integer bit mask in [0, 1], got {warm!r}")
+    kw["l2_warm"] = warm == "1"
+    if env.get("TRITON_INTERPRET", "0") == "1":
+        return KernelOptions.for_interpreter(**kw)
+    return KernelOptions(**kw)
 _LAYER_CACHE = 256  # bound layer caches per schedule
 
 
@@ -142,6 +174,7 @@ class QSAPlan:
     index_dtype: torch.dtype
     inv_freq: torch.Tensor
     rope_axes: torch.Tensor
+    kernel_options: Any = None  # the planner's `KernelOptions` (Triton backend), else None
 
     @property
     def num_tokens(self) -> int:
@@ -161,7 +194,8 @@ class QSAPlanner:
     ops backend (default: from the device and `QSA_BACKEND`, resolved here once);
     value_checks: read the step's values in `plan` and raise on malformed ones (default: on
     for CPU tensors, where it costs no sync; `QSA_DEBUG=1` when the planner is made turns it
-    on everywhere). Without
+    on everywhere); kernel_options: the Triton backend's `qsa_kernels.options.KernelOptions`
+    (default: `kernel_options_from_env()`, read here once). Without
     them the metadata build's device guards make a malformed request's rows inert (output 0,
     no cache write) and flag the reason (`check_guard`).
     """
@@ -181,6 +215,7 @@ class QSAPlanner:
         num_ring_rows: int | None = None,
         backend: str | None = None,
         value_checks: bool | None = None,
+        kernel_options: Any = None,
     ) -> None:
         check_page_size(page_size, config.compress_ratio)
         if ring_capacity < config.compress_ratio or ring_capacity % config.compress_ratio:
@@ -206,6 +241,8 @@ class QSAPlanner:
         self.value_checks = self.device.type == "cpu" if value_checks is None else value_checks
         self._read_values = self.value_checks or debug_enabled()  # QSA_DEBUG is read here, once
         self.backend = ops.resolve_backend(self.device, backend)
+        self.kernel_options = None if self.backend != "triton" else (
+            kernel_options if kernel_options is not None else kernel_options_from_env())
         self.index_dtype = resolve_dtype(config.index_dtype, dtype)
         # Normal tensors even when built inside torch.inference_mode(): the workspace is
         # written in place by steps that may run outside it.
@@ -215,7 +252,8 @@ class QSAPlanner:
             self._allocate(max_num_reqs)
         self._schedules: dict[tuple, StepSchedule] = {}
         self._plan_fixed = dict(config=config, backend=self.backend, dtype=dtype, index_dtype=self.index_dtype,
-                                inv_freq=self.inv_freq, rope_axes=self.rope_axes)  # every plan's
+                                inv_freq=self.inv_freq, rope_axes=self.rope_axes,
+                                kernel_options=self.kernel_options)  # every plan's
 
     # -- workspace ------------------------------------------------------------------------
 
@@ -242,27 +280,26 @@ class QSAPlanner:
         self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
         self._q_idx = self._q = None
         self._select_ws = self._partials = self._attn_prefill_ws = None
+        ko = self.kernel_options
         if self.backend == "triton":
-            from qsa_kernels import attention
             from qsa_kernels.attention import partials_size
             from qsa_kernels.select import select_workspace
 
             self._q_idx = torch.empty(n, cfg.index_n_heads, cfg.index_head_dim, dtype=self.index_dtype, device=dev)
             self._q = torch.empty(n, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=dev)
             max_cols = column_bucket(self.max_model_len // cfg.compress_ratio)
-            self._select_ws = select_workspace(n, max_cols, cfg.block_topk, dev)
-            acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
+            self._select_ws = select_workspace(n, max_cols, cfg.block_topk, dev, ko)
+            acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev, ko)
             self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
                               torch.empty(acc, dtype=torch.float32, device=dev))
-            self._shared_prefill = attention.shared_prefill_enabled()  # QSA_SHARED_PREFILL, read once
-            if n >= attention._PREFILL_MIN_ROWS and self._shared_prefill:
+            if n >= ko.shared_prefill_min_rows and ko.shared_prefill:
                 from qsa_kernels.attention_prefill import workspace_size
 
                 self._attn_prefill_ws = torch.empty(workspace_size(
                     n, cfg.num_heads, cfg.num_kv_heads, cfg.selection_width, cfg.compress_ratio), **i32)
         self._build = None
         if self.backend == "triton":
-            from qsa_kernels.metadata import MetadataBuild
+            from qsa_kernels.metadata import GuardBits, MetadataBuild
 
             self._build = MetadataBuild(
                 **self._derived, request_flags=self._request_flags, arrive=self._arrive, guard=self.guard,
@@ -270,6 +307,7 @@ class QSAPlanner:
                 num_slots=_NO_BOUND if self.num_slots is None else self.num_slots,
                 num_ring_rows=_NO_BOUND if self.num_ring_rows is None else self.num_ring_rows,
                 slot_claims=self._slot_claims, inputs_checked=True,  # plan validates them first
+                guards=GuardBits(**reference_metadata.GUARD_BITS), options=ko,
             )
         self._static: dict[str, torch.Tensor] | None = None
         if max_num_reqs is not None:
@@ -286,7 +324,7 @@ class QSAPlanner:
         if self._static is not None and self.backend == "triton":
             from qsa_kernels.metadata import StaticStage
 
-            self._stager = StaticStage(**self._static)
+            self._stager = StaticStage(**self._static, options=self.kernel_options)
 
     def _schedule(self, num_tokens: int, num_decode_tokens: int, num_cols: int,
                   decode_query_len: int, fuse_ring: bool, decode_only: bool) -> StepSchedule:
@@ -300,16 +338,17 @@ class QSAPlanner:
             from qsa_kernels.attention import plan_attention
             from qsa_kernels.select import plan_select
 
-            ws = self._select_ws
+            ws, ko = self._select_ws, self.kernel_options
             if nd:
                 dec = plan_select(nd, num_cols, cfg.block_topk, decode=True, device=self.device, workspace=ws,
-                                  rows_per_request=decode_query_len, rows_aligned=decode_only)
+                                  rows_per_request=decode_query_len, rows_aligned=decode_only, options=ko)
             if nd < T:
-                pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws)
+                pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=self.device, workspace=ws,
+                                  options=ko)
             attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
                                   device=self.device, partials=self._partials, compress_ratio=cfg.compress_ratio,
-                                  shared_prefill=self._shared_prefill, prefill_workspace=self._attn_prefill_ws,
-                                  context=num_cols * cfg.compress_ratio)
+                                  prefill_workspace=self._attn_prefill_ws, context=num_cols * cfg.compress_ratio,
+                                  options=ko)
         rows = (self._derived["token_to_req"][:T], self._derived["visible_blocks"][:T], self._blocks[:T])
         found = StepSchedule(
             num_tokens=T, num_decode_tokens=nd, num_cols=num_cols, fuse_ring=fuse_ring,

@@ -3,8 +3,8 @@
 Mirrors `qsa_core.reference.expand.qsa_expand`. One program per row: the valid groups
 (0 <= g < visible) are compacted in their given order by a prefix sum, each is expanded to
 its r tokens, then the tail visible*r .. p and the -1 padding follow, and the count column.
-The layer's top-k kernels write packed rows with the same helpers (`_packed_groups`,
-`_packed_tail`), so a planned step never launches it.
+The layer's top-k kernels write packed rows with the same helpers (`packed_groups`,
+`packed_tail`), so a planned step never launches it.
 """
 
 from __future__ import annotations
@@ -13,29 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .select_common import packed_groups, packed_tail
+
 BLOCK_COLS = 1024
-
-
-@triton.jit
-def _packed_groups(row_out, groups, cols, chosen, r: tl.constexpr):
-    """Packed rows (unit column stride): the r tokens g*r .. g*r + r - 1 of each chosen group
-    g at columns cols*r .. cols*r + r - 1 (any matching shapes)."""
-    for j in tl.static_range(r):
-        tl.store(row_out + cols * r + j, groups * r + j, mask=chosen)
-
-
-@triton.jit
-def _packed_tail(row_out, n_groups, vis, p, live, r: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Packed rows after their n_groups groups: the open tail visible*r .. p, then -1 up to
-    column W, and the count in column W, for rows where `live`. Row values are scalars (one
-    row) or [ROWS, 1] columns; p is the row's position (-1: padding)."""
-    group_cols = n_groups * r
-    tail_len = tl.maximum(tl.where(p >= 0, p + 1 - vis.to(tl.int64) * r, 0), 0).to(tl.int32)
-    for c0 in range(0, W, BLOCK_W):
-        c = c0 + tl.arange(0, BLOCK_W)[None, :]
-        tail = tl.where(c < group_cols + tail_len, vis * r + (c - group_cols), -1)
-        tl.store(row_out + c, tail, mask=live & (c >= group_cols) & (c < W))
-    tl.store(row_out + W, group_cols + tail_len, mask=live)
 
 
 @triton.jit
@@ -53,8 +33,8 @@ def _expand_kernel(
     valid = (g >= 0) & (g < vis)
     # The rank-th valid group fills columns rank*r .. rank*r + r - 1.
     rank = tl.cumsum(valid.to(tl.int32), 0) - 1
-    _packed_groups(row_out, g, rank, valid, r)
-    _packed_tail(row_out, tl.sum(valid.to(tl.int32), 0), vis, p, True, r, W, BLOCK_W)
+    packed_groups(row_out, g, rank, valid, r)
+    packed_tail(row_out, tl.sum(valid.to(tl.int32), 0), vis, p, True, r, W, BLOCK_W)
 
 
 def qsa_expand(
@@ -69,7 +49,7 @@ def qsa_expand(
 
     positions int64 [T] and visible_blocks int32 [T] contiguous; block_indices and out may
     have any row stride (contiguous last dim). The layer never launches it: its top-k
-    writes packed rows itself (`select_radix`, the same `_packed_groups` / `_packed_tail`).
+    writes packed rows itself (`select_radix`, the same `packed_groups` / `packed_tail`).
     """
     T, Kb = block_indices.shape
     if T == 0:

@@ -17,7 +17,6 @@ and the output (`launch.py`), so a layer relaunches them with q_idx and the bloc
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ import triton
 
 from .select_radix import BINS as _BINS
 from .select_radix import ChunkLaunches, TopkLaunch
+from .options import DEFAULT, KernelOptions
 from .select_score import ScoreLaunch, score_tiles
 from . import select_prefill, select_topk
 from .warm import kv_warm
@@ -53,9 +53,6 @@ _FUSED_MAX_ROWS = 256
 # 330 -> 284); not few long rows (128K B4: 48.7 vs 62.3; 1M B4: 124.7 vs 144.4). Chunk
 # bounds are the measured range.
 _TOPK_SHORT_MAX_ROWS = 256
-# Prefill chunks of this many rows or more take `select_prefill` (H200, 2026-12-01 W1 / W2: chunks of
-# 64, 512 and 4096 rows, 16K rows at 1M / 128K / 16K context); the interpreter's tests take it from one row.
-_PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
 _TOPK_MIN_ROWS = 16
 _TOPK_MAX_ROWS = 64
 # The per-row-samples decode route (the score launch also writes per-row samples, then one
@@ -75,62 +72,45 @@ _TOPK_MAX_ROWS = 64
 _DECODE_SAMPLES_MAX_ROWS = 256
 
 
-def decode_samples_mode() -> str:
-    """QSA_DECODE_SAMPLES: "auto" (unset or empty), "1" (both: long decode chunks take the
-    per-row-samples route) or "0" (none)."""
-    mode = os.environ.get("QSA_DECODE_SAMPLES", "") or "auto"
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"QSA_DECODE_SAMPLES must be auto, 0 or 1, got {mode!r}")
-    return mode
-
-
-def decode_samples_enabled() -> bool:
-    """Whether long decode chunks take the per-row-samples route (`decode_samples_mode`)."""
-    return decode_samples_mode() != "0"
-
-
-def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool,
+def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, options: KernelOptions,
                           rows_per_request: int = 1) -> dict | None:
     """The `select_prefill.decode_tiles` where a decode chunk takes the per-row-samples route
-    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None."""
-    small = _interpreting()
-    if not (on and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
+    (options.decode_samples, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short
+    top-k's), else None."""
+    small = options.small_tiles
+    if not (options.decode_samples and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
             n_cols, select_topk.topk_tiles(n_cols, small, chunk)):
         return None
-    return select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small, chunk, rows_per_request)
+    return select_prefill.decode_tiles(n_cols, block_topk, decode_block_g(options), small, chunk, rows_per_request)
 
 
-def _decode_block_g() -> int:
+def decode_block_g(options: KernelOptions = DEFAULT) -> int:
     """Columns per decode score tile (the largest per-row sample stride)."""
-    return score_tiles(True, _tiles(True), _interpreting()).block_g
+    return score_tiles(True, _tiles(True, options), options.small_tiles).block_g
 
 
-def _topk_route(n_cols: int, chunk: int, decode: bool) -> bool:
+def _topk_route(n_cols: int, chunk: int, decode: bool, options: KernelOptions) -> bool:
     """Whether a chunk of rows takes `select_topk` (else `select_radix`)."""
     if not decode:
         return False
-    if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, _interpreting(), chunk)):
+    if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, options.small_tiles, chunk)):
         return chunk <= _TOPK_SHORT_MAX_ROWS
     return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
 
 
-def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int) -> dict | None:
+def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int, options: KernelOptions) -> dict | None:
     """The `select_prefill` tiles where a prefill chunk of `chunk` rows x n_cols columns takes
-    it, else None."""
-    if decode or chunk < _PREFILL_MIN_ROWS:
+    it (at least options.select_prefill_min_rows rows), else None."""
+    if decode or chunk < options.select_prefill_min_rows:
         return None
-    block_g = _score_block_g(n_cols)
-    tiles = select_prefill.prefill_tiles(n_cols, block_topk, block_g, small=_interpreting())
+    block_g = score_block_g(n_cols, options)
+    tiles = select_prefill.prefill_tiles(n_cols, block_topk, block_g, small=options.small_tiles)
     return tiles if n_cols > block_topk and select_prefill.prefill_route(n_cols, block_topk, tiles, block_g) else None
 
 
-def _score_block_g(n_cols: int) -> int:
+def score_block_g(n_cols: int, options: KernelOptions = DEFAULT) -> int:
     """Columns per prefill score tile of rows of n_cols columns (the samples' geometry)."""
-    return score_tiles(False, _tiles(False), _interpreting(), num_cols=n_cols).block_g
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return score_tiles(False, _tiles(False, options), options.small_tiles, num_cols=n_cols).block_g
 
 
 def _score_scratch(rows: int, cols: int, device: torch.device) -> torch.Tensor:
@@ -138,12 +118,12 @@ def _score_scratch(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     return torch.empty(rows, cols, dtype=torch.float32, device=device)
 
 
-def _tiles(decode: bool) -> dict[str, int]:
+def _tiles(decode: bool, options: KernelOptions) -> dict[str, int]:
     """Tile sizes. block_r x block_g: prefill score tile (block_r rows feed tl.dot); block_g
     alone for decode (one row per program, heads feed tl.dot); scan: columns per radix tile;
-    rows: rows per radix program. The interpreter uses small column tiles (tests cross tile
-    borders) and many rows per program (its cost is per program)."""
-    if _interpreting():
+    rows: rows per radix program. options.small_tiles: small column tiles (tests cross tile
+    borders) and many rows per program (the interpreter's cost is per program)."""
+    if options.small_tiles:
         return dict(block_r=16, block_g=16, scan=32, rows=8)
     return dict(block_r=64, block_g=128 if decode else 64, scan=4096, rows=1)
 
@@ -166,15 +146,14 @@ class SelectWorkspace:
 
 
 def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str,
-                     decode_samples: bool | None = None) -> SelectWorkspace:
-    """Scratch for any `plan_select` with num_rows <= max_rows and num_cols <= max_cols
-    (decode_samples: also that of the per-row-samples decode route; None: unless
-    QSA_DECODE_SAMPLES=0)."""
+                     options: KernelOptions = DEFAULT) -> SelectWorkspace:
+    """Scratch for any `plan_select` with num_rows <= max_rows, num_cols <= max_cols and these
+    options (with options.decode_samples: also that of the per-row-samples decode route)."""
     dev = torch.device(device)
     cols = max(max_cols, 1)
     if cols <= block_topk:  # nothing is ever scored
         return SelectWorkspace(*(torch.empty(0, dtype=dt, device=dev) for dt in (torch.float32,) + (torch.int32,) * 4))
-    tiles = _tiles(decode=True)  # both kinds share the radix tiles
+    tiles = _tiles(True, options)  # both kinds share the radix tiles
     max_chunk = min(max_rows, max(1, SCORE_SCRATCH_BYTES // (4 * (block_topk + 1))))
     score_elems = max(min(max_chunk * cols, SCORE_SCRATCH_BYTES // 4), _scored_chunk(max_rows, cols, False) * cols)
     hist_rows = triton.cdiv(max_chunk, tiles["rows"]) * tiles["rows"]
@@ -186,10 +165,10 @@ def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torc
         arrive=torch.zeros(hist_rows, dtype=torch.int32, device=dev),
         state=torch.empty(max_chunk * 4, dtype=torch.int32, device=dev),
         counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
-        topk=_topk_scratch(max_rows, cols, block_topk, dev),
-        prefill=_prefill_scratch(max_rows, cols, block_topk, dev),
-        decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev) if (
-            decode_samples_enabled() if decode_samples is None else decode_samples) else None,
+        topk=_topk_scratch(max_rows, cols, block_topk, dev, options),
+        prefill=_prefill_scratch(max_rows, cols, block_topk, dev, options),
+        decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev, options)
+        if options.decode_samples else None,
     )
 
 
@@ -200,15 +179,16 @@ def _scored_chunk(num_rows: int, n_cols: int, decode: bool) -> int:
     return max(1, min(num_rows, rows if decode else max(rows, PREFILL_MIN_CHUNK_ROWS)))
 
 
-def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device) -> select_topk.TopkScratch:
+def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device,
+                  options: KernelOptions) -> select_topk.TopkScratch:
     """`select_topk` scratch for every decode plan up to max_rows x max_cols (num_cols are
     powers of two): the largest need of any column bound that takes the route."""
     need = dict.fromkeys(select_topk.TopkScratch.__dataclass_fields__, 1)
     c = triton.next_power_of_2(block_topk + 1)
     while c <= triton.next_power_of_2(max_cols):
         chunk = min(_scored_chunk(max_rows, c, True), _TOPK_MAX_ROWS)  # the largest chunk the route takes
-        tiles = select_topk.topk_tiles(c, _interpreting(), chunk)
-        if _topk_route(c, chunk, True):
+        tiles = select_topk.topk_tiles(c, options.small_tiles, chunk)
+        if _topk_route(c, chunk, True, options):
             for k, v in select_topk.topk_scratch_elems(chunk, c, tiles).items():
                 need[k] = max(need[k], v)
         c *= 2
@@ -216,8 +196,8 @@ def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.devi
         v, dtype=torch.int32, device=dev) for k, v in need.items()})
 
 
-def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
-                     dev: torch.device) -> select_prefill.PrefillScratch | None:
+def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device,
+                     options: KernelOptions) -> select_prefill.PrefillScratch | None:
     """`select_prefill` scratch for every prefill plan up to max_rows x max_cols (num_cols:
     the `planner.column_bucket`s, powers of two up to 4096 then multiples of 4096, or
     max_cols): the largest need of any column bound that takes the route (a chunk's need is
@@ -227,15 +207,15 @@ def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
               | set(range(_BUCKET_STEP, max_cols + 1, _BUCKET_STEP)))
     for c in sorted(bounds):
         chunk = _scored_chunk(max_rows, c, False)
-        tiles = _prefill_route(c, block_topk, False, chunk)
+        tiles = _prefill_route(c, block_topk, False, chunk, options)
         if tiles is not None:
-            elems = select_prefill.prefill_scratch_elems(chunk, max_rows, c, tiles, _score_block_g(c))
+            elems = select_prefill.prefill_scratch_elems(chunk, max_rows, c, tiles, score_block_g(c, options))
             need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
     return select_prefill.prefill_scratch(need, dev) if need else None
 
 
-def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int,
-                            dev: torch.device) -> select_prefill.PrefillScratch | None:
+def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device,
+                            options: KernelOptions) -> select_prefill.PrefillScratch | None:
     """Scratch of the per-row-samples decode route for every decode plan up to max_rows x
     max_cols (`planner.column_bucket`s): the largest need of any that takes it, a power of two
     c standing for the bounds in (c / 2, c] (their chunks up to that of c / 2 + 1 columns, their
@@ -244,9 +224,9 @@ def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int,
     bounds = {1 << i for i in range(block_topk.bit_length(), (max_cols - 1).bit_length() + 1)}
     for c in sorted(bounds):
         chunk = min(_scored_chunk(max_rows, c // 2 + 1, True), _DECODE_SAMPLES_MAX_ROWS)
-        tiles = _decode_samples_route(c, block_topk, chunk, True, True) if c > block_topk else None
+        tiles = _decode_samples_route(c, block_topk, chunk, True, options) if c > block_topk else None
         if tiles is not None:
-            elems = select_prefill.prefill_scratch_elems(chunk, chunk, c, tiles, _decode_block_g())
+            elems = select_prefill.prefill_scratch_elems(chunk, chunk, c, tiles, decode_block_g(options))
             need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
     return select_prefill.prefill_scratch(need, dev) if need else None
 
@@ -273,7 +253,7 @@ class SelectSchedule:
     decode: bool
     n_tiles: int
     tiles: dict
-    interpret: bool
+    options: KernelOptions
     scores: torch.Tensor
     hist: torch.Tensor
     arrive: torch.Tensor
@@ -321,7 +301,7 @@ def plan_select(
     workspace: SelectWorkspace | None = None,
     rows_per_request: int = 1,
     rows_aligned: bool = False,
-    decode_samples: bool | None = None,
+    options: KernelOptions = DEFAULT,
 ) -> SelectSchedule:
     """Schedule of a decode or prefill select over num_rows rows and num_cols columns.
 
@@ -331,13 +311,12 @@ def plan_select(
     rows_aligned: the decode rows are whole requests of rows_per_request rows from row 0, then
     inert rows (a decode-only step: no request of 0 rows shifts another's); MTP rows then take
     the request-rows score kernel, in chunks of whole requests.
-    decode_samples: long decode chunks take the per-row-samples route (`_decode_samples_route`;
-    None: `decode_samples_enabled()`, read now).
+    options: the kernels' options (routes, tiles; the launches bound to the schedule take it).
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
     # (decode scores: MTP rows share keys)
-    tiles = dict(_tiles(decode), rows_per_request=rows_per_request, rows_aligned=rows_aligned)
+    tiles = dict(_tiles(decode, options), rows_per_request=rows_per_request, rows_aligned=rows_aligned)
     scan = tiles["scan"]
     n_tiles = triton.cdiv(n_cols, scan)
     scored = n_cols > Kb
@@ -370,26 +349,26 @@ def plan_select(
         # emit's chosen count sums `counts` as int32, which sm_90's compiler checks.
         scores = torch.empty(1, 1, dtype=torch.float32, device=device)
         hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.int32, device=device)
-    on = decode_samples_enabled() if decode_samples is None else decode_samples
-    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, on, rows_per_request) if scored else None
+    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, options, rows_per_request) if scored else None
     dsamp = None
     if dsamp_tiles is not None:
-        need = select_prefill.prefill_scratch_elems(chunk, chunk, n_cols, dsamp_tiles, _decode_block_g())
+        need = select_prefill.prefill_scratch_elems(chunk, chunk, n_cols, dsamp_tiles, decode_block_g(options))
         dsamp = _route_scratch(workspace, "decode_samples", need, lambda: select_prefill.prefill_scratch(need, device))
     topk = topk_tiles = None
-    if dsamp is None and _topk_route(n_cols, chunk, decode):
-        topk_tiles = select_topk.topk_tiles(n_cols, _interpreting(), chunk)
+    if dsamp is None and _topk_route(n_cols, chunk, decode, options):
+        topk_tiles = select_topk.topk_tiles(n_cols, options.small_tiles, chunk)
         need = select_topk.topk_scratch_elems(chunk, n_cols, topk_tiles)
         topk = _route_scratch(workspace, "topk", need,
                               lambda: select_topk.topk_scratch(chunk, n_cols, topk_tiles, device))
     prefill = None
-    prefill_tiles = _prefill_route(n_cols, Kb, decode, chunk)
+    prefill_tiles = _prefill_route(n_cols, Kb, decode, chunk, options)
     if prefill_tiles is not None:
-        need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles, _score_block_g(n_cols))
+        need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles,
+                                                    score_block_g(n_cols, options))
         prefill = _route_scratch(workspace, "prefill", need, lambda: select_prefill.prefill_scratch(need, device))
     return SelectSchedule(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
-        n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
+        n_tiles=n_tiles, tiles=tiles, options=options,
         scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
         prefill=prefill, prefill_tiles=prefill_tiles, decode_samples=dsamp, decode_samples_tiles=dsamp_tiles,
     )
@@ -411,8 +390,8 @@ class SelectLaunch:
                  out: torch.Tensor, *, page_size: int, compress_ratio: int, block_topk: int,
                  first_row: int = 0, positions: torch.Tensor | None = None,
                  kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        s = schedule
-        kv = kv_warm(*kv_cache, token_to_req, compress_ratio, s.num_rows, block_topk) \
+        s, options = schedule, schedule.options
+        kv = kv_warm(*kv_cache, token_to_req, compress_ratio, s.num_rows, block_topk, options) \
             if kv_cache is not None and s.decode else None
         self.rows, self.q_dtype, self.out_shape = first_row + s.num_rows, q_idx.dtype, out.shape
         for name, t in (("q_idx", q_idx), ("token_to_req", token_to_req), ("visible_blocks", visible_blocks),
@@ -425,15 +404,15 @@ class SelectLaunch:
             n = min(s.chunk, self.rows - row0)
             if n not in bound:
                 samples = None if s.prefill is None else select_prefill.samples_view(
-                    s.prefill, s.chunk, s.num_cols, s.prefill_tiles, _score_block_g(s.num_cols))
+                    s.prefill, s.chunk, s.num_cols, s.prefill_tiles, score_block_g(s.num_cols, options))
                 if s.decode_samples is not None:
                     samples = select_prefill.samples_view(s.decode_samples, s.chunk, s.num_cols,
-                                                          s.decode_samples_tiles, _decode_block_g())
+                                                          s.decode_samples_tiles, decode_block_g(options))
                 scored_samples = s.decode_samples is not None and not s.decode_samples_tiles["sample_launch"]
                 score = ScoreLaunch(
                     q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, row0=row0, rows=n,
                     num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio, block_topk=block_topk,
-                    decode=s.decode, tiles=s.tiles, interpret=s.interpret,
+                    decode=s.decode, tiles=s.tiles, options=options,
                     samples=samples if s.prefill is not None or scored_samples else None,
                     sample_sub=0 if s.prefill is None else s.prefill_tiles["sub"],
                     row_samples=s.decode_samples_tiles["row_s"] if scored_samples else 0,
@@ -441,27 +420,30 @@ class SelectLaunch:
                 if s.prefill is not None:
                     topk = select_prefill.PrefillTopkLaunch(
                         s.scores, samples, visible_blocks, out, s.prefill, row0=row0, rows=n, num_cols=s.num_cols,
-                        block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=_score_block_g(s.num_cols),
+                        block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=score_block_g(s.num_cols, options),
                         first_row=first_row, num_rows=s.num_rows, chunk=s.chunk, positions=positions,
-                        compress_ratio=compress_ratio,
+                        compress_ratio=compress_ratio, options=options,
                     )
                 elif s.decode_samples is not None:
                     topk = select_prefill.PrefillTopkLaunch(
                         s.scores, samples, visible_blocks, out, s.decode_samples, row0=row0, rows=n,
                         num_cols=s.num_cols, block_topk=block_topk, tiles=s.decode_samples_tiles,
-                        score_block_g=_decode_block_g(), first_row=first_row, num_rows=s.num_rows, chunk=s.chunk,
-                        positions=positions, compress_ratio=compress_ratio, kv=kv, block_table=block_table,
+                        score_block_g=decode_block_g(options), first_row=first_row, num_rows=s.num_rows,
+                        chunk=s.chunk, positions=positions, compress_ratio=compress_ratio, kv=kv,
+                        block_table=block_table, options=options,
                     )
                 elif s.topk is not None:
                     topk = select_topk.TopkLaunch(
                         s.scores, visible_blocks, out, s.topk, row0=row0, rows=n, num_cols=s.num_cols,
                         block_topk=block_topk, tiles=s.topk_tiles, positions=positions, compress_ratio=compress_ratio,
+                        options=options,
                     )
                 else:
                     topk = TopkLaunch(
                         s.scores, visible_blocks, out, s.state, s.hist, s.arrive, s.counts, row0=row0, rows=n,
                         num_cols=s.num_cols, n_tiles=s.n_tiles, block_topk=block_topk, scored=s.scored,
                         fused=s.fused, tiles=s.tiles, positions=positions, compress_ratio=compress_ratio,
+                        options=options,
                     )
                 bound[n] = (score, topk)
             self._chunks.append((row0, *bound[n]))

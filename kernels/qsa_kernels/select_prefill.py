@@ -7,7 +7,7 @@ int32 bits order like the values; columns >= visible are garbage) and its sample
 (`select_score`, `sample_sub`): sample i of a row is the largest key of its columns
 [i*S, i*S + S) below visible. Output per row the Kb largest groups, ties to the lowest group
 index, ascending; rows with visible <= Kb take groups 0..visible-1 unscored, -1 padded; or
-(PACKED) the packed selection rows (`expand._packed_groups` / `_packed_tail`).
+(PACKED) the packed selection rows (`expand._packed_groups` / `packed_tail`).
 
 The maxima of disjoint column subsets are real keys, so the Kb-th largest sample is a lower
 bound L of the row's Kb-th largest key (to LBITS high bits: a lower bound still). Per chunk
@@ -15,7 +15,7 @@ one launch, grid rows x segments of SEG columns: each program finds L from its r
 compacts its segment's keys >= L (ascending column) into its candidate list, and the program
 that completes the row (its only one, or the last to arrive at the row's counter, acq_rel)
 gathers the lists in column order and resolves them exactly in registers
-(`select_topk._kth_key`, `_emit`). More than CAP candidates (keys crowded near the threshold,
+(`select_topk._kth_key`, `emit`). More than CAP candidates (keys crowded near the threshold,
 or rows too short to have Kb samples) send the row to the exact whole-row resolve
 (`select_topk._resolve_row`): slower, same result. With `defer`, the lists of several chunks'
 rows stay (under CAND_BYTES) and one `_resolve_prefill_kernel` launch after the group's last
@@ -37,11 +37,12 @@ import triton
 import triton.language as tl
 
 from .launch import Launcher, pdl_end, pdl_start
+from .options import DEFAULT, KernelOptions
 from .warm import KVWarm, warm_kv_groups
 from .select_radix import ChunkLaunches, packed_write
-from .select_score import _sample_shift, _store_row_samples
-from .select_topk import (_compact_segment, _compact_step, _emit, _emit_above, _keys, _kth_bound, _kth_key,
-                          _resolve_row, _samples_bound, _write_short, _write_tail)
+from .select_common import (compact_segment, compact_step, emit, emit_above, kth_bound, kth_key, resolve_row,
+                            samples_bound, score_keys, write_short, write_tail)
+from .select_score import sample_shift, store_row_samples
 
 
 @triton.jit
@@ -50,8 +51,8 @@ def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.cons
                    RSBITS: tl.constexpr = 0):
     """Exact top-k of a row's candidate lists (list s at s * CAP of c_idx / c_key, its length
     at cnt_row[s], n_seg lists, KB to CAP candidates in all): gathered in segment order
-    (ascending columns), the KB-th key found in registers (RSBITS 0: `_kth_key`, 31 / BITS
-    steps; else the bracket search `_kth_bound`, 2^RSBITS counts a step until isolated), the
+    (ascending columns), the KB-th key found in registers (RSBITS 0: `kth_key`, 31 / BITS
+    steps; else the bracket search `kth_bound`, 2^RSBITS counts a step until isolated), the
     chosen written ascending."""
     segs = tl.arange(0, SEGP)
     cnt = tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg")
@@ -70,10 +71,10 @@ def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.cons
     key = tl.load(c_key + src, mask=m, other=-1, cache_modifier=".cg")
     idx = tl.load(c_idx + src, mask=m, other=0, cache_modifier=".cg")
     if RSBITS:
-        thr, n_above = _kth_bound(key, total, KB, RSBITS)
-        _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB, PACKED, R)
+        thr, n_above = kth_bound(key, total, KB, RSBITS)
+        emit_above(key, idx, thr, n_above, out_row, stride_oc, KB, PACKED, R)
     else:
-        _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+        emit(key, idx, kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
@@ -113,7 +114,7 @@ def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, run0, hi, run_
         m = fi < n_flat
         run_f = tl.load(runs_row + (fi >> LOG_S), mask=m, other=0, cache_modifier=".cg")
         cols = (run_f << LOG_S) + (fi & ((1 << LOG_S) - 1))
-        n = _compact_step(cols, _keys(s_row, cols, m & (cols < hi)), bound, n, l_idx, l_key, CAP)
+        n = compact_step(cols, score_keys(s_row, cols, m & (cols < hi)), bound, n, l_idx, l_key, CAP)
         start += BLOCK
     return n
 
@@ -124,23 +125,23 @@ def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.co
     """A lower bound of a row's KB-th largest key from its samples int32 (one per 2^LOG_S
     columns, LOG_S a constexpr or the row's own; cdiv(vis, 2^LOG_S) of them, SAMPP >= that, a
     power of two).
-    SBITS 0: the KB-th largest sample to its LBITS high bits (`_kth_key`, ceil(LBITS / BITS)
+    SBITS 0: the KB-th largest sample to its LBITS high bits (`kth_key`, ceil(LBITS / BITS)
     block reductions); else the bracket search (`select_topk._samples_bound`, 2^SBITS counts
     a step, until isolated). Either way >= KB samples reach it: <= the row's KB-th key."""
     p = tl.arange(0, SAMPP)
     samples = tl.load(samp_row + p, mask=p < _cdiv_pow2(vis, LOG_S), other=-1)
     if SBITS:
-        return _samples_bound(samples, KB, SBITS)
-    return _kth_key(samples, KB, BITS, LBITS)
+        return samples_bound(samples, KB, SBITS)
+    return kth_key(samples, KB, BITS, LBITS)
 
 
 @triton.jit
 def _chunk_row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
                      SAMPP: tl.constexpr, SBITS: tl.constexpr, ROW_SAMPLES: tl.constexpr, LOG_G: tl.constexpr):
     """`_row_bound` of a row with samples per S columns (a power of two), or (ROW_SAMPLES = WBITS
-    > 0) per 2^`_sample_shift(vis, WBITS, LOG_G)` columns."""
+    > 0) per 2^`sample_shift(vis, WBITS, LOG_G)` columns."""
     if ROW_SAMPLES:
-        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, _sample_shift(vis, ROW_SAMPLES, LOG_G), SAMPP, SBITS)
+        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, sample_shift(vis, ROW_SAMPLES, LOG_G), SAMPP, SBITS)
     else:
         bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S.bit_length() - 1, SAMPP, SBITS)
     return bound
@@ -184,12 +185,12 @@ def _topk_prefill_kernel(
     resets it). The last arriver resolves the row from its lists, or (more than CAP
     candidates) from its scores; DEFER: only the latter, `_resolve_prefill_kernel` does the
     rest after the chunk's scores are gone. ROW_SAMPLES = WBITS > 0 (decode; no DEFER): a row's
-    samples are one per 2^`_sample_shift(vis, WBITS, LOG_G)` columns (the decode score launch's or,
+    samples are one per 2^`sample_shift(vis, WBITS, LOG_G)` columns (the decode score launch's or,
     MTP rows, `_row_samples_kernel`'s), not per S; with RUNS, rows of at most RUNS runs per segment
     read only their live runs, others the segment. The row's bound: BOUND_IN, read from bound int32
     [chunk rows] (`_bound_prefill_kernel`, before this launch), else each program's own
     `_chunk_row_bound` (SBITS: the bracket search). RSBITS: the last arriver's resolve by the
-    bracket search (`_resolve_lists`; 0: `_kth_key`). WARM_K > 0 (`warm.KV`): a program that
+    bracket search (`_resolve_lists`; 0: `kth_key`). WARM_K > 0 (`warm.KV`): a program that
     does not resolve its row then hints its candidates' K and V rows into L2 (req, bt:
     token_to_req and the block table; kc / vc: the K / V caches, PAGE tokens a page; WARM_K /
     WARM_V: `warm.warm_kv_groups`' K_BYTES / V_BYTES)."""
@@ -204,8 +205,8 @@ def _topk_prefill_kernel(
     n_seg = tl.cdiv(vis, SEG)
     if vis <= KB:
         if seg == 0:
-            _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-            _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
+            write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+            write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     elif seg < n_seg:
         samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
         if BOUND_IN:
@@ -220,19 +221,19 @@ def _topk_prefill_kernel(
         if RUNS:
             runs_row = runs_ptr + lr.to(tl.int64) * (SEGP * RUNS) + seg * RUNS
             if ROW_SAMPLES:  # per-row strides: rows of at most RUNS runs per segment read their live runs
-                shift = _sample_shift(vis, ROW_SAMPLES, LOG_G)
+                shift = sample_shift(vis, ROW_SAMPLES, LOG_G)
                 n_runs = SEG >> shift
                 if n_runs <= RUNS:
                     n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound,
                                       seg * n_runs, hi, tl.minimum(_cdiv_pow2(vis, shift), (seg + 1) * n_runs),
                                       shift, RUNS, CAP, BLOCK)
                 else:
-                    n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
+                    n = compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
             else:
                 n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound, seg * RUNS,
                                   hi, tl.cdiv(vis, S), S.bit_length() - 1, RUNS, CAP, BLOCK)
         else:
-            n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
+            n = compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
         tl.store(cnt_row + seg, n)
         tl.debug_barrier()  # this program's list and count before its arrival / its resolve
         last = n_seg == 1
@@ -243,12 +244,12 @@ def _topk_prefill_kernel(
                 tl.store(arrive_ptr + lr, 0)  # clean for the next call
             if _row_total(cnt_row, n_seg, SEGP) <= CAP:
                 if not DEFER:
-                    _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+                    write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                     _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R,
                                    RSBITS)
             else:
-                _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-                _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+                write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+                resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
         elif WARM_K:
             j = tl.arange(0, CAP)
             m = j < n
@@ -278,7 +279,7 @@ def _resolve_prefill_kernel(
         if vis > KB:
             if _row_total(cnt_row, n_seg, SEGP) <= CAP:
                 out_row = out_ptr + row.to(tl.int64) * stride_or
-                _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+                write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_lists(cidx_ptr + lr.to(tl.int64) * stride_cr, ckey_ptr + lr.to(tl.int64) * stride_cr,
                                cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
     pdl_end(PDL)
@@ -292,7 +293,7 @@ def _row_samples_kernel(
 ):
     """Per-row samples of scores already in the scratch (grid: chunk rows x blocks of BLOCK
     columns, a multiple of 2^LOG_G): s fp32 [chunk rows, n_cols] -> samp int32 [chunk rows,
-    2^WBITS], what the decode score launch's ROW_SAMPLES writes (`_store_row_samples`) for rows
+    2^WBITS], what the decode score launch's ROW_SAMPLES writes (`store_row_samples`) for rows
     with visible > KB, from the columns below visible."""
     pdl_start(PDL)
     lr = tl.program_id(0)
@@ -304,7 +305,7 @@ def _row_samples_kernel(
         m = g < vis
         s = tl.load(s_ptr + lr.to(tl.int64) * stride_sr + g, mask=m, other=0.0)
         one = tl.arange(0, 1)
-        _store_row_samples(samp_ptr, lr + one, g0, s[:, None], m[:, None], vis + one, stride_pr, WBITS, BLOCK, 1,
+        store_row_samples(samp_ptr, lr + one, g0, s[:, None], m[:, None], vis + one, stride_pr, WBITS, BLOCK, 1,
                            LOG_G)
     pdl_end(PDL)
 
@@ -333,7 +334,7 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     thread the compiler may use (0: its choice; fewer let more programs share an SM); defer:
     resolve the rows of several chunks in one later launch (`defer_rows`), with rwarps /
     rregs, instead of in each row's last program; bound: where the row's lower bound comes from
-    (`_row_bound`), 0: each segment program searches the row's samples itself (`_kth_key`), 1:
+    (`_row_bound`), 0: each segment program searches the row's samples itself (`kth_key`), 1:
     a bound launch per chunk (`_bound_prefill_kernel`, one program per row, warps) searches once
     and the segment programs read it, 2: as 0 by the bracket search of 2^sbits counts a step
     (`select_topk._kth_bound`), 3: as 1 by the bracket search. small: the interpreter's tiles; else the
@@ -369,7 +370,7 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
                  rows_per_request: int = 1) -> dict[str, int]:
     """Launch shapes of the decode route (`select.plan_select`, `QSA_DECODE_SAMPLES`): the
     decode score launch writes each row's samples at a stride of its own (`ScoreLaunch`'s
-    row_samples = row_s = WBITS, `_sample_shift`): 2^WBITS slots per row, WBITS the least with
+    row_samples = row_s = WBITS, `sample_shift`): 2^WBITS slots per row, WBITS the least with
     >= 4 Kb slots and rows of num_cols columns at most score_block_g (= 2^log_g) columns per
     sample. So every scored row has at least Kb samples, a row of at most 2^WBITS columns one
     per column (its bound is its Kb-th key) and a longer one more than 2 Kb: a short row of a
@@ -494,7 +495,7 @@ class PrefillTopkLaunch(ChunkLaunches):
                  out: torch.Tensor, scratch: PrefillScratch, *, row0: int, rows: int, num_cols: int,
                  block_topk: int, tiles: dict, score_block_g: int, first_row: int, num_rows: int, chunk: int,
                  positions: torch.Tensor | None = None, compress_ratio: int = 1, kv: KVWarm | None = None,
-                 block_table: torch.Tensor | None = None) -> None:
+                 block_table: torch.Tensor | None = None, options: KernelOptions = DEFAULT) -> None:
         Kb, t = block_topk, tiles
         write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
         segs = triton.cdiv(num_cols, t["seg"])
@@ -512,7 +513,7 @@ class PrefillTopkLaunch(ChunkLaunches):
         S, SAMPP = sample_cols(t, score_block_g), triton.next_power_of_2(samples.shape[1])
         self._samples = _row_samples.bind(
             (rows, triton.cdiv(num_cols, t["sblock"])), scores, visible_blocks, samples, row0, num_cols,
-            scores.stride(0), samples.stride(0), free=("row0",), KB=Kb, WBITS=row_s, BLOCK=t["sblock"],
+            scores.stride(0), samples.stride(0), free=("row0",), options=options, KB=Kb, WBITS=row_s, BLOCK=t["sblock"],
             LOG_G=t["log_g"], num_warps=4,
         ) if t.get("sample_launch", 0) else None
         sbits = t["sbits"] if t["bound"] >= 2 else 0
@@ -521,7 +522,7 @@ class PrefillTopkLaunch(ChunkLaunches):
         warm_args = self.kv.args(block_table) if self.kv is not None else (visible_blocks, visible_blocks, 0, 0,
                                                                                scores, scores, 0, 0, 0, 0)
         self._bound = _prefill_bound.bind(
-            (rows,), visible_blocks, samples, scratch.bound, row0, num_cols, samples.stride(0), free=("row0",),
+            (rows,), visible_blocks, samples, scratch.bound, row0, num_cols, samples.stride(0), free=("row0",), options=options,
             KB=Kb, BITS=t["bits"], LBITS=t["lbits"], S=S, SAMPP=SAMPP, SBITS=sbits, ROW_SAMPLES=row_s,
             LOG_G=t.get("log_g", 0), num_warps=t["warps"],
         ) if t["bound"] & 1 else None
@@ -530,6 +531,7 @@ class PrefillTopkLaunch(ChunkLaunches):
             scratch.runs, scratch.bound, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
             out.stride(0), out.stride(1), *warm_args,
             free=("row0", "crow0", "out_ptr", "stride_or") + (("bt_ptr", "stride_btr", "stride_btp") if self.kv else ()),
+            options=options,
             WARM_K=self.kv.k_bytes if self.kv else 0, WARM_V=self.kv.v_bytes if self.kv else 0,
             PAGE=self.kv.k.shape[1] if self.kv else 1,
             KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=S, SAMPP=SAMPP, BLOCK=t["block"], RBLOCK=t["rblock"],
@@ -540,7 +542,7 @@ class PrefillTopkLaunch(ChunkLaunches):
         )
         self._resolve = _prefill_resolve.bind(
             (self.group,), visible_blocks, cidx, ckey, scratch.counts, out, pos, row0, rows, num_cols,
-            cidx.stride(0), out.stride(0), out.stride(1), free=("row0", "n_rows", "out_ptr", "stride_or"),
+            cidx.stride(0), out.stride(0), out.stride(1), free=("row0", "n_rows", "out_ptr", "stride_or"), options=options,
             **common, num_warps=t["rwarps"], **({"maxnreg": t["rregs"]} if t["rregs"] else {}),
         ) if t["defer"] else None
 

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .launch import Launcher, pdl_end, pdl_start
+from .options import DEFAULT, KernelOptions
 
 # triton 3.6's interpreter rounds tl.fma twice (the product, then the sum), so the fast
 # division is exact there only when compiled: its interpreter runs take the IEEE division.
@@ -95,7 +96,7 @@ def _relu_dot(q, keys):
 
 
 @triton.jit
-def _sample_shift(vis, WBITS: tl.constexpr, MAX_SHIFT: tl.constexpr):
+def sample_shift(vis, WBITS: tl.constexpr, MAX_SHIFT: tl.constexpr):
     """log2 of the columns per sample of rows of vis visible columns (int32, scalar or a
     tensor; decode's per-row samples): the least s in [0, MAX_SHIFT] with cdiv(vis, 2^s) <=
     2^WBITS, so a row of at most 2^WBITS columns has a sample per column and a longer one
@@ -116,15 +117,15 @@ def _store_scores(ptr, s, mask, KEEP: tl.constexpr):
 
 
 @triton.jit
-def _store_row_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
+def store_row_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
     """Per-row samples of a score tile s fp32 [BLOCK_G, BLOCK_R] (columns g0 + i, g0 a multiple
     of BLOCK_G, a multiple of 2^LOG_G; rows lr int32 [BLOCK_R], their visible vis; mask: the cells
-    written): row lr's runs of 2^shift columns (`_sample_shift`) -> samples int32 [chunk rows,
+    written): row lr's runs of 2^shift columns (`sample_shift`) -> samples int32 [chunk rows,
     2^WBITS] at (lr, g0 / 2^shift + run) = the largest key of the run's columns below vis.
     Only the run widths of the tile's rows are reduced (one for a single row, or the rows of
     one request: their visible counts differ by less than their number)."""
-    shift = _sample_shift(vis, WBITS, LOG_G)
+    shift = sample_shift(vis, WBITS, LOG_G)
     lo = tl.min(shift, 0)
     hi = tl.max(shift, 0)
     key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
@@ -151,7 +152,7 @@ def _scores_decode_kernel(
     to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols].
     SPAN_TILES > 0 (the interpreter only): the tile loop runs over constant bounds (triton
     3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
-    ROW_SAMPLES = WBITS > 0: also the row's samples (`_store_row_samples`, BLOCK_G = 2^LOG_G)
+    ROW_SAMPLES = WBITS > 0: also the row's samples (`store_row_samples`, BLOCK_G = 2^LOG_G)
     into samp int32 [chunk rows, 2^WBITS]: a row of one sample a tile stores each tile's maximum
     in the tile loop, a row of shorter runs reads its span's scores back after it. FAST_DIV: the
     division as `_finish_fast`. KEEP: scores stored with an L2 evict_last hint (samples always)."""
@@ -172,7 +173,7 @@ def _scores_decode_kernel(
         samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
         # Rows of one sample a tile (the longest) take its maximum in the tile loop; shorter runs
         # are read back after it (a multi-width reduction in the loop costs ~40 registers).
-        tile_samples = _sample_shift(vis, ROW_SAMPLES, LOG_G) == LOG_G  # (unread without ROW_SAMPLES)
+        tile_samples = sample_shift(vis, ROW_SAMPLES, LOG_G) == LOG_G  # (unread without ROW_SAMPLES)
         for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
                             num_stages=STAGES):
             g0 = col0 + off if SPAN_TILES else off
@@ -197,7 +198,7 @@ def _scores_decode_kernel(
                     g = g0 + tl.arange(0, BLOCK_G)
                     g_mask = g < g_end
                     s = tl.load(s_row + g, mask=g_mask, other=0.0, cache_modifier=".cg")
-                    _store_row_samples(samp_ptr, lr + one, g0, s[:, None], g_mask[:, None], vis + one, stride_pr,
+                    store_row_samples(samp_ptr, lr + one, g0, s[:, None], g_mask[:, None], vis + one, stride_pr,
                                        ROW_SAMPLES, BLOCK_G, 1, LOG_G)
     pdl_end(PDL)
 
@@ -470,9 +471,9 @@ MTP_TILES = ScoreTiles(block_r=1, block_g=128, span=256, stages=2, num_warps=4, 
 SAMPLES_MAX_REGS = 64
 
 
-def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, num_cols: int = 0) -> ScoreTiles:
-    """The score tiles: the schedule's small tiles under the interpreter (tests cross tile and
-    span borders), else the H200's, measured (W2, L2 flushed; main = the one-tile-per-program
+def score_tiles(decode: bool, tiles: dict, small: bool, key_bytes: int = 2, num_cols: int = 0) -> ScoreTiles:
+    """The score tiles: the schedule's small tiles with small (`KernelOptions.small_tiles`: tests
+    cross tile and span borders), else the H200's, measured (W2, L2 flushed; main = the one-tile-per-program
     kernels before this sweep):
     - decode, one row per request: one row per program, 128-column tiles; spans of up to two
       tiles for bf16 keys, four for fp8, while >= 512 programs remain (session 15, with the
@@ -496,8 +497,8 @@ def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, 
     rows_tiles = decode and tiles.get("rows_per_request", 1) > 1
     if rows_tiles and tiles.get("rows_aligned", False):
         return ScoreTiles(block_r=1, block_g=tiles["block_g"], span=2 * tiles["block_g"], stages=1, num_warps=4,
-                          fast_div=True, request_rows=True) if interpret else MTP_TILES
-    if interpret:
+                          fast_div=True, request_rows=True) if small else MTP_TILES
+    if small:
         return ScoreTiles(block_r=4 if rows_tiles else 1 if decode else tiles["block_r"], block_g=tiles["block_g"],
                           span=2 * tiles["block_g"], stages=1, num_warps=4, pack=rows_tiles or not decode,
                           fast_div=rows_tiles or not decode, whole=rows_tiles or not decode)
@@ -565,16 +566,17 @@ class ScoreLaunch:
     sample_sub)] (prefill only): the launch also writes the top-k's samples there
     (`select_prefill`: sample_sub per score tile of block_g columns). row_samples = WBITS > 0
     (the one-row decode kernel, with samples int32 [>= rows, 2^WBITS], sample_sub 0): it also
-    writes each row's samples at a stride of its own (`_sample_shift`: a power of two up to
+    writes each row's samples at a stride of its own (`sample_shift`: a power of two up to
     block_g, from the row's visible count), for `select_prefill`'s decode route."""
 
     def __init__(self, q_idx: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor, visible_blocks: torch.Tensor, scores: torch.Tensor, *, row0: int,
                  rows: int, num_cols: int, page_size: int, compress_ratio: int, block_topk: int, decode: bool,
-                 tiles: dict, interpret: bool, score: ScoreTiles | None = None, samples: torch.Tensor | None = None,
-                 sample_sub: int = 0, row_samples: int = 0) -> None:
+                 tiles: dict, options: KernelOptions = DEFAULT, score: ScoreTiles | None = None,
+                 samples: torch.Tensor | None = None, sample_sub: int = 0, row_samples: int = 0) -> None:
         _, Hi, Di = q_idx.shape
-        t = score or score_tiles(decode, tiles, interpret, compressed.element_size(), num_cols)
+        interpret = options.interpreter
+        t = score or score_tiles(decode, tiles, options.small_tiles, compressed.element_size(), num_cols)
         rpr = tiles.get("rows_per_request", 1)
         # a request's rows per program (rows x heads <= 64 on the dot's M, else one row per program)
         mtp = decode and t.request_rows and rpr > 1 and triton.next_power_of_2(Hi) * triton.next_power_of_2(rpr) <= 64
@@ -618,16 +620,16 @@ class ScoreLaunch:
         keep = rows * num_cols * scores.element_size() <= SCORES_L2_BYTES
         if mtp:
             rp = triton.next_power_of_2(rpr)
-            self._launch = _mtp.bind((row_tiles, spans), *args, free=_FREE, HM=max(16, HP * rp), RPR=rpr, RP=rp,
+            self._launch = _mtp.bind((row_tiles, spans), *args, free=_FREE, options=options, HM=max(16, HP * rp), RPR=rpr, RP=rp,
                                      FAST_DIV=fast_div, KEEP=keep, **common, num_warps=t.num_warps,
                                      **({"maxnreg": t.max_regs} if t.max_regs else {}))
         elif per_row:
             regs = t.max_regs or (SAMPLES_MAX_REGS if row_samples else 0)
-            self._launch = _decode.bind((rows, spans), *args, free=_FREE, FAST_DIV=fast_div, KEEP=keep,
+            self._launch = _decode.bind((rows, spans), *args, free=_FREE, options=options, FAST_DIV=fast_div, KEEP=keep,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps,
                                         **({"maxnreg": regs} if regs else {}))
         else:  # prefill, or MTP rows of a mixed step sharing each key tile (rows x heads packed)
-            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
+            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, options=options, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,
                                          FAST_DIV=fast_div, WHOLE=whole,
                                          SAMPLE=sample_sub if samples is not None else 0, **common,

@@ -5,30 +5,30 @@ chunk's fp32 score scratch [chunk rows, num_cols] (scores >= 0, -0.0 folded into
 int32 bits order like the values; columns >= visible are garbage); output per row the Kb
 largest groups, ties to the lowest group index, in ascending group order; rows with
 visible <= Kb take groups 0..visible-1 unscored, -1 padded; or (PACKED) the packed selection
-rows, as `select_radix` writes them (`expand._packed_groups` / `_packed_tail`).
+rows, as `select_radix` writes them (`select_common.packed_groups` / `packed_tail`).
 
 The threshold (the Kb-th largest key) is found by counts, no histogram: the bracket search
-(`_kth_bound`: the keys >= each of 2^SBITS candidates counted at once, the bracket narrowed
-until it isolates the threshold); `_kth_key`, a radix search of 2^BITS prefixes a step over
-31 key bits, serves `select_prefill`'s plans that ask for it, and `_resolve_row` streams it
+(`kth_bound`: the keys >= each of 2^SBITS candidates counted at once, the bracket narrowed
+until it isolates the threshold); `kth_key`, a radix search of 2^BITS prefixes a step over
+31 key bits, serves `select_prefill`'s plans that ask for it, and `resolve_row` streams it
 over a whole row. Then keys above it and the lowest-index keys equal to it are written at
 their ascending positions (one scan).
 
 - Short (`_topk_short_kernel`, grid: rows): num_cols <= CAP; the whole row in registers.
-  Its threshold comes from a bracket search (`_kth_bound`) that stops once the bracket
+  Its threshold comes from a bracket search (`kth_bound`) that stops once the bracket
   isolates it (2^SBITS counts per step: ~4 steps on random scores, not 31 / BITS), and the
   emit skips its count of keys above it (H200, session 8: the top-k alone 12.8 -> 8.5 us
-  at 8K B1, 13.6 -> 11.2 at 8K B64, 17.1 -> 14.2 at 16K B4, against `_kth_key`'s 16 steps).
+  at 8K B1, 13.6 -> 11.2 at 8K B64, 17.1 -> 14.2 at 16K B4, against `kth_key`'s 16 steps).
 - Long (`_topk_seg_kernel`, grid: rows x segments of SEG columns): a lower bound L of the
   row's threshold from samples (the maxima of disjoint column subsets are real keys, so the
-  row has at least Kb keys >= their Kb-th largest; `_samples_bound`, the bracket search);
+  row has at least Kb keys >= their Kb-th largest; `samples_bound`, the bracket search);
   each segment compacts its keys >= L (ascending column) into its candidate list; the program
   that completes the row (its only program, or the last to arrive at the row's counter)
   resolves the row over the lists in registers (the bracket search again). One segment:
   the program samples its row itself (one launch). Several: `_sample_kernel` (grid: rows x
   segments) writes each segment's subset maxima first (two launches). More than CAP
   candidates in a row or LCAP in one list (keys crowded near the threshold) send the row to
-  an exact resolve that loops over the whole row (`_resolve_row`): slower, same result. `select._topk_route` picks which decode chunks
+  an exact resolve that loops over the whole row (`resolve_row`): slower, same result. `select._topk_route` picks which decode chunks
   come here.
 
 Deterministic and batch-invariant: every count and position is order-independent, lists
@@ -43,171 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .expand import _packed_groups, _packed_tail
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
+from .options import DEFAULT, KernelOptions
+from .select_common import (compact_segment, emit_above, kth_bound, resolve_row, samples_bound, score_keys, write_short,
+                            write_tail)
 from .select_radix import ChunkLaunches, packed_write
-
-@triton.jit
-def _keys(s_row, cols, mask):
-    """int32 keys of scores at cols (masked: -1, below every key)."""
-    s = tl.load(s_row + cols, mask=mask, other=0.0)
-    return tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
-
-
-@triton.jit
-def _compact_step(cols, key, bound, n, l_idx, l_key, CAP: tl.constexpr):
-    """One step of a candidate list's compaction: keys [BLOCK] (ascending cols) >= bound go
-    to l_key / l_idx after the n already there (the first CAP in all); returns the new n."""
-    keep = (key >= bound).to(tl.int32)
-    pos = n + tl.cumsum(keep, 0) - keep
-    ok = (keep > 0) & (pos < CAP)
-    tl.store(l_idx + pos, cols, mask=ok)
-    tl.store(l_key + pos, key, mask=ok)
-    return n + tl.sum(keep, 0)
-
-
-@triton.jit
-def _compact_segment(s_row, lo, hi, bound, l_idx, l_key, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy the keys >= bound of columns [lo, hi) of a score row and their columns, ascending,
-    to l_key / l_idx (the first CAP of them), BLOCK columns per step; returns how many (the
-    segment programs of this module and of `select_prefill`)."""
-    ar = tl.arange(0, BLOCK)
-    n = lo * 0
-    start = lo
-    while start < hi:  # (while: the interpreter cannot range over loaded values)
-        cols = start + ar
-        n = _compact_step(cols, _keys(s_row, cols, cols < hi), bound, n, l_idx, l_key, CAP)
-        start += BLOCK
-    return n
-
-
-@triton.jit
-def _kth_key(key, KB: tl.constexpr, BITS: tl.constexpr, TOP: tl.constexpr):
-    """The KB-th largest of keys [N] (int32 in [0, 2^31) or -1 for none) resolved to its TOP
-    high bits (31: exact), lower bits 0: the largest such t with at least KB keys >= t; 0
-    when fewer than KB keys are >= 0. BITS key bits per step (one block reduction)."""
-    j = tl.arange(0, 1 << BITS)
-    prefix = tl.sum(key * 0, 0)
-    for s in tl.static_range((TOP + BITS - 1) // BITS):
-        hi = 31 - BITS * s
-        shift = hi - BITS if hi > BITS else 0
-        jmax = 1 << (hi - shift)
-        t = prefix + (tl.minimum(j, jmax - 1) << shift)
-        cnt = tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
-        ok = (cnt >= KB) & (j < jmax)
-        prefix += tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0) << shift
-    return prefix
-
-
-@triton.jit
-def _emit(key, idx, thr, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
-    """Write the chosen of keys/idx [N] (ascending idx; masked keys -1): keys above thr and
-    the lowest-index keys equal to it, KB in all, at their ascending positions of out_row
-    (PACKED: each group's R tokens at R x its position)."""
-    packed = ((key > thr).to(tl.int32) << 16) | (key == thr).to(tl.int32)  # one scan for both ranks (N < 2^15)
-    _emit_ranked(idx, packed, KB - (tl.sum(packed, 0) >> 16), out_row, stride_oc, KB, PACKED, R)
-
-
-@triton.jit
-def _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr,
-                R: tl.constexpr):
-    """`_emit` with n_above, the number of keys > thr (<= KB), known: no count of them."""
-    packed = ((key > thr).to(tl.int32) << 16) | (key == thr).to(tl.int32)
-    _emit_ranked(idx, packed, KB - n_above, out_row, stride_oc, KB, PACKED, R)
-
-
-@triton.jit
-def _taken(counts, need):
-    """Keys chosen among those counted by counts = (keys above << 16) | ties: every key above,
-    the first need ties."""
-    return (counts >> 16) + tl.minimum(counts & 0xFFFF, need)
-
-
-@triton.jit
-def _emit_ranked(idx, packed, need, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
-    """`_emit`'s writes from packed = (above << 16) | equal per key and need, the ties to take
-    (every key above, the first need ties): a key's position is the count of chosen keys
-    before it, and it is chosen where the count through it is larger (one compare a key)."""
-    incl = tl.cumsum(packed, 0)
-    pos = _taken(incl - packed, need)
-    _store_groups(out_row, stride_oc, idx, pos, pos < _taken(incl, need), KB, PACKED, R)
-
-
-@triton.jit
-def _store_groups(out_row, stride_oc, groups, pos, chosen, KB: tl.constexpr, PACKED: tl.constexpr,
-                  R: tl.constexpr):
-    """Chosen groups at their positions, only in the row's KB columns (0 <= pos < KB, whatever
-    the counts say): out_row[pos] = group, or (PACKED) its R tokens."""
-    put = chosen & (pos.to(tl.uint32) < KB)
-    if PACKED:
-        _packed_groups(out_row, groups, pos, put, R)
-    else:
-        tl.store(out_row + pos * stride_oc, groups, mask=put)
-
-
-@triton.jit
-def _write_short(out_row, stride_oc, vis, KB: tl.constexpr, KBP: tl.constexpr, PACKED: tl.constexpr,
-                 R: tl.constexpr):
-    """A row with visible <= KB: groups 0..vis-1, then -1 (PACKED: their tokens)."""
-    j = tl.arange(0, KBP)
-    if PACKED:
-        _packed_groups(out_row, j, j, j < vis, R)
-    else:
-        tl.store(out_row + j * stride_oc, tl.where(j < vis, j, -1), mask=j < KB)
-
-
-@triton.jit
-def _write_tail(out_row, pos_ptr, row, vis, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr,
-                W: tl.constexpr, BLOCK_W: tl.constexpr):
-    """PACKED: the row's open tail, -1 padding and count after its min(vis, KB) groups."""
-    if PACKED:
-        _packed_tail(out_row, tl.minimum(vis, KB), vis, tl.load(pos_ptr + row), True, R, W, BLOCK_W)
-
-
-@triton.jit
-def _bracket_step(key, t, lo, hi, c_lo, c_hi, KB: tl.constexpr):
-    """One counting step of `_kth_bound`: keys [N] >= each candidate t [M] (one block
-    reduction); candidates strictly inside (lo, hi) narrow the bracket. Returns (lo, hi,
-    c_lo, c_hi): c_lo = keys >= lo (>= KB), c_hi = keys >= hi (< KB)."""
-    cnt = tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
-    inside = (t > lo) & (t < hi)
-    ok = inside & (cnt >= KB)
-    low = inside & (cnt < KB)
-    return (tl.max(tl.where(ok, t, lo), 0), tl.min(tl.where(low, t, hi), 0), tl.min(tl.where(ok, cnt, c_lo), 0),
-            tl.max(tl.where(low, cnt, c_hi), 0))
-
-
-@triton.jit
-def _kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
-    """(thr, keys > thr) for `_emit_above` of keys [N] (int32 in [0, 2^31), -1 masked;
-    vis > KB valid): thr = the KB-th largest key, or one with exactly KB keys > thr. A
-    bracket [lo, hi) with >= KB keys >= lo and < KB keys >= hi narrows by 2^BITS counts per
-    step (`_bracket_step`) until hi = lo + 1 (thr = lo) or exactly KB keys are >= lo (thr =
-    lo - 1): the first step's candidates are spread linearly in value below the largest key,
-    later ones linearly in key bits over the bracket; candidate lo + 1 ends a search whose
-    KB-th key is lo (ties)."""
-    j = tl.arange(0, 1 << BITS)
-    top = tl.max(key, 0)
-    frac = j.to(tl.float32) * (1.0 / (1 << BITS))
-    t = tl.where(j == 0, 1, (top.to(tl.float32, bitcast=True) * frac).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    lo, hi, c_lo, c_hi = _bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, vis * 0, KB)
-    while (lo + 1 < hi) & (c_lo != KB):  # the same trip count in every thread of the program
-        t = tl.where(j == 0, lo + 1, lo + ((hi - lo) * j >> BITS)).to(tl.int32)
-        lo, hi, c_lo, c_hi = _bracket_step(key, t, lo, hi, c_lo, c_hi, KB)
-    exact = c_lo == KB
-    return tl.where(exact, lo - 1, lo).to(tl.int32), tl.where(exact, KB, c_hi)
-
-
-@triton.jit
-def _samples_bound(samples, KB: tl.constexpr, SBITS: tl.constexpr):
-    """A lower bound of a row's KB-th largest key from its samples int32 [N] (each a real key
-    of the row, the largest of a subset of its columns; -1: an empty subset) by the bracket
-    search (`_kth_bound`, 2^SBITS counts a step): its bracket's low end, the KB-th largest
-    sample or a value >= 0 below it that exactly KB samples reach; 0 with fewer than KB
-    samples. Either way >= KB of the row's keys reach it."""
-    thr, n_above = _kth_bound(samples, tl.sum((samples >= 0).to(tl.int32), 0), KB, SBITS)
-    return thr + (n_above == KB).to(tl.int32)  # (thr: one below the low end where KB samples reach it)
-
 
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
 def _topk_short_kernel(
@@ -217,7 +57,7 @@ def _topk_short_kernel(
     PDL: tl.constexpr = 0,
 ):
     """Top-k of one row of at most CAP columns, all in registers (PACKED: the packed row).
-    The threshold: `_kth_bound` (2^SBITS counts a step, until isolated). EARLY: the row's scores load with its visible count (all n_cols
+    The threshold: `kth_bound` (2^SBITS counts a step, until isolated). EARLY: the row's scores load with its visible count (all n_cols
     columns, masked after), not after it."""
     pdl_start(PDL)
     lr = tl.program_id(0)
@@ -227,17 +67,17 @@ def _topk_short_kernel(
                     other=0.0)
     vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
     out_row = out_ptr + row.to(tl.int64) * stride_or
-    _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+    write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
     if vis <= KB:
-        _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
+        write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     else:
         cols = tl.arange(0, CAP)
         if EARLY:
             key = tl.where(cols < vis, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
         else:
-            key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
-        thr, n_above = _kth_bound(key, vis, KB, SBITS)
-        _emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
+            key = score_keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
+        thr, n_above = kth_bound(key, vis, KB, SBITS)
+        emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
     pdl_end(PDL)
 
 
@@ -250,7 +90,7 @@ def _subset_max(s_row, lo, hi, SAMP: tl.constexpr, SBLOCK: tl.constexpr):
     start = lo
     while start < hi:  # (while: the interpreter cannot range over loaded values)
         cols = start + ar
-        key = _keys(s_row, cols, cols < hi)
+        key = score_keys(s_row, cols, cols < hi)
         m = tl.maximum(m, tl.max(tl.reshape(key, (SBLOCK // SAMP, SAMP)), 0))
         start += SBLOCK
     return m
@@ -273,50 +113,6 @@ def _sample_kernel(
         m = _subset_max(s_ptr + lr.to(tl.int64) * stride_sr, lo, tl.minimum(vis, lo + SEG), SAMP, SBLOCK)
         tl.store(samp_ptr + lr.to(tl.int64) * stride_pr + seg * SAMP + tl.arange(0, SAMP), m)
     pdl_end(PDL)
-
-
-@triton.jit
-def _resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                 PACKED: tl.constexpr, R: tl.constexpr):
-    """Exact top-k of a whole row by sweeps over its scores (the overflow route): the
-    threshold's bits by counts (`_kth_key` with the keys streamed), then the emit."""
-    ar = tl.arange(0, BLOCK)
-    j = tl.arange(0, 1 << BITS)
-    prefix = vis * 0
-    for s in tl.static_range((31 + BITS - 1) // BITS):
-        hi = 31 - BITS * s
-        shift = hi - BITS if hi > BITS else 0
-        jmax = 1 << (hi - shift)
-        t = prefix + (tl.minimum(j, jmax - 1) << shift)
-        cnt = tl.zeros((1 << BITS,), tl.int32)
-        start = vis * 0
-        while start < vis:
-            key = _keys(s_row, start + ar, start + ar < vis)
-            cnt += tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
-            start += BLOCK
-        ok = (cnt >= KB) & (j < jmax)
-        prefix += tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0) << shift
-    above_all = vis * 0
-    start = vis * 0
-    while start < vis:
-        key = _keys(s_row, start + ar, start + ar < vis)
-        above_all += tl.sum((key > prefix).to(tl.int32), 0)
-        start += BLOCK
-    need = KB - above_all
-    taken = vis * 0
-    ties = vis * 0
-    start = vis * 0
-    while start < vis:
-        cols = start + ar
-        key = _keys(s_row, cols, cols < vis)
-        above = (key > prefix).to(tl.int32)
-        equal = (key == prefix).to(tl.int32)
-        rank = ties + tl.cumsum(equal, 0) - equal
-        chosen = above + equal * (rank < need).to(tl.int32)
-        _store_groups(out_row, stride_oc, cols, taken + tl.cumsum(chosen, 0) - chosen, chosen > 0, KB, PACKED, R)
-        taken += tl.sum(chosen, 0)
-        ties += tl.sum(equal, 0)
-        start += BLOCK
 
 
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr", "stride_cr"])
@@ -345,8 +141,8 @@ def _topk_seg_kernel(
     n_seg = tl.cdiv(vis, SEG)
     if vis <= KB:
         if seg == 0:
-            _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-            _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
+            write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+            write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     elif seg < n_seg:
         lo = seg * SEG
         hi = tl.minimum(vis, lo + SEG)
@@ -355,17 +151,17 @@ def _topk_seg_kernel(
         else:
             p = tl.arange(0, SEGP * SAMP)
             samples = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr + p, mask=p < n_seg * SAMP, other=-1)
-        bound = _samples_bound(samples, KB, SBITS)  # <= the row's KB-th largest key
+        bound = samples_bound(samples, KB, SBITS)  # <= the row's KB-th largest key
         c_idx = cidx_ptr + lr.to(tl.int64) * stride_cr
         c_key = ckey_ptr + lr.to(tl.int64) * stride_cr
-        n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
+        n = compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
         tl.store(cnt_ptr + lr.to(tl.int64) * SEGP + seg, n)
         last = n_seg == 1
         if SEGP > 1:
             tl.debug_barrier()  # this program's lists and count before its arrival
             last = tl.atomic_add(arrive_ptr + lr, 1, sem="acq_rel", scope="gpu") == n_seg - 1
         if last:
-            _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+            write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
             packed = n <= CAP
             j = tl.arange(0, CAP)
             if SEGP > 1:
@@ -389,10 +185,10 @@ def _topk_seg_kernel(
                 m = j < n
                 key = tl.load(c_key + j, mask=m, other=-1, cache_modifier=".cg")
                 idx = tl.load(c_idx + j, mask=m, other=0, cache_modifier=".cg")
-                thr, n_above = _kth_bound(key, n, KB, SBITS)
-                _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB, PACKED, R)
+                thr, n_above = kth_bound(key, n, KB, SBITS)
+                emit_above(key, idx, thr, n_above, out_row, stride_oc, KB, PACKED, R)
             else:
-                _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+                resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
     pdl_end(PDL)
 
 
@@ -409,9 +205,9 @@ def topk_tiles(num_cols: int, small: bool, rows: int = 1) -> dict[str, int]:
     row's samples number samp x segments, >= 4 Kb keeps the bound tight); cap: candidates of
     a row (and of a segment's list); lcap: candidates per list the resolve packs in one
     step; block / rblock: columns per sweep step (compaction / the whole-row resolve); bits:
-    key bits per step of the whole-row resolve (`_kth_key`); sbits: log2 of the short route's
-    counts per step (`_kth_bound`); ssbits: the same for the segment route's bound and resolve
-    (H200, session 14, select us, `_kth_key` at 2 bits a step -> ssbits 3: 1M B4 x 4 141.8 ->
+    key bits per step of the whole-row resolve (`kth_key`); sbits: log2 of the short route's
+    counts per step (`kth_bound`); ssbits: the same for the segment route's bound and resolve
+    (H200, session 14, select us, `kth_key` at 2 bits a step -> ssbits 3: 1M B4 x 4 141.8 ->
     136.5, 128K B16 x 4 94.6 -> 87.5); early: the short route loads scores with the visible
     count; warps per program. small: the interpreter's tiles (tests cross every border and
     route with few columns)."""
@@ -475,7 +271,8 @@ class TopkLaunch(ChunkLaunches):
 
     def __init__(self, scores: torch.Tensor, visible_blocks: torch.Tensor, out: torch.Tensor, scratch: TopkScratch,
                  *, row0: int, rows: int, num_cols: int, block_topk: int, tiles: dict,
-                 positions: torch.Tensor | None = None, compress_ratio: int = 1) -> None:
+                 positions: torch.Tensor | None = None, compress_ratio: int = 1,
+                 options: KernelOptions = DEFAULT) -> None:
         Kb, KBP, sr, t = block_topk, triton.next_power_of_2(block_topk), scores.stride(0), tiles
         write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
         free, out_free = ("row0",), ("row0", "out_ptr", "stride_or")
@@ -483,7 +280,7 @@ class TopkLaunch(ChunkLaunches):
         self._launches: list[tuple[BoundLaunch, bool]] = []
         if short_route(num_cols, t):
             self._launches.append((_short.bind(
-                (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, *outs, free=out_free,
+                (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, *outs, free=out_free, options=options,
                 KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), SBITS=t["sbits"], EARLY=t["early"], **write, num_warps=t["warps"],
             ), True))
             return
@@ -495,12 +292,12 @@ class TopkLaunch(ChunkLaunches):
         cidx, ckey = (x[: n["cand_idx"]].view(rows, -1) for x in (c.cand_idx, c.cand_key))
         if segp > 1:
             self._launches.append((_sample.bind(
-                (rows, segs), scores, visible_blocks, samp, row0, num_cols, sr, samp.stride(0), free=free,
+                (rows, segs), scores, visible_blocks, samp, row0, num_cols, sr, samp.stride(0), free=free, options=options,
                 KB=Kb, SEG=t["seg"], SAMP=t["samp"], SBLOCK=max(t["samp"], t["block"]), num_warps=t["warps"],
             ), False))
         self._launches.append((_seg.bind(
             (rows, segs), scores, visible_blocks, samp, cidx, ckey, c.counts, c.arrive, out, pos,
-            row0, num_cols, sr, samp.stride(0) if segp > 1 else 0, cidx.stride(0), *outs, free=out_free,
+            row0, num_cols, sr, samp.stride(0) if segp > 1 else 0, cidx.stride(0), *outs, free=out_free, options=options,
             KB=Kb, KBP=KBP, BITS=t["bits"], SBITS=t["ssbits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
             SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"], RBLOCK=t["rblock"],
             **write, num_warps=t["warps"],

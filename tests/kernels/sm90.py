@@ -195,7 +195,7 @@ def recording(sms: int = 132):
     found = Recording()
 
     class Recorded:
-        def __init__(self, launcher, grid, values, options, free, checked=()):
+        def __init__(self, launcher, grid, values, options, free, checked=(), *, fast_launch=True):
             found.add(Binding(launcher.fn, tuple(values), dict(options)))
 
         def __call__(self, *free):
@@ -206,8 +206,8 @@ def recording(sms: int = 132):
     launch.BoundLaunch = Recorded
     # the CPU tensors stand for the GPU's: nothing launches, so the triton backend may take them
     ops.resolve_backend = lambda device, name=None: "triton" if name == "triton" else real_backend(device, name)
-    launch.pdl_enabled = lambda fn: launch._pdl > 0
-    warm.warm_enabled = lambda part, device: bool(warm.warm_mask() & part)
+    launch.pdl_enabled = lambda fn, mode: mode > 0
+    warm.warm_enabled = lambda device, options: options.l2_warm
     attention._num_sms = lambda device: sms
     try:
         yield found

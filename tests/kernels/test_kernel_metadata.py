@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -12,7 +13,12 @@ if not torch.cuda.is_available():
 
 from qsa_core import QSAConfig, QSAPlanner, QSAStepInputs  # noqa: E402
 from qsa_core.reference import qsa_build_metadata as reference_build  # noqa: E402
-from qsa_kernels.metadata import qsa_build_metadata  # noqa: E402
+from qsa_core.reference.metadata import GUARD_BITS  # noqa: E402
+from qsa_kernels.metadata import GuardBits  # noqa: E402
+from qsa_kernels.metadata import qsa_build_metadata as kernel_build  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
+
+qsa_build_metadata = functools.partial(kernel_build, guards=GuardBits(**GUARD_BITS), options=OPTS)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.interpreter  # (TRITON_INTERPRET=1, CPU tensors: tests/conftest.py)
@@ -308,7 +314,7 @@ def test_static_stage_copies_a_step_in_one_launch(rope_axes):
         torch.randint(0, 9, (R,), generator=gen, dtype=torch.int32),
         None if rope_axes == 0 else torch.randint(0, 999, (T,) if rope_axes == 1 else (3, T), generator=gen),
     )
-    views = StaticStage(**buffers)(*inputs)
+    views = StaticStage(**buffers, options=OPTS)(*inputs)
     want = list(inputs)
     want[2] = inputs[2][:R]
     for got, src in zip(views, want):

@@ -19,10 +19,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from qsa_core import reference  # noqa: E402
-from qsa_core.cache import QSACacheLayout, QSALayerCache, ring_capacity  # noqa: E402
+from qsa_core.cache import QSACacheLayout, QSALayerCache, ring_capacity, ring_store_fuses  # noqa: E402
 from qsa_core.config import QSAConfig, resolve_dtype  # noqa: E402
 from qsa_core import QSAPlanner, QSAStepInputs  # noqa: E402
 from qsa_kernels import prepare as kernels  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interp = pytest.mark.interpreter  # (TRITON_INTERPRET=1, CPU tensors: tests/conftest.py)
@@ -207,6 +208,11 @@ def step_inputs(cfg: QSAConfig, T: int, num_pad: int, dtype: torch.dtype, device
     )
 
 
+def fuses(meta) -> bool:
+    """Whether the step's ring store fuses into prepare's first launch (as the planner decides)."""
+    return ring_store_fuses(meta.max_query_len, meta.ring_capacity, meta.compress_ratio)
+
+
 def layer_weights(cfg: QSAConfig, dtype: torch.dtype, device: str) -> dict:
     w = lambda n: (torch.randn(n, device=device) * 0.3).to(dtype)  # noqa: E731
     return dict(
@@ -236,7 +242,7 @@ def run_prepare_step(cfg, sched, caches, weights, chunks, num_pad, num_decodes, 
     args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
     kw = dict(weights, index_dtype=index_dtype, meta=meta)
     want = reference.qsa_prepare(*args, **kw, cache=want_cache)
-    got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
+    got = kernels.qsa_prepare(*args, **kw, cache=got_cache, fuse_ring=fuses(meta), options=OPTS)
     live = meta.positions >= 0
     assert got[0].dtype == index_dtype and got[0].shape == want[0].shape
     assert_close(got[0][live], want[0][live], index_dtype, "q_idx")
@@ -294,12 +300,12 @@ def test_ring_store_fuses_only_where_the_step_reads_no_slot_it_writes():
     for r in (2, 4, 5, 8):
         for C in (ring_capacity(r, spec) for spec in (0, 1, 3, 7)):
             for n in range(1, 2 * C + 2):
-                if kernels.ring_store_fuses(n, C, r):
+                if ring_store_fuses(n, C, r):
                     assert not any(meet(s, n, C, r) for s in range(3 * C)), (r, C, n)
-            fused = max(n for n in range(1, 2 * C + 2) if kernels.ring_store_fuses(n, C, r))
+            fused = max(n for n in range(1, 2 * C + 2) if ring_store_fuses(n, C, r))
             assert any(meet(s, fused + 1, C, r) for s in range(3 * C)), (r, C)  # one row more and they meet
-    assert kernels.ring_store_fuses(1, 4, 4) and kernels.ring_store_fuses(4, 8, 4)  # decode, 3-draft MTP
-    assert kernels.ring_store_fuses(8, 16, 8) and not kernels.ring_store_fuses(5, 8, 8)  # 7-draft; r 8 chunk
+    assert ring_store_fuses(1, 4, 4) and ring_store_fuses(4, 8, 4)  # decode, 3-draft MTP
+    assert ring_store_fuses(8, 16, 8) and not ring_store_fuses(5, 8, 8)  # 7-draft; r 8 chunk
 
 
 CASES = [
@@ -339,7 +345,7 @@ def test_prepare_one_d_rope_differs_from_logical(ring_positions):
         args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [rope]
         kw = dict(weights, index_dtype=torch.bfloat16, meta=meta)
         want = reference.qsa_prepare(*args, **kw, cache=want_cache)
-        got = kernels.qsa_prepare(*args, **kw, cache=got_cache)
+        got = kernels.qsa_prepare(*args, **kw, cache=got_cache, fuse_ring=fuses(meta), options=OPTS)
         live = meta.positions >= 0
         assert_close(got[0][live], want[0][live], torch.bfloat16, "q_idx")
         compare_caches(got_cache, want_cache, cfg)
@@ -361,7 +367,7 @@ def test_compress_groups(mrope):
         meta, rope = sched.step(chunks, pad, 0)
         raw = step_inputs(cfg, meta.num_tokens, pad, torch.bfloat16, "cpu")["raw_keys"]
         reference.qsa_compress_groups(raw, rope, **kw, cache=want_cache, meta=meta)
-        kernels.qsa_compress_groups(raw, rope, **kw, cache=got_cache, meta=meta)
+        kernels.qsa_compress_groups(raw, rope, **kw, cache=got_cache, meta=meta, options=OPTS)
         assert_close(got_cache.compressed, want_cache.compressed, got_cache.compressed.dtype, "compressed")
         # Feed the ring as prepare would, so the next step's groups start from it.
         reference.qsa_store_rows(want_cache.ring, meta.ring_slot, raw)
@@ -395,7 +401,7 @@ def test_store_rows(cache_dtype, row_dtype, scale):
         rows[slots >= N] = float("nan")
     want_base = base.clone()
     reference.qsa_store_rows(want_base[:, :2], slots, rows, scale)
-    kernels.qsa_store_rows(cache, slots, rows, scale)
+    kernels.qsa_store_rows(cache, slots, rows, scale, options=OPTS)
     assert torch.equal(base[:, 2], want_base[:, 2]), "a neighbour row was written"
     assert_same(cache, want_base[:, :2], "store_rows")
 
@@ -408,7 +414,7 @@ def test_store_rows_transposed_positions():
     want = cache.clone()
     slots = torch.tensor([5, -1, 2, 8, 0, 3])
     reference.qsa_store_rows(want, slots, rope.T)
-    kernels.qsa_store_rows(cache, slots, rope.T)
+    kernels.qsa_store_rows(cache, slots, rope.T, options=OPTS)
     assert torch.equal(cache, want)
 
 
@@ -425,7 +431,7 @@ def test_store_kv(kv_dtype, scales):
     k[slots < 0] = float("nan")
     v[slots >= pages * page] = float("nan")
     reference.qsa_store_kv(want_kv[..., :D], want_kv[..., D:], slots, k, v, *scales)
-    kernels.qsa_store_kv(kv[..., :D], kv[..., D:], slots, k, v, *scales)
+    kernels.qsa_store_kv(kv[..., :D], kv[..., D:], slots, k, v, *scales, options=OPTS)
     assert_same(kv, want_kv, "kv")
 
 
@@ -444,7 +450,7 @@ def test_prepare_empty_step():
     inputs = step_inputs(cfg, 3, 3, torch.bfloat16, "cpu")
     args = [inputs[k] for k in ("index_q", "raw_keys", "q_gate", "k", "v")] + [meta.rope_positions]
     got = kernels.qsa_prepare(*args, **layer_weights(cfg, torch.bfloat16, "cpu"), index_dtype=torch.bfloat16,
-                              cache=got_cache, meta=meta)
+                              cache=got_cache, meta=meta, fuse_ring=fuses(meta), options=OPTS)
     assert got[0].shape == (3, cfg.index_n_heads, cfg.index_head_dim)
     compare_caches(got_cache, want_cache, cfg)
 

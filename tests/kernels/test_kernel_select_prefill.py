@@ -8,6 +8,7 @@ whole-row resolve when candidates overflow, rows at or below Kb, padding rows, t
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +23,10 @@ from qsa_core.reference import select as ref  # noqa: E402
 from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_kernels import select as ker  # noqa: E402
 from qsa_kernels import select_prefill as sp  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
+
+# Chunks of any number of rows take the route (the GPU's plan takes it from 64).
+OPTS = replace(OPTS, select_prefill_min_rows=1)
 
 R = 4  # compress ratio
 BLOCK_G = 16  # columns per score tile the samples of the top-k tests stand for
@@ -29,11 +34,9 @@ BLOCK_G = 16  # columns per score tile the samples of the top-k tests stand for
 
 @pytest.fixture
 def nan_scratch(monkeypatch):
-    """Every score scratch starts NaN: a read of an unscored column would show up. Chunks of
-    any number of rows take the route (the GPU's plan takes it from 64)."""
+    """Every score scratch starts NaN: a read of an unscored column would show up."""
     monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
         (rows, cols), float("nan"), device=device))
-    monkeypatch.setattr(ker, "_PREFILL_MIN_ROWS", 1)
 
 
 def positions_of(vis: list[int]) -> torch.Tensor:
@@ -82,7 +85,7 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     scores = scores.to(DEV)
     launch = sp.PrefillTopkLaunch(scores, samples, vis_t, out, scratch, row0=row0, rows=T, num_cols=num_cols,
                                   block_topk=kb, tiles=tiles, score_block_g=BLOCK_G, first_row=row0, num_rows=T,
-                                  chunk=T, positions=pos, compress_ratio=R)
+                                  chunk=T, positions=pos, compress_ratio=R, options=OPTS)
     for _ in range(calls):
         out[row0:] = -7
         launch(row0, out, out.stride(0))
@@ -271,13 +274,13 @@ def test_score_launch_writes_the_samples(nan_scratch):
     problem = make_problem([300, 520], [40, 24], kind="int", pad_rows=2)
     q, comp, table, to_req, vis, max_seq = problem
     T, cols = q.shape[0], max_seq // R
-    s = ker.plan_select(T, cols, 8, decode=False, device=DEV)
+    s = ker.plan_select(T, cols, 8, decode=False, device=DEV, options=OPTS)
     assert s.prefill is not None and s.chunk == T
     out = torch.empty(T, 8, dtype=torch.int32, device=DEV)
     launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, page_size=16, compress_ratio=R, block_topk=8)
     launch._chunks[0][1](q, table, 0)
-    S = sp.sample_cols(s.prefill_tiles, ker._score_block_g(cols))
-    got = sp.samples_view(s.prefill, T, cols, s.prefill_tiles, ker._score_block_g(cols)).cpu()
+    S = sp.sample_cols(s.prefill_tiles, ker.score_block_g(cols, OPTS))
+    got = sp.samples_view(s.prefill, T, cols, s.prefill_tiles, ker.score_block_g(cols, OPTS)).cpu()
     scores = s.scores.cpu()
     for t in range(T):
         v = int(vis[t])
@@ -305,13 +308,13 @@ def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkey
     # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
     tiles = sp.prefill_tiles
     monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer})
-    t = sp.prefill_tiles(128, 8, ker._score_block_g(128), small=DEV == "cpu")
+    t = sp.prefill_tiles(128, 8, ker.score_block_g(128, OPTS), small=DEV == "cpu")
     monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t["seg"]) * t["cap"] * 8)
     problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
-    ws = ker.select_workspace(T, max_seq // R, 8, DEV)
-    s = ker.plan_select(T, max_seq // R, 8, decode=False, device=DEV, workspace=ws)
+    ws = ker.select_workspace(T, max_seq // R, 8, DEV, options=OPTS)
+    s = ker.plan_select(T, max_seq // R, 8, decode=False, device=DEV, workspace=ws, options=OPTS)
     assert s.prefill is ws.prefill and s.chunk == 7
     assert sp.defer_rows(s.chunk, T, s.num_cols, s.prefill_tiles) == (14 if defer else 7)
     kw = dict(page_size=16, compress_ratio=R, block_topk=8)

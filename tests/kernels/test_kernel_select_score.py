@@ -27,6 +27,7 @@ if DEV == "cpu":
 from qsa_core.reference import select as ref  # noqa: E402
 from qsa_kernels import select as sel  # noqa: E402
 from qsa_kernels import select_score as ss  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 
 DTYPE = {"int": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "randn": torch.bfloat16}
 
@@ -83,10 +84,10 @@ def kernel_scores(problem, rows, num_cols, Kb, *, decode, r=4, page=16, tiles=No
     q, comp, table, to_req, vis = problem
     scratch = torch.full((len(rows) + 3, num_cols + 5), float("nan"), device=DEV)
     plan_tiles = sel.plan_select(len(rows), num_cols, Kb, decode=decode, device=DEV,
-                                 rows_per_request=rows_per_request, rows_aligned=rows_aligned).tiles
+                                 rows_per_request=rows_per_request, rows_aligned=rows_aligned, options=OPTS).tiles
     launch = ss.ScoreLaunch(q, comp, table, to_req, vis, scratch, row0=rows.start, rows=len(rows), num_cols=num_cols,
                             page_size=page, compress_ratio=r, block_topk=Kb, decode=decode, tiles=plan_tiles,
-                            interpret=DEV == "cpu", score=tiles)
+                            score=tiles, options=OPTS)
     launch(q, table, rows.start)
     return scratch.cpu()
 
@@ -128,7 +129,7 @@ ROWS4 = ss.ScoreTiles(block_r=4, block_g=16, span=32, stages=1, num_warps=4, pac
 def test_decode_rows_of_a_request_share_a_program(kind):
     problem = make_problem([200, 120, 37, 90, 150], [4, 1, 3, 2, 4], kind=kind, pad_rows=2, seed=7)
     rows, cols = range(1, 16), 200 // 4
-    assert ss.score_tiles(True, sel.plan_select(15, cols, 8, decode=True, device=DEV, rows_per_request=4).tiles,
+    assert ss.score_tiles(True, sel.plan_select(15, cols, 8, decode=True, device=DEV, rows_per_request=4, options=OPTS).tiles,
                           DEV == "cpu").block_r == 4  # the plan's MTP route
     assert_scores(kernel_scores(problem, rows, cols, 8, decode=True, rows_per_request=4),
                   reference_scores(problem, rows, cols, 8), True)
@@ -142,7 +143,7 @@ def test_decode_rows_of_a_request_share_a_program(kind):
 def test_request_rows_kernel_bitwise(kind, first):
     problem = make_problem([200, 120, 30, 36, 90], [4] * 5, kind=kind, pad_rows=3, seed=9)
     rows, cols = range(first, 23), 200 // 4  # 19 or 23 rows: the last program's rows run past the chunk
-    plan = sel.plan_select(len(rows), cols, 8, decode=True, device=DEV, rows_per_request=4, rows_aligned=True)
+    plan = sel.plan_select(len(rows), cols, 8, decode=True, device=DEV, rows_per_request=4, rows_aligned=True, options=OPTS)
     assert ss.score_tiles(True, plan.tiles, DEV == "cpu").request_rows
     assert_scores(kernel_scores(problem, rows, cols, 8, decode=True, rows_per_request=4, rows_aligned=True),
                   reference_scores(problem, rows, cols, 8), True)
@@ -184,8 +185,8 @@ def test_fp8_scores_equal_the_scores_of_their_bf16_values(route):
 
 def test_aligned_chunks_hold_whole_requests(monkeypatch):
     monkeypatch.setattr(sel, "SCORE_SCRATCH_BYTES", 4 * 50 * 10)  # 10 rows of 50 columns a chunk
-    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3, rows_aligned=True).chunk == 9
-    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3).chunk == 10
+    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3, rows_aligned=True, options=OPTS).chunk == 9
+    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3, options=OPTS).chunk == 10
 
 
 @pytest.mark.parametrize("aligned, chunk_rows", [(False, 0), (True, 0), (True, 7)])
@@ -200,7 +201,7 @@ def test_mtp_decode_select_through_the_plan(monkeypatch, aligned, chunk_rows):
     q, comp, table, to_req, vis = problem
     kw = dict(page_size=16, compress_ratio=4, block_topk=8)
     sched = sel.plan_select(q.shape[0], 200 // 4, 8, decode=True, device=DEV, rows_per_request=4,
-                            rows_aligned=aligned)
+                            rows_aligned=aligned, options=OPTS)
     assert sched.chunk == (4 if chunk_rows else q.shape[0])
     out = sel.qsa_select_decode(q, comp, table, to_req, vis, out=torch.full((q.shape[0], 8), 7, dtype=torch.int32,
                                 device=DEV), schedule=sched, **kw)
@@ -230,7 +231,7 @@ def test_whole_tiles_take_the_unmasked_body_with_the_same_bits(kind, tiles):
     problem = make_problem([600, 90, 250], [40, 10, 21], kind=kind, seed=8)
     q, comp, table, to_req, vis = problem
     rows, cols = range(0, 71), 600 // 4
-    plan = sel.plan_select(len(rows), cols, 8, decode=False, device=DEV).tiles
+    plan = sel.plan_select(len(rows), cols, 8, decode=False, device=DEV, options=OPTS).tiles
     t = WHOLE if tiles == "small" else ss.score_tiles(False, plan, DEV == "cpu", num_cols=cols)
     assert t.whole
     # the premise: some row tiles are one request's rows that all see >= one column tile

@@ -7,6 +7,7 @@ and the whole-row resolve when a candidate list overflows.
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ if DEV == "cpu":
 from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_core.reference.select import topk_groups  # noqa: E402
 from qsa_kernels.select_topk import TopkLaunch, short_route, topk_scratch, topk_tiles  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 
 R = 4  # compress ratio of the packed rows
 
@@ -44,7 +46,7 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     out = torch.full((row0 + T, width), -7, dtype=torch.int32, device=DEV)
     tiles = {**topk_tiles(num_cols, small=True), **tile_changes}
     launch = TopkLaunch(scores, vis, out, topk_scratch(T, num_cols, tiles, DEV), row0=row0, rows=T,
-                        num_cols=num_cols, block_topk=kb, tiles=tiles, positions=pos, compress_ratio=R)
+                        num_cols=num_cols, block_topk=kb, tiles=tiles, positions=pos, compress_ratio=R, options=OPTS)
     for _ in range(calls):
         out[row0:] = -7
         launch(row0, out, out.stride(0))
@@ -211,19 +213,19 @@ def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, r
 
     monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
         (rows, cols), float("nan"), device=device))
-    monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")  # (by default one row per request goes to the samples route)
     problem = make_problem(seq_lens, query_lens, kind="int", pad_rows=2)
-    out, expect = run_both(problem, decode=True, route=route)
+    # (by default one row per request goes to the samples route)
+    out, expect = run_both(problem, decode=True, route=route, options=replace(OPTS, decode_samples=False))
     assert torch.equal(out, expect)
 
 
 def test_the_select_workspace_holds_every_decode_plan_of_this_route():
     from qsa_kernels import select as ker
 
-    ws = ker.select_workspace(1000, 1200 // 4, 8, DEV)
+    ws = ker.select_workspace(1000, 1200 // 4, 8, DEV, options=OPTS)
     for rows in (1, 16, 20, 64, 65, 1000):
         for cols in (32, 64, 128, 300):
-            s = ker.plan_select(rows, cols, 8, decode=True, device=DEV, workspace=ws)
+            s = ker.plan_select(rows, cols, 8, decode=True, device=DEV, workspace=ws, options=OPTS)
             assert s.topk is None or s.topk is ws.topk
 
 
