@@ -114,7 +114,7 @@ def test_kernel_dsamp_ties_signed_zeros(monkeypatch):
     monkeypatch.setattr(ker, "ScoreLaunch", InjectedScores(s))
     sched = ker.plan_select(T, G, KB, decode=True, device=DEV, rows_per_request=4,
                             options=replace(OPTS, decode_samples=True))
-    assert sched.route == "dsamp" and sched.decode_samples_tiles["sample_launch"]
-    cap = sched.decode_samples_tiles["cap"]
+    assert sched.route == "dsamp" and sched.decode_samples_tiles.sample_launch
+    cap = sched.decode_samples_tiles.cap
     assert (vis <= cap).any() and (vis > cap).any()
     assert torch.equal(run_select(sched, vis, decode=True), want)

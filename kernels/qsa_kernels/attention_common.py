@@ -44,7 +44,7 @@ def attend_block(
     page = tl.maximum(tl.load(bt_row + (safe // PAGE) * stride_btp, mask=valid, other=0), 0).to(tl.int64)
     off = (safe % PAGE).to(tl.int64)
     # K gathered as its transpose [DP, BLOCK_N], the dot's operand as loaded, not [BLOCK_N, DP] and
-    # tl.trans (H200, session 19, 16K prefill rows at 16K, ms: 32 columns / 1 warp / 2 stages 12.2 ->
+    # tl.trans (H200, 16K prefill rows at 16K, ms: 32 columns / 1 warp / 2 stages 12.2 ->
     # 8.0, 64 / 2 / 1 11.0 -> 10.6; decode splits ~1 us).
     k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
                 mask=d_mask[:, None] & valid[None, :], other=0.0).to(DOT_DTYPE)
@@ -150,11 +150,12 @@ def launch_config(dp: int, split: bool, context: int, small_tiles: bool = False)
 
     D 256 on the H200: decode splits hold 1-8 blocks, 64 columns / 2 warps / no pipelining (the
     first speed pass's sweep: 4 rows 10.4 vs 11.2 us for 8 warps / 2 stages); their shape does not
-    depend on the context. The one pass (prefill), 16K rows, ms (session 19, main's 64 / 2 / 1 ->
+    depend on the context. The one pass (prefill), 16K rows, ms (main's 64 / 2 / 1 ->
     32 / 1 / 2 -> 64 / 2 / 2): at 16K context 11.02 -> 7.96 -> 8.61, 128K 12.45 -> 12.03 -> 11.80,
     1M 15.53 -> 15.70 -> 15.32; so 32 / 1 / 2 up to SHORT_CONTEXT tokens. Decode batches of > 128
     rows (the one pass too), us: 8K B256 276.8 -> 325.8 -> 279.8, 32K B256 310.0 -> 330.5 -> 284.2,
-    128K B160 217.0 -> 179.8 -> 232.7 (BENCHMARKS.md session 19)."""
+    128K B160 217.0 -> 179.8 -> 232.7. Measure: `python benchmarks/bench_qsa.py --only
+    prefill-16384-1-16384-bf16 prefill-131072-1-16384-bf16 decode-131072-4-1-bf16 --out DIR`."""
     if small_tiles:
         return 32, 4, 1
     if dp < 256:

@@ -637,7 +637,7 @@ def qsa_prepare(
     index_dtype: torch.dtype,
     cache: Any,
     meta: Any,
-    fuse_ring: bool,
+    fuse_ring: bool = False,
     q_idx_out: torch.Tensor | None = None,
     q_out: torch.Tensor | None = None,
     options: KernelOptions = DEFAULT,
@@ -649,7 +649,8 @@ def qsa_prepare(
     (index_dtype), q [T, Hq, D] and gate [T, Hq, D] (a view of q_gate, as the reference).
     q_idx_out / q_out: contiguous buffers of those shapes (a plan's workspace), else allocated.
     cache / meta: a layer cache and the step metadata (their tensors are read); fuse_ring: as
-    `PrepareLaunch` (`qsa_core.cache.ring_store_fuses` of the step). Binds its launches on
+    `PrepareLaunch` (True only where `qsa_core.cache.ring_store_fuses` holds for the step; the
+    two launches of False are right for any step). Binds its launches on
     every call: a plan keeps a `PrepareLaunch` per layer cache instead.
     """
     T, Di = raw_keys.shape

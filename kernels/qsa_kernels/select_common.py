@@ -91,7 +91,7 @@ def emit(key, idx, thr, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constex
     the lowest-index keys equal to it, KB in all, at their ascending positions of out_row
     (PACKED: each group's R tokens at R x its position)."""
     packed = ((key > thr).to(tl.int32) << 16) | (key == thr).to(tl.int32)  # one scan for both ranks (N < 2^15)
-    emit_ranked(idx, packed, KB - (tl.sum(packed, 0) >> 16), out_row, stride_oc, KB, PACKED, R)
+    _emit_ranked(idx, packed, KB - (tl.sum(packed, 0) >> 16), out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
@@ -99,28 +99,28 @@ def emit_above(key, idx, thr, n_above, out_row, stride_oc, KB: tl.constexpr, PAC
                 R: tl.constexpr):
     """`emit` with n_above, the number of keys > thr (<= KB), known: no count of them."""
     packed = ((key > thr).to(tl.int32) << 16) | (key == thr).to(tl.int32)
-    emit_ranked(idx, packed, KB - n_above, out_row, stride_oc, KB, PACKED, R)
+    _emit_ranked(idx, packed, KB - n_above, out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
-def taken_count(counts, need):
+def _taken_count(counts, need):
     """Keys chosen among those counted by counts = (keys above << 16) | ties: every key above,
     the first need ties."""
     return (counts >> 16) + tl.minimum(counts & 0xFFFF, need)
 
 
 @triton.jit
-def emit_ranked(idx, packed, need, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
+def _emit_ranked(idx, packed, need, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
     """`emit`'s writes from packed = (above << 16) | equal per key and need, the ties to take
     (every key above, the first need ties): a key's position is the count of chosen keys
     before it, and it is chosen where the count through it is larger (one compare a key)."""
     incl = tl.cumsum(packed, 0)
-    pos = taken_count(incl - packed, need)
-    store_groups(out_row, stride_oc, idx, pos, pos < taken_count(incl, need), KB, PACKED, R)
+    pos = _taken_count(incl - packed, need)
+    _store_groups(out_row, stride_oc, idx, pos, pos < _taken_count(incl, need), KB, PACKED, R)
 
 
 @triton.jit
-def store_groups(out_row, stride_oc, groups, pos, chosen, KB: tl.constexpr, PACKED: tl.constexpr,
+def _store_groups(out_row, stride_oc, groups, pos, chosen, KB: tl.constexpr, PACKED: tl.constexpr,
                   R: tl.constexpr):
     """Chosen groups at their positions, only in the row's KB columns (0 <= pos < KB, whatever
     the counts say): out_row[pos] = group, or (PACKED) its R tokens."""
@@ -151,7 +151,7 @@ def write_tail(out_row, pos_ptr, row, vis, KB: tl.constexpr, PACKED: tl.constexp
 
 
 @triton.jit
-def bracket_step(key, t, lo, hi, c_lo, c_hi, KB: tl.constexpr):
+def _bracket_step(key, t, lo, hi, c_lo, c_hi, KB: tl.constexpr):
     """One counting step of `kth_bound`: keys [N] >= each candidate t [M] (one block
     reduction); candidates strictly inside (lo, hi) narrow the bracket. Returns (lo, hi,
     c_lo, c_hi): c_lo = keys >= lo (>= KB), c_hi = keys >= hi (< KB)."""
@@ -168,7 +168,7 @@ def kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
     """(thr, keys > thr) for `emit_above` of keys [N] (int32 in [0, 2^31), -1 masked;
     vis > KB valid): thr = the KB-th largest key, or one with exactly KB keys > thr. A
     bracket [lo, hi) with >= KB keys >= lo and < KB keys >= hi narrows by 2^BITS counts per
-    step (`bracket_step`) until hi = lo + 1 (thr = lo) or exactly KB keys are >= lo (thr =
+    step (`_bracket_step`) until hi = lo + 1 (thr = lo) or exactly KB keys are >= lo (thr =
     lo - 1): the first step's candidates are spread linearly in value below the largest key,
     later ones linearly in key bits over the bracket; candidate lo + 1 ends a search whose
     KB-th key is lo (ties)."""
@@ -176,10 +176,10 @@ def kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
     top = tl.max(key, 0)
     frac = j.to(tl.float32) * (1.0 / (1 << BITS))
     t = tl.where(j == 0, 1, (top.to(tl.float32, bitcast=True) * frac).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    lo, hi, c_lo, c_hi = bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, vis * 0, KB)
+    lo, hi, c_lo, c_hi = _bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, vis * 0, KB)
     while (lo + 1 < hi) & (c_lo != KB):  # the same trip count in every thread of the program
         t = tl.where(j == 0, lo + 1, lo + ((hi - lo) * j >> BITS)).to(tl.int32)
-        lo, hi, c_lo, c_hi = bracket_step(key, t, lo, hi, c_lo, c_hi, KB)
+        lo, hi, c_lo, c_hi = _bracket_step(key, t, lo, hi, c_lo, c_hi, KB)
     exact = c_lo == KB
     return tl.where(exact, lo - 1, lo).to(tl.int32), tl.where(exact, KB, c_hi)
 
@@ -233,7 +233,7 @@ def resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.const
         equal = (key == prefix).to(tl.int32)
         rank = ties + tl.cumsum(equal, 0) - equal
         chosen = above + equal * (rank < need).to(tl.int32)
-        store_groups(out_row, stride_oc, cols, taken + tl.cumsum(chosen, 0) - chosen, chosen > 0, KB, PACKED, R)
+        _store_groups(out_row, stride_oc, cols, taken + tl.cumsum(chosen, 0) - chosen, chosen > 0, KB, PACKED, R)
         taken += tl.sum(chosen, 0)
         ties += tl.sum(equal, 0)
         start += BLOCK

@@ -316,49 +316,77 @@ _prefill_topk = Launcher(_topk_prefill_kernel)
 _prefill_resolve = Launcher(_resolve_prefill_kernel)
 
 
-# Longest sample run (columns). H200, session 11, top-k launches of 16K rows at 1M (128-column
-# score tiles), ms: runs of 128 -> 7.57, 64 -> 5.0 (64-column tiles), 32 -> 4.27, 16 -> 7.18; at
-# 128K (4 Kb samples already give runs of 16) 32 was slower (1.58 -> 2.03).
+# Longest sample run (columns): 32 made the top-k launches of 16K rows at 1M fastest on the H200
+# (runs of 128: 7.57 ms, 64: 5.0, 32: 4.27, 16: 7.18; --only prefill-1048576-1-16384-bf16).
 SAMPLE_COLS = 32
 # Cap on the candidate lists kept for a deferred resolve (bytes): rows of several chunks.
 CAND_BYTES = 64 << 20
 
 
-def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
+@dataclass(frozen=True)
+class SampleTiles:
+    """Launch shapes of the sample-bounded top-k (`prefill_tiles`, `decode_tiles`).
+
+    sub: samples per score tile; seg: columns per segment program; cap: candidates of a row (and
+    of one list); block / rblock: columns per sweep step (compaction / the whole-row resolve);
+    bits: key bits per radix search step; lbits: high key bits of the bound; warps: per program;
+    regs: registers per thread the compiler may use (0: its choice); defer: resolve the rows of
+    several chunks in one later launch (`defer_rows`) with rwarps / rregs; bound: where a row's
+    lower bound comes from (0: each segment program's radix search of the samples, 1: a bound
+    launch per chunk, 2: as 0 by the bracket search of 2^sbits counts a step, 3: as 1 by the
+    bracket search); skip: the candidate launch reads only the runs whose sample reaches the
+    bound (`seg_runs`). Decode only (per-row sample strides, `decode_tiles`): row_s = WBITS
+    (2^row_s sample slots a row), log_g (log2 of the score tile's columns), skip_shift,
+    rsbits (the resolve's bracket search), sample_launch (MTP rows: samples from a launch of
+    their own, sblock columns a program)."""
+
+    sub: int
+    seg: int
+    cap: int
+    block: int
+    rblock: int
+    bits: int
+    lbits: int
+    warps: int
+    regs: int
+    defer: int
+    rwarps: int
+    rregs: int
+    bound: int
+    sbits: int
+    skip: int = 0
+    row_s: int = 0
+    log_g: int = 0
+    skip_shift: int = 0
+    rsbits: int = 0
+    sample_launch: int = 0
+    sblock: int = 0
+
+
+def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> SampleTiles:
     """Launch shapes for prefill rows of num_cols columns whose score tiles are score_block_g
-    columns wide. sub: samples per score tile (a power of two, the fewest giving >= 4 Kb
-    samples over num_cols and runs of at most SAMPLE_COLS, at most score_block_g / 4), S =
-    score_block_g / sub columns per sample; seg: columns per program; cap: candidates of a row (and of one list); block /
-    rblock: columns per sweep step (compaction / the whole-row resolve); bits: key bits per
-    search step; lbits: high key bits of the bound; warps per program; regs: registers per
-    thread the compiler may use (0: its choice; fewer let more programs share an SM); defer:
-    resolve the rows of several chunks in one later launch (`defer_rows`), with rwarps /
-    rregs, instead of in each row's last program; bound: where the row's lower bound comes from
-    (`_row_bound`), 0: each segment program searches the row's samples itself (`kth_key`), 1:
-    a bound launch per chunk (`_bound_prefill_kernel`, one program per row, warps) searches once
-    and the segment programs read it, 2: as 0 by the bracket search of 2^sbits counts a step
-    (`select_topk._kth_bound`), 3: as 1 by the bracket search. small: the interpreter's tiles; else the
-    H200's (2026-12-01 W2, select of 16K rows, radix -> this route, ms: at 16K context 1.59 ->
-    1.13, 128K 14.95 -> 6.52, 1M 120.8 -> 58.4; the top-k part is bound by latency, so 8 warps
-    at 64 registers (4 programs per SM), 1024 candidates and the deferred resolve won; the
-    whole-row programs of 16 warps and 2048 candidates (W1) took 6.9 / 50.6 ms of top-k at
-    128K / 1M)."""
+    columns wide (fields: `SampleTiles`). sub: a power of two, the fewest giving >= 4 Kb samples
+    over num_cols and runs of at most SAMPLE_COLS, at most score_block_g / 4 (S = score_block_g /
+    sub columns per sample). small (`KernelOptions.small_tiles`): tiles that tests cross with few
+    columns. Else the H200's: the top-k is bound by latency, so 8 warps at 64 registers (4
+    programs an SM), 1024 candidates and the deferred resolve (select of 16K rows against the
+    radix passes: 1.59 -> 1.13 ms at 16K context, 14.95 -> 6.52 at 128K, 120.8 -> 58.4 at 1M);
+    skip from 32768 columns (it pays only where segments hold many runs: 128K 6.47 -> 4.87 ms, 1M
+    57.5 -> 40.7, 16K even); bound 1 for rows of several segments (one search in the bound
+    launch), 2 for rows of one segment (the bracket search in their program). Measure: `python
+    benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16 prefill-131072-1-16384-bf16
+    prefill-1048576-1-16384-bf16 --out DIR`."""
     sub = 1
     while 4 * sub < score_block_g and (num_cols * sub < 4 * block_topk * score_block_g
                                        or score_block_g > SAMPLE_COLS * sub):
         sub *= 2
     if small:
-        return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
-                    rwarps=4, rregs=0, bound=0, sbits=2)
-    # skip (2026-12-01 W2, select of 16K rows, ms): the candidate launch reads only the runs whose
-    # sample reaches the bound: 128K 6.47 -> 4.87 (its candidate launches 2.90 -> 1.27), 1M 57.5
-    # -> 40.7 (29.1 -> 12.3); not at 16K (1.12 vs 1.13), so from 32768 columns.
-    # bound (2026-12-02 15:38, select of 16K rows, ms, bound 0 -> 1 / 2): rows of several segments
-    # search once in the bound launch (1M 32.35 -> 31.04 / 32.57), rows of one segment by the
-    # bracket in their program (128K 4.87 -> 4.88 / 4.85, 16K 1.120 -> 1.130 / 1.092).
+        return SampleTiles(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
+                           rwarps=4, rregs=0, bound=0, sbits=2)
     seg = 32768
-    return dict(sub=sub, seg=seg, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
-                rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=1 if num_cols > seg else 2, sbits=2)
+    return SampleTiles(sub=sub, seg=seg, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64,
+                       defer=1, rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=1 if num_cols > seg else 2,
+                       sbits=2)
 
 
 # Decode chunks of at least this many rows search each row's bound once, in a bound launch (tile
@@ -367,8 +395,8 @@ DECODE_BOUND_ROWS = 16
 
 
 def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool, rows: int = 1,
-                 rows_per_request: int = 1) -> dict[str, int]:
-    """Launch shapes of the decode route (`select.plan_select`, `QSA_DECODE_SAMPLES`): the
+                 rows_per_request: int = 1) -> SampleTiles:
+    """Launch shapes of the decode route (`select.plan_select`, `KernelOptions.decode_samples`): the
     decode score launch writes each row's samples at a stride of its own (`ScoreLaunch`'s
     row_samples = row_s = WBITS, `sample_shift`): 2^WBITS slots per row, WBITS the least with
     >= 4 Kb slots and rows of num_cols columns at most score_block_g (= 2^log_g) columns per
@@ -381,62 +409,64 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     bracket search (`_resolve_lists`). sample_launch (MTP rows, rows_per_request > 1): the samples
     come from a launch of their own over the score scratch (`_row_samples_kernel`, sblock columns a
     program), not from the score launch. The other fields as `prefill_tiles`'. rows: the chunk's.
-    small: the interpreter's tiles."""
+    small: the interpreter's tiles.
+
+    H200 choices: the bracket searches, the tile skip and 8192-column segments against the radix
+    search and whole segments (128K B4 44.3 -> 35.5 us, 1M B4 131.9 -> 113.4, 128K B64 205.2 ->
+    193.6); 4096-column segments up to 32768 columns (at 1M they make 64 lists to gather); chunks
+    of >= DECODE_BOUND_ROWS rows search each row's bound once in a bound launch and run 4 warps
+    (it pays only where a chunk runs in one wave: 1M B4 x 4 MTP 119.9 -> 112.8, chunks of 4 rows
+    lose). Measure: `python benchmarks/bench_qsa.py --only decode-131072-4-1-bf16
+    decode-131072-64-1-bf16 decode-1048576-4-1-bf16 decode-1048576-4-4-bf16 --out DIR`."""
     log_g = score_block_g.bit_length() - 1
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,
-             bound=2, sample_launch=int(rows_per_request > 1), sblock=max(2048, score_block_g))
+             sample_launch=int(rows_per_request > 1))
     if small:
-        return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, skip=0, sbits=2, rsbits=2,
-                    sblock=2 * score_block_g)
-    # H200, session 12 (select alone, us; bound 0, the 16-step resolve, no skip, seg 8192 ->
-    # this): 128K B4 44.3 -> 35.5, 1M B4 131.9 -> 113.4, 128K B64 205.2 -> 193.6. Segments of
-    # 4096 won at 128K (37.0 -> 35.5) and lost at 1M (113.4 -> 202.0: 64 lists to gather).
-    # Measured on the H200 (select, us, bench_dsamp.py at 7bb3f93; default -> bound launch -> that at 4 warps): 1M B4 x 4
-    # MTP (16 rows) 119.9 -> 114.8 -> 112.8, 128K B16 x 4 85.8 -> 76.4 -> 73.6, 128K B64 175.8 ->
-    # 171.3 -> 170.1; but chunks of 4 rows lost (1M B4 100.7 -> 102.2 -> 107.5, 1M + 3 x 64K 52.7 ->
-    # 54.0 -> 57.5): programs repeating the search pay off only where a chunk runs in one wave.
+        return SampleTiles(**t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, skip=0, sbits=2,
+                           rsbits=2, bound=2, sblock=2 * score_block_g)
     many = rows >= DECODE_BOUND_ROWS
-    return dict(t, seg=4096 if num_cols <= 32768 else 8192, cap=1024, block=2048, rblock=1024, bits=2, lbits=16,
-                warps=4 if many else 8, skip=1, sbits=3, rsbits=3, bound=3 if many else 2)
+    return SampleTiles(**t, seg=4096 if num_cols <= 32768 else 8192, cap=1024, block=2048, rblock=1024, bits=2,
+                       lbits=16, warps=4 if many else 8, skip=1, sbits=3, rsbits=3, bound=3 if many else 2,
+                       sblock=max(2048, score_block_g))
 
 
-def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
+def prefill_route(num_cols: int, block_topk: int, tiles: SampleTiles, score_block_g: int) -> bool:
     """Whether prefill rows of num_cols columns take this route: their samples number at
     least 2 Kb (fewer make a loose bound: crowded candidates, the slow whole-row resolve)."""
-    return num_cols * tiles["sub"] >= 2 * block_topk * score_block_g
+    return num_cols * tiles.sub >= 2 * block_topk * score_block_g
 
 
-def sample_cols(tiles: dict, score_block_g: int) -> int:
+def sample_cols(tiles: SampleTiles, score_block_g: int) -> int:
     """Columns per sample (S)."""
-    return score_block_g // tiles["sub"]
+    return score_block_g // tiles.sub
 
 
-def samples_per_row(num_cols: int, tiles: dict, score_block_g: int) -> int:
+def samples_per_row(num_cols: int, tiles: SampleTiles, score_block_g: int) -> int:
     """Sample slots of a row: 2^row_s (decode, per-row strides), else one per S columns."""
-    if tiles.get("row_s", 0):
-        return 1 << tiles["row_s"]
+    if tiles.row_s:
+        return 1 << tiles.row_s
     return triton.cdiv(num_cols, sample_cols(tiles, score_block_g))
 
 
-def seg_runs(num_cols: int, tiles: dict, score_block_g: int) -> int:
+def seg_runs(num_cols: int, tiles: SampleTiles, score_block_g: int) -> int:
     """Runs of S columns (samples) per segment program where the candidate launch reads only
     the runs whose sample reaches the bound (tile skip), else 0; per-row strides: the most
     (rows of 2^skip_shift columns per sample; rows of narrower runs read their whole segment)."""
-    if not tiles.get("skip", 0):
+    if not tiles.skip:
         return 0
-    if tiles.get("row_s", 0):
-        return max(min(tiles["seg"], triton.next_power_of_2(num_cols)) >> tiles["skip_shift"], 1)
-    return max(min(tiles["seg"], triton.next_power_of_2(num_cols)) // sample_cols(tiles, score_block_g), 1)
+    if tiles.row_s:
+        return max(min(tiles.seg, triton.next_power_of_2(num_cols)) >> tiles.skip_shift, 1)
+    return max(min(tiles.seg, triton.next_power_of_2(num_cols)) // sample_cols(tiles, score_block_g), 1)
 
 
-def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: dict) -> int:
+def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: SampleTiles) -> int:
     """Rows whose candidate lists one resolve launch takes: a multiple of chunk, the lists
     under CAND_BYTES (or chunk, without defer)."""
-    if not tiles["defer"]:
+    if not tiles.defer:
         return chunk
-    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles["seg"]))
-    per_chunk = chunk * segp * tiles["cap"] * 8
+    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles.seg))
+    per_chunk = chunk * segp * tiles.cap * 8
     return chunk * max(1, min(triton.cdiv(num_rows, chunk), CAND_BYTES // per_chunk))
 
 
@@ -455,16 +485,16 @@ class PrefillScratch:
     bound: torch.Tensor
 
 
-def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
+def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: SampleTiles,
                           score_block_g: int) -> dict[str, int]:
     """int32 elements of each `PrefillScratch` field for a call of num_rows rows of num_cols
     columns in chunks of `chunk` rows."""
-    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles["seg"]))
+    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles.seg))
     group = defer_rows(chunk, num_rows, num_cols, tiles)
     return dict(samples=chunk * samples_per_row(num_cols, tiles, score_block_g),
-                cand_idx=group * segp * tiles["cap"], cand_key=group * segp * tiles["cap"], counts=group * segp,
+                cand_idx=group * segp * tiles.cap, cand_key=group * segp * tiles.cap, counts=group * segp,
                 arrive=chunk, runs=max(chunk * segp * seg_runs(num_cols, tiles, score_block_g), 1),
-                bound=chunk if tiles["bound"] & 1 else 1)
+                bound=chunk if tiles.bound & 1 else 1)
 
 
 def prefill_scratch(elems: dict[str, int], device: torch.device | str) -> PrefillScratch:
@@ -473,7 +503,7 @@ def prefill_scratch(elems: dict[str, int], device: torch.device | str) -> Prefil
                              for k, v in elems.items()})
 
 
-def samples_view(scratch: PrefillScratch, rows: int, num_cols: int, tiles: dict, score_block_g: int) -> torch.Tensor:
+def samples_view(scratch: PrefillScratch, rows: int, num_cols: int, tiles: SampleTiles, score_block_g: int) -> torch.Tensor:
     """The samples int32 [rows, `samples_per_row`] of a chunk (what the score launch writes)."""
     n = samples_per_row(num_cols, tiles, score_block_g)
     return scratch.samples[: rows * n].view(rows, n)
@@ -493,39 +523,39 @@ class PrefillTopkLaunch(ChunkLaunches):
 
     def __init__(self, scores: torch.Tensor, samples: torch.Tensor, visible_blocks: torch.Tensor,
                  out: torch.Tensor, scratch: PrefillScratch, *, row0: int, rows: int, num_cols: int,
-                 block_topk: int, tiles: dict, score_block_g: int, first_row: int, num_rows: int, chunk: int,
+                 block_topk: int, tiles: SampleTiles, score_block_g: int, first_row: int, num_rows: int, chunk: int,
                  positions: torch.Tensor | None = None, compress_ratio: int = 1, kv: KVWarm | None = None,
                  block_table: torch.Tensor | None = None, options: KernelOptions = DEFAULT) -> None:
         Kb, t = block_topk, tiles
         write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
-        segs = triton.cdiv(num_cols, t["seg"])
+        segs = triton.cdiv(num_cols, t.seg)
         segp = triton.next_power_of_2(segs)
         n = prefill_scratch_elems(chunk, num_rows, num_cols, t, score_block_g)
         self.rows, self.first, self.end = rows, first_row, first_row + num_rows
         self.group = defer_rows(chunk, num_rows, num_cols, t)
         cidx, ckey = (x[: n["cand_idx"]].view(self.group, -1) for x in (scratch.cand_idx, scratch.cand_key))
-        common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], **write)
+        common = dict(KB=Kb, BITS=t.bits, SEG=t.seg, SEGP=segp, CAP=t.cap, **write)
         runs = seg_runs(num_cols, t, score_block_g)
-        row_s = t.get("row_s", 0)
-        if row_s and (t["defer"] or samples.shape[1] != 1 << row_s) or t.get("sample_launch", 0) and not row_s:
+        row_s = t.row_s
+        if row_s and (t.defer or samples.shape[1] != 1 << row_s) or t.sample_launch and not row_s:
             raise ValueError(f"per-row sample strides (row_s {row_s}) take no deferred resolve, and samples "
                              f"[rows, 2^row_s] (a sample launch writes only those); got {tuple(samples.shape)}")
         S, SAMPP = sample_cols(t, score_block_g), triton.next_power_of_2(samples.shape[1])
         self._samples = _row_samples.bind(
-            (rows, triton.cdiv(num_cols, t["sblock"])), scores, visible_blocks, samples, row0, num_cols,
-            scores.stride(0), samples.stride(0), free=("row0",), options=options, KB=Kb, WBITS=row_s, BLOCK=t["sblock"],
-            LOG_G=t["log_g"], num_warps=4,
-        ) if t.get("sample_launch", 0) else None
-        sbits = t["sbits"] if t["bound"] >= 2 else 0
+            (rows, triton.cdiv(num_cols, t.sblock)), scores, visible_blocks, samples, row0, num_cols,
+            scores.stride(0), samples.stride(0), free=("row0",), options=options, KB=Kb, WBITS=row_s, BLOCK=t.sblock,
+            LOG_G=t.log_g, num_warps=4,
+        ) if t.sample_launch else None
+        sbits = t.sbits if t.bound >= 2 else 0
         # Decode rows of packed output may warm the attention's K/V (`warm.KV`): block_table per call.
-        self.kv = kv if kv is not None and row_s and not t["defer"] and positions is not None else None
+        self.kv = kv if kv is not None and row_s and not t.defer and positions is not None else None
         warm_args = self.kv.args(block_table) if self.kv is not None else (visible_blocks, visible_blocks, 0, 0,
                                                                                scores, scores, 0, 0, 0, 0)
         self._bound = _prefill_bound.bind(
             (rows,), visible_blocks, samples, scratch.bound, row0, num_cols, samples.stride(0), free=("row0",), options=options,
-            KB=Kb, BITS=t["bits"], LBITS=t["lbits"], S=S, SAMPP=SAMPP, SBITS=sbits, ROW_SAMPLES=row_s,
-            LOG_G=t.get("log_g", 0), num_warps=t["warps"],
-        ) if t["bound"] & 1 else None
+            KB=Kb, BITS=t.bits, LBITS=t.lbits, S=S, SAMPP=SAMPP, SBITS=sbits, ROW_SAMPLES=row_s,
+            LOG_G=t.log_g, num_warps=t.warps,
+        ) if t.bound & 1 else None
         self._topk = _prefill_topk.bind(
             (rows, segs), scores, visible_blocks, samples, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
             scratch.runs, scratch.bound, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
@@ -534,17 +564,17 @@ class PrefillTopkLaunch(ChunkLaunches):
             options=options,
             WARM_K=self.kv.k_bytes if self.kv else 0, WARM_V=self.kv.v_bytes if self.kv else 0,
             PAGE=self.kv.k.shape[1] if self.kv else 1,
-            KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=S, SAMPP=SAMPP, BLOCK=t["block"], RBLOCK=t["rblock"],
-            DEFER=bool(t["defer"]), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.get("log_g", 0),
-            BOUND_IN=bool(t["bound"] & 1), SBITS=sbits, RSBITS=t.get("rsbits", 0), **common,
-            num_warps=t["warps"],
-            **({"maxnreg": t["regs"]} if t["regs"] else {}),
+            KBP=triton.next_power_of_2(Kb), LBITS=t.lbits, S=S, SAMPP=SAMPP, BLOCK=t.block, RBLOCK=t.rblock,
+            DEFER=bool(t.defer), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.log_g,
+            BOUND_IN=bool(t.bound & 1), SBITS=sbits, RSBITS=t.rsbits, **common,
+            num_warps=t.warps,
+            **({"maxnreg": t.regs} if t.regs else {}),
         )
         self._resolve = _prefill_resolve.bind(
             (self.group,), visible_blocks, cidx, ckey, scratch.counts, out, pos, row0, rows, num_cols,
             cidx.stride(0), out.stride(0), out.stride(1), free=("row0", "n_rows", "out_ptr", "stride_or"), options=options,
-            **common, num_warps=t["rwarps"], **({"maxnreg": t["rregs"]} if t["rregs"] else {}),
-        ) if t["defer"] else None
+            **common, num_warps=t.rwarps, **({"maxnreg": t.rregs} if t.rregs else {}),
+        ) if t.defer else None
 
     def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int,
                  block_table: torch.Tensor | None = None) -> None:

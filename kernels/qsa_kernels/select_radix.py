@@ -21,6 +21,8 @@ order like the values); output: the chosen groups of each row in ascending order
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -324,7 +326,7 @@ class TopkLaunch(ChunkLaunches):
 
     def __init__(self, scores: torch.Tensor, visible_blocks: torch.Tensor, out: torch.Tensor, state: torch.Tensor,
                  hist: torch.Tensor, arrive: torch.Tensor, counts: torch.Tensor, *, row0: int, rows: int, num_cols: int, n_tiles: int,
-                 block_topk: int, scored: bool, fused: bool, tiles: dict, positions: torch.Tensor | None = None,
+                 block_topk: int, scored: bool, fused: bool, tiles: Any, positions: torch.Tensor | None = None,
                  compress_ratio: int = 1, options: KernelOptions = DEFAULT) -> None:
         Kb, KBP, sr = block_topk, triton.next_power_of_2(block_topk), scores.stride(0)
         write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
@@ -333,12 +335,12 @@ class TopkLaunch(ChunkLaunches):
         if fused:
             self._launches: list[tuple[BoundLaunch, bool]] = [(_topk_row.bind(
                 (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, out.stride(0), out.stride(1),
-                free=out_free, options=options, KB=Kb, KBP=KBP, BINS=BINS, BLOCK=tiles["scan"], **write, num_warps=8,
+                free=out_free, options=options, KB=Kb, KBP=KBP, BINS=BINS, BLOCK=tiles.scan, **write, num_warps=8,
             ), True)]
             return
-        per = tiles["rows"]
+        per = tiles.rows
         scan_grid = (triton.cdiv(rows, per), n_tiles)
-        scan = dict(BLOCK=tiles["scan"], ROWS=per, num_warps=8 if tiles["scan"] >= 2048 else 4)
+        scan = dict(BLOCK=tiles.scan, ROWS=per, num_warps=8 if tiles.scan >= 2048 else 4)
         self._launches = []
         if scored:
             for i, (shift, width) in enumerate(PASSES):

@@ -6,7 +6,7 @@ route (`select_prefill`, tile `row_s`), a row's segment programs compact their c
 superset of the row's choice) and only the last to arrive resolves the row; the others then
 issue `cp.async.bulk.prefetch.L2` (sm_90's bulk copy engine: one instruction a contiguous run,
 no registers, no value, no wait) for their candidates' K and V rows, off the step's critical
-path, so those DRAM reads overlap the resolve and the attention's launch (H200, session 22,
+path, so those DRAM reads overlap the resolve and the attention's launch (H200,
 whole step, us: 128K B4 53.4 -> 51.7, fp8 1M B4 85.1 -> 84.0; the attention kernel 9.3 -> 8.1
 and 9.7 -> 8.6).
 

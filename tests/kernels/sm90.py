@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 import re
 import subprocess
 import sys
@@ -123,15 +124,15 @@ def compile_decode_topk(cols: int, rows: int, packed: bool, skip: int, warm_k: i
 
     from qsa_kernels import select_prefill as sp
 
-    t = dict(sp.decode_tiles(cols, 512, 128, small=False, rows=rows), skip=skip)
-    const = dict(KB=512, KBP=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SEG=t["seg"],
-                 SEGP=triton.next_power_of_2(triton.cdiv(cols, t["seg"])), CAP=t["cap"], BLOCK=t["block"],
-                 RBLOCK=t["rblock"], DEFER=0, PACKED=packed, R=4 if packed else 1, W=2051 if packed else 1,
-                 BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"],
-                 LOG_G=t["log_g"], BOUND_IN=t["bound"] & 1, SBITS=t["sbits"], RSBITS=t["rsbits"], WARM_K=warm_k,
+    t = replace(sp.decode_tiles(cols, 512, 128, small=False, rows=rows), skip=skip)
+    const = dict(KB=512, KBP=512, BITS=t.bits, LBITS=t.lbits, S=128, SAMPP=1 << t.row_s, SEG=t.seg,
+                 SEGP=triton.next_power_of_2(triton.cdiv(cols, t.seg)), CAP=t.cap, BLOCK=t.block,
+                 RBLOCK=t.rblock, DEFER=0, PACKED=packed, R=4 if packed else 1, W=2051 if packed else 1,
+                 BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t.row_s,
+                 LOG_G=t.log_g, BOUND_IN=t.bound & 1, SBITS=t.sbits, RSBITS=t.rsbits, WARM_K=warm_k,
                  WARM_V=0, PAGE=64, PDL=2)
     types = dict(s_ptr="*fp32", pos_ptr="*i64", kc_ptr="*bf16", vc_ptr="*bf16")
-    return compile_sm90(sp._topk_prefill_kernel, const, types, num_warps=t["warps"], launch_pdl=True)
+    return compile_sm90(sp._topk_prefill_kernel, const, types, num_warps=t.warps, launch_pdl=True)
 
 
 class Binding(NamedTuple):

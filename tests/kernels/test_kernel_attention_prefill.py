@@ -352,6 +352,7 @@ _COMPILE = """
 import math
 import triton.language as tl
 from qsa_kernels import attention_prefill as ker
+from qsa_kernels.attention_common import launch_config
 from sm90 import compile_sm90, usage_text
 from test_kernel_attention_compile import VALUES
 
@@ -362,7 +363,7 @@ BG_UNION, BT_UNION = ker.union_tiles(NG)
 bf = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", qk_scale="fp32",
           v_scale="fp32", max_ratio="fp32", min_share="fp32")
 bg, warps, stages = ker._launch_config(256, False)
-bn, rwarps, rstages = ker._row_launch_config(256, False, 16384)
+bn, rwarps, rstages = launch_config(256, False, 16384)
 variants = [
     ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=CAP, PAGE=64, BLOCK_C=512,
      BLOCK_G=BG_UNION, BLOCK_T=BT_UNION, PRE=64, LOG=10, PDL=2),

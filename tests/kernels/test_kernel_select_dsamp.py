@@ -87,7 +87,7 @@ MIXED_MTP = dict(seq_lens=[600, 130, 300, 36, 1000], query_lens=[4, 4, 4, 4, 4])
 def skip(request, monkeypatch):
     """Both compactions: whole segments, and (skip) the live runs of rows of >= 8 columns per sample."""
     tiles = sp.decode_tiles
-    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: {**tiles(*a, **k), "skip": request.param})
+    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: replace(tiles(*a, **k), skip=request.param))
     return request.param
 
 
@@ -105,7 +105,7 @@ MIXED_LONG = dict(seq_lens=[2000, 600, 300, 100, 20], query_lens=[1, 1, 1, 1, 1]
 def test_mixed_batch_equals_main_route(nan_scratch, skip, mix, rpr, aligned, kind):
     problem = make_problem(**mix, kind=kind, pad_rows=2, seed=1)
     got, s = select(problem, True, rpr, calls=2, aligned=aligned)  # twice: arrival counters left at zero
-    assert s.decode_samples_tiles["row_s"] == 5 and s.num_cols == 250
+    assert s.decode_samples_tiles.row_s == 5 and s.num_cols == 250
     assert sp.seg_runs(s.num_cols, s.decode_samples_tiles, ker.decode_block_g(OPTS)) == 8 * skip
     want, _ = select(problem, False, rpr)
     assert torch.equal(got, want)
@@ -145,7 +145,7 @@ def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, m
     samples = sp.samples_view(s.decode_samples, s.chunk, s.num_cols, t, ker.decode_block_g(OPTS))
     samples.fill_(-7)
     launch._chunks[0][1](q, table, 0)  # the score launch alone
-    assert t["sample_launch"] == (rpr > 1)
+    assert t.sample_launch == (rpr > 1)
     if rpr > 1:
         assert (samples.cpu() == -7).all(), "MTP rows' score launch wrote samples"
         launch._chunks[0][2]._samples(0)
@@ -157,16 +157,16 @@ def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, m
         if v <= KB:
             assert (got[r] == -7).all(), r
             continue
-        S = 1 << sample_shift(v, t["row_s"], t["log_g"])
+        S = 1 << sample_shift(v, t.row_s, t.log_g)
         shifts.add(S)
         n = -(-v // S)
-        assert KB < n <= 1 << t["row_s"]
+        assert KB < n <= 1 << t.row_s
         want = torch.stack([keys[r, i * S: min(v, i * S + S)].max() for i in range(n)])
         assert torch.equal(got[r, :n], want), (r, S)
         assert (got[r, n:] == -7).all(), r
     assert len(shifts) >= 3, shifts
     if mix is MIXED_LONG:
-        assert shifts == {1, 4, 8, 1 << t["log_g"]}, shifts
+        assert shifts == {1, 4, 8, 1 << t.log_g}, shifts
 
 
 @small_tiles
@@ -191,10 +191,10 @@ def test_bound_launch_and_bracket_search_per_row_strides(nan_scratch, monkeypatc
     # Tile bound (`select_prefill.prefill_tiles`) on per-row sample strides: 1 / 3 the chunk's
     # bound launch, 2 / 3 the bracket search; MTP rows and skip, then ties, zeros and a row of all 0.
     tiles = sp.decode_tiles
-    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: {**tiles(*a, **k), "bound": bound, "skip": bound & 1})
+    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: replace(tiles(*a, **k), bound=bound, skip=bound & 1))
     problem = make_problem(**MIXED_MTP, kind="int", pad_rows=2, seed=1)
     got, s = select(problem, True, 4, calls=2)
-    assert s.decode_samples_tiles["bound"] == bound
+    assert s.decode_samples_tiles.bound == bound
     assert torch.equal(got, select(problem, False, 4)[0])
     assert torch.equal(got.cpu(), reference(problem))
     problem = list(make_problem([1000, 600, 300, 1000], [1, 1, 1, 1], Hi=1, kind="int", pad_rows=1, seed=5))
@@ -235,7 +235,7 @@ def test_mtp_score_kernels_refuse_per_row_samples(aligned):
     with pytest.raises(ValueError, match="per-row score samples need the one-row decode launch"):
         ScoreLaunch(q, comp, table, to_req, vis, s.scores, row0=0, rows=T, num_cols=s.num_cols, page_size=PAGE,
                     compress_ratio=R, block_topk=KB, decode=True, tiles=s.tiles, options=s.options,
-                    samples=samples, row_samples=t["row_s"])
+                    samples=samples, row_samples=t.row_s)
 
 
 @small_tiles
@@ -253,9 +253,9 @@ def test_the_route_takes_long_decode_chunks_by_default(monkeypatch):
     assert ker.select_workspace(64, 1 << 15, KB, "meta", options=OPTS).decode_samples is not None
     for rows, cols in ((4, 1 << 15), (15, 20480), (64, 1 << 18)):
         s = ker.plan_select(rows, cols, KB, decode=True, device="meta", options=OPTS)
-        assert s.decode_samples is not None and not s.decode_samples_tiles["sample_launch"]
+        assert s.decode_samples is not None and not s.decode_samples_tiles.sample_launch
         s = ker.plan_select(rows * 4, cols, KB, decode=True, device="meta", rows_per_request=4, options=OPTS)
-        assert s.decode_samples is not None and s.decode_samples_tiles["sample_launch"]
+        assert s.decode_samples is not None and s.decode_samples_tiles.sample_launch
     assert ker.plan_select(256, 1 << 15, KB, decode=True, device="meta", options=OPTS).decode_samples is not None
     assert ker.plan_select(257, 1 << 15, KB, decode=True, device="meta", options=OPTS).decode_samples is None  # > 256 rows a chunk
     assert ker.select_workspace(64, 1 << 15, KB, "meta", options=OFF).decode_samples is None
@@ -281,12 +281,12 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M contex
             k = compile_decode_topk(cols, rows, packed, skip, warm)
             print("compiled topk", cols, packed, skip, "divisions", int_divisions(k), "warm", warm,
                   k.asm["ptx"].count("cp.async.bulk.prefetch"))
-    if t["bound"] & 1:
-        const = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SBITS=t["sbits"],
-                     ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"], PDL=2)
-        k = compile_sm90(sp._bound_prefill_kernel, const, num_warps=t["warps"], launch_pdl=True)
+    if t.bound & 1:
+        const = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=128, SAMPP=1 << t.row_s, SBITS=t.sbits,
+                     ROW_SAMPLES=t.row_s, LOG_G=t.log_g, PDL=2)
+        k = compile_sm90(sp._bound_prefill_kernel, const, num_warps=t.warps, launch_pdl=True)
         print("compiled bound", cols, "divisions", int_divisions(k))
-    const = dict(KB=512, WBITS=t["row_s"], BLOCK=t["sblock"], LOG_G=t["log_g"], PDL=2)  # MTP rows' sample launch
+    const = dict(KB=512, WBITS=t.row_s, BLOCK=t.sblock, LOG_G=t.log_g, PDL=2)  # MTP rows' sample launch
     compile_sm90(sp._row_samples_kernel, const, dict(s_ptr="*fp32"), num_warps=4, launch_pdl=True)
     print("compiled samples", cols)
 """

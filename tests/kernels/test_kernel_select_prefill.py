@@ -72,7 +72,7 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     scores = torch.full((T, num_cols), float("nan"))
     for i, r in enumerate(rows):
         scores[i, : r.numel()] = r
-    tiles = {**sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), **tile_changes}
+    tiles = replace(sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), **tile_changes)
     scratch = sp.prefill_scratch(sp.prefill_scratch_elems(T, T, num_cols, tiles, BLOCK_G), DEV)
     samples = sp.samples_view(scratch, T, num_cols, tiles, BLOCK_G)
     samples.copy_(samples_of(scores, vis, sp.sample_cols(tiles, BLOCK_G)))
@@ -119,7 +119,7 @@ COLS = [60, 300]
 
 def test_small_tiles_cross_every_path():
     t = sp.prefill_tiles(300, 8, BLOCK_G, small=True)
-    assert 60 <= t["seg"] < 300 and sp.prefill_route(300, 8, t, BLOCK_G)
+    assert 60 <= t.seg < 300 and sp.prefill_route(300, 8, t, BLOCK_G)
     assert not sp.prefill_route(40, 8, sp.prefill_tiles(40, 8, BLOCK_G, small=True), BLOCK_G)
 
 
@@ -307,9 +307,9 @@ def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkey
     monkeypatch.setattr(ker, "PREFILL_MIN_CHUNK_ROWS", 1)
     # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
     tiles = sp.prefill_tiles
-    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer})
+    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: replace(tiles(*a, **k), defer=defer))
     t = sp.prefill_tiles(128, 8, ker.score_block_g(128, OPTS), small=DEV == "cpu")
-    monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t["seg"]) * t["cap"] * 8)
+    monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t.seg) * t.cap * 8)
     problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
@@ -328,29 +328,29 @@ def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkey
 
 SM90_COMPILE = """
 import triton.language as tl
-from qsa_kernels import select_prefill as sp, select_score as ss
+from qsa_kernels import select as sel, select_prefill as sp, select_score as ss
 from sm90 import compile_sm90
 t = sp.prefill_tiles(32768, 512, 64, small=False)
-write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
+write = dict(KB=512, BITS=t.bits, SEG=t.seg, SEGP=8, CAP=t.cap, PACKED=True, R=4, W=2051, BLOCK_W=1024,
              stride_oc=1, PDL=2)
-topk = dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"], RBLOCK=t["rblock"], DEFER=t["defer"],
+topk = dict(KBP=512, LBITS=t.lbits, S=16, SAMPP=2048, BLOCK=t.block, RBLOCK=t.rblock, DEFER=t.defer,
             ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0, RSBITS=0, WARM_K=0, WARM_V=0, PAGE=1)
 skip = dict(topk, RUNS=sp.seg_runs(32768, t, 64))
-bound = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, PDL=2)
+bound = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, PDL=2)
 for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns),
         # with the bound read (tile bound 1 / 3) or by the bracket search (2), the bound launch (1 / 3)
-        (sp._topk_prefill_kernel, dict(topk, RUNS=0, **write), t["warps"]),
-        (sp._topk_prefill_kernel, dict(skip, **write), t["warps"]),
-        (sp._topk_prefill_kernel, dict(skip, **write, BOUND_IN=1), t["warps"]),
-        (sp._topk_prefill_kernel, dict(skip, **write, SBITS=t["sbits"]), t["warps"]),
-        (sp._resolve_prefill_kernel, dict(write), t["rwarps"]),
-        (sp._bound_prefill_kernel, dict(bound, SBITS=0), t["warps"]),
-        (sp._bound_prefill_kernel, dict(bound, SBITS=t["sbits"]), t["warps"])):
-    k = compile_sm90(fn, const, dict(pos_ptr="*i64", s_ptr="*fp32"), num_warps=warps, maxnreg=t["regs"] or None,
+        (sp._topk_prefill_kernel, dict(topk, RUNS=0, **write), t.warps),
+        (sp._topk_prefill_kernel, dict(skip, **write), t.warps),
+        (sp._topk_prefill_kernel, dict(skip, **write, BOUND_IN=1), t.warps),
+        (sp._topk_prefill_kernel, dict(skip, **write, SBITS=t.sbits), t.warps),
+        (sp._resolve_prefill_kernel, dict(write), t.rwarps),
+        (sp._bound_prefill_kernel, dict(bound, SBITS=0), t.warps),
+        (sp._bound_prefill_kernel, dict(bound, SBITS=t.sbits), t.warps)):
+    k = compile_sm90(fn, const, dict(pos_ptr="*i64", s_ptr="*fp32"), num_warps=warps, maxnreg=t.regs or None,
                      launch_pdl=True)
     print("topk", k.metadata.shared)
 fn = ss._scores_prefill_kernel
-for st, sub in [(ss.score_tiles(False, {}, False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
+for st, sub in [(ss.score_tiles(False, sel.select_tiles(False), False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
                  SAMPLE=sub, WHOLE=st.whole,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -301,7 +302,7 @@ def test_auto_span_keeps_programs_and_whole_tiles():
     assert ss._span(t, 64, 1 << 15) == 2048
     assert ss._span(t, 10**6, 1 << 20) == 32 * 128  # at most 32 tiles per program
     # decode rows: up to 2 tiles (bf16 keys) or 4 (fp8) while >= 512 programs remain
-    bf16, fp8 = (ss.score_tiles(True, {}, False, key_bytes) for key_bytes in (2, 1))
+    bf16, fp8 = (ss.score_tiles(True, sel.select_tiles(True), False, key_bytes) for key_bytes in (2, 1))
     assert ss._span(bf16, 4, 1 << 18) == 256 and ss._span(fp8, 4, 1 << 18) == 512  # 1M B4
     assert ss._span(bf16, 4, 1 << 15) == 256 and ss._span(fp8, 4, 1 << 15) == 256  # 128K B4: 512 programs
     assert ss._span(fp8, 2, 1 << 15) == 128 and ss._span(bf16, 1, 1 << 11) == 128  # fewer: one tile
@@ -340,7 +341,8 @@ def test_fast_division_is_the_ieee_quotient(Di):
 
 SM90_COMPILE = """
 import triton.language as tl
-from qsa_kernels import select_score as ss
+from dataclasses import replace
+from qsa_kernels import select as sel, select_score as ss
 from sm90 import compile_sm90
 # Runtime ints as a served step passes them (`sm90`: == 1 -> constant, % 16 == 0 -> divisibility).
 VALUES = dict(stride_qt=512, stride_qh=128, stride_qd=1, stride_kp=4096, stride_kr=128, stride_kd=1,
@@ -351,7 +353,8 @@ VALUES = dict(stride_qt=512, stride_qh=128, stride_qd=1, stride_kp=4096, stride_
 for decode, kdt, rows_per_request, row_samples, aligned in (
         (True, "bf16", 1, 0, False), (True, "fp8e4nv", 1, 0, False), (True, "bf16", 4, 0, False),
         (False, "bf16", 1, 0, False), (True, "bf16", 1, 11, False), (True, "bf16", 4, 0, True)):
-    t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request, rows_aligned=aligned), False,
+    t = ss.score_tiles(decode, replace(sel.select_tiles(decode), rows_per_request=rows_per_request,
+                                       rows_aligned=aligned), False,
                        1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
                  DOT_DTYPE=tl.float16 if kdt.startswith("fp8") else tl.bfloat16, SPAN_TILES=0,
@@ -380,9 +383,10 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
 
 def test_prefill_tiles_widen_from_1m_context():
     # H200 (session 8): 128-column tiles won at 1M (select 35.9 -> 32.7 ms) and lost at 128K.
-    assert ss.score_tiles(False, {}, False, num_cols=1 << 18).block_g == 128
-    assert ss.score_tiles(False, {}, False, num_cols=(1 << 18) - 4096).block_g == 64
-    assert ss.score_tiles(True, {}, False, num_cols=1 << 18).block_g == 128  # decode: its own 128
+    prefill, decode = sel.select_tiles(False), sel.select_tiles(True)
+    assert ss.score_tiles(False, prefill, False, num_cols=1 << 18).block_g == 128
+    assert ss.score_tiles(False, prefill, False, num_cols=(1 << 18) - 4096).block_g == 64
+    assert ss.score_tiles(True, decode, False, num_cols=1 << 18).block_g == 128  # decode: its own 128
 
 
 def test_production_tiles_compile_for_sm90_on_tensor_cores():
