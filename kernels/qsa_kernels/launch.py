@@ -65,7 +65,9 @@ class TritonRuntime:
     current stream; launch_hooks: the object whose launch_enter_hook / launch_exit_hook are
     the installed hooks (a profiler's); compile(fn, grid, values, options):
     the compiled kernel of the arguments (Triton's cache, compiling if needed; async results
-    resolved); handles(kernel): its (run, function, packed metadata); direct(run): the C launch
+    resolved); handles(kernel): its (run, function, packed metadata); spec_flags(fn): per
+    parameter name, (specialize ints, specialize alignment) as Triton's binder reads them (off
+    for `do_not_specialize` / `do_not_specialize_on_alignment`); direct(run): the C launch
     function behind run where calling it directly is what run does, else None; its call is
     `direct(gx, gy, gz, stream, function, cooperative, pdl, None, None, packed, None, None,
     None, *args)`."""
@@ -77,6 +79,7 @@ class TritonRuntime:
     launch_hooks: Any
     compile: Callable[[Any, Sequence[int], list, dict], Any]
     handles: Callable[[Any], tuple[Any, Any, Any]]
+    spec_flags: Callable[[Any], dict[str, tuple[bool, bool]]]
     direct: Callable[[Any], Callable[..., None] | None]
 
 
@@ -113,6 +116,8 @@ def triton_runtime(version: str = triton.__version__) -> TritonRuntime | None:
         stream_fn=lambda: driver.active.get_current_stream, launch_hooks=knobs.runtime,
         compile=compile_,
         handles=lambda kernel: (kernel.run, kernel.function, kernel.packed_metadata),
+        spec_flags=lambda fn: {p.name: (not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                               for p in fn.params},
         direct=direct_launch if key == (3, 6) else (lambda run: None),
     )
 
@@ -209,10 +214,9 @@ class Launcher:
         self.signature = inspect.signature(fn.fn)
         self.names = list(self.signature.parameters)
         self._constexpr = {n for n, p in self.signature.parameters.items() if "constexpr" in str(p.annotation)}
-        params = {p.name: p for p in getattr(fn, "params", ())}  # a JITFunction's (not the interpreter's)
-        # (specialize ints, specialize alignment) per parameter, as Triton's binder reads them.
-        self._spec_flags = {n: (not params[n].do_not_specialize, not params[n].do_not_specialize_on_alignment)
-                            if n in params else (True, True) for n in self.names}
+        # (specialize ints, specialize alignment) per parameter: a JITFunction's (not the interpreter's)
+        flags = RUNTIME.spec_flags(fn) if RUNTIME is not None and isinstance(fn, RUNTIME.jit_type) else {}
+        self._spec_flags = {n: flags.get(n, (True, True)) for n in self.names}
 
     def bind(self, grid: Sequence[int], *args: Any, free: Sequence[str] = (), checked: Sequence[str] = (),
              options: KernelOptions = DEFAULT, **kwargs: Any) -> "BoundLaunch":
