@@ -1,9 +1,10 @@
 """The kernels' options: every route, tile and launch switch of `qsa_kernels`, as one typed value.
 
-Nothing in `qsa_kernels` reads the environment: a planner holds one `KernelOptions` (the core
-fills it from the environment in one place) and passes it to `plan_select`, `plan_attention`,
-`select_workspace`, `partials_size`, the `*Launch` classes and `Launcher.bind`. The defaults
-are the production behaviour on a GPU; `KernelOptions.interpreter()` is what Triton's CPU
+Nothing in `qsa_kernels` reads the environment: a planner holds one `KernelOptions` (the
+core's `QSAOptions.kernel`, filled from the environment by `QSAOptions.from_env`) and passes
+it to `plan_select`, `plan_attention`, `select_workspace`, `partials_size`, the `*Launch`
+classes and `Launcher.bind`. The defaults
+are the production behaviour on a GPU; `KernelOptions.for_interpreter()` is what Triton's CPU
 interpreter needs (`TRITON_INTERPRET=1`).
 """
 
