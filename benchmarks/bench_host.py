@@ -10,7 +10,8 @@ one collection per case as in `timeit`), so it is the time the CPU spends issuin
 it is above the host time, the GPU waits on nothing). Kernel launches per call come from the
 profiler.
 Every case runs with the ordinary Triton launch (`JITFunction.run`, the old path) and with
-the thin launcher (`qsa_kernels.launch`, bound launches). The host is shared and noisy: each
+the thin launcher (`qsa_kernels.launch`, bound launches): one planner each, over the same
+caches and weights (`KernelOptions.fast_launch` off and on). The host is shared and noisy: each
 figure is the median of `--passes` interleaved passes over all cases (after one warm-up
 pass), each pass the median of its rounds.
 
@@ -23,6 +24,7 @@ import argparse
 import gc
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -30,10 +32,10 @@ import torch
 import triton
 
 from qsa_core import (
-    QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs, qsa_attention,
+    QSAAttention, QSACacheLayout, QSAConfig, QSAOptions, QSAPlanner, QSAStepInputs, qsa_attention,
     qsa_indexer, qsa_prepare, qsa_select,
 )
-from qsa_kernels.launch import Launcher, set_enabled
+from qsa_kernels.launch import Launcher
 
 CONFIG = QSAConfig(
     hidden_size=2048, num_heads=24, num_kv_heads=2, head_dim=256, index_n_heads=4, index_head_dim=128,
@@ -129,11 +131,14 @@ class DecodeStep:
             slot_mapping=pages[rows, pos // PAGE] * PAGE + pos % PAGE,
             ring_index=torch.arange(batch, device=DEV, dtype=torch.int32),
         )
-        self.planner = QSAPlanner(
+        options = QSAOptions.from_env()
+        self.planners = {mode: QSAPlanner(
             CONFIG, dtype=BF16, page_size=PAGE, ring_capacity=layout.ring_capacity(CONFIG), max_num_tokens=batch,
             max_model_len=pages_per_req * PAGE, max_num_reqs=batch, device=DEV,
-        )
-        self.plan = self.make_plan()
+            options=replace(options, kernel=replace(options.kernel, fast_launch=mode == "launcher")),
+        ) for mode in ("ordinary", "launcher")}
+        self.plans = {mode: planner.plan(self.step_inputs()) for mode, planner in self.planners.items()}
+        self.use("launcher")
         self.layer = QSAAttention(CONFIG).to(DEV, BF16)
         for p in self.layer.parameters():
             p.data.normal_(0, 0.02 if p.dim() == 2 else 0.3)
@@ -144,31 +149,39 @@ class DecodeStep:
         self.norms = self.layer.norm_weights()
         self.out = torch.empty(batch, CONFIG.num_heads * CONFIG.head_dim, device=DEV, dtype=BF16)
 
+    def use(self, mode: str) -> None:
+        """Run the cases with the planner (and its plan) of launch path `mode`."""
+        self.mode, self.planner, self.plan = mode, self.planners[mode], self.plans[mode]
+
+    def step_inputs(self) -> QSAStepInputs:
+        return QSAStepInputs(**self.tensors, num_decodes=self.batch, max_query_len=1, max_seq_len=self.context)
+
     def make_plan(self, static: bool = False):
         """What an adapter does per step: describe it, plan it."""
-        inputs = QSAStepInputs(**self.tensors, num_decodes=self.batch, max_query_len=1, max_seq_len=self.context)
-        return self.planner.plan(inputs, static=static)
+        return self.planner.plan(self.step_inputs(), static=static)
 
     def halves(self) -> torch.Tensor:
         with torch.no_grad():
             indexed = qsa_indexer(self.plan, self.norms, *self.projections, self.cache)
             return qsa_attention(self.plan, indexed, self.cache, out=self.out)
 
-    def ops_alone(self) -> dict[str, Callable[[], object]]:
-        """The layer's parts one by one (the split of the halves' host time)."""
-        plan, cache = self.plan, self.cache
+    def prepare(self):
         with torch.no_grad():
-            indexed = qsa_indexer(plan, self.norms, *self.projections, cache)
+            return qsa_prepare(self.plan, self.norms, *self.projections, self.cache)
 
-        def prepare():
+    def ops_alone(self) -> dict[str, Callable[[], object]]:
+        """The layer's parts one by one (the split of the halves' host time), each on the plan
+        of the launch path in use (`use`)."""
+        ready = {}
+        for mode in self.planners:
+            self.use(mode)
             with torch.no_grad():
-                return qsa_prepare(plan, self.norms, *self.projections, cache)
-
-        q_idx = prepare()[0]
+                ready[mode] = (qsa_indexer(self.plan, self.norms, *self.projections, self.cache), self.prepare()[0])
+        self.use("launcher")
         return {
-            "  prepare": prepare,
-            "  select+expand": lambda: qsa_select(plan, q_idx, cache),
-            "  attention": lambda: qsa_attention(plan, indexed, cache, out=self.out),
+            "  prepare": self.prepare,
+            "  select+expand": lambda: qsa_select(self.plan, ready[self.mode][1], self.cache),
+            "  attention": lambda: qsa_attention(self.plan, ready[self.mode][0], self.cache, out=self.out),
         }
 
     def outputs(self) -> list[torch.Tensor]:
@@ -203,9 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         step = DecodeStep(batch, context)
         if len(modes) == 2:  # the two paths write the same bits
             try:
-                set_enabled(False)
+                step.use("ordinary")
                 ordinary = step.outputs()
-                set_enabled(True)
+                step.use("launcher")
                 equal = all(torch.equal(a, b) for a, b in zip(ordinary, step.outputs()))
             except Exception as exc:  # report it with the figures
                 equal = f"{type(exc).__name__}: {exc}"[:120]
@@ -217,12 +230,12 @@ def main(argv: list[str] | None = None) -> None:
                 row = dict(case=name, launch=mode, batch=batch, context=context, host_passes=[], cpu_passes=[],
                            gpu_passes=[])
                 rows.append(row)
-                timed.append((row, fn, mode))
+                timed.append((row, fn, mode, step))
     for p in range(args.passes + 1):  # pass 0 warms up
-        for row, fn, mode in timed:
+        for row, fn, mode, step in timed:
             if "error" in row:
                 continue
-            set_enabled(mode == "launcher")
+            step.use(mode)
             try:
                 host, cpu, gpu = host_and_gpu_us(fn, args.calls, args.rounds)
             except Exception as exc:  # report the failure of one case and go on
@@ -232,8 +245,8 @@ def main(argv: list[str] | None = None) -> None:
                 row["host_passes"].append(round(host, 1))
                 row["cpu_passes"].append(round(cpu, 1))
                 row["gpu_passes"].append(round(gpu, 1))
-    for row, fn, mode in timed:
-        set_enabled(mode == "launcher")
+    for row, fn, mode, step in timed:
+        step.use(mode)
         if "error" in row:
             row.update(host_us="error", cpu_us="-", gpu_us="-", launches=row["error"])
         else:
@@ -242,7 +255,6 @@ def main(argv: list[str] | None = None) -> None:
             mid = len(row["host_passes"]) // 2
             row.update({f"{k}_us": sorted(row[f"{k}_passes"])[mid] for k in ("host", "cpu", "gpu")}, launches=count)
         print(row, flush=True)
-    set_enabled(True)
     floor = launch_floor()
     head = (f"{'case':<22}{'launch':>10}{'batch':>6}{'context':>9}{'host us':>10}{'cpu us':>10}{'gpu us':>10}"
             f"{'launches':>10}")

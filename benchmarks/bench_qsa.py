@@ -11,6 +11,7 @@ the byte/FLOP model, the issue's targets and the table writers.
     python benchmarks/bench_qsa.py --smoke --out DIR ...     # two small configurations
     python benchmarks/bench_qsa.py --dry-run --out DIR       # CPU: tiny shapes, reference ops, no timing
     python benchmarks/bench_qsa.py host [--out DIR]          # host time of plan and the layer halves (bench_host.py)
+    python benchmarks/bench_qsa.py launch [--out DIR]        # host us of one launch: Triton's paths vs bound (bench_launch.py)
     python benchmarks/bench_qsa.py tp [--out DIR]            # per-rank kernel times under TP (bench_tp.py)
     python benchmarks/bench_qsa.py report DIR [--markdown BENCHMARKS.md --readme README.md]   # re-render a run
     python benchmarks/bench_qsa.py serving --out DIR [--engine sglang]  # qsa_core vs the engine's QSA (bench_serving)
@@ -58,8 +59,8 @@ BF16 = torch.bfloat16
 SGLANG_MARK = Path("sglang/srt/layers/attention/qsa/sparse_attn.py")
 OVERLAP_PERIOD = 8  # default rows between the anchors of `correlated_rows` (--overlap-period)
 # The benchmark's other commands: `bench_qsa.py NAME ARGS` runs that module's main(ARGS).
-TOOLS = {"host": "bench_host", "tp": "bench_tp", "report": "bench_report", "serving": "bench_serving",
-         "peers": "bench_peers"}
+TOOLS = {"host": "bench_host", "launch": "bench_launch", "tp": "bench_tp", "report": "bench_report",
+         "serving": "bench_serving", "peers": "bench_peers"}
 
 
 def qsa_config(index_dtype: str) -> QSAConfig:
@@ -501,7 +502,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "one CUDA graph) on a CUDA GPU at production geometry, against dense FlashInfer and SGLang 0.5.23's whole "
         "QSA path. Every configuration is checked against the PyTorch reference before it is timed.",
         epilog="other commands (each has its own --help): `host` times the host side of plan and the layer halves "
-        "(bench_host.py); `tp` times a rank's kernels under tensor parallelism (bench_tp.py); `report DIR` re-renders "
+        "(bench_host.py); `launch` times one kernel launch through Triton's own paths and the bound launch "
+        "(bench_launch.py); `tp` times a rank's kernels under tensor parallelism (bench_tp.py); `report DIR` re-renders "
         "a run's tables and plot from DIR/results.json on any machine (bench_report.py); `serving` serves a model "
         "through vLLM's or SGLang's server with qsa_core and with the engine's own QSA: TTFT, TPOT, tokens/s "
         "(bench_serving.py); `peers --sglang-cuda` puts SGLang's default CUDA path beside ours, each checked before "

@@ -168,8 +168,9 @@ class QSAPlanner:
     switches (`QSAOptions`; default `QSAOptions.from_env()`, read here once): the ops
     backend (by device unless set; `backend` is the object made from it, `backend.name`
     "reference" or "triton"), value_checks (read the step's values in `plan` and raise on
-    malformed ones; default on for CPU tensors, where it costs no sync) and debug (value
-    checks everywhere); backend= / value_checks=: shorthands that override those two fields.
+    malformed ones; default on for CPU tensors, where it costs no sync), debug (value
+    checks everywhere) and the Triton kernels' options (`options.kernel`); backend= /
+    value_checks=: shorthands that override those two fields.
     Without value checks the metadata build's device guards make a malformed request's rows
     inert (output 0, no cache write) and flag the reason (`check_guard`).
     """

@@ -165,12 +165,12 @@ def start_up_warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *,
     """An engine's start-up warm-up: `planner.warm(caches, decode_query_lens, static=True)`
     (engines plan static steps); returns the line to log, "QSA: warmed N kernel variants
     over M step shapes in S s" (N: kernels Triton compiled meanwhile). None where nothing
-    compiles: the reference backend, or the interpreter (`planner.options.interpret`,
+    compiles: the reference backend, or the interpreter (`planner.options.kernel.interpreter`,
     TRITON_INTERPRET=1; skipped: binding every shape in the interpreter would cost the CPU
     engine suites minutes for nothing)."""
     import time
 
-    if not planner.backend.compiles or planner.options.interpret:
+    if not planner.backend.compiles or planner.options.kernel.interpreter:
         return None
     before, t0 = _compiled_kernels(), time.perf_counter()
     steps = planner.warm(caches, decode_query_lens=tuple(sorted(set(decode_query_lens))), static=True)

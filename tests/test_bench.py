@@ -179,7 +179,7 @@ def test_the_run_of_record_renders_the_docs_tables(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("command", ["host", "tp", "serving", "peers"])
+@pytest.mark.parametrize("command", ["host", "launch", "tp", "serving", "peers"])
 def test_the_gpu_commands_refuse_clearly_without_cuda(command, tmp_path, capsys):
     import bench_qsa
 

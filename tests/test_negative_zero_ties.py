@@ -9,6 +9,7 @@ decode: the per-row-samples route, whose sample launch then reads them).
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ if DEV == "cpu":
 
 from qsa_core.reference.select import topk_groups  # noqa: E402
 from qsa_kernels import select as ker  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 
 T, G, KB = 24, 40, 8
 
@@ -95,7 +97,7 @@ def test_kernel_topk_ties_signed_zeros(monkeypatch, route):
     monkeypatch.setattr(ker, "_FUSED_MAX_COLS", 1 << 30 if fused else 0)
     monkeypatch.setattr(ker, "_FUSED_MAX_ROWS", 1 << 30 if fused else 0)
     monkeypatch.setattr(ker, "ScoreLaunch", InjectedScores(s))
-    sched = ker.plan_select(T, G, KB, decode=False, device=DEV)
+    sched = ker.plan_select(T, G, KB, decode=False, device=DEV, options=OPTS)
     assert sched.scored and sched.route == route
     assert torch.equal(run_select(sched, vis, decode=False), want)
 
@@ -109,8 +111,9 @@ def test_kernel_dsamp_ties_signed_zeros(monkeypatch):
     want = ranked(s, vis, spec_order)
     assert not torch.equal(ranked(s, vis, signed_order), want)
     monkeypatch.setattr(ker, "ScoreLaunch", InjectedScores(s))
-    sched = ker.plan_select(T, G, KB, decode=True, device=DEV, rows_per_request=4, decode_samples=True)
-    assert sched.route == "dsamp" and sched.decode_samples_tiles["sample_launch"]
-    cap = sched.decode_samples_tiles["cap"]
+    sched = ker.plan_select(T, G, KB, decode=True, device=DEV, rows_per_request=4,
+                            options=replace(OPTS, decode_samples=True))
+    assert sched.route == "dsamp" and sched.decode_samples_tiles.sample_launch
+    cap = sched.decode_samples_tiles.cap
     assert (vis <= cap).any() and (vis > cap).any()
     assert torch.equal(run_select(sched, vis, decode=True), want)

@@ -256,8 +256,7 @@ def routes(planner: QSAPlanner) -> set[str]:
                 continue
             route = ("unscored" if not sel.scored else "prefill" if sel.prefill is not None
                      else "decode samples" if sel.decode_samples is not None
-                     else ("topk short" if sel.num_cols <= sel.topk_tiles["short"] else "topk segments")
-                     if sel.topk is not None else "radix fused" if sel.fused else "radix")
+                     else "topk short" if sel.topk_tiles is not None else "radix fused" if sel.fused else "radix")
             found.add(("decode " if sel.decode else "prefill ") + route)
     return found
 
@@ -317,11 +316,10 @@ def test_cuda_graph_step_reads_nothing():
 
 @pytest.mark.interpreter
 def test_decode_routes_without_samples_read_nothing(monkeypatch):
-    """With QSA_DECODE_SAMPLES=0 long decode chunks take the fused radix top-k (few rows) and
-    the segment top-k (16 rows)."""
+    """With QSA_DECODE_SAMPLES=0 long decode chunks take the fused radix top-k (few rows and 16
+    rows: past the short top-k's columns)."""
     monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")
     engine = Engine()
     engine.step(engine.inputs([(250, 1), (200, 1)], 2))
     engine.step(engine.inputs([(100 + 9 * i, 1) for i in range(16)], 16))
-    assert routes(engine.planner) == {"decode radix fused", "decode topk segments", "attention split",
-                                      "attention one pass"}
+    assert routes(engine.planner) == {"decode radix fused", "attention split", "attention one pass"}

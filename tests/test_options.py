@@ -6,6 +6,7 @@ import torch
 
 from qsa_core import QSAConfig, QSAOptions, QSAPlanner
 from qsa_core.backends.reference import ReferenceBackend
+from qsa_kernels.options import KernelOptions
 
 CONFIG = QSAConfig(hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=16, index_n_heads=2, index_head_dim=16,
                    token_topk=8, compress_ratio=4, rotary_dim=8, rope_theta=1e4)
@@ -19,7 +20,8 @@ def _planner(**kw) -> QSAPlanner:
 def test_from_env_reads_the_three_variables():
     assert QSAOptions.from_env({}) == QSAOptions()
     env = {"QSA_BACKEND": "triton", "QSA_DEBUG": "1", "TRITON_INTERPRET": "1"}
-    assert QSAOptions.from_env(env) == QSAOptions(backend="triton", debug=True, interpret=True)
+    assert QSAOptions.from_env(env) == QSAOptions(backend="triton", debug=True,
+                                                  kernel=KernelOptions.for_interpreter())
     assert QSAOptions.from_env({"QSA_BACKEND": "", "QSA_DEBUG": "0", "TRITON_INTERPRET": "0"}) == QSAOptions()
     with pytest.raises(ValueError, match=r"QSA_BACKEND must be one of \('reference', 'triton'\), got 'cuda'"):
         QSAOptions.from_env({"QSA_BACKEND": "cuda"})

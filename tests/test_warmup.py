@@ -102,7 +102,8 @@ def test_start_up_warm_compiles_nothing_where_nothing_compiles(monkeypatch):
     monkeypatch.setattr(planner, "warm", lambda *a, **k: called.append(1) or [])
     assert start_up_warm(planner, caches, decode_query_lens=(1, 2)) is None and not called
     # the compiled path (the planner's options say no interpreter): warm runs, static, lengths deduped
-    monkeypatch.setattr(planner, "options", dataclasses.replace(planner.options, interpret=False))
+    no_interpreter = dataclasses.replace(planner.options.kernel, interpreter=False)
+    monkeypatch.setattr(planner, "options", dataclasses.replace(planner.options, kernel=no_interpreter))
     monkeypatch.setattr(planner, "warm", lambda c, **k: called.append(k) or [None] * 3)
     line = start_up_warm(planner, caches, decode_query_lens=(2, 1, 2))
     assert called == [dict(decode_query_lens=(1, 2), static=True)]

@@ -26,7 +26,7 @@ are cut into blocks of BR consecutive rows (BR x G query heads fill the MMA's M)
 Rows with nothing valid (padding) give exact 0. Within a shared block a non-finite V entry
 that some row selects reaches the block's other rows too (0 * NaN in the shared P @ V); tokens
 >= seq_len are never loaded. `PrefillAttentionLaunch` binds the three launches once;
-`attention.plan_attention` plans this path for chunks of >= 1024 rows unless QSA_SHARED_PREFILL=0
+`attention.plan_attention` plans this path for chunks of >= 1024 rows unless `KernelOptions.shared_prefill` is off
 (see there).
 """
 
@@ -39,18 +39,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _LOG2E, _attend, _dot_dtype, _interpreting, _normalized_store, _store_row
-from .attention import _launch_config as _row_launch_config
+from .attention_common import LOG2E, attend, dot_dtype, launch_config, normalized_store, store_row
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
+from .options import DEFAULT, KernelOptions
 
-# Blocks whose runs number at most this fraction of their rows' groups run shared. H200, 16K rows
-# (`sweep_prefill_attention.py` at 7bb3f93): the shared kernel (5 rows x 12 heads on M = 64) costs 2.8-3.9x the
-# per-row kernel per gathered token. Session 21, with the first look of `_min_share` (ms, per-row /
+# Blocks whose runs number at most this fraction of their rows' groups run shared. H200, 16K rows:
+# the shared kernel (5 rows x 12 heads on M = 64) costs 2.8-3.9x the per-row kernel per gathered
+# token. With the first look of `_min_share` (ms, per-row /
 # 0.25 / 0.3): neighbour overlap 0.90 at 16K 7.99 / 7.84 / 7.21, 0.98 at 16K 7.99 / 5.59 / 5.44, 0.95
 # at 128K 9.27 / 6.54 / 6.44; the indexer's own scores on random data at 16K 8.00 / 7.98 / 8.02 and
 # at 128K 11.68 / 11.59 / 11.67, overlap 0.81 at 128K 9.66 / 9.68 / 9.70. Blocks of 2 rows (M = 32)
 # lost to 5 everywhere; 10 (M = 128, 16 groups / 8 warps) won only at 16K with overlap 0.98 (5.54
-# against 5.80 ms, session 20) and lost at 0.90-0.95 (16K 7.60 against 7.01, 128K 7.71 against 6.86).
+# against 5.80 ms) and lost at 0.90-0.95 (16K 7.60 against 7.01, 128K 7.71 against 6.86). Measure:
+# `python benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16 --prefill-data overlap --out DIR`.
 MAX_UNION_RATIO = 0.3
 
 
@@ -298,7 +299,7 @@ def _shared_kernel(
                 )
         g_off = (rows64 * stride_gt + heads * stride_gh)[:, None] + d[None, :]
         o_off = (rows64 * stride_ot + heads * D)[:, None] + d[None, :]
-        _normalized_store(acc, l, v_scale, gate_ptr, out_ptr, g_off, o_off, mask)
+        normalized_store(acc, l, v_scale, gate_ptr, out_ptr, g_off, o_off, mask)
     pdl_end(PDL)
 
 
@@ -317,13 +318,13 @@ def _per_row_kernel(
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     if tl.load(info_ptr + (row // BR) * 2) < 0:
-        m, l, acc = _attend(
+        m, l, acc = attend(
             q_ptr, k_ptr, v_ptr, bt_ptr, req_ptr, seq_ptr, sel_ptr, row, kvh, 0, 1, W, qk_scale,
             stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
             stride_btr, stride_btp, stride_st, stride_sc,
             G, GP, D, DP, PAGE, BLOCK_N, DOT_DTYPE, INTERPRET,
         )
-        _store_row(acc, l, row, kvh, v_scale, gate_ptr, out_ptr, stride_gt, stride_gh, stride_ot, G, GP, D, DP)
+        store_row(acc, l, row, kvh, v_scale, gate_ptr, out_ptr, stride_gt, stride_gh, stride_ot, G, GP, D, DP)
     pdl_end(PDL)
 
 
@@ -341,7 +342,7 @@ class PrefillSchedule:
     num_warps: int
     num_stages: int
     max_union_ratio: float
-    interpret: bool
+    options: KernelOptions
     row_launch: tuple[int, int, int]
     info: torch.Tensor
     last: torch.Tensor
@@ -349,13 +350,13 @@ class PrefillSchedule:
     union_masks: torch.Tensor
 
 
-def _launch_config(dp: int, interpret: bool) -> tuple[int, int, int]:
+def _launch_config(dp: int, small_tiles: bool) -> tuple[int, int, int]:
     """(BLOCK_G groups per shared tile, num_warps, num_stages) of the shared kernel. D 256, M 64
-    on the H200 (triton 3.6, session 20, every block shared, 16K rows at 16K with overlap 0.98, ms,
+    on the H200 (triton 3.6, every block shared, 16K rows at 16K with overlap 0.98, ms,
     each with a trial union pass 0.72 ms slower than the kept one): 8 groups (32 tokens), 4 warps,
     3 stages 6.54 (5.81 with the kept pass); 2 stages 6.55; 8 warps 10.13; 4 groups 7.89; 16
     groups / 8 warps / 2 stages (the shape before K was gathered as its transpose) 8.71."""
-    if interpret:
+    if small_tiles:
         return 8, 4, 1
     return (8, 4, 3) if dp >= 256 else (16, 4, 2)
 
@@ -408,6 +409,7 @@ def plan_prefill_attention(
     launch: tuple[int, int, int] | None = None,
     row_launch: tuple[int, int, int] | None = None,
     context: int = 0,
+    options: KernelOptions = DEFAULT,
 ) -> PrefillSchedule:
     """Schedule of a shared-tile attention over num_rows rows of W = width selection columns
     of groups of r = compress_ratio tokens. workspace: flat int32 of `workspace_size`, else
@@ -418,9 +420,8 @@ def plan_prefill_attention(
     br = block_rows or default_block_rows(num_heads, num_kv_heads)
     if not 1 <= br <= 31:
         raise ValueError(f"block_rows must be in [1, 31] (a row bitmask of int32), got {br}")
-    interpret = _interpreting()
-    block_g, warps, stages = launch or _launch_config(triton.next_power_of_2(head_dim), interpret)
-    row = row_launch or _row_launch_config(triton.next_power_of_2(head_dim), False, context)
+    block_g, warps, stages = launch or _launch_config(triton.next_power_of_2(head_dim), options.small_tiles)
+    row = row_launch or launch_config(triton.next_power_of_2(head_dim), False, context, options.small_tiles)
     blocks = triton.cdiv(num_rows, br)
     cap = union_capacity(br, width, compress_ratio, max_union_ratio)
     need = workspace_size(num_rows, num_heads, num_kv_heads, width, compress_ratio, br, max_union_ratio)
@@ -434,7 +435,7 @@ def plan_prefill_attention(
     last = workspace[at_last: at_last + num_rows]
     ut = workspace[at_ut: at_ut + blocks * cap].view(blocks, cap)
     um = workspace[at_um: at_um + blocks * cap].view(blocks, cap)
-    return PrefillSchedule(num_rows, br, compress_ratio, block_g, warps, stages, float(max_union_ratio), interpret,
+    return PrefillSchedule(num_rows, br, compress_ratio, block_g, warps, stages, float(max_union_ratio), options,
                            row, info, last, ut, um)
 
 
@@ -458,7 +459,7 @@ def _min_share(block_rows: int, max_ratio: float) -> float:
     """Share of the first look's groups the last row must hold for the full pass. Where each row
     keeps a share o of the previous row's n groups, a block's union is about n (1 + (BR - 1)(1 - o))
     and its first and last rows share about o^(BR - 1): the share at which that union meets the
-    ratio (BR 5, ratio 0.3: 0.59). Session 21 (H200): taking 2 - BR x ratio less 0.15 instead (0.35)
+    ratio (BR 5, ratio 0.3: 0.59). On the H200, taking 2 - BR x ratio less 0.15 instead (0.35)
     let blocks of overlap 0.81 at 128K through to fail the full pass (attention 9.70 -> 9.87 ms)."""
     if block_rows == 1:
         return 0.0
@@ -502,12 +503,13 @@ class PrefillAttentionLaunch:
         blocks = s.info.shape[0]
         ng = triton.cdiv(W, R)
         block_g, block_t = union_tiles(ng)
-        dot = _dot_dtype(q, k_cache, s.interpret)
-        qk_scale = softmax_scale * k_scale * _LOG2E
+        options = s.options
+        dot = dot_dtype(q, k_cache, options.interpreter)
+        qk_scale = softmax_scale * k_scale * LOG2E
         self._launches.append((_union.bind(
             (blocks,), token_to_req, seq_lens, selection, block_table, s.info, s.last, s.union_tokens,
             s.union_masks, T, s.max_union_ratio, _min_share(BR, s.max_union_ratio), selection.stride(0),
-            block_table.stride(0), block_table.stride(1), free=_UNION_FREE,
+            block_table.stride(0), block_table.stride(1), free=_UNION_FREE, options=options,
             BR=BR, BRP=triton.next_power_of_2(BR), W=W, R=R, NG=ng, CAP=s.union_tokens.shape[1], PAGE=page,
             BLOCK_C=min(4096 // triton.next_power_of_2(BR), triton.next_power_of_2(W)),
             BLOCK_G=block_g, BLOCK_T=block_t, PRE=min(_FIRST_LOOK, triton.next_power_of_2(ng)),
@@ -518,9 +520,9 @@ class PrefillAttentionLaunch:
         self._launches.append((_shared.bind(
             (blocks, Hkv), q, gate, k_cache, v_cache, s.info, s.last, s.union_tokens, s.union_masks, out, T,
             qk_scale, v_scale, q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0), *kv_strides,
-            free=_SHARED_FREE,
+            free=_SHARED_FREE, options=options,
             BR=BR, G=G, M=max(16, triton.next_power_of_2(BR * G)), D=D, DP=DP, PAGE=page, R=R,
-            CAP=s.union_tokens.shape[1], BLOCK_G=s.block_groups, DOT_DTYPE=dot, INTERPRET=s.interpret,
+            CAP=s.union_tokens.shape[1], BLOCK_G=s.block_groups, DOT_DTYPE=dot, INTERPRET=options.interpreter,
             num_warps=s.num_warps, num_stages=s.num_stages,
         ), "shared"))
         row_block, row_warps, row_stages = s.row_launch
@@ -528,8 +530,9 @@ class PrefillAttentionLaunch:
             (T, Hkv), q, gate, k_cache, v_cache, block_table, token_to_req, seq_lens, selection, s.info, out, W,
             qk_scale, v_scale, q.stride(0), q.stride(1), gate.stride(0), gate.stride(1), out.stride(0), *kv_strides,
             block_table.stride(0), block_table.stride(1), selection.stride(0), selection.stride(1), free=_ROW_FREE,
+            options=options,
             BR=BR, G=G, GP=max(16, triton.next_power_of_2(G)), D=D, DP=DP, PAGE=page, BLOCK_N=row_block,
-            DOT_DTYPE=dot, INTERPRET=s.interpret, num_warps=row_warps, num_stages=row_stages,
+            DOT_DTYPE=dot, INTERPRET=options.interpreter, num_warps=row_warps, num_stages=row_stages,
         ), "row"))
 
     def __call__(self, q: torch.Tensor, gate: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,

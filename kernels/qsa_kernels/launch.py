@@ -15,16 +15,16 @@ its free arguments on every call (and their device) and, where it differs from t
 one, fetches (once) the compiled kernel of the new key through the ordinary path; fixed
 arguments must not change (bind anew). The fast path skips Triton's check that the kernel's
 global variables are unchanged (ours are module constants) and runs only where no launch
-hook (profiler) is installed; with a hook, under `TRITON_INTERPRET=1`, or when disabled
-(`QSA_FAST_LAUNCH=0`, `set_enabled(False)`) every call is the ordinary `kernel[grid](...)`.
+hook (profiler) is installed; with a hook, for the interpreter's functions, or where the
+binding's `KernelOptions.fast_launch` is off, every call is the ordinary `kernel[grid](...)`.
 
-    _expand = Launcher(_expand_kernel)                       # once, at module level
-    bound = _expand.bind(grid, *args, free=("out_ptr", "stride_o"), Kb=..., num_warps=4)
-    bound(out, out.stride(0))                                 # per call: the free args, in order
+    _stage = Launcher(_stage_kernel)                         # once, at module level
+    bound = _stage.bind(grid, *args, free=("qsl_ptr", ...), options=options, num_warps=4)
+    bound(qsl, ...)                                           # per call: the free args, in order
 
 Programmatic dependent launch (PDL, sm_90+): a kernel with a `PDL` constexpr starts with
-`pdl_start(PDL)` and ends with `pdl_end(PDL)`; `bind` sets PDL to the mode `QSA_PDL` names
-(read at binding) and Triton's `launch_pdl` on a CUDA device of compute capability >= 9. Such
+`pdl_start(PDL)` and ends with `pdl_end(PDL)`; `bind` sets PDL to the mode `KernelOptions.pdl`
+names and Triton's `launch_pdl` on a CUDA device of compute capability >= 9. Such
 a launch may begin while the kernel before it in the stream still runs: its programs wait
 (`griddepcontrol.wait`) until that kernel has finished and its writes are visible, before
 touching memory. The next kernel may begin launching (`griddepcontrol.launch_dependents`)
@@ -40,34 +40,96 @@ free arguments of the binding call are not (an engine's activations stay its own
 from __future__ import annotations
 
 import inspect
-import os
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
 
-_enabled = os.environ.get("QSA_FAST_LAUNCH", "1") != "0"
-_pdl = int(os.environ.get("QSA_PDL", "2"))  # 0 off, 1 early signal, 2 late signal
+from .options import DEFAULT, KernelOptions
+
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _I64 = (-(1 << 63), (1 << 63) - 1)
+# Triton versions whose internals `triton_runtime` was written against (3.6: torch 2.10-2.11's;
+# 3.7: 2.12-2.13's; 3.8: 2.14's; 3.9: the newest a CPU install brings).
+SUPPORTED_TRITON = ((3, 6), (3, 7), (3, 8), (3, 9))
 
 
-def set_enabled(flag: bool) -> None:
-    """Use the fast path (default) or the ordinary Triton launch for every bound launch."""
-    global _enabled
-    _enabled = bool(flag)
+@dataclass(frozen=True)
+class TritonRuntime:
+    """The Triton internals the fast path uses, nowhere else read (`triton_runtime`).
+
+    jit_type: `JITFunction` (an interpreter's function is not one: it launches the ordinary
+    way); device(): the current device; stream_fn(): the driver's function of a device to its
+    current stream; launch_hooks: the object whose launch_enter_hook / launch_exit_hook are
+    the installed hooks (a profiler's); compile(fn, grid, values, options):
+    the compiled kernel of the arguments (Triton's cache, compiling if needed; async results
+    resolved); handles(kernel): its (run, function, packed metadata); spec_flags(fn): per
+    parameter name, (specialize ints, specialize alignment) as Triton's binder reads them (off
+    for `do_not_specialize` / `do_not_specialize_on_alignment`); direct(run): the C launch
+    function behind run where calling it directly is what run does, else None; its call is
+    `direct(gx, gy, gz, stream, function, cooperative, pdl, None, None, packed, None, None,
+    None, *args)`."""
+
+    version: tuple[int, int]
+    jit_type: type
+    device: Callable[[], int]
+    stream_fn: Callable[[], Callable[[int], int]]
+    launch_hooks: Any
+    compile: Callable[[Any, Sequence[int], list, dict], Any]
+    handles: Callable[[Any], tuple[Any, Any, Any]]
+    spec_flags: Callable[[Any], dict[str, tuple[bool, bool]]]
+    direct: Callable[[Any], Callable[..., None] | None]
+
+
+def triton_runtime(version: str = triton.__version__) -> TritonRuntime | None:
+    """The fast path's view of Triton `version`, or None where it is not one of
+    SUPPORTED_TRITON (every bound launch then takes the ordinary `kernel[grid](...)`).
+
+    Common to 3.6-3.9: `JITFunction.run(*args, grid=, warmup=True, **options)` compiles (3.8+
+    may return an async handle: `.result()`), a `CompiledKernel` holds `run` (the launcher:
+    `run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook,
+    exit_hook, *args)`), `function` and `packed_metadata`, and `triton.runtime.driver.active`
+    gives the current device and stream. 3.6 only: its `CudaLauncher.__call__(gx, gy, gz,
+    stream, function, *args)` adds only two scratch buffers (None when the kernel needs none)
+    and its launch flags before the C launch, which the fast path then calls itself
+    (`direct_launch`); 3.7+ launchers pass more (scratch, annotations, the signature), so
+    their fast path calls `run`."""
+    try:
+        key = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return None
+    if key not in SUPPORTED_TRITON:
+        return None
+    from triton import knobs
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    def compile_(fn: Any, grid: Sequence[int], values: list, options: dict) -> Any:
+        kernel = fn.run(*values, grid=grid, warmup=True, **options)
+        return kernel.result() if hasattr(kernel, "result") else kernel
+
+    return TritonRuntime(
+        version=key, jit_type=JITFunction,
+        device=lambda: driver.active.get_current_device(),
+        stream_fn=lambda: driver.active.get_current_stream, launch_hooks=knobs.runtime,
+        compile=compile_,
+        handles=lambda kernel: (kernel.run, kernel.function, kernel.packed_metadata),
+        spec_flags=lambda fn: {p.name: (not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                               for p in fn.params},
+        direct=direct_launch if key == (3, 6) else (lambda run: None),
+    )
+
+
+RUNTIME = triton_runtime()
 
 
 def _fast() -> bool:
-    """Whether launches take the fast path: enabled, and no Triton launch enter/exit hook
-    (a profiler's) installed."""
-    if not _enabled:
-        return False
-    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+    """Whether no Triton launch enter/exit hook (a profiler's) is installed: the fast path's
+    condition at every call."""
+    hooks = RUNTIME.launch_hooks
+    for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return False
     return True
@@ -92,10 +154,16 @@ def pdl_end(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def pdl_enabled(fn: Any) -> bool:
-    """Whether launches of fn (a `JITFunction`: not the interpreter's) use PDL: QSA_PDL is
-    not 0 and the current device is an NVIDIA GPU of compute capability >= 9."""
-    return (_pdl > 0 and isinstance(fn, JITFunction) and torch.version.hip is None and torch.cuda.is_available()
+def _off() -> bool:
+    """The fast path's condition where `KernelOptions.fast_launch` is off."""
+    return False
+
+
+def pdl_enabled(fn: Any, mode: int) -> bool:
+    """Whether launches of fn (a `JITFunction`: not the interpreter's) use PDL: mode
+    (`KernelOptions.pdl`) is not 0 and the current device is an NVIDIA GPU of compute
+    capability >= 9."""
+    return (mode > 0 and RUNTIME is not None and isinstance(fn, RUNTIME.jit_type) and torch.version.hip is None and torch.cuda.is_available()
             and torch.cuda.get_device_capability()[0] >= 9)
 
 
@@ -122,7 +190,7 @@ def direct_launch(run: Any) -> Callable[..., None] | None:
     """The C launch function behind a compiled kernel's `run`, where calling it directly is
     what `run` would do: triton 3.6's `CudaLauncher`, whose `__call__(grid, stream,
     function, *args)` only adds two scratch buffers (None when the kernel needs none) and
-    its launch flags. None otherwise (other versions or backends, scratch, tensor descriptors)."""
+    its launch flags. None otherwise (other backends, scratch, tensor descriptors)."""
     if type(run).__name__ != "CudaLauncher":
         return None
     params = list(inspect.signature(type(run).__call__).parameters)
@@ -146,23 +214,22 @@ class Launcher:
         self.signature = inspect.signature(fn.fn)
         self.names = list(self.signature.parameters)
         self._constexpr = {n for n, p in self.signature.parameters.items() if "constexpr" in str(p.annotation)}
-        params = {p.name: p for p in getattr(fn, "params", ())}  # a JITFunction's (not the interpreter's)
-        # (specialize ints, specialize alignment) per parameter, as Triton's binder reads them.
-        self._spec_flags = {n: (not params[n].do_not_specialize, not params[n].do_not_specialize_on_alignment)
-                            if n in params else (True, True) for n in self.names}
+        # (specialize ints, specialize alignment) per parameter: a JITFunction's (not the interpreter's)
+        flags = RUNTIME.spec_flags(fn) if RUNTIME is not None and isinstance(fn, RUNTIME.jit_type) else {}
+        self._spec_flags = {n: flags.get(n, (True, True)) for n in self.names}
 
     def bind(self, grid: Sequence[int], *args: Any, free: Sequence[str] = (), checked: Sequence[str] = (),
-             **kwargs: Any) -> "BoundLaunch":
+             options: KernelOptions = DEFAULT, **kwargs: Any) -> "BoundLaunch":
         """Bind `kernel[grid](*args, **kwargs)`: the values given are the first call's; the
         `free` parameters (non-constexpr names) are passed again, in that order, on every call.
         `checked`: free tensor parameters whose dtype and device the caller guarantees equal
         to the first call's (it validated them); per call only their alignment is checked.
         kwargs: constexprs and launch options (num_warps, num_stages, ...); a kernel with a
-        `PDL` constexpr not given gets the QSA_PDL mode and launch_pdl where `pdl_enabled`.
-        Compiles now."""
-        if "PDL" in self._constexpr and "PDL" not in kwargs and pdl_enabled(self.fn):
-            kwargs = {**kwargs, "PDL": int(_pdl), "launch_pdl": True}
-        options = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
+        `PDL` constexpr not given gets the `options.pdl` mode and launch_pdl where `pdl_enabled`.
+        options: the kernels' options (PDL mode, fast path). Compiles now."""
+        if "PDL" in self._constexpr and "PDL" not in kwargs and pdl_enabled(self.fn, options.pdl):
+            kwargs = {**kwargs, "PDL": options.pdl, "launch_pdl": True}
+        launch_options = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
         call = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.signature.parameters})
         call.apply_defaults()
         for name in free:
@@ -171,13 +238,12 @@ class Launcher:
         for name in checked:
             if name not in free:
                 raise ValueError(f"{self.fn.__name__}: checked argument {name!r} must be a free argument")
-        return BoundLaunch(self, tuple(grid), list(call.arguments.values()), options, tuple(free),
-                           tuple(n in checked for n in free))
+        return BoundLaunch(self, tuple(grid), list(call.arguments.values()), launch_options, tuple(free),
+                           tuple(n in checked for n in free), fast_launch=options.fast_launch)
 
     def compiled(self, grid: Sequence[int], values: list, options: dict) -> Any:
         """The compiled kernel of these argument values (Triton's cache; compiles if needed)."""
-        kernel = self.fn.run(*values, grid=grid, warmup=True, **options)
-        return kernel.result() if hasattr(kernel, "result") else kernel
+        return RUNTIME.compile(self.fn, grid, values, options)
 
     def ordinary(self, grid: Sequence[int], values: list, options: dict) -> None:
         """The ordinary launch `kernel[grid](...)` (also the interpreter's)."""
@@ -196,25 +262,27 @@ class BoundLaunch:
     """
 
     def __init__(self, launcher: Launcher, grid: tuple[int, ...], values: list, options: dict,
-                 free: tuple[str, ...], checked: tuple[bool, ...] = ()) -> None:
+                 free: tuple[str, ...], checked: tuple[bool, ...] = (), *, fast_launch: bool = True) -> None:
         self.launcher = launcher
+        self._can_fast = _fast if fast_launch else _off  # checked at every call
         self.checked = checked or (False,) * len(free)  # per free argument: dtype / device checked by the caller
         self.grid = grid
         self.values = values  # every parameter in order (constexprs included; free ones None), as Triton's binder
         self.options = options
         self.free_index = tuple(launcher.names.index(n) for n in free)
         self.free_flags = tuple(launcher._spec_flags[n] for n in free)
-        self.native = isinstance(launcher.fn, JITFunction)  # False under TRITON_INTERPRET=1
+        # False for the interpreter's functions (and a Triton `triton_runtime` does not know)
+        self.native = RUNTIME is not None and isinstance(launcher.fn, RUNTIME.jit_type)
         self._variants: dict[tuple, tuple] = {}
         self.source = ""
-        self.direct = False  # whether the fast path calls the C launch itself (`direct_launch`)
+        self.direct = False  # whether the fast path calls the C launch itself (`RUNTIME.direct`)
         # The generated fast call (native kernels) refers to nothing that refers back to this
         # binding: a binding its owner drops frees the caches and workspace it holds at once, not
         # when Python's cycle collector runs (a bound method stored here would make a cycle).
         self._fast: Callable[..., bool | None] | None = None
         if self.native:
-            self.device = driver.active.get_current_device()
-            self._stream: Callable[[int], int] = driver.active.get_current_stream
+            self.device = RUNTIME.device()
+            self._stream: Callable[[int], int] = RUNTIME.stream_fn()
             free_values = [values[i] for i in self.free_index]
             key = self.key(free_values)
             self._fast = self._generate(self._variant(key, values), free_values)
@@ -232,11 +300,12 @@ class BoundLaunch:
 
     def _variant(self, key: tuple, values: list) -> tuple:
         """(run, function, packed metadata, direct) of the compiled kernel for `key`, fetched
-        once; direct: its C launch function where `direct_launch` allows it, else None."""
+        once; direct: its C launch function where `RUNTIME.direct` allows it, else None."""
         entry = self._variants.get(key)
         if entry is None:
             kernel = self.launcher.compiled(self.grid, values, self.options)
-            entry = (kernel.run, kernel.function, kernel.packed_metadata, direct_launch(kernel.run))
+            run, function, packed = RUNTIME.handles(kernel)
+            entry = (run, function, packed, RUNTIME.direct(run))
             self._variants[key] = entry
         return entry
 
@@ -245,7 +314,7 @@ class BoundLaunch:
         values = self.values.copy()
         for i, x in zip(self.free_index, free):
             values[i] = x
-        if not (self.native and _fast()):
+        if not (self.native and self._can_fast()):
             self.launcher.ordinary(self.grid, values, self.options)
             return
         run, function, packed, _ = self._variant(self.key(free), values)
@@ -256,7 +325,7 @@ class BoundLaunch:
         """The fast call for the bound key: inline key checks, then the compiled run; False
         (nothing launched) where the checks fail or the fast path is off."""
         names = {"RUN": entry[0], "FN": entry[1], "PACKED": entry[2], "STREAM": self._stream, "DEV": self.device,
-                 "FAST": _fast, "KIND": _int_kind}
+                 "FAST": self._can_fast, "KIND": _int_kind}
         params = [f"f{j}" for j in range(len(self.free_index))]
         checks, prep, args, aligned = [], [], [], []
         for j, (x, (spec, align)) in enumerate(zip(free_values, self.free_flags)):

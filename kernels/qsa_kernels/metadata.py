@@ -24,25 +24,14 @@ planner's fixed buffers in one launch (`plan(static=True)`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 import triton
 import triton.language as tl
 
-from qsa_core.reference.metadata import (
-    CLAIM_ROW_BITS,
-    GUARD_DECODE_ROWS,
-    GUARD_MAX_QUERY_LEN,
-    GUARD_MAX_SEQ_LEN,
-    GUARD_PAGE,
-    GUARD_QUERY_START_LOC,
-    GUARD_RING_INDEX,
-    GUARD_SEQ_LEN,
-    GUARD_SHARED_RING,
-    GUARD_SHARED_SLOT,
-    GUARD_SLOT,
-)
-
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
+from .options import DEFAULT, KernelOptions
 
 BLOCK_ROWS = 256
 BLOCK_PAGES = 1024
@@ -277,6 +266,32 @@ def _metadata_kernel(
     pdl_end(PDL)
 
 
+@dataclass(frozen=True)
+class GuardBits:
+    """The guard flag's bits (one reason each, distinct powers of two) and the row field of a
+    slot claim, as the caller's contract defines them (the core: `qsa_core.reference.metadata
+    .GUARD_BITS`); the build ORs them into request_flags and the guard."""
+
+    max_seq_len: int
+    seq_len: int
+    query_start_loc: int
+    slot: int
+    ring_index: int
+    page: int
+    max_query_len: int
+    decode_rows: int
+    shared_slot: int
+    shared_ring: int
+    claim_row_bits: int
+
+    def __post_init__(self) -> None:
+        bits = [getattr(self, f.name) for f in fields(self) if f.name != "claim_row_bits"]
+        if any(b <= 0 or b & (b - 1) for b in bits) or len(set(bits)) != len(bits) or max(bits) >= 1 << 31:
+            raise ValueError(f"GuardBits must be distinct powers of two below 2**31, got {bits}")
+        if not 0 < self.claim_row_bits < 63:
+            raise ValueError(f"GuardBits.claim_row_bits must be in [1, 62], got {self.claim_row_bits}")
+
+
 _build = Launcher(_metadata_kernel)
 _BUILD_INPUTS = ("qsl_ptr", "seq_ptr", "ring_index_ptr", "slot_ptr", "bt_ptr")  # the step's tensors
 _BUILD_FREE = _BUILD_INPUTS + ("stride_bt0", "stride_bt1", "P", "max_seq_len", "max_query_len", "num_live",
@@ -292,8 +307,9 @@ class MetadataBuild:
     (sticky). Geometry: compress_ratio r, ring_capacity C, page_size, num_slots and
     num_ring_rows (the bounds of the guards). slot_claims int64 [num_slots + 1], zero when
     first used (then owned by the build): the shared-slot guard's table; None: no such guard.
-    inputs_checked: the caller guarantees the five input tensors' dtypes and device (a
-    planner validated them), so a launch checks only their alignment.
+    guards: the bits the build writes. inputs_checked: the caller guarantees the five input
+    tensors' dtypes and device (a planner validated them), so a launch checks only their
+    alignment. options: the kernels' options (launch).
     """
 
     def __init__(
@@ -301,12 +317,13 @@ class MetadataBuild:
         ring_slot: torch.Tensor, compressed_slot: torch.Tensor, kv_slot: torch.Tensor,
         request_flags: torch.Tensor, arrive: torch.Tensor, guard: torch.Tensor,
         compress_ratio: int, ring_capacity: int, page_size: int, num_slots: int, num_ring_rows: int,
-        slot_claims: torch.Tensor | None = None, inputs_checked: bool = False,
+        guards: GuardBits, slot_claims: torch.Tensor | None = None, inputs_checked: bool = False,
+        options: KernelOptions = DEFAULT,
     ) -> None:
         if slot_claims is not None and (slot_claims.dtype != torch.int64 or slot_claims.numel() != num_slots + 1):
             raise ValueError(f"slot_claims must be int64 [num_slots + 1 = {num_slots + 1}], got "
                              f"{slot_claims.dtype} {tuple(slot_claims.shape)}")
-        self.slot_claims = slot_claims
+        self.slot_claims, self.guards, self.options = slot_claims, guards, options
         self.outputs = (token_to_req, positions, visible_blocks, ring_slot, compressed_slot, kv_slot)
         self._checked = _BUILD_INPUTS if inputs_checked else ()
         self.request_flags, self.arrive, self.guard = request_flags, arrive, guard
@@ -334,19 +351,18 @@ class MetadataBuild:
 
     def _bind(self, qsl, seq, slots, ring, table, max_seq_len, max_query_len, live_bound, stray_end, num_decodes,
               decode_query_len) -> BoundLaunch:
-        T, R = slots.shape[0], seq.shape[0]
+        T, R, g = slots.shape[0], seq.shape[0], self.guards
         launch = _build.bind(
             (max(R, triton.cdiv(T, BLOCK_ROWS)),), qsl, seq, ring, slots, table, table.stride(0), table.stride(1),
             self.request_flags[: max(R, 1)], self.arrive, *(o[:T] for o in self.outputs), self.guard,
             self.outputs[5] if self.slot_claims is None else self.slot_claims,  # any int64 pointer when unused
             R, T, table.shape[1], max_seq_len, max_query_len, live_bound, stray_end, self.num_slots // self.page_size,
             self.num_slots, self.num_ring_rows, self.page_size, num_decodes, decode_query_len, free=_BUILD_FREE,
-            checked=self._checked,
+            checked=self._checked, options=self.options,
             r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS,
-            MAX_SEQ=GUARD_MAX_SEQ_LEN, SEQ=GUARD_SEQ_LEN, QSL=GUARD_QUERY_START_LOC, RING=GUARD_RING_INDEX,
-            PAGE=GUARD_PAGE, SLOT=GUARD_SLOT, MAX_QUERY=GUARD_MAX_QUERY_LEN, DEC=GUARD_DECODE_ROWS,
-            SHARED_RING=GUARD_SHARED_RING, SHARED_SLOT=GUARD_SHARED_SLOT, CLAIMS=int(self.slot_claims is not None),
-            ROW_BITS=CLAIM_ROW_BITS,
+            MAX_SEQ=g.max_seq_len, SEQ=g.seq_len, QSL=g.query_start_loc, RING=g.ring_index, PAGE=g.page, SLOT=g.slot,
+            MAX_QUERY=g.max_query_len, DEC=g.decode_rows, SHARED_RING=g.shared_ring, SHARED_SLOT=g.shared_slot,
+            CLAIMS=int(self.slot_claims is not None), ROW_BITS=g.claim_row_bits,
         )
         if len(self._bound) >= _CACHE:
             self._bound.clear()
@@ -400,7 +416,9 @@ class StaticStage:
     """
 
     def __init__(self, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                 slot_mapping: torch.Tensor, ring_index: torch.Tensor, rope_positions: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, ring_index: torch.Tensor, rope_positions: torch.Tensor,
+                 options: KernelOptions = DEFAULT) -> None:
+        self.options = options
         self.buffers = (query_start_loc, seq_lens, block_table, slot_mapping, ring_index, rope_positions)
         self._bound: dict[tuple[int, int, int, int], tuple[BoundLaunch, tuple]] = {}
 
@@ -434,7 +452,7 @@ class StaticStage:
         launch = _stage.bind(
             (max(R, triton.cdiv(T, BLOCK_ROWS), 1),), qsl, seq, ring, table, table.stride(0), table.stride(1),
             slots, rope, rs_axis, rs_t, qsl_b, seq_b, ring_b, table_b, table_b.stride(0), slots_b, rope_b,
-            rope_b.stride(0), R, T, P, free=_STAGE_FREE, AXES=axes, BLOCK_P=BLOCK_PAGES, BLOCK=BLOCK_ROWS,
+            rope_b.stride(0), R, T, P, free=_STAGE_FREE, options=self.options, AXES=axes, BLOCK_P=BLOCK_PAGES, BLOCK=BLOCK_ROWS,
         )
         rope_view = None if axes == 0 else (rope_b[0, :T] if axes == 1 else rope_b[:, :T])
         views = (qsl_b[: R + 1], seq_b[:R], table_b[:R, :P], slots_b[:T], ring_b[:R], rope_view)

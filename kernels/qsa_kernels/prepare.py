@@ -10,31 +10,21 @@ task 2 the row's K/V store, tasks 3.. blocks of main query heads. The raw keys (
 positions) go into the ring in launch 2, after launch 1: compression reads ring rows of
 earlier steps, and a chunk's last C rows map onto those same ring slots. Where no request
 of the step has C - r + 2 rows or more (every decode step), those slots cannot meet and task 2
-stores the ring row too: one launch (`ring_store_fuses`).
+stores the ring row too: one launch (the caller's `fuse_ring`; `qsa_core.cache.ring_store_fuses`).
 `PrepareLaunch` binds them (`qsa_kernels.launch`) once per step shape and layer cache.
 """
 
 from __future__ import annotations
-
-import os
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from .launch import Launcher, pdl_end, pdl_start
-
-if TYPE_CHECKING:
-    from qsa_core.cache import QSALayerCache
-    from qsa_core.metadata import QSAForwardMetadata
+from .options import DEFAULT, KernelOptions
 
 # Elements of one [heads, dims] tile of the main-query task.
 MAIN_TILE = 2048
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ----------------------------------------------------------------------------- numerics
@@ -290,7 +280,7 @@ def _prepare_kernel(
 ):
     """RING_STORE: task 2 also stores the row's ring row (+ its positions where
     STORE_RING_POS); only where no compression of the step can read a ring slot that another
-    row of the step writes (`ring_store_fuses`)."""
+    row of the step writes (`qsa_core.cache.ring_store_fuses`)."""
     pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     task = tl.program_id(1)
@@ -371,9 +361,9 @@ def _rope_args(rope_positions: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return (rope_positions, 0, st[0]) if len(st) == 1 else (rope_positions, st[0], st[1])
 
 
-def _ring_pos_args(cache: "QSALayerCache", fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """(tensor, page, row and axis strides) of the paged [ring_rows, C, 3] MRoPE positions."""
-    rp = cache.ring_positions
+def _ring_pos_args(rp: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """(tensor, page, row and axis strides) of the paged [ring_rows, C, 3] MRoPE positions rp
+    (None: fallback stands in, never read)."""
     if rp is None:
         return fallback, 0, 0, 0
     return rp, rp.stride(0), rp.stride(1), rp.stride(2)
@@ -388,11 +378,11 @@ def _kv_cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> list:
     return [k_cache, v_cache, *k_cache.stride()[:3], *v_cache.stride()[:3]]
 
 
-def _has_ring_positions(rope_positions: torch.Tensor, cache: "QSALayerCache") -> bool:
+def _has_ring_positions(rope_positions: torch.Tensor, ring_positions: torch.Tensor | None) -> bool:
     """Whether group keys of earlier steps read their first position from the ring."""
-    if rope_positions.dim() == 2 and cache.ring_positions is None:
+    if rope_positions.dim() == 2 and ring_positions is None:
         raise ValueError("3-axis rope_positions need a cache with ring_positions (MRoPE layout)")
-    return cache.ring_positions is not None
+    return ring_positions is not None
 
 
 _prepare = Launcher(_prepare_kernel)
@@ -405,62 +395,70 @@ _RING_FREE = ("raw_ptr", "stride_raw", "rope_ptr", "rope_stride_axis", "rope_str
 
 
 class PrepareLaunch:
-    """The reference's `qsa_prepare` bound to one step shape (T rows, the plan's workspace) and one layer
-    cache: one launch where `ring_store_fuses(meta.max_query_len, C, r)` (fuse_ring), else two;
-    `__call__` takes what changes per layer call.
+    """The reference's `qsa_prepare` bound to one step shape (T rows, the plan's workspace)
+    and one layer cache: one launch where fuse_ring (`qsa_core.cache.ring_store_fuses` of the
+    step), else two; `__call__` takes what changes per layer call.
 
-    Fixed at binding: the metadata's derived per-row fields (slot_mapping, compressed_slot,
-    token_to_req, positions, ring_slot: the plan's workspace views), the q_idx / q outputs,
-    the cache (views, strides, scales), the RoPE tables, eps and the geometry. Per call:
-    the projections, the norm weights, rope_positions, query_start_loc and ring_index.
-    index_q may be wider than Hi*Di (only its first Hi*Di columns are read; Hi comes from
-    q_idx_out [T, Hi, Di]) and raw_keys' rows may start raw_offset elements in: the layer
-    passes the whole index_qk projection as both, raw_offset = Hi*Di (no per-call views).
+    Fixed at binding: the metadata's derived per-row fields (slot_mapping, compressed_slot
+    int64 [T], token_to_req int32 [T], positions int64 [T], ring_slot int64 [T]: the plan's
+    workspace views), the q_idx / q outputs, the layer cache (k_cache / v_cache [pages, page,
+    Hkv, D] with k_scale / v_scale, compressed [pages, page / r, Di], ring [ring rows, C, Di],
+    ring_positions int64 [ring rows, C, 3] or None), the RoPE tables, eps and the geometry
+    (compress_ratio r, ring_capacity C). Per call: the projections, the norm weights,
+    rope_positions, query_start_loc int32 [R + 1] and ring_index int32 [R] (the values given
+    here are the first call's). index_q may be wider than Hi*Di (only its first Hi*Di columns
+    are read; Hi comes from q_idx_out [T, Hi, Di]) and raw_keys' rows may start raw_offset
+    elements in: the layer passes the whole index_qk projection as both, raw_offset = Hi*Di
+    (no per-call views).
     """
 
     def __init__(
         self, index_q: torch.Tensor, raw_keys: torch.Tensor, q_gate: torch.Tensor, k: torch.Tensor,
         v: torch.Tensor, rope_positions: torch.Tensor, *, index_q_norm: torch.Tensor, index_k_norm: torch.Tensor,
         q_norm: torch.Tensor, k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor, rope_axes: torch.Tensor,
-        cache: "QSALayerCache", meta: "QSAForwardMetadata", q_idx_out: torch.Tensor, q_out: torch.Tensor,
-        raw_offset: int = 0, fuse_ring: bool = False,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float, v_scale: float, compressed: torch.Tensor,
+        ring: torch.Tensor, ring_positions: torch.Tensor | None, slot_mapping: torch.Tensor,
+        compressed_slot: torch.Tensor, token_to_req: torch.Tensor, positions: torch.Tensor, ring_slot: torch.Tensor,
+        query_start_loc: torch.Tensor, ring_index: torch.Tensor, compress_ratio: int, ring_capacity: int,
+        q_idx_out: torch.Tensor, q_out: torch.Tensor, raw_offset: int = 0, fuse_ring: bool = False,
+        options: KernelOptions = DEFAULT,
     ) -> None:
         T, Di = raw_keys.shape[0], index_k_norm.shape[0]
         D = k_norm.shape[0]
         Hi, Hq, Hkv = q_idx_out.shape[1], q_gate.shape[1] // (2 * D), k.shape[1] // D
         self.T, self.Hq, self.D = T, Hq, D
         self.q_idx, self.q = q_idx_out, q_out
-        has_ring_pos = _has_ring_positions(rope_positions, cache)
+        has_ring_pos = _has_ring_positions(rope_positions, ring_positions)
         rope, rs_axis, rs_t = _rope_args(rope_positions)
         # Without MRoPE the ring positions are never read: any fixed tensor stands in.
-        ring_pos, rpp, rp0, rp1 = _ring_pos_args(cache, cache.ring)
+        ring_pos, rpp, rp0, rp1 = _ring_pos_args(ring_positions, ring)
         BD = _pow2(D)
         heads_per_prog = min(_pow2(Hq), max(1, MAIN_TILE // BD))
-        page = cache.k.shape[1]
-        interp = _interpreting()
+        page = k_cache.shape[1]
+        interp = options.interpreter
         self._main = _prepare.bind(
             (T, 3 + triton.cdiv(Hq, heads_per_prog)),
             index_q, index_q.stride(0), index_q_norm, q_idx_out, Hi, Di,
-            raw_keys, raw_keys.stride(0), raw_offset, index_k_norm, *_paged_args(cache.compressed),
-            *_paged_args(cache.ring), ring_pos, rpp, rp0, rp1,
+            raw_keys, raw_keys.stride(0), raw_offset, index_k_norm, *_paged_args(compressed),
+            *_paged_args(ring), ring_pos, rpp, rp0, rp1,
             q_gate, q_gate.stride(0), q_norm, q_out, Hq, D,
             k, k.stride(0), k_norm, v, v.stride(0), Hkv,
-            *_kv_cache_args(cache.k, cache.v), page, cache.k.shape[0] * page,
-            float(cache.k_scale), float(cache.v_scale),
+            *_kv_cache_args(k_cache, v_cache), page, k_cache.shape[0] * page,
+            float(k_scale), float(v_scale),
             rope, rs_axis, rs_t, inv_freq, rope_axes, float(eps),
-            meta.slot_mapping, meta.compressed_slot, meta.token_to_req, meta.positions,
-            meta.query_start_loc, meta.ring_index, meta.ring_slot,
-            free=_PREPARE_FREE,
-            r=meta.compress_ratio, C=meta.ring_capacity, RPP=cache.compressed.shape[1], RD=2 * inv_freq.shape[0],
+            slot_mapping, compressed_slot, token_to_req, positions,
+            query_start_loc, ring_index, ring_slot,
+            free=_PREPARE_FREE, options=options,
+            r=compress_ratio, C=ring_capacity, RPP=compressed.shape[1], RD=2 * inv_freq.shape[0],
             BHI=_pow2(Hi), BDI=_pow2(Di), BHQ=heads_per_prog, BD=BD, BKV=_pow2(Hkv),
-            HAS_RING_POS=has_ring_pos, RING_STORE=fuse_ring, STORE_RING_POS=cache.ring_positions is not None,
+            HAS_RING_POS=has_ring_pos, RING_STORE=fuse_ring, STORE_RING_POS=ring_positions is not None,
             INTERP=interp,
         )
         self._ring = None if fuse_ring else _ring_store.bind(
-            (T,), raw_keys, raw_keys.stride(0), raw_offset, *_paged_args(cache.ring), meta.ring_slot, Di,
+            (T,), raw_keys, raw_keys.stride(0), raw_offset, *_paged_args(ring), ring_slot, Di,
             ring_pos, rpp, rp0, rp1, rope, rs_axis, rs_t,
-            free=_RING_FREE,
-            C=meta.ring_capacity, HAS_POS=cache.ring_positions is not None, BD=_pow2(Di), INTERP=interp,
+            free=_RING_FREE, options=options,
+            C=ring_capacity, HAS_POS=ring_positions is not None, BD=_pow2(Di), INTERP=interp,
         )
 
     def __call__(

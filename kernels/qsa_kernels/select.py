@@ -3,7 +3,7 @@
 Contract: `qsa_core/reference/select.py`. A select call runs per chunk of rows (host ints
 only, no sync): the score launch (`select_score.py`) fills a capped fp32 scratch
 [chunk rows, num_cols] for rows with visible > Kb, then the top-k launches
-(`select_radix.py`: one fused program per row, or the radix passes; for some decode chunks
+(`select_radix.py`: one fused program per row, or the radix passes; for short decode rows
 `select_topk.py`, see `_topk_route`; for long prefill rows `select_prefill.py` from samples the
 score launch writes too, see `_prefill_route`; long decode chunks of one row per request
 `select_prefill`'s top-k from per-row samples, see `_decode_samples_route`) write each row's
@@ -17,120 +17,87 @@ and the output (`launch.py`), so a layer relaunches them with q_idx and the bloc
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 
 from .select_radix import BINS as _BINS
 from .select_radix import ChunkLaunches, TopkLaunch
+from .options import DEFAULT, KernelOptions
 from .select_score import ScoreLaunch, score_tiles
 from . import select_prefill, select_topk
 from .warm import kv_warm
 
+# Route policy of a select call (`plan_select`), each bound with what it was measured against on
+# the H200; `python benchmarks/bench_qsa.py --only KEY --out DIR` times a table row's whole step
+# (KEY as in results.json, e.g. decode-131072-4-1-bf16).
+
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
-# A prefill chunk scores at least this many rows (or all of them), past the cap where rows
-# are long: 256 MiB at 1M context. H200, session 8, 16K rows at 1M: select 40.9 ms in
-# 64-row chunks, 35.7 in 256-row chunks (the score kernel's per-chunk tail and the candidate
-# launches amortise). Shorter contexts already chunk >= 256 rows under the cap (512 at 128K).
+# A prefill chunk scores at least this many rows (or all of them), past the cap where rows are
+# long (256 MiB at 1M context): the score kernel's per-chunk tail and the top-k launches amortise
+# (16K rows at 1M: select 40.9 ms in 64-row chunks, 35.7 in 256-row ones; --only
+# prefill-1048576-1-16384-bf16). Shorter contexts already chunk >= 256 rows under the cap.
 PREFILL_MIN_CHUNK_ROWS = 256
-# Fused per-row top-k only for few rows over few columns, where the ten launches of the
-# radix passes dominate (H200, 8K context: 4 rows 33 -> 24 us, 256 rows 78 -> 64 us); one
-# program per row is slower than the passes beyond ~4K columns (4 rows at 128K: 135 vs
-# 45 us) or for many rows (16K rows at 16K context: 1.9 vs 1.7 ms).
+# Fused per-row top-k only for few rows over few columns, where the radix passes' ten launches
+# dominate; one program per row is slower than the passes beyond ~4K columns or for many rows
+# (--only decode-8192-1-1-bf16 prefill-16384-1-16384-bf16).
 _FUSED_MAX_COLS = 4096
 # The planner's column buckets above 4096 are its multiples (`planner.column_bucket`).
 _BUCKET_STEP = 4096
 _FUSED_MAX_ROWS = 256
-# Decode chunks take the histogram-free top-k (`select_topk`) where it measured faster on the
-# H200 (select with packed rows, us, radix -> topk): its short route for rows of <= 4096
-# columns in chunks of <= 256 rows (2026-12-01 W2: 8K B1 29.3 -> 18.4; session 8, with its
-# bracket search: 8K B128 57.1 -> 39.6, 8K B256 75.7 -> 68.7, 16K B256 110.3 -> 103.6) and
-# of <= 8192 columns in chunks of < 16 rows (32K B4: 40.6 -> 26.0; `topk_tiles`), its
-# segment route for chunks of 16..64 long rows (128K B64: 210 -> 192; 1M B4 x 4 rows:
-# 330 -> 284); not few long rows (128K B4: 48.7 vs 62.3; 1M B4: 124.7 vs 144.4). Chunk
-# bounds are the measured range.
+# Decode chunks of up to this many rows whose rows fit `select_topk`'s short top-k take it: one
+# launch where the radix passes take seven (8K B1 select 29.3 -> 18.4 us, B256 75.7 -> 68.7;
+# --only decode-8192-1-1-bf16 decode-32768-4-1-bf16).
 _TOPK_SHORT_MAX_ROWS = 256
-# Prefill chunks of this many rows or more take `select_prefill` (H200, 2026-12-01 W1 / W2: chunks of
-# 64, 512 and 4096 rows, 16K rows at 1M / 128K / 16K context); the interpreter's tests take it from one row.
-_PREFILL_MIN_ROWS = 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 64
-_TOPK_MIN_ROWS = 16
-_TOPK_MAX_ROWS = 64
 # The per-row-samples decode route (the score launch also writes per-row samples, then one
-# `select_prefill` top-k launch: `select_prefill.decode_tiles`; MTP rows' samples come from a
-# launch of their own over the score scratch) takes decode chunks of up to
-# _DECODE_SAMPLES_MAX_ROWS rows longer than the short route's: two or three launches where the
-# radix route takes seven. QSA_DECODE_SAMPLES (read when a workspace or schedule is made; or
-# plan_select(decode_samples=...)): unset / "auto" / "1" = taken, "0" = never. H200, session 12
-# (select alone, us, radix or segment route -> this route with the bracket searches and the tile
-# skip; exact on random and tied data): 128K B4 45.9 -> 37.0, 1M B4 123.1 -> 113.4, 128K B64
-# 203.3 -> 193.6, 1M + 3 x 64K 75.2 -> 58.8. Session 13, chunks of more rows (radix -> this):
-# 128K B128 398.9 -> 358.7, 128K B256 770.6 -> 714.7, 32K B256 218.6 -> 204.5, 64K B128 213.9 ->
-# 192.1. MTP rows (session 16, whole step, segment route -> this, with the resolve's gather by
-# binary lifting): 1M B4 x 4 170.9 -> 156.6, 128K B16 x 4 174.8 -> 169.2; their score kernels
-# with samples had lost (1M B4 x 4 select 161.6 -> 275.8, session 13), and the sample launch lost
-# while the resolve gathered 32 lists by a [cap, lists] compare (session 14).
+# `select_prefill` top-k launch, `select_prefill.decode_tiles`; MTP rows' samples come from a
+# launch of their own over the score scratch) takes decode chunks of up to this many rows longer
+# than the short top-k's (with `KernelOptions.decode_samples`): two or three launches where the
+# radix passes take seven, faster than them and than the segment top-k it replaced at every
+# shape measured (128K B4, B64, B256, 1M B4, MTP 1M B4 x 4 and 128K B16 x 4; --only
+# decode-131072-4-1-bf16 decode-131072-64-1-bf16 decode-1048576-4-1-bf16 decode-1048576-4-4-bf16).
 _DECODE_SAMPLES_MAX_ROWS = 256
 
 
-def decode_samples_mode() -> str:
-    """QSA_DECODE_SAMPLES: "auto" (unset or empty), "1" (both: long decode chunks take the
-    per-row-samples route) or "0" (none)."""
-    mode = os.environ.get("QSA_DECODE_SAMPLES", "") or "auto"
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"QSA_DECODE_SAMPLES must be auto, 0 or 1, got {mode!r}")
-    return mode
-
-
-def decode_samples_enabled() -> bool:
-    """Whether long decode chunks take the per-row-samples route (`decode_samples_mode`)."""
-    return decode_samples_mode() != "0"
-
-
-def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, on: bool,
-                          rows_per_request: int = 1) -> dict | None:
+def _decode_samples_route(n_cols: int, block_topk: int, chunk: int, decode: bool, options: KernelOptions,
+                          rows_per_request: int = 1) -> select_prefill.SampleTiles | None:
     """The `select_prefill.decode_tiles` where a decode chunk takes the per-row-samples route
-    (on, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short top-k's), else None."""
-    small = _interpreting()
-    if not (on and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
+    (options.decode_samples, at most _DECODE_SAMPLES_MAX_ROWS rows, rows longer than the short
+    top-k's), else None."""
+    small = options.small_tiles
+    if not (options.decode_samples and decode and chunk <= _DECODE_SAMPLES_MAX_ROWS) or select_topk.short_route(
             n_cols, select_topk.topk_tiles(n_cols, small, chunk)):
         return None
-    return select_prefill.decode_tiles(n_cols, block_topk, _decode_block_g(), small, chunk, rows_per_request)
+    return select_prefill.decode_tiles(n_cols, block_topk, decode_block_g(options), small, chunk, rows_per_request)
 
 
-def _decode_block_g() -> int:
+def decode_block_g(options: KernelOptions = DEFAULT) -> int:
     """Columns per decode score tile (the largest per-row sample stride)."""
-    return score_tiles(True, _tiles(True), _interpreting()).block_g
+    return score_tiles(True, select_tiles(True, options), options.small_tiles).block_g
 
 
-def _topk_route(n_cols: int, chunk: int, decode: bool) -> bool:
-    """Whether a chunk of rows takes `select_topk` (else `select_radix`)."""
-    if not decode:
-        return False
-    if select_topk.short_route(n_cols, select_topk.topk_tiles(n_cols, _interpreting(), chunk)):
-        return chunk <= _TOPK_SHORT_MAX_ROWS
-    return _TOPK_MIN_ROWS <= chunk <= _TOPK_MAX_ROWS
+def _topk_route(n_cols: int, chunk: int, decode: bool, options: KernelOptions) -> bool:
+    """Whether a decode chunk of rows takes `select_topk`'s short top-k (else `select_radix`)."""
+    return decode and chunk <= _TOPK_SHORT_MAX_ROWS and select_topk.short_route(
+        n_cols, select_topk.topk_tiles(n_cols, options.small_tiles, chunk))
 
 
-def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int) -> dict | None:
+def _prefill_route(n_cols: int, block_topk: int, decode: bool, chunk: int,
+                   options: KernelOptions) -> select_prefill.SampleTiles | None:
     """The `select_prefill` tiles where a prefill chunk of `chunk` rows x n_cols columns takes
-    it, else None."""
-    if decode or chunk < _PREFILL_MIN_ROWS:
+    it (at least options.select_prefill_min_rows rows), else None."""
+    if decode or chunk < options.select_prefill_min_rows:
         return None
-    block_g = _score_block_g(n_cols)
-    tiles = select_prefill.prefill_tiles(n_cols, block_topk, block_g, small=_interpreting())
+    block_g = score_block_g(n_cols, options)
+    tiles = select_prefill.prefill_tiles(n_cols, block_topk, block_g, small=options.small_tiles)
     return tiles if n_cols > block_topk and select_prefill.prefill_route(n_cols, block_topk, tiles, block_g) else None
 
 
-def _score_block_g(n_cols: int) -> int:
+def score_block_g(n_cols: int, options: KernelOptions = DEFAULT) -> int:
     """Columns per prefill score tile of rows of n_cols columns (the samples' geometry)."""
-    return score_tiles(False, _tiles(False), _interpreting(), num_cols=n_cols).block_g
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return score_tiles(False, select_tiles(False, options), options.small_tiles, num_cols=n_cols).block_g
 
 
 def _score_scratch(rows: int, cols: int, device: torch.device) -> torch.Tensor:
@@ -138,58 +105,71 @@ def _score_scratch(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     return torch.empty(rows, cols, dtype=torch.float32, device=device)
 
 
-def _tiles(decode: bool) -> dict[str, int]:
-    """Tile sizes. block_r x block_g: prefill score tile (block_r rows feed tl.dot); block_g
-    alone for decode (one row per program, heads feed tl.dot); scan: columns per radix tile;
-    rows: rows per radix program. The interpreter uses small column tiles (tests cross tile
-    borders) and many rows per program (its cost is per program)."""
-    if _interpreting():
-        return dict(block_r=16, block_g=16, scan=32, rows=8)
-    return dict(block_r=64, block_g=128 if decode else 64, scan=4096, rows=1)
+def select_tiles(decode: bool, options: KernelOptions = DEFAULT) -> SelectTiles:
+    """The tiles of a decode or prefill select call (`SelectTiles`). options.small_tiles: small
+    column tiles (tests cross tile borders) and 8 rows per radix program (the interpreter's cost
+    is per program). Else the H200's: 128-column decode score tiles and 64-column prefill ones
+    (`select_score.score_tiles` has the measurements), radix tiles of 4096 columns and one row a
+    program."""
+    if options.small_tiles:
+        return SelectTiles(block_r=16, block_g=16, scan=32, rows=8)
+    return SelectTiles(block_r=64, block_g=128 if decode else 64, scan=4096, rows=1)
+
+
+@dataclass(frozen=True)
+class SelectTiles:
+    """Tiles of one select call (`select_tiles`). block_r x block_g: the prefill score tile
+    (block_r rows feed tl.dot); block_g alone for decode (one row a program, heads feed tl.dot);
+    scan: columns per radix tile; rows: rows per radix program; rows_per_request: decode rows
+    per request (> 1: a request's rows share each key load); rows_aligned: the decode rows are
+    whole requests from row 0 (a decode-only step: the request-rows score kernel)."""
+
+    block_r: int
+    block_g: int
+    scan: int
+    rows: int
+    rows_per_request: int = 1
+    rows_aligned: bool = False
 
 
 @dataclass(frozen=True)
 class SelectWorkspace:
     """Persistent scratch of selection (flat; a schedule takes views): fp32 scores, the
     int32 radix histograms and arrival counters (zero between uses: the resolving program
-    clears what it read), states and per-tile counts; the scratch of `select_topk` (decode)
-    and of `select_prefill` (long prefill rows)."""
+    clears what it read), states and per-tile counts; the scratch of `select_prefill` (long prefill rows)."""
 
     scores: torch.Tensor
     hist: torch.Tensor
     arrive: torch.Tensor
     state: torch.Tensor
     counts: torch.Tensor
-    topk: select_topk.TopkScratch | None = None
     prefill: select_prefill.PrefillScratch | None = None
     decode_samples: select_prefill.PrefillScratch | None = None
 
 
 def select_workspace(max_rows: int, max_cols: int, block_topk: int, device: torch.device | str,
-                     decode_samples: bool | None = None) -> SelectWorkspace:
-    """Scratch for any `plan_select` with num_rows <= max_rows and num_cols <= max_cols
-    (decode_samples: also that of the per-row-samples decode route; None: unless
-    QSA_DECODE_SAMPLES=0)."""
+                     options: KernelOptions = DEFAULT) -> SelectWorkspace:
+    """Scratch for any `plan_select` with num_rows <= max_rows, num_cols <= max_cols and these
+    options (with options.decode_samples: also that of the per-row-samples decode route)."""
     dev = torch.device(device)
     cols = max(max_cols, 1)
     if cols <= block_topk:  # nothing is ever scored
         return SelectWorkspace(*(torch.empty(0, dtype=dt, device=dev) for dt in (torch.float32,) + (torch.int32,) * 4))
-    tiles = _tiles(decode=True)  # both kinds share the radix tiles
+    tiles = select_tiles(True, options)  # both kinds share the radix tiles
     max_chunk = min(max_rows, max(1, SCORE_SCRATCH_BYTES // (4 * (block_topk + 1))))
     score_elems = max(min(max_chunk * cols, SCORE_SCRATCH_BYTES // 4), _scored_chunk(max_rows, cols, False) * cols)
-    hist_rows = triton.cdiv(max_chunk, tiles["rows"]) * tiles["rows"]
+    hist_rows = triton.cdiv(max_chunk, tiles.rows) * tiles.rows
     # chunk * n_tiles <= chunk + chunk * cols / scan, and chunk * cols <= score_elems.
-    count_slots = max_chunk + score_elems // tiles["scan"] + 1
+    count_slots = max_chunk + score_elems // tiles.scan + 1
     return SelectWorkspace(
         scores=_score_scratch(1, score_elems, dev).view(-1),
         hist=torch.zeros(hist_rows * _BINS, dtype=torch.int32, device=dev),
         arrive=torch.zeros(hist_rows, dtype=torch.int32, device=dev),
         state=torch.empty(max_chunk * 4, dtype=torch.int32, device=dev),
         counts=torch.empty(count_slots * 2, dtype=torch.int32, device=dev),
-        topk=_topk_scratch(max_rows, cols, block_topk, dev),
-        prefill=_prefill_scratch(max_rows, cols, block_topk, dev),
-        decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev) if (
-            decode_samples_enabled() if decode_samples is None else decode_samples) else None,
+        prefill=_prefill_scratch(max_rows, cols, block_topk, dev, options),
+        decode_samples=_decode_samples_scratch(max_rows, cols, block_topk, dev, options)
+        if options.decode_samples else None,
     )
 
 
@@ -200,24 +180,8 @@ def _scored_chunk(num_rows: int, n_cols: int, decode: bool) -> int:
     return max(1, min(num_rows, rows if decode else max(rows, PREFILL_MIN_CHUNK_ROWS)))
 
 
-def _topk_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device) -> select_topk.TopkScratch:
-    """`select_topk` scratch for every decode plan up to max_rows x max_cols (num_cols are
-    powers of two): the largest need of any column bound that takes the route."""
-    need = dict.fromkeys(select_topk.TopkScratch.__dataclass_fields__, 1)
-    c = triton.next_power_of_2(block_topk + 1)
-    while c <= triton.next_power_of_2(max_cols):
-        chunk = min(_scored_chunk(max_rows, c, True), _TOPK_MAX_ROWS)  # the largest chunk the route takes
-        tiles = select_topk.topk_tiles(c, _interpreting(), chunk)
-        if _topk_route(c, chunk, True):
-            for k, v in select_topk.topk_scratch_elems(chunk, c, tiles).items():
-                need[k] = max(need[k], v)
-        c *= 2
-    return select_topk.TopkScratch(**{k: (torch.zeros if k == "arrive" else torch.empty)(
-        v, dtype=torch.int32, device=dev) for k, v in need.items()})
-
-
-def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
-                     dev: torch.device) -> select_prefill.PrefillScratch | None:
+def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device,
+                     options: KernelOptions) -> select_prefill.PrefillScratch | None:
     """`select_prefill` scratch for every prefill plan up to max_rows x max_cols (num_cols:
     the `planner.column_bucket`s, powers of two up to 4096 then multiples of 4096, or
     max_cols): the largest need of any column bound that takes the route (a chunk's need is
@@ -227,15 +191,15 @@ def _prefill_scratch(max_rows: int, max_cols: int, block_topk: int,
               | set(range(_BUCKET_STEP, max_cols + 1, _BUCKET_STEP)))
     for c in sorted(bounds):
         chunk = _scored_chunk(max_rows, c, False)
-        tiles = _prefill_route(c, block_topk, False, chunk)
+        tiles = _prefill_route(c, block_topk, False, chunk, options)
         if tiles is not None:
-            elems = select_prefill.prefill_scratch_elems(chunk, max_rows, c, tiles, _score_block_g(c))
+            elems = select_prefill.prefill_scratch_elems(chunk, max_rows, c, tiles, score_block_g(c, options))
             need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
     return select_prefill.prefill_scratch(need, dev) if need else None
 
 
-def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int,
-                            dev: torch.device) -> select_prefill.PrefillScratch | None:
+def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int, dev: torch.device,
+                            options: KernelOptions) -> select_prefill.PrefillScratch | None:
     """Scratch of the per-row-samples decode route for every decode plan up to max_rows x
     max_cols (`planner.column_bucket`s): the largest need of any that takes it, a power of two
     c standing for the bounds in (c / 2, c] (their chunks up to that of c / 2 + 1 columns, their
@@ -244,9 +208,9 @@ def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int,
     bounds = {1 << i for i in range(block_topk.bit_length(), (max_cols - 1).bit_length() + 1)}
     for c in sorted(bounds):
         chunk = min(_scored_chunk(max_rows, c // 2 + 1, True), _DECODE_SAMPLES_MAX_ROWS)
-        tiles = _decode_samples_route(c, block_topk, chunk, True, True) if c > block_topk else None
+        tiles = _decode_samples_route(c, block_topk, chunk, True, options) if c > block_topk else None
         if tiles is not None:
-            elems = select_prefill.prefill_scratch_elems(chunk, chunk, c, tiles, _decode_block_g())
+            elems = select_prefill.prefill_scratch_elems(chunk, chunk, c, tiles, decode_block_g(options))
             need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
     return select_prefill.prefill_scratch(need, dev) if need else None
 
@@ -258,7 +222,7 @@ class SelectSchedule:
     num_cols: the column bound (groups of the longest request); chunk: rows per scratch
     pass; scored: any row may have more than Kb visible groups; fused: the one-launch
     per-row top-k, else the radix passes; the views scores fp32 [chunk, num_cols], hist,
-    arrive, state, counts int32 (unscored: one-element stand-ins, never read); topk / topk_tiles: the scratch and
+    arrive, state, counts int32 (unscored: one-element stand-ins, never read); topk_tiles: the
     tiles of `select_topk` where a decode chunk takes it instead (`_topk_route`), else None;
     prefill / prefill_tiles: those of `select_prefill` where a prefill chunk takes it
     (`_prefill_route`), else None; decode_samples / decode_samples_tiles: those of the
@@ -272,31 +236,30 @@ class SelectSchedule:
     fused: bool
     decode: bool
     n_tiles: int
-    tiles: dict
-    interpret: bool
+    tiles: SelectTiles
+    options: KernelOptions
     scores: torch.Tensor
     hist: torch.Tensor
     arrive: torch.Tensor
     state: torch.Tensor
     counts: torch.Tensor
-    topk: select_topk.TopkScratch | None = None
-    topk_tiles: dict | None = None
+    topk_tiles: select_topk.TopkTiles | None = None
     prefill: select_prefill.PrefillScratch | None = None
-    prefill_tiles: dict | None = None
+    prefill_tiles: select_prefill.SampleTiles | None = None
     decode_samples: select_prefill.PrefillScratch | None = None
-    decode_samples_tiles: dict | None = None
+    decode_samples_tiles: select_prefill.SampleTiles | None = None
 
     @property
     def route(self) -> str:
         """The top-k route `SelectLaunch` binds: "prefill" (`select_prefill`), "dsamp" (the
-        per-row-samples decode route), "topk-short" / "topk-seg" (`select_topk`'s short and
-        segment routes), "fused" or "radix" (`select_radix`'s one program per row or passes)."""
+        per-row-samples decode route), "topk-short" (`select_topk`), "fused" or "radix"
+        (`select_radix`'s one program per row or passes)."""
         if self.prefill is not None:
             return "prefill"
         if self.decode_samples is not None:
             return "dsamp"
-        if self.topk is not None:
-            return "topk-short" if select_topk.short_route(self.num_cols, self.topk_tiles) else "topk-seg"
+        if self.topk_tiles is not None:
+            return "topk-short"
         return "fused" if self.fused else "radix"
 
 
@@ -321,7 +284,7 @@ def plan_select(
     workspace: SelectWorkspace | None = None,
     rows_per_request: int = 1,
     rows_aligned: bool = False,
-    decode_samples: bool | None = None,
+    options: KernelOptions = DEFAULT,
 ) -> SelectSchedule:
     """Schedule of a decode or prefill select over num_rows rows and num_cols columns.
 
@@ -331,21 +294,20 @@ def plan_select(
     rows_aligned: the decode rows are whole requests of rows_per_request rows from row 0, then
     inert rows (a decode-only step: no request of 0 rows shifts another's); MTP rows then take
     the request-rows score kernel, in chunks of whole requests.
-    decode_samples: long decode chunks take the per-row-samples route (`_decode_samples_route`;
-    None: `decode_samples_enabled()`, read now).
+    options: the kernels' options (routes, tiles; the launches bound to the schedule take it).
     """
     Kb = block_topk
     n_cols = max(num_cols, 1)
     # (decode scores: MTP rows share keys)
-    tiles = dict(_tiles(decode), rows_per_request=rows_per_request, rows_aligned=rows_aligned)
-    scan = tiles["scan"]
+    tiles = replace(select_tiles(decode, options), rows_per_request=rows_per_request, rows_aligned=rows_aligned)
+    scan = tiles.scan
     n_tiles = triton.cdiv(n_cols, scan)
     scored = n_cols > Kb
     chunk = _scored_chunk(num_rows, n_cols, decode) if scored else max(num_rows, 1)
     if decode and rows_aligned and chunk < num_rows:  # a request's rows in one chunk
         chunk = max(rows_per_request, chunk - chunk % rows_per_request)
     fused = n_cols <= _FUSED_MAX_COLS and chunk <= _FUSED_MAX_ROWS
-    rows = tiles["rows"]
+    rows = tiles.rows
     if workspace is None and scored:
         workspace = SelectWorkspace(
             scores=_score_scratch(chunk, n_cols, torch.device(device)).view(-1),
@@ -370,27 +332,24 @@ def plan_select(
         # emit's chosen count sums `counts` as int32, which sm_90's compiler checks.
         scores = torch.empty(1, 1, dtype=torch.float32, device=device)
         hist = arrive = state = counts = torch.empty(1, 1, dtype=torch.int32, device=device)
-    on = decode_samples_enabled() if decode_samples is None else decode_samples
-    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, on, rows_per_request) if scored else None
+    dsamp_tiles = _decode_samples_route(n_cols, Kb, chunk, decode, options, rows_per_request) if scored else None
     dsamp = None
     if dsamp_tiles is not None:
-        need = select_prefill.prefill_scratch_elems(chunk, chunk, n_cols, dsamp_tiles, _decode_block_g())
+        need = select_prefill.prefill_scratch_elems(chunk, chunk, n_cols, dsamp_tiles, decode_block_g(options))
         dsamp = _route_scratch(workspace, "decode_samples", need, lambda: select_prefill.prefill_scratch(need, device))
-    topk = topk_tiles = None
-    if dsamp is None and _topk_route(n_cols, chunk, decode):
-        topk_tiles = select_topk.topk_tiles(n_cols, _interpreting(), chunk)
-        need = select_topk.topk_scratch_elems(chunk, n_cols, topk_tiles)
-        topk = _route_scratch(workspace, "topk", need,
-                              lambda: select_topk.topk_scratch(chunk, n_cols, topk_tiles, device))
+    topk_tiles = None
+    if dsamp is None and _topk_route(n_cols, chunk, decode, options):
+        topk_tiles = select_topk.topk_tiles(n_cols, options.small_tiles, chunk)
     prefill = None
-    prefill_tiles = _prefill_route(n_cols, Kb, decode, chunk)
+    prefill_tiles = _prefill_route(n_cols, Kb, decode, chunk, options)
     if prefill_tiles is not None:
-        need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles, _score_block_g(n_cols))
+        need = select_prefill.prefill_scratch_elems(chunk, num_rows, n_cols, prefill_tiles,
+                                                    score_block_g(n_cols, options))
         prefill = _route_scratch(workspace, "prefill", need, lambda: select_prefill.prefill_scratch(need, device))
     return SelectSchedule(
         num_rows=num_rows, num_cols=n_cols, chunk=chunk, scored=scored, fused=fused, decode=decode,
-        n_tiles=n_tiles, tiles=tiles, interpret=_interpreting(),
-        scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk=topk, topk_tiles=topk_tiles,
+        n_tiles=n_tiles, tiles=tiles, options=options,
+        scores=scores, hist=hist, arrive=arrive, state=state, counts=counts, topk_tiles=topk_tiles,
         prefill=prefill, prefill_tiles=prefill_tiles, decode_samples=dsamp, decode_samples_tiles=dsamp_tiles,
     )
 
@@ -411,8 +370,8 @@ class SelectLaunch:
                  out: torch.Tensor, *, page_size: int, compress_ratio: int, block_topk: int,
                  first_row: int = 0, positions: torch.Tensor | None = None,
                  kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        s = schedule
-        kv = kv_warm(*kv_cache, token_to_req, compress_ratio, s.num_rows, block_topk) \
+        s, options = schedule, schedule.options
+        kv = kv_warm(*kv_cache, token_to_req, compress_ratio, s.num_rows, block_topk, options) \
             if kv_cache is not None and s.decode else None
         self.rows, self.q_dtype, self.out_shape = first_row + s.num_rows, q_idx.dtype, out.shape
         for name, t in (("q_idx", q_idx), ("token_to_req", token_to_req), ("visible_blocks", visible_blocks),
@@ -425,43 +384,46 @@ class SelectLaunch:
             n = min(s.chunk, self.rows - row0)
             if n not in bound:
                 samples = None if s.prefill is None else select_prefill.samples_view(
-                    s.prefill, s.chunk, s.num_cols, s.prefill_tiles, _score_block_g(s.num_cols))
+                    s.prefill, s.chunk, s.num_cols, s.prefill_tiles, score_block_g(s.num_cols, options))
                 if s.decode_samples is not None:
                     samples = select_prefill.samples_view(s.decode_samples, s.chunk, s.num_cols,
-                                                          s.decode_samples_tiles, _decode_block_g())
-                scored_samples = s.decode_samples is not None and not s.decode_samples_tiles["sample_launch"]
+                                                          s.decode_samples_tiles, decode_block_g(options))
+                scored_samples = s.decode_samples is not None and not s.decode_samples_tiles.sample_launch
                 score = ScoreLaunch(
                     q_idx, compressed, block_table, token_to_req, visible_blocks, s.scores, row0=row0, rows=n,
                     num_cols=s.num_cols, page_size=page_size, compress_ratio=compress_ratio, block_topk=block_topk,
-                    decode=s.decode, tiles=s.tiles, interpret=s.interpret,
+                    decode=s.decode, tiles=s.tiles, options=options,
                     samples=samples if s.prefill is not None or scored_samples else None,
-                    sample_sub=0 if s.prefill is None else s.prefill_tiles["sub"],
-                    row_samples=s.decode_samples_tiles["row_s"] if scored_samples else 0,
+                    sample_sub=0 if s.prefill is None else s.prefill_tiles.sub,
+                    row_samples=s.decode_samples_tiles.row_s if scored_samples else 0,
                 ) if s.scored else None
                 if s.prefill is not None:
                     topk = select_prefill.PrefillTopkLaunch(
                         s.scores, samples, visible_blocks, out, s.prefill, row0=row0, rows=n, num_cols=s.num_cols,
-                        block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=_score_block_g(s.num_cols),
+                        block_topk=block_topk, tiles=s.prefill_tiles, score_block_g=score_block_g(s.num_cols, options),
                         first_row=first_row, num_rows=s.num_rows, chunk=s.chunk, positions=positions,
-                        compress_ratio=compress_ratio,
+                        compress_ratio=compress_ratio, options=options,
                     )
                 elif s.decode_samples is not None:
                     topk = select_prefill.PrefillTopkLaunch(
                         s.scores, samples, visible_blocks, out, s.decode_samples, row0=row0, rows=n,
                         num_cols=s.num_cols, block_topk=block_topk, tiles=s.decode_samples_tiles,
-                        score_block_g=_decode_block_g(), first_row=first_row, num_rows=s.num_rows, chunk=s.chunk,
-                        positions=positions, compress_ratio=compress_ratio, kv=kv, block_table=block_table,
+                        score_block_g=decode_block_g(options), first_row=first_row, num_rows=s.num_rows,
+                        chunk=s.chunk, positions=positions, compress_ratio=compress_ratio, kv=kv,
+                        block_table=block_table, options=options,
                     )
-                elif s.topk is not None:
+                elif s.topk_tiles is not None:
                     topk = select_topk.TopkLaunch(
-                        s.scores, visible_blocks, out, s.topk, row0=row0, rows=n, num_cols=s.num_cols,
+                        s.scores, visible_blocks, out, row0=row0, rows=n, num_cols=s.num_cols,
                         block_topk=block_topk, tiles=s.topk_tiles, positions=positions, compress_ratio=compress_ratio,
+                        options=options,
                     )
                 else:
                     topk = TopkLaunch(
                         s.scores, visible_blocks, out, s.state, s.hist, s.arrive, s.counts, row0=row0, rows=n,
                         num_cols=s.num_cols, n_tiles=s.n_tiles, block_topk=block_topk, scored=s.scored,
                         fused=s.fused, tiles=s.tiles, positions=positions, compress_ratio=compress_ratio,
+                        options=options,
                     )
                 bound[n] = (score, topk)
             self._chunks.append((row0, *bound[n]))

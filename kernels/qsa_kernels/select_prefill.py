@@ -7,7 +7,7 @@ int32 bits order like the values; columns >= visible are garbage) and its sample
 (`select_score`, `sample_sub`): sample i of a row is the largest key of its columns
 [i*S, i*S + S) below visible. Output per row the Kb largest groups, ties to the lowest group
 index, ascending; rows with visible <= Kb take groups 0..visible-1 unscored, -1 padded; or
-(PACKED) the packed selection rows (`expand._packed_groups` / `_packed_tail`).
+(PACKED) the packed selection rows (`select_common.packed_groups` / `packed_tail`).
 
 The maxima of disjoint column subsets are real keys, so the Kb-th largest sample is a lower
 bound L of the row's Kb-th largest key (to LBITS high bits: a lower bound still). Per chunk
@@ -15,7 +15,7 @@ one launch, grid rows x segments of SEG columns: each program finds L from its r
 compacts its segment's keys >= L (ascending column) into its candidate list, and the program
 that completes the row (its only one, or the last to arrive at the row's counter, acq_rel)
 gathers the lists in column order and resolves them exactly in registers
-(`select_topk._kth_key`, `_emit`). More than CAP candidates (keys crowded near the threshold,
+(`select_topk._kth_key`, `emit`). More than CAP candidates (keys crowded near the threshold,
 or rows too short to have Kb samples) send the row to the exact whole-row resolve
 (`select_topk._resolve_row`): slower, same result. With `defer`, the lists of several chunks'
 rows stay (under CAND_BYTES) and one `_resolve_prefill_kernel` launch after the group's last
@@ -37,11 +37,12 @@ import triton
 import triton.language as tl
 
 from .launch import Launcher, pdl_end, pdl_start
+from .options import DEFAULT, KernelOptions
 from .warm import KVWarm, warm_kv_groups
 from .select_radix import ChunkLaunches, packed_write
-from .select_score import _sample_shift, _store_row_samples
-from .select_topk import (_compact_segment, _compact_step, _emit, _emit_above, _keys, _kth_bound, _kth_key,
-                          _resolve_row, _samples_bound, _write_short, _write_tail)
+from .select_common import (compact_segment, compact_step, emit, emit_above, kth_bound, kth_key, resolve_row,
+                            samples_bound, score_keys, write_short, write_tail)
+from .select_score import sample_shift, store_row_samples
 
 
 @triton.jit
@@ -50,8 +51,8 @@ def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.cons
                    RSBITS: tl.constexpr = 0):
     """Exact top-k of a row's candidate lists (list s at s * CAP of c_idx / c_key, its length
     at cnt_row[s], n_seg lists, KB to CAP candidates in all): gathered in segment order
-    (ascending columns), the KB-th key found in registers (RSBITS 0: `_kth_key`, 31 / BITS
-    steps; else the bracket search `_kth_bound`, 2^RSBITS counts a step until isolated), the
+    (ascending columns), the KB-th key found in registers (RSBITS 0: `kth_key`, 31 / BITS
+    steps; else the bracket search `kth_bound`, 2^RSBITS counts a step until isolated), the
     chosen written ascending."""
     segs = tl.arange(0, SEGP)
     cnt = tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg")
@@ -70,10 +71,10 @@ def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.cons
     key = tl.load(c_key + src, mask=m, other=-1, cache_modifier=".cg")
     idx = tl.load(c_idx + src, mask=m, other=0, cache_modifier=".cg")
     if RSBITS:
-        thr, n_above = _kth_bound(key, total, KB, RSBITS)
-        _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB, PACKED, R)
+        thr, n_above = kth_bound(key, total, KB, RSBITS)
+        emit_above(key, idx, thr, n_above, out_row, stride_oc, KB, PACKED, R)
     else:
-        _emit(key, idx, _kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
+        emit(key, idx, kth_key(key, KB, BITS, 31), out_row, stride_oc, KB, PACKED, R)
 
 
 @triton.jit
@@ -113,7 +114,7 @@ def _compact_runs(s_row, samp_row, runs_row, l_idx, l_key, bound, run0, hi, run_
         m = fi < n_flat
         run_f = tl.load(runs_row + (fi >> LOG_S), mask=m, other=0, cache_modifier=".cg")
         cols = (run_f << LOG_S) + (fi & ((1 << LOG_S) - 1))
-        n = _compact_step(cols, _keys(s_row, cols, m & (cols < hi)), bound, n, l_idx, l_key, CAP)
+        n = compact_step(cols, score_keys(s_row, cols, m & (cols < hi)), bound, n, l_idx, l_key, CAP)
         start += BLOCK
     return n
 
@@ -124,23 +125,23 @@ def _row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.co
     """A lower bound of a row's KB-th largest key from its samples int32 (one per 2^LOG_S
     columns, LOG_S a constexpr or the row's own; cdiv(vis, 2^LOG_S) of them, SAMPP >= that, a
     power of two).
-    SBITS 0: the KB-th largest sample to its LBITS high bits (`_kth_key`, ceil(LBITS / BITS)
+    SBITS 0: the KB-th largest sample to its LBITS high bits (`kth_key`, ceil(LBITS / BITS)
     block reductions); else the bracket search (`select_topk._samples_bound`, 2^SBITS counts
     a step, until isolated). Either way >= KB samples reach it: <= the row's KB-th key."""
     p = tl.arange(0, SAMPP)
     samples = tl.load(samp_row + p, mask=p < _cdiv_pow2(vis, LOG_S), other=-1)
     if SBITS:
-        return _samples_bound(samples, KB, SBITS)
-    return _kth_key(samples, KB, BITS, LBITS)
+        return samples_bound(samples, KB, SBITS)
+    return kth_key(samples, KB, BITS, LBITS)
 
 
 @triton.jit
 def _chunk_row_bound(samp_row, vis, KB: tl.constexpr, BITS: tl.constexpr, LBITS: tl.constexpr, S: tl.constexpr,
                      SAMPP: tl.constexpr, SBITS: tl.constexpr, ROW_SAMPLES: tl.constexpr, LOG_G: tl.constexpr):
     """`_row_bound` of a row with samples per S columns (a power of two), or (ROW_SAMPLES = WBITS
-    > 0) per 2^`_sample_shift(vis, WBITS, LOG_G)` columns."""
+    > 0) per 2^`sample_shift(vis, WBITS, LOG_G)` columns."""
     if ROW_SAMPLES:
-        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, _sample_shift(vis, ROW_SAMPLES, LOG_G), SAMPP, SBITS)
+        bound = _row_bound(samp_row, vis, KB, BITS, LBITS, sample_shift(vis, ROW_SAMPLES, LOG_G), SAMPP, SBITS)
     else:
         bound = _row_bound(samp_row, vis, KB, BITS, LBITS, S.bit_length() - 1, SAMPP, SBITS)
     return bound
@@ -184,12 +185,12 @@ def _topk_prefill_kernel(
     resets it). The last arriver resolves the row from its lists, or (more than CAP
     candidates) from its scores; DEFER: only the latter, `_resolve_prefill_kernel` does the
     rest after the chunk's scores are gone. ROW_SAMPLES = WBITS > 0 (decode; no DEFER): a row's
-    samples are one per 2^`_sample_shift(vis, WBITS, LOG_G)` columns (the decode score launch's or,
+    samples are one per 2^`sample_shift(vis, WBITS, LOG_G)` columns (the decode score launch's or,
     MTP rows, `_row_samples_kernel`'s), not per S; with RUNS, rows of at most RUNS runs per segment
     read only their live runs, others the segment. The row's bound: BOUND_IN, read from bound int32
     [chunk rows] (`_bound_prefill_kernel`, before this launch), else each program's own
     `_chunk_row_bound` (SBITS: the bracket search). RSBITS: the last arriver's resolve by the
-    bracket search (`_resolve_lists`; 0: `_kth_key`). WARM_K > 0 (`warm.KV`): a program that
+    bracket search (`_resolve_lists`; 0: `kth_key`). WARM_K > 0 (`warm.KV`): a program that
     does not resolve its row then hints its candidates' K and V rows into L2 (req, bt:
     token_to_req and the block table; kc / vc: the K / V caches, PAGE tokens a page; WARM_K /
     WARM_V: `warm.warm_kv_groups`' K_BYTES / V_BYTES)."""
@@ -204,8 +205,8 @@ def _topk_prefill_kernel(
     n_seg = tl.cdiv(vis, SEG)
     if vis <= KB:
         if seg == 0:
-            _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-            _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
+            write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+            write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     elif seg < n_seg:
         samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
         if BOUND_IN:
@@ -220,19 +221,19 @@ def _topk_prefill_kernel(
         if RUNS:
             runs_row = runs_ptr + lr.to(tl.int64) * (SEGP * RUNS) + seg * RUNS
             if ROW_SAMPLES:  # per-row strides: rows of at most RUNS runs per segment read their live runs
-                shift = _sample_shift(vis, ROW_SAMPLES, LOG_G)
+                shift = sample_shift(vis, ROW_SAMPLES, LOG_G)
                 n_runs = SEG >> shift
                 if n_runs <= RUNS:
                     n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound,
                                       seg * n_runs, hi, tl.minimum(_cdiv_pow2(vis, shift), (seg + 1) * n_runs),
                                       shift, RUNS, CAP, BLOCK)
                 else:
-                    n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
+                    n = compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
             else:
                 n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound, seg * RUNS,
                                   hi, tl.cdiv(vis, S), S.bit_length() - 1, RUNS, CAP, BLOCK)
         else:
-            n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
+            n = compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
         tl.store(cnt_row + seg, n)
         tl.debug_barrier()  # this program's list and count before its arrival / its resolve
         last = n_seg == 1
@@ -243,12 +244,12 @@ def _topk_prefill_kernel(
                 tl.store(arrive_ptr + lr, 0)  # clean for the next call
             if _row_total(cnt_row, n_seg, SEGP) <= CAP:
                 if not DEFER:
-                    _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+                    write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                     _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R,
                                    RSBITS)
             else:
-                _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-                _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+                write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+                resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
         elif WARM_K:
             j = tl.arange(0, CAP)
             m = j < n
@@ -278,7 +279,7 @@ def _resolve_prefill_kernel(
         if vis > KB:
             if _row_total(cnt_row, n_seg, SEGP) <= CAP:
                 out_row = out_ptr + row.to(tl.int64) * stride_or
-                _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+                write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_lists(cidx_ptr + lr.to(tl.int64) * stride_cr, ckey_ptr + lr.to(tl.int64) * stride_cr,
                                cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
     pdl_end(PDL)
@@ -292,7 +293,7 @@ def _row_samples_kernel(
 ):
     """Per-row samples of scores already in the scratch (grid: chunk rows x blocks of BLOCK
     columns, a multiple of 2^LOG_G): s fp32 [chunk rows, n_cols] -> samp int32 [chunk rows,
-    2^WBITS], what the decode score launch's ROW_SAMPLES writes (`_store_row_samples`) for rows
+    2^WBITS], what the decode score launch's ROW_SAMPLES writes (`store_row_samples`) for rows
     with visible > KB, from the columns below visible."""
     pdl_start(PDL)
     lr = tl.program_id(0)
@@ -304,7 +305,7 @@ def _row_samples_kernel(
         m = g < vis
         s = tl.load(s_ptr + lr.to(tl.int64) * stride_sr + g, mask=m, other=0.0)
         one = tl.arange(0, 1)
-        _store_row_samples(samp_ptr, lr + one, g0, s[:, None], m[:, None], vis + one, stride_pr, WBITS, BLOCK, 1,
+        store_row_samples(samp_ptr, lr + one, g0, s[:, None], m[:, None], vis + one, stride_pr, WBITS, BLOCK, 1,
                            LOG_G)
     pdl_end(PDL)
 
@@ -315,49 +316,77 @@ _prefill_topk = Launcher(_topk_prefill_kernel)
 _prefill_resolve = Launcher(_resolve_prefill_kernel)
 
 
-# Longest sample run (columns). H200, session 11, top-k launches of 16K rows at 1M (128-column
-# score tiles), ms: runs of 128 -> 7.57, 64 -> 5.0 (64-column tiles), 32 -> 4.27, 16 -> 7.18; at
-# 128K (4 Kb samples already give runs of 16) 32 was slower (1.58 -> 2.03).
+# Longest sample run (columns): 32 made the top-k launches of 16K rows at 1M fastest on the H200
+# (runs of 128: 7.57 ms, 64: 5.0, 32: 4.27, 16: 7.18; --only prefill-1048576-1-16384-bf16).
 SAMPLE_COLS = 32
 # Cap on the candidate lists kept for a deferred resolve (bytes): rows of several chunks.
 CAND_BYTES = 64 << 20
 
 
-def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> dict[str, int]:
+@dataclass(frozen=True)
+class SampleTiles:
+    """Launch shapes of the sample-bounded top-k (`prefill_tiles`, `decode_tiles`).
+
+    sub: samples per score tile; seg: columns per segment program; cap: candidates of a row (and
+    of one list); block / rblock: columns per sweep step (compaction / the whole-row resolve);
+    bits: key bits per radix search step; lbits: high key bits of the bound; warps: per program;
+    regs: registers per thread the compiler may use (0: its choice); defer: resolve the rows of
+    several chunks in one later launch (`defer_rows`) with rwarps / rregs; bound: where a row's
+    lower bound comes from (0: each segment program's radix search of the samples, 1: a bound
+    launch per chunk, 2: as 0 by the bracket search of 2^sbits counts a step, 3: as 1 by the
+    bracket search); skip: the candidate launch reads only the runs whose sample reaches the
+    bound (`seg_runs`). Decode only (per-row sample strides, `decode_tiles`): row_s = WBITS
+    (2^row_s sample slots a row), log_g (log2 of the score tile's columns), skip_shift,
+    rsbits (the resolve's bracket search), sample_launch (MTP rows: samples from a launch of
+    their own, sblock columns a program)."""
+
+    sub: int
+    seg: int
+    cap: int
+    block: int
+    rblock: int
+    bits: int
+    lbits: int
+    warps: int
+    regs: int
+    defer: int
+    rwarps: int
+    rregs: int
+    bound: int
+    sbits: int
+    skip: int = 0
+    row_s: int = 0
+    log_g: int = 0
+    skip_shift: int = 0
+    rsbits: int = 0
+    sample_launch: int = 0
+    sblock: int = 0
+
+
+def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> SampleTiles:
     """Launch shapes for prefill rows of num_cols columns whose score tiles are score_block_g
-    columns wide. sub: samples per score tile (a power of two, the fewest giving >= 4 Kb
-    samples over num_cols and runs of at most SAMPLE_COLS, at most score_block_g / 4), S =
-    score_block_g / sub columns per sample; seg: columns per program; cap: candidates of a row (and of one list); block /
-    rblock: columns per sweep step (compaction / the whole-row resolve); bits: key bits per
-    search step; lbits: high key bits of the bound; warps per program; regs: registers per
-    thread the compiler may use (0: its choice; fewer let more programs share an SM); defer:
-    resolve the rows of several chunks in one later launch (`defer_rows`), with rwarps /
-    rregs, instead of in each row's last program; bound: where the row's lower bound comes from
-    (`_row_bound`), 0: each segment program searches the row's samples itself (`_kth_key`), 1:
-    a bound launch per chunk (`_bound_prefill_kernel`, one program per row, warps) searches once
-    and the segment programs read it, 2: as 0 by the bracket search of 2^sbits counts a step
-    (`select_topk._kth_bound`), 3: as 1 by the bracket search. small: the interpreter's tiles; else the
-    H200's (2026-12-01 W2, select of 16K rows, radix -> this route, ms: at 16K context 1.59 ->
-    1.13, 128K 14.95 -> 6.52, 1M 120.8 -> 58.4; the top-k part is bound by latency, so 8 warps
-    at 64 registers (4 programs per SM), 1024 candidates and the deferred resolve won; the
-    whole-row programs of 16 warps and 2048 candidates (W1) took 6.9 / 50.6 ms of top-k at
-    128K / 1M)."""
+    columns wide (fields: `SampleTiles`). sub: a power of two, the fewest giving >= 4 Kb samples
+    over num_cols and runs of at most SAMPLE_COLS, at most score_block_g / 4 (S = score_block_g /
+    sub columns per sample). small (`KernelOptions.small_tiles`): tiles that tests cross with few
+    columns. Else the H200's: the top-k is bound by latency, so 8 warps at 64 registers (4
+    programs an SM), 1024 candidates and the deferred resolve (select of 16K rows against the
+    radix passes: 1.59 -> 1.13 ms at 16K context, 14.95 -> 6.52 at 128K, 120.8 -> 58.4 at 1M);
+    skip from 32768 columns (it pays only where segments hold many runs: 128K 6.47 -> 4.87 ms, 1M
+    57.5 -> 40.7, 16K even); bound 1 for rows of several segments (one search in the bound
+    launch), 2 for rows of one segment (the bracket search in their program). Measure: `python
+    benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16 prefill-131072-1-16384-bf16
+    prefill-1048576-1-16384-bf16 --out DIR`."""
     sub = 1
     while 4 * sub < score_block_g and (num_cols * sub < 4 * block_topk * score_block_g
                                        or score_block_g > SAMPLE_COLS * sub):
         sub *= 2
     if small:
-        return dict(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
-                    rwarps=4, rregs=0, bound=0, sbits=2)
-    # skip (2026-12-01 W2, select of 16K rows, ms): the candidate launch reads only the runs whose
-    # sample reaches the bound: 128K 6.47 -> 4.87 (its candidate launches 2.90 -> 1.27), 1M 57.5
-    # -> 40.7 (29.1 -> 12.3); not at 16K (1.12 vs 1.13), so from 32768 columns.
-    # bound (2026-12-02 15:38, select of 16K rows, ms, bound 0 -> 1 / 2): rows of several segments
-    # search once in the bound launch (1M 32.35 -> 31.04 / 32.57), rows of one segment by the
-    # bracket in their program (128K 4.87 -> 4.88 / 4.85, 16K 1.120 -> 1.130 / 1.092).
+        return SampleTiles(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
+                           rwarps=4, rregs=0, bound=0, sbits=2)
     seg = 32768
-    return dict(sub=sub, seg=seg, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64, defer=1,
-                rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=1 if num_cols > seg else 2, sbits=2)
+    return SampleTiles(sub=sub, seg=seg, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64,
+                       defer=1, rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=1 if num_cols > seg else 2,
+                       sbits=2)
 
 
 # Decode chunks of at least this many rows search each row's bound once, in a bound launch (tile
@@ -366,10 +395,10 @@ DECODE_BOUND_ROWS = 16
 
 
 def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool, rows: int = 1,
-                 rows_per_request: int = 1) -> dict[str, int]:
-    """Launch shapes of the decode route (`select.plan_select`, `QSA_DECODE_SAMPLES`): the
+                 rows_per_request: int = 1) -> SampleTiles:
+    """Launch shapes of the decode route (`select.plan_select`, `KernelOptions.decode_samples`): the
     decode score launch writes each row's samples at a stride of its own (`ScoreLaunch`'s
-    row_samples = row_s = WBITS, `_sample_shift`): 2^WBITS slots per row, WBITS the least with
+    row_samples = row_s = WBITS, `sample_shift`): 2^WBITS slots per row, WBITS the least with
     >= 4 Kb slots and rows of num_cols columns at most score_block_g (= 2^log_g) columns per
     sample. So every scored row has at least Kb samples, a row of at most 2^WBITS columns one
     per column (its bound is its Kb-th key) and a longer one more than 2 Kb: a short row of a
@@ -380,62 +409,64 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     bracket search (`_resolve_lists`). sample_launch (MTP rows, rows_per_request > 1): the samples
     come from a launch of their own over the score scratch (`_row_samples_kernel`, sblock columns a
     program), not from the score launch. The other fields as `prefill_tiles`'. rows: the chunk's.
-    small: the interpreter's tiles."""
+    small: the interpreter's tiles.
+
+    H200 choices: the bracket searches, the tile skip and 8192-column segments against the radix
+    search and whole segments (128K B4 44.3 -> 35.5 us, 1M B4 131.9 -> 113.4, 128K B64 205.2 ->
+    193.6); 4096-column segments up to 32768 columns (at 1M they make 64 lists to gather); chunks
+    of >= DECODE_BOUND_ROWS rows search each row's bound once in a bound launch and run 4 warps
+    (it pays only where a chunk runs in one wave: 1M B4 x 4 MTP 119.9 -> 112.8, chunks of 4 rows
+    lose). Measure: `python benchmarks/bench_qsa.py --only decode-131072-4-1-bf16
+    decode-131072-64-1-bf16 decode-1048576-4-1-bf16 decode-1048576-4-4-bf16 --out DIR`."""
     log_g = score_block_g.bit_length() - 1
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,
-             bound=2, sample_launch=int(rows_per_request > 1), sblock=max(2048, score_block_g))
+             sample_launch=int(rows_per_request > 1))
     if small:
-        return dict(t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, skip=0, sbits=2, rsbits=2,
-                    sblock=2 * score_block_g)
-    # H200, session 12 (select alone, us; bound 0, the 16-step resolve, no skip, seg 8192 ->
-    # this): 128K B4 44.3 -> 35.5, 1M B4 131.9 -> 113.4, 128K B64 205.2 -> 193.6. Segments of
-    # 4096 won at 128K (37.0 -> 35.5) and lost at 1M (113.4 -> 202.0: 64 lists to gather).
-    # Measured on the H200 (select, us, bench_dsamp.py at 7bb3f93; default -> bound launch -> that at 4 warps): 1M B4 x 4
-    # MTP (16 rows) 119.9 -> 114.8 -> 112.8, 128K B16 x 4 85.8 -> 76.4 -> 73.6, 128K B64 175.8 ->
-    # 171.3 -> 170.1; but chunks of 4 rows lost (1M B4 100.7 -> 102.2 -> 107.5, 1M + 3 x 64K 52.7 ->
-    # 54.0 -> 57.5): programs repeating the search pay off only where a chunk runs in one wave.
+        return SampleTiles(**t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, skip=0, sbits=2,
+                           rsbits=2, bound=2, sblock=2 * score_block_g)
     many = rows >= DECODE_BOUND_ROWS
-    return dict(t, seg=4096 if num_cols <= 32768 else 8192, cap=1024, block=2048, rblock=1024, bits=2, lbits=16,
-                warps=4 if many else 8, skip=1, sbits=3, rsbits=3, bound=3 if many else 2)
+    return SampleTiles(**t, seg=4096 if num_cols <= 32768 else 8192, cap=1024, block=2048, rblock=1024, bits=2,
+                       lbits=16, warps=4 if many else 8, skip=1, sbits=3, rsbits=3, bound=3 if many else 2,
+                       sblock=max(2048, score_block_g))
 
 
-def prefill_route(num_cols: int, block_topk: int, tiles: dict, score_block_g: int) -> bool:
+def prefill_route(num_cols: int, block_topk: int, tiles: SampleTiles, score_block_g: int) -> bool:
     """Whether prefill rows of num_cols columns take this route: their samples number at
     least 2 Kb (fewer make a loose bound: crowded candidates, the slow whole-row resolve)."""
-    return num_cols * tiles["sub"] >= 2 * block_topk * score_block_g
+    return num_cols * tiles.sub >= 2 * block_topk * score_block_g
 
 
-def sample_cols(tiles: dict, score_block_g: int) -> int:
+def sample_cols(tiles: SampleTiles, score_block_g: int) -> int:
     """Columns per sample (S)."""
-    return score_block_g // tiles["sub"]
+    return score_block_g // tiles.sub
 
 
-def samples_per_row(num_cols: int, tiles: dict, score_block_g: int) -> int:
+def samples_per_row(num_cols: int, tiles: SampleTiles, score_block_g: int) -> int:
     """Sample slots of a row: 2^row_s (decode, per-row strides), else one per S columns."""
-    if tiles.get("row_s", 0):
-        return 1 << tiles["row_s"]
+    if tiles.row_s:
+        return 1 << tiles.row_s
     return triton.cdiv(num_cols, sample_cols(tiles, score_block_g))
 
 
-def seg_runs(num_cols: int, tiles: dict, score_block_g: int) -> int:
+def seg_runs(num_cols: int, tiles: SampleTiles, score_block_g: int) -> int:
     """Runs of S columns (samples) per segment program where the candidate launch reads only
     the runs whose sample reaches the bound (tile skip), else 0; per-row strides: the most
     (rows of 2^skip_shift columns per sample; rows of narrower runs read their whole segment)."""
-    if not tiles.get("skip", 0):
+    if not tiles.skip:
         return 0
-    if tiles.get("row_s", 0):
-        return max(min(tiles["seg"], triton.next_power_of_2(num_cols)) >> tiles["skip_shift"], 1)
-    return max(min(tiles["seg"], triton.next_power_of_2(num_cols)) // sample_cols(tiles, score_block_g), 1)
+    if tiles.row_s:
+        return max(min(tiles.seg, triton.next_power_of_2(num_cols)) >> tiles.skip_shift, 1)
+    return max(min(tiles.seg, triton.next_power_of_2(num_cols)) // sample_cols(tiles, score_block_g), 1)
 
 
-def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: dict) -> int:
+def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: SampleTiles) -> int:
     """Rows whose candidate lists one resolve launch takes: a multiple of chunk, the lists
     under CAND_BYTES (or chunk, without defer)."""
-    if not tiles["defer"]:
+    if not tiles.defer:
         return chunk
-    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles["seg"]))
-    per_chunk = chunk * segp * tiles["cap"] * 8
+    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles.seg))
+    per_chunk = chunk * segp * tiles.cap * 8
     return chunk * max(1, min(triton.cdiv(num_rows, chunk), CAND_BYTES // per_chunk))
 
 
@@ -454,16 +485,16 @@ class PrefillScratch:
     bound: torch.Tensor
 
 
-def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: dict,
+def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: SampleTiles,
                           score_block_g: int) -> dict[str, int]:
     """int32 elements of each `PrefillScratch` field for a call of num_rows rows of num_cols
     columns in chunks of `chunk` rows."""
-    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles["seg"]))
+    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles.seg))
     group = defer_rows(chunk, num_rows, num_cols, tiles)
     return dict(samples=chunk * samples_per_row(num_cols, tiles, score_block_g),
-                cand_idx=group * segp * tiles["cap"], cand_key=group * segp * tiles["cap"], counts=group * segp,
+                cand_idx=group * segp * tiles.cap, cand_key=group * segp * tiles.cap, counts=group * segp,
                 arrive=chunk, runs=max(chunk * segp * seg_runs(num_cols, tiles, score_block_g), 1),
-                bound=chunk if tiles["bound"] & 1 else 1)
+                bound=chunk if tiles.bound & 1 else 1)
 
 
 def prefill_scratch(elems: dict[str, int], device: torch.device | str) -> PrefillScratch:
@@ -472,7 +503,7 @@ def prefill_scratch(elems: dict[str, int], device: torch.device | str) -> Prefil
                              for k, v in elems.items()})
 
 
-def samples_view(scratch: PrefillScratch, rows: int, num_cols: int, tiles: dict, score_block_g: int) -> torch.Tensor:
+def samples_view(scratch: PrefillScratch, rows: int, num_cols: int, tiles: SampleTiles, score_block_g: int) -> torch.Tensor:
     """The samples int32 [rows, `samples_per_row`] of a chunk (what the score launch writes)."""
     n = samples_per_row(num_cols, tiles, score_block_g)
     return scratch.samples[: rows * n].view(rows, n)
@@ -492,57 +523,58 @@ class PrefillTopkLaunch(ChunkLaunches):
 
     def __init__(self, scores: torch.Tensor, samples: torch.Tensor, visible_blocks: torch.Tensor,
                  out: torch.Tensor, scratch: PrefillScratch, *, row0: int, rows: int, num_cols: int,
-                 block_topk: int, tiles: dict, score_block_g: int, first_row: int, num_rows: int, chunk: int,
+                 block_topk: int, tiles: SampleTiles, score_block_g: int, first_row: int, num_rows: int, chunk: int,
                  positions: torch.Tensor | None = None, compress_ratio: int = 1, kv: KVWarm | None = None,
-                 block_table: torch.Tensor | None = None) -> None:
+                 block_table: torch.Tensor | None = None, options: KernelOptions = DEFAULT) -> None:
         Kb, t = block_topk, tiles
         write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
-        segs = triton.cdiv(num_cols, t["seg"])
+        segs = triton.cdiv(num_cols, t.seg)
         segp = triton.next_power_of_2(segs)
         n = prefill_scratch_elems(chunk, num_rows, num_cols, t, score_block_g)
         self.rows, self.first, self.end = rows, first_row, first_row + num_rows
         self.group = defer_rows(chunk, num_rows, num_cols, t)
         cidx, ckey = (x[: n["cand_idx"]].view(self.group, -1) for x in (scratch.cand_idx, scratch.cand_key))
-        common = dict(KB=Kb, BITS=t["bits"], SEG=t["seg"], SEGP=segp, CAP=t["cap"], **write)
+        common = dict(KB=Kb, BITS=t.bits, SEG=t.seg, SEGP=segp, CAP=t.cap, **write)
         runs = seg_runs(num_cols, t, score_block_g)
-        row_s = t.get("row_s", 0)
-        if row_s and (t["defer"] or samples.shape[1] != 1 << row_s) or t.get("sample_launch", 0) and not row_s:
+        row_s = t.row_s
+        if row_s and (t.defer or samples.shape[1] != 1 << row_s) or t.sample_launch and not row_s:
             raise ValueError(f"per-row sample strides (row_s {row_s}) take no deferred resolve, and samples "
                              f"[rows, 2^row_s] (a sample launch writes only those); got {tuple(samples.shape)}")
         S, SAMPP = sample_cols(t, score_block_g), triton.next_power_of_2(samples.shape[1])
         self._samples = _row_samples.bind(
-            (rows, triton.cdiv(num_cols, t["sblock"])), scores, visible_blocks, samples, row0, num_cols,
-            scores.stride(0), samples.stride(0), free=("row0",), KB=Kb, WBITS=row_s, BLOCK=t["sblock"],
-            LOG_G=t["log_g"], num_warps=4,
-        ) if t.get("sample_launch", 0) else None
-        sbits = t["sbits"] if t["bound"] >= 2 else 0
+            (rows, triton.cdiv(num_cols, t.sblock)), scores, visible_blocks, samples, row0, num_cols,
+            scores.stride(0), samples.stride(0), free=("row0",), options=options, KB=Kb, WBITS=row_s, BLOCK=t.sblock,
+            LOG_G=t.log_g, num_warps=4,
+        ) if t.sample_launch else None
+        sbits = t.sbits if t.bound >= 2 else 0
         # Decode rows of packed output may warm the attention's K/V (`warm.KV`): block_table per call.
-        self.kv = kv if kv is not None and row_s and not t["defer"] and positions is not None else None
+        self.kv = kv if kv is not None and row_s and not t.defer and positions is not None else None
         warm_args = self.kv.args(block_table) if self.kv is not None else (visible_blocks, visible_blocks, 0, 0,
                                                                                scores, scores, 0, 0, 0, 0)
         self._bound = _prefill_bound.bind(
-            (rows,), visible_blocks, samples, scratch.bound, row0, num_cols, samples.stride(0), free=("row0",),
-            KB=Kb, BITS=t["bits"], LBITS=t["lbits"], S=S, SAMPP=SAMPP, SBITS=sbits, ROW_SAMPLES=row_s,
-            LOG_G=t.get("log_g", 0), num_warps=t["warps"],
-        ) if t["bound"] & 1 else None
+            (rows,), visible_blocks, samples, scratch.bound, row0, num_cols, samples.stride(0), free=("row0",), options=options,
+            KB=Kb, BITS=t.bits, LBITS=t.lbits, S=S, SAMPP=SAMPP, SBITS=sbits, ROW_SAMPLES=row_s,
+            LOG_G=t.log_g, num_warps=t.warps,
+        ) if t.bound & 1 else None
         self._topk = _prefill_topk.bind(
             (rows, segs), scores, visible_blocks, samples, cidx, ckey, scratch.counts, scratch.arrive, out, pos,
             scratch.runs, scratch.bound, row0, 0, num_cols, scores.stride(0), samples.stride(0), cidx.stride(0),
             out.stride(0), out.stride(1), *warm_args,
             free=("row0", "crow0", "out_ptr", "stride_or") + (("bt_ptr", "stride_btr", "stride_btp") if self.kv else ()),
+            options=options,
             WARM_K=self.kv.k_bytes if self.kv else 0, WARM_V=self.kv.v_bytes if self.kv else 0,
             PAGE=self.kv.k.shape[1] if self.kv else 1,
-            KBP=triton.next_power_of_2(Kb), LBITS=t["lbits"], S=S, SAMPP=SAMPP, BLOCK=t["block"], RBLOCK=t["rblock"],
-            DEFER=bool(t["defer"]), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.get("log_g", 0),
-            BOUND_IN=bool(t["bound"] & 1), SBITS=sbits, RSBITS=t.get("rsbits", 0), **common,
-            num_warps=t["warps"],
-            **({"maxnreg": t["regs"]} if t["regs"] else {}),
+            KBP=triton.next_power_of_2(Kb), LBITS=t.lbits, S=S, SAMPP=SAMPP, BLOCK=t.block, RBLOCK=t.rblock,
+            DEFER=bool(t.defer), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.log_g,
+            BOUND_IN=bool(t.bound & 1), SBITS=sbits, RSBITS=t.rsbits, **common,
+            num_warps=t.warps,
+            **({"maxnreg": t.regs} if t.regs else {}),
         )
         self._resolve = _prefill_resolve.bind(
             (self.group,), visible_blocks, cidx, ckey, scratch.counts, out, pos, row0, rows, num_cols,
-            cidx.stride(0), out.stride(0), out.stride(1), free=("row0", "n_rows", "out_ptr", "stride_or"),
-            **common, num_warps=t["rwarps"], **({"maxnreg": t["rregs"]} if t["rregs"] else {}),
-        ) if t["defer"] else None
+            cidx.stride(0), out.stride(0), out.stride(1), free=("row0", "n_rows", "out_ptr", "stride_or"), options=options,
+            **common, num_warps=t.rwarps, **({"maxnreg": t.rregs} if t.rregs else {}),
+        ) if t.defer else None
 
     def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int,
                  block_table: torch.Tensor | None = None) -> None:

@@ -21,12 +21,15 @@ order like the values); output: the chosen groups of each row in ascending order
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 
-from .expand import _packed_groups, _packed_tail
+from .select_common import packed_groups, packed_tail
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
+from .options import DEFAULT, KernelOptions
 
 BINS = 256
 # (shift, width) of the radix digits of a non-negative fp32 bit pattern (bit 31 is 0).
@@ -171,9 +174,9 @@ def _emit_kernel(
     if tile == 0:
         j = tl.arange(0, KBP)[None, :]
         if PACKED:
-            _packed_groups(out_row, j, j, short[:, None] & (j < vis[:, None]), R)
+            packed_groups(out_row, j, j, short[:, None] & (j < vis[:, None]), R)
             p = tl.load(pos_ptr + row0 + lr, mask=in_chunk, other=-1)
-            _packed_tail(out_row, tl.minimum(vis, KB)[:, None], vis[:, None], p[:, None], in_chunk[:, None],
+            packed_tail(out_row, tl.minimum(vis, KB)[:, None], vis[:, None], p[:, None], in_chunk[:, None],
                          R, W, BLOCK_W)
         else:
             tl.store(out_row + j * stride_oc, tl.where(j < vis[:, None], j, -1), mask=short[:, None] & (j < KB))
@@ -201,7 +204,7 @@ def _emit_kernel(
         pos = taken[:, None] + tl.cumsum(chosen, 1) - chosen
         put = (chosen > 0) & (pos.to(tl.uint32) < KB)  # the row's KB columns, whatever the counts say
         if PACKED:
-            _packed_groups(out_row, cols + lr[:, None] * 0, pos, put, R)
+            packed_groups(out_row, cols + lr[:, None] * 0, pos, put, R)
         else:
             tl.store(out_row + pos * stride_oc, cols + lr[:, None] * 0, mask=put)
     pdl_end(PDL)
@@ -226,10 +229,10 @@ def _topk_row_kernel(
     s_row = s_ptr + lr.to(tl.int64) * stride_sr
     j = tl.arange(0, KBP)
     if PACKED:
-        _packed_tail(out_row, tl.minimum(vis, KB), vis, tl.load(pos_ptr + row), True, R, W, BLOCK_W)
+        packed_tail(out_row, tl.minimum(vis, KB), vis, tl.load(pos_ptr + row), True, R, W, BLOCK_W)
     if vis <= KB:
         if PACKED:
-            _packed_groups(out_row, j, j, j < vis, R)
+            packed_groups(out_row, j, j, j < vis, R)
         else:
             tl.store(out_row + j * stride_oc, tl.where(j < vis, j, -1), mask=j < KB)
     else:
@@ -267,7 +270,7 @@ def _topk_row_kernel(
             pos = taken + tl.cumsum(chosen, 0) - chosen
             put = (chosen > 0) & (pos.to(tl.uint32) < KB)  # the row's KB columns, whatever the counts say
             if PACKED:
-                _packed_groups(out_row, cols, pos, put, R)
+                packed_groups(out_row, cols, pos, put, R)
             else:
                 tl.store(out_row + pos * stride_oc, cols, mask=put)
             taken += tl.sum(chosen, 0)
@@ -323,8 +326,8 @@ class TopkLaunch(ChunkLaunches):
 
     def __init__(self, scores: torch.Tensor, visible_blocks: torch.Tensor, out: torch.Tensor, state: torch.Tensor,
                  hist: torch.Tensor, arrive: torch.Tensor, counts: torch.Tensor, *, row0: int, rows: int, num_cols: int, n_tiles: int,
-                 block_topk: int, scored: bool, fused: bool, tiles: dict, positions: torch.Tensor | None = None,
-                 compress_ratio: int = 1) -> None:
+                 block_topk: int, scored: bool, fused: bool, tiles: Any, positions: torch.Tensor | None = None,
+                 compress_ratio: int = 1, options: KernelOptions = DEFAULT) -> None:
         Kb, KBP, sr = block_topk, triton.next_power_of_2(block_topk), scores.stride(0)
         write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
         free = ("row0",)
@@ -332,25 +335,25 @@ class TopkLaunch(ChunkLaunches):
         if fused:
             self._launches: list[tuple[BoundLaunch, bool]] = [(_topk_row.bind(
                 (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, out.stride(0), out.stride(1),
-                free=out_free, KB=Kb, KBP=KBP, BINS=BINS, BLOCK=tiles["scan"], **write, num_warps=8,
+                free=out_free, options=options, KB=Kb, KBP=KBP, BINS=BINS, BLOCK=tiles.scan, **write, num_warps=8,
             ), True)]
             return
-        per = tiles["rows"]
+        per = tiles.rows
         scan_grid = (triton.cdiv(rows, per), n_tiles)
-        scan = dict(BLOCK=tiles["scan"], ROWS=per, num_warps=8 if tiles["scan"] >= 2048 else 4)
+        scan = dict(BLOCK=tiles.scan, ROWS=per, num_warps=8 if tiles.scan >= 2048 else 4)
         self._launches = []
         if scored:
             for i, (shift, width) in enumerate(PASSES):
                 radix = dict(KB=Kb, FIRST=i == 0, SHIFT=shift, WIDTH=width, BINS=BINS)
                 self._launches.append((_hist.bind(
                     scan_grid, scores, visible_blocks, state, hist, arrive, row0, rows, num_cols, n_tiles, sr,
-                    free=free, **radix, **scan,
+                    free=free, options=options, **radix, **scan,
                 ), False))
             self._launches.append((_count.bind(
-                scan_grid, scores, visible_blocks, state, counts, row0, rows, num_cols, n_tiles, sr, free=free,
+                scan_grid, scores, visible_blocks, state, counts, row0, rows, num_cols, n_tiles, sr, free=free, options=options,
                 KB=Kb, **scan,
             ), False))
         self._launches.append((_emit.bind(
             scan_grid, scores, visible_blocks, state, counts, out, pos, row0, rows, num_cols, n_tiles, sr,
-            out.stride(0), out.stride(1), free=out_free, KB=Kb, KBP=KBP, PREV=64, **scan, **write,
+            out.stride(0), out.stride(1), free=out_free, options=options, KB=Kb, KBP=KBP, PREV=64, **scan, **write,
         ), True))

@@ -14,7 +14,7 @@ run). Three kernels (`score_tiles` says which for which shape, with the H200 fig
   each streams its own keys (prefill, and MTP rows of a mixed step). PACK (<= 4 heads, padded
   to HP): rows x heads on one dot's N, the heads outermost (m = h * BLOCK_R + r), so the head
   sum after a reshape stays in each thread's registers, and the key tile on its M (wgmma; rows
-  x heads on the mma's M measured slower, session 13). Otherwise one dot per head (more than 4
+  x heads on the mma's M measured slower). Otherwise one dot per head (more than 4
   heads).
 `ScoreLaunch` binds one chunk's launch (`launch.py`): per call only q_idx, the block table
 and the chunk's first row.
@@ -22,7 +22,7 @@ and the chunk's first row.
 Bits: each score is one fp32 dot per head over all of Di (no tile splits Di), the heads'
 ReLUs summed in head order, then the IEEE division by sqrt(Di) (`_finish`, or `_finish_fast`:
 the same quotient wherever it is normal), so a score depends on its row's q and its key
-only, never on the tile or span. W2 on the H200: every route's scores bit-equal to main's.
+only, never on the tile or span. On the H200: every route's scores bit-equal to main's.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from .launch import Launcher, pdl_end, pdl_start
+from .options import DEFAULT, KernelOptions
 
 # triton 3.6's interpreter rounds tl.fma twice (the product, then the sum), so the fast
 # division is exact there only when compiled: its interpreter runs take the IEEE division.
@@ -95,7 +97,7 @@ def _relu_dot(q, keys):
 
 
 @triton.jit
-def _sample_shift(vis, WBITS: tl.constexpr, MAX_SHIFT: tl.constexpr):
+def sample_shift(vis, WBITS: tl.constexpr, MAX_SHIFT: tl.constexpr):
     """log2 of the columns per sample of rows of vis visible columns (int32, scalar or a
     tensor; decode's per-row samples): the least s in [0, MAX_SHIFT] with cdiv(vis, 2^s) <=
     2^WBITS, so a row of at most 2^WBITS columns has a sample per column and a longer one
@@ -116,15 +118,15 @@ def _store_scores(ptr, s, mask, KEEP: tl.constexpr):
 
 
 @triton.jit
-def _store_row_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
+def store_row_samples(samp_ptr, lr, g0, s, mask, vis, stride_pr, WBITS: tl.constexpr, BLOCK_G: tl.constexpr,
                        BLOCK_R: tl.constexpr, LOG_G: tl.constexpr):
     """Per-row samples of a score tile s fp32 [BLOCK_G, BLOCK_R] (columns g0 + i, g0 a multiple
     of BLOCK_G, a multiple of 2^LOG_G; rows lr int32 [BLOCK_R], their visible vis; mask: the cells
-    written): row lr's runs of 2^shift columns (`_sample_shift`) -> samples int32 [chunk rows,
+    written): row lr's runs of 2^shift columns (`sample_shift`) -> samples int32 [chunk rows,
     2^WBITS] at (lr, g0 / 2^shift + run) = the largest key of the run's columns below vis.
     Only the run widths of the tile's rows are reduced (one for a single row, or the rows of
     one request: their visible counts differ by less than their number)."""
-    shift = _sample_shift(vis, WBITS, LOG_G)
+    shift = sample_shift(vis, WBITS, LOG_G)
     lo = tl.min(shift, 0)
     hi = tl.max(shift, 0)
     key = tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
@@ -151,7 +153,7 @@ def _scores_decode_kernel(
     to HM >= 16) are the dot's M. q [T, HI, DI], keys [rows, DI] -> s fp32 [chunk rows, n_cols].
     SPAN_TILES > 0 (the interpreter only): the tile loop runs over constant bounds (triton
     3.6's interpreter cannot range over in-kernel values), masked as the runtime bounds.
-    ROW_SAMPLES = WBITS > 0: also the row's samples (`_store_row_samples`, BLOCK_G = 2^LOG_G)
+    ROW_SAMPLES = WBITS > 0: also the row's samples (`store_row_samples`, BLOCK_G = 2^LOG_G)
     into samp int32 [chunk rows, 2^WBITS]: a row of one sample a tile stores each tile's maximum
     in the tile loop, a row of shorter runs reads its span's scores back after it. FAST_DIV: the
     division as `_finish_fast`. KEEP: scores stored with an L2 evict_last hint (samples always)."""
@@ -172,7 +174,7 @@ def _scores_decode_kernel(
         samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
         # Rows of one sample a tile (the longest) take its maximum in the tile loop; shorter runs
         # are read back after it (a multi-width reduction in the loop costs ~40 registers).
-        tile_samples = _sample_shift(vis, ROW_SAMPLES, LOG_G) == LOG_G  # (unread without ROW_SAMPLES)
+        tile_samples = sample_shift(vis, ROW_SAMPLES, LOG_G) == LOG_G  # (unread without ROW_SAMPLES)
         for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
                             num_stages=STAGES):
             g0 = col0 + off if SPAN_TILES else off
@@ -197,7 +199,7 @@ def _scores_decode_kernel(
                     g = g0 + tl.arange(0, BLOCK_G)
                     g_mask = g < g_end
                     s = tl.load(s_row + g, mask=g_mask, other=0.0, cache_modifier=".cg")
-                    _store_row_samples(samp_ptr, lr + one, g0, s[:, None], g_mask[:, None], vis + one, stride_pr,
+                    store_row_samples(samp_ptr, lr + one, g0, s[:, None], g_mask[:, None], vis + one, stride_pr,
                                        ROW_SAMPLES, BLOCK_G, 1, LOG_G)
     pdl_end(PDL)
 
@@ -455,14 +457,14 @@ class ScoreTiles:
 
 
 # Prefill rows of at least this many columns (1M context) score in 128-column tiles (H200,
-# session 8, select of 16K rows at 1M: 35.9 -> 32.7 ms, its scores 24.7 -> 23.5 and its
+# select of 16K rows at 1M: 35.9 -> 32.7 ms, its scores 24.7 -> 23.5 and its
 # candidate launches 10.6 -> 8.4 from the longer samples); at 128K they were slower (4.9 -> 5.8).
 PREFILL_WIDE_COLS = 1 << 18
 # The request-rows kernel's tiles (MTP rows of a decode-only step).
 MTP_TILES = ScoreTiles(block_r=1, block_g=128, span=256, stages=2, num_warps=4, fast_div=True, request_rows=True)
-# Registers per thread of the decode kernel with per-row samples. H200, session 12, the score
+# Registers per thread of the decode kernel with per-row samples. H200, the score
 # launch alone, us (none / samples / samples at 64 registers): 1M B4 80.6 / 91.1 / 86.0, 128K B64
-# 149.0 / 170.1 / 161.0, 128K B4 19.2 / 20.5 / 19.9. Session 17 (sm_90, cuobjdump): the
+# 149.0 / 170.1 / 161.0, 128K B4 19.2 / 20.5 / 19.9. On sm_90 (cuobjdump): the
 # multi-width samples in the tile loop took ~40 registers (fp8 / bf16 keys: 110 / 106 by the
 # compiler's choice, spilling 56 / 24 bytes at 64); with only the tile maximum there (88 / 96,
 # none spilled at 64) the whole step went fp8 1M B4 92.5 -> 88.7 us, 1M B4 121.2 -> 119.4, 128K
@@ -470,36 +472,38 @@ MTP_TILES = ScoreTiles(block_r=1, block_g=128, span=256, stages=2, num_warps=4, 
 SAMPLES_MAX_REGS = 64
 
 
-def score_tiles(decode: bool, tiles: dict, interpret: bool, key_bytes: int = 2, num_cols: int = 0) -> ScoreTiles:
-    """The score tiles: the schedule's small tiles under the interpreter (tests cross tile and
-    span borders), else the H200's, measured (W2, L2 flushed; main = the one-tile-per-program
-    kernels before this sweep):
+def score_tiles(decode: bool, tiles: Any, small: bool, key_bytes: int = 2, num_cols: int = 0) -> ScoreTiles:
+    """The score tiles of a call whose `select.SelectTiles` are `tiles`: with small
+    (`KernelOptions.small_tiles`) the schedule's small tiles (tests cross tile and span borders),
+    else the H200's, measured (L2 flushed; main = the one-tile-per-program kernels before this
+    sweep; `python benchmarks/bench_qsa.py --only decode-1048576-4-1-bf16 decode-1048576-4-4-bf16
+    prefill-131072-1-16384-bf16 --out DIR`):
     - decode, one row per request: one row per program, 128-column tiles; spans of up to two
-      tiles for bf16 keys, four for fp8, while >= 512 programs remain (session 15, with the
+      tiles for bf16 keys, four for fp8, while >= 512 programs remain (with the
       per-row samples, us, one tile / two / four: bf16 1M B4 83.5 / 82.8 / 84.3, 128K B64 157.2 /
       150.3 / 153.0, 128K B4 19.8 / 19.2 / 21.2; fp8 1M B4 59.2 / 54.9 / 52.9, 128K B64 109.8 /
       96.9 / 92.0, 128K B4 15.0 / 14.2 / 16.9); 2 stages (bf16 two tiles, 3 -> 2 stages: 1M B4
       82.8 -> 81.6, 128K B64 150.2 -> 148.3, 128K B4 19.6 -> 19.1; fp8 within 0.6 either way);
-    - decode with tiles["rows_per_request"] > 1 (MTP): 4 rows x 4 heads on one dot, so a
+    - decode with tiles.rows_per_request > 1 (MTP): 4 rows x 4 heads on one dot, so a
       request's rows read each key once (1M B4 x 4 rows 224 -> 111 us); in a decode-only step
-      (tiles["rows_aligned"]) the request-rows kernel (`_scores_mtp_kernel`: the rows x heads on
+      (tiles.rows_aligned) the request-rows kernel (`_scores_mtp_kernel`: the rows x heads on
       the mma's M, the Markstein division, 256-column spans, 2 stages), else the packed kernel
-      with the keys on the wgmma's M and the Markstein division (prefill's body). Session 13, the
+      with the keys on the wgmma's M and the Markstein division (prefill's body). The
       launch alone at 1M B4 x 4 / 128K B16 x 4, us: packed with rows x heads on the mma's M (before)
       106.6 / 61.0, keys on M 87.7 / 53.1, request rows 81.4 / 48.7 (with the IEEE division
       100.8 / 57.2; all bit-equal);
     - prefill: keys on the wgmma's M, 32 rows x 4 heads on its N, the Markstein division
       (16K rows at 128K 7.5 -> 2.96 ms, at 1M 66.8 -> 25.3 ms, at 16K 512 -> 227 us); 128-column
-      tiles from PREFILL_WIDE_COLS num_cols; whole tiles unmasked (session 11, scores of 16K
+      tiles from PREFILL_WIDE_COLS num_cols; whole tiles unmasked (scores of 16K
       rows, ms: 1M 22.8 -> 18.2, 128K 3.18 -> 2.94, 16K 0.251 -> 0.225); 64-column tiles at 168
       registers, 3 programs an SM (128K 2.94 -> 2.62; 128-column ones spill there)."""
-    rows_tiles = decode and tiles.get("rows_per_request", 1) > 1
-    if rows_tiles and tiles.get("rows_aligned", False):
-        return ScoreTiles(block_r=1, block_g=tiles["block_g"], span=2 * tiles["block_g"], stages=1, num_warps=4,
-                          fast_div=True, request_rows=True) if interpret else MTP_TILES
-    if interpret:
-        return ScoreTiles(block_r=4 if rows_tiles else 1 if decode else tiles["block_r"], block_g=tiles["block_g"],
-                          span=2 * tiles["block_g"], stages=1, num_warps=4, pack=rows_tiles or not decode,
+    rows_tiles = decode and tiles.rows_per_request > 1
+    if rows_tiles and tiles.rows_aligned:
+        return ScoreTiles(block_r=1, block_g=tiles.block_g, span=2 * tiles.block_g, stages=1, num_warps=4,
+                          fast_div=True, request_rows=True) if small else MTP_TILES
+    if small:
+        return ScoreTiles(block_r=4 if rows_tiles else 1 if decode else tiles.block_r, block_g=tiles.block_g,
+                          span=2 * tiles.block_g, stages=1, num_warps=4, pack=rows_tiles or not decode,
                           fast_div=rows_tiles or not decode, whole=rows_tiles or not decode)
     if rows_tiles:
         return ScoreTiles(block_r=4, block_g=128, span=0, stages=3, num_warps=4, pack=True, fast_div=True, whole=True)
@@ -531,7 +535,7 @@ _FREE = ("q_ptr", "bt_ptr", "row0", "stride_qt", "stride_qh", "stride_qd", "stri
 
 # Decode and MTP score launches whose chunk's scores take at most this many bytes store them with
 # an L2 evict_last hint: the top-k launch reads them next, and the index keys streaming through L2
-# behind them evicted them at 1M context (H200, session 18, whole step, bit-equal: 1M B4 118.3 ->
+# behind them evicted them at 1M context (H200, whole step, bit-equal: 1M B4 118.3 ->
 # 113.1 us, its top-k 20.1 -> 17.7; 128K B64 251.1 -> 245.0; smaller steps unchanged). A quarter of
 # the H200's 60 MB L2 (every measured chunk, 16 MiB at 1M x 16 rows): larger chunks would hold most
 # of L2 at high priority until the next layer overwrites them. Per-row samples always (2 MiB at
@@ -548,7 +552,7 @@ def _fp32(x: float) -> float:
 def dot_dtype(q_idx: torch.Tensor, compressed: torch.Tensor, interpret: bool) -> tl.dtype:
     """The score dots' operand dtype, one that holds both sides' values exactly: fp16 where both
     are fp8 (every e4m3 / e5m2 value is an fp16 one, and sm_90 converts a pair in one
-    instruction, bf16 in several; H200, session 15: fp8 1M B4's score launch 59.2 -> 47.4 us,
+    instruction, bf16 in several; H200: fp8 1M B4's score launch 59.2 -> 47.4 us,
     its scores bit-equal), bf16 where each is bf16 or fp8, else (and in the interpreter) fp32."""
     dtypes = (q_idx.dtype, compressed.dtype)
     if interpret or not all(d == torch.bfloat16 or d in _FP8 for d in dtypes):
@@ -565,17 +569,18 @@ class ScoreLaunch:
     sample_sub)] (prefill only): the launch also writes the top-k's samples there
     (`select_prefill`: sample_sub per score tile of block_g columns). row_samples = WBITS > 0
     (the one-row decode kernel, with samples int32 [>= rows, 2^WBITS], sample_sub 0): it also
-    writes each row's samples at a stride of its own (`_sample_shift`: a power of two up to
+    writes each row's samples at a stride of its own (`sample_shift`: a power of two up to
     block_g, from the row's visible count), for `select_prefill`'s decode route."""
 
     def __init__(self, q_idx: torch.Tensor, compressed: torch.Tensor, block_table: torch.Tensor,
                  token_to_req: torch.Tensor, visible_blocks: torch.Tensor, scores: torch.Tensor, *, row0: int,
                  rows: int, num_cols: int, page_size: int, compress_ratio: int, block_topk: int, decode: bool,
-                 tiles: dict, interpret: bool, score: ScoreTiles | None = None, samples: torch.Tensor | None = None,
-                 sample_sub: int = 0, row_samples: int = 0) -> None:
+                 tiles: Any, options: KernelOptions = DEFAULT, score: ScoreTiles | None = None,
+                 samples: torch.Tensor | None = None, sample_sub: int = 0, row_samples: int = 0) -> None:
         _, Hi, Di = q_idx.shape
-        t = score or score_tiles(decode, tiles, interpret, compressed.element_size(), num_cols)
-        rpr = tiles.get("rows_per_request", 1)
+        interpret = options.interpreter
+        t = score or score_tiles(decode, tiles, options.small_tiles, compressed.element_size(), num_cols)
+        rpr = tiles.rows_per_request
         # a request's rows per program (rows x heads <= 64 on the dot's M, else one row per program)
         mtp = decode and t.request_rows and rpr > 1 and triton.next_power_of_2(Hi) * triton.next_power_of_2(rpr) <= 64
         per_row = decode and not mtp and (t.block_r == 1 or Hi > 4)  # the decode kernel: one row per program
@@ -618,16 +623,16 @@ class ScoreLaunch:
         keep = rows * num_cols * scores.element_size() <= SCORES_L2_BYTES
         if mtp:
             rp = triton.next_power_of_2(rpr)
-            self._launch = _mtp.bind((row_tiles, spans), *args, free=_FREE, HM=max(16, HP * rp), RPR=rpr, RP=rp,
+            self._launch = _mtp.bind((row_tiles, spans), *args, free=_FREE, options=options, HM=max(16, HP * rp), RPR=rpr, RP=rp,
                                      FAST_DIV=fast_div, KEEP=keep, **common, num_warps=t.num_warps,
                                      **({"maxnreg": t.max_regs} if t.max_regs else {}))
         elif per_row:
             regs = t.max_regs or (SAMPLES_MAX_REGS if row_samples else 0)
-            self._launch = _decode.bind((rows, spans), *args, free=_FREE, FAST_DIV=fast_div, KEEP=keep,
+            self._launch = _decode.bind((rows, spans), *args, free=_FREE, options=options, FAST_DIV=fast_div, KEEP=keep,
                                         HM=max(16, triton.next_power_of_2(Hi)), **common, num_warps=t.num_warps,
                                         **({"maxnreg": regs} if regs else {}))
         else:  # prefill, or MTP rows of a mixed step sharing each key tile (rows x heads packed)
-            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, BLOCK_R=block_r,
+            self._launch = _prefill.bind((row_tiles, spans), *args, free=_FREE, options=options, BLOCK_R=block_r,
                                          PACK=t.pack and Hi <= 4, HP=HP,
                                          FAST_DIV=fast_div, WHOLE=whole,
                                          SAMPLE=sample_sub if samples is not None else 0, **common,

@@ -1,38 +1,20 @@
-"""Triton exact top-k of scored rows without histograms, in one or two launches (design.md §2.7).
+"""Triton exact top-k of short scored rows without histograms, one launch (design.md §2.7).
 
 Contract: `qsa_core.reference.select.topk_groups` (and `select_radix.TopkLaunch`'s): input a
 chunk's fp32 score scratch [chunk rows, num_cols] (scores >= 0, -0.0 folded into +0.0, so the
 int32 bits order like the values; columns >= visible are garbage); output per row the Kb
 largest groups, ties to the lowest group index, in ascending group order; rows with
 visible <= Kb take groups 0..visible-1 unscored, -1 padded; or (PACKED) the packed selection
-rows, as `select_radix` writes them (`expand._packed_groups` / `_packed_tail`).
+rows, as `select_radix` writes them (`select_common.packed_groups` / `packed_tail`).
 
-The threshold (the Kb-th largest key) is found by counts, no histogram: the bracket search
-(`_kth_bound`: the keys >= each of 2^SBITS candidates counted at once, the bracket narrowed
-until it isolates the threshold); `_kth_key`, a radix search of 2^BITS prefixes a step over
-31 key bits, serves `select_prefill`'s plans that ask for it, and `_resolve_row` streams it
-over a whole row. Then keys above it and the lowest-index keys equal to it are written at
-their ascending positions (one scan).
-
-- Short (`_topk_short_kernel`, grid: rows): num_cols <= CAP; the whole row in registers.
-  Its threshold comes from a bracket search (`_kth_bound`) that stops once the bracket
-  isolates it (2^SBITS counts per step: ~4 steps on random scores, not 31 / BITS), and the
-  emit skips its count of keys above it (H200, session 8: the top-k alone 12.8 -> 8.5 us
-  at 8K B1, 13.6 -> 11.2 at 8K B64, 17.1 -> 14.2 at 16K B4, against `_kth_key`'s 16 steps).
-- Long (`_topk_seg_kernel`, grid: rows x segments of SEG columns): a lower bound L of the
-  row's threshold from samples (the maxima of disjoint column subsets are real keys, so the
-  row has at least Kb keys >= their Kb-th largest; `_samples_bound`, the bracket search);
-  each segment compacts its keys >= L (ascending column) into its candidate list; the program
-  that completes the row (its only program, or the last to arrive at the row's counter)
-  resolves the row over the lists in registers (the bracket search again). One segment:
-  the program samples its row itself (one launch). Several: `_sample_kernel` (grid: rows x
-  segments) writes each segment's subset maxima first (two launches). More than CAP
-  candidates in a row or LCAP in one list (keys crowded near the threshold) send the row to
-  an exact resolve that loops over the whole row (`_resolve_row`): slower, same result. `select._topk_route` picks which decode chunks
-  come here.
-
-Deterministic and batch-invariant: every count and position is order-independent, lists
-sit at fixed offsets, and no row reads another's state. `TopkLaunch` binds one chunk.
+`_topk_short_kernel` (grid: rows) holds a row of num_cols <= CAP columns in registers. Its
+threshold (the Kb-th largest key) comes from counts, no histogram: the bracket search
+(`select_common.kth_bound`: the keys >= each of 2^SBITS candidates counted at once, the bracket
+narrowed until it isolates the threshold: ~4 steps on random scores, not the 16 of a radix
+search of 2 bits a step), and the emit writes the keys above it and the lowest-index keys equal
+to it at their ascending positions (one scan, no count of the keys above). Deterministic and
+batch-invariant: every count and position is order-independent and no row reads another's
+state. `TopkLaunch` binds one chunk; `select.plan_select` picks the decode chunks that come here.
 """
 
 from __future__ import annotations
@@ -43,170 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .expand import _packed_groups, _packed_tail
-from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
+from .launch import Launcher, pdl_end, pdl_start
+from .options import DEFAULT, KernelOptions
+from .select_common import emit_above, kth_bound, score_keys, write_short, write_tail
 from .select_radix import ChunkLaunches, packed_write
-
-@triton.jit
-def _keys(s_row, cols, mask):
-    """int32 keys of scores at cols (masked: -1, below every key)."""
-    s = tl.load(s_row + cols, mask=mask, other=0.0)
-    return tl.where(mask, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
-
-
-@triton.jit
-def _compact_step(cols, key, bound, n, l_idx, l_key, CAP: tl.constexpr):
-    """One step of a candidate list's compaction: keys [BLOCK] (ascending cols) >= bound go
-    to l_key / l_idx after the n already there (the first CAP in all); returns the new n."""
-    keep = (key >= bound).to(tl.int32)
-    pos = n + tl.cumsum(keep, 0) - keep
-    ok = (keep > 0) & (pos < CAP)
-    tl.store(l_idx + pos, cols, mask=ok)
-    tl.store(l_key + pos, key, mask=ok)
-    return n + tl.sum(keep, 0)
-
-
-@triton.jit
-def _compact_segment(s_row, lo, hi, bound, l_idx, l_key, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy the keys >= bound of columns [lo, hi) of a score row and their columns, ascending,
-    to l_key / l_idx (the first CAP of them), BLOCK columns per step; returns how many (the
-    segment programs of this module and of `select_prefill`)."""
-    ar = tl.arange(0, BLOCK)
-    n = lo * 0
-    start = lo
-    while start < hi:  # (while: the interpreter cannot range over loaded values)
-        cols = start + ar
-        n = _compact_step(cols, _keys(s_row, cols, cols < hi), bound, n, l_idx, l_key, CAP)
-        start += BLOCK
-    return n
-
-
-@triton.jit
-def _kth_key(key, KB: tl.constexpr, BITS: tl.constexpr, TOP: tl.constexpr):
-    """The KB-th largest of keys [N] (int32 in [0, 2^31) or -1 for none) resolved to its TOP
-    high bits (31: exact), lower bits 0: the largest such t with at least KB keys >= t; 0
-    when fewer than KB keys are >= 0. BITS key bits per step (one block reduction)."""
-    j = tl.arange(0, 1 << BITS)
-    prefix = tl.sum(key * 0, 0)
-    for s in tl.static_range((TOP + BITS - 1) // BITS):
-        hi = 31 - BITS * s
-        shift = hi - BITS if hi > BITS else 0
-        jmax = 1 << (hi - shift)
-        t = prefix + (tl.minimum(j, jmax - 1) << shift)
-        cnt = tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
-        ok = (cnt >= KB) & (j < jmax)
-        prefix += tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0) << shift
-    return prefix
-
-
-@triton.jit
-def _emit(key, idx, thr, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
-    """Write the chosen of keys/idx [N] (ascending idx; masked keys -1): keys above thr and
-    the lowest-index keys equal to it, KB in all, at their ascending positions of out_row
-    (PACKED: each group's R tokens at R x its position)."""
-    packed = ((key > thr).to(tl.int32) << 16) | (key == thr).to(tl.int32)  # one scan for both ranks (N < 2^15)
-    _emit_ranked(idx, packed, KB - (tl.sum(packed, 0) >> 16), out_row, stride_oc, KB, PACKED, R)
-
-
-@triton.jit
-def _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr,
-                R: tl.constexpr):
-    """`_emit` with n_above, the number of keys > thr (<= KB), known: no count of them."""
-    packed = ((key > thr).to(tl.int32) << 16) | (key == thr).to(tl.int32)
-    _emit_ranked(idx, packed, KB - n_above, out_row, stride_oc, KB, PACKED, R)
-
-
-@triton.jit
-def _taken(counts, need):
-    """Keys chosen among those counted by counts = (keys above << 16) | ties: every key above,
-    the first need ties."""
-    return (counts >> 16) + tl.minimum(counts & 0xFFFF, need)
-
-
-@triton.jit
-def _emit_ranked(idx, packed, need, out_row, stride_oc, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr):
-    """`_emit`'s writes from packed = (above << 16) | equal per key and need, the ties to take
-    (every key above, the first need ties): a key's position is the count of chosen keys
-    before it, and it is chosen where the count through it is larger (one compare a key)."""
-    incl = tl.cumsum(packed, 0)
-    pos = _taken(incl - packed, need)
-    _store_groups(out_row, stride_oc, idx, pos, pos < _taken(incl, need), KB, PACKED, R)
-
-
-@triton.jit
-def _store_groups(out_row, stride_oc, groups, pos, chosen, KB: tl.constexpr, PACKED: tl.constexpr,
-                  R: tl.constexpr):
-    """Chosen groups at their positions, only in the row's KB columns (0 <= pos < KB, whatever
-    the counts say): out_row[pos] = group, or (PACKED) its R tokens."""
-    put = chosen & (pos.to(tl.uint32) < KB)
-    if PACKED:
-        _packed_groups(out_row, groups, pos, put, R)
-    else:
-        tl.store(out_row + pos * stride_oc, groups, mask=put)
-
-
-@triton.jit
-def _write_short(out_row, stride_oc, vis, KB: tl.constexpr, KBP: tl.constexpr, PACKED: tl.constexpr,
-                 R: tl.constexpr):
-    """A row with visible <= KB: groups 0..vis-1, then -1 (PACKED: their tokens)."""
-    j = tl.arange(0, KBP)
-    if PACKED:
-        _packed_groups(out_row, j, j, j < vis, R)
-    else:
-        tl.store(out_row + j * stride_oc, tl.where(j < vis, j, -1), mask=j < KB)
-
-
-@triton.jit
-def _write_tail(out_row, pos_ptr, row, vis, KB: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr,
-                W: tl.constexpr, BLOCK_W: tl.constexpr):
-    """PACKED: the row's open tail, -1 padding and count after its min(vis, KB) groups."""
-    if PACKED:
-        _packed_tail(out_row, tl.minimum(vis, KB), vis, tl.load(pos_ptr + row), True, R, W, BLOCK_W)
-
-
-@triton.jit
-def _bracket_step(key, t, lo, hi, c_lo, c_hi, KB: tl.constexpr):
-    """One counting step of `_kth_bound`: keys [N] >= each candidate t [M] (one block
-    reduction); candidates strictly inside (lo, hi) narrow the bracket. Returns (lo, hi,
-    c_lo, c_hi): c_lo = keys >= lo (>= KB), c_hi = keys >= hi (< KB)."""
-    cnt = tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
-    inside = (t > lo) & (t < hi)
-    ok = inside & (cnt >= KB)
-    low = inside & (cnt < KB)
-    return (tl.max(tl.where(ok, t, lo), 0), tl.min(tl.where(low, t, hi), 0), tl.min(tl.where(ok, cnt, c_lo), 0),
-            tl.max(tl.where(low, cnt, c_hi), 0))
-
-
-@triton.jit
-def _kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
-    """(thr, keys > thr) for `_emit_above` of keys [N] (int32 in [0, 2^31), -1 masked;
-    vis > KB valid): thr = the KB-th largest key, or one with exactly KB keys > thr. A
-    bracket [lo, hi) with >= KB keys >= lo and < KB keys >= hi narrows by 2^BITS counts per
-    step (`_bracket_step`) until hi = lo + 1 (thr = lo) or exactly KB keys are >= lo (thr =
-    lo - 1): the first step's candidates are spread linearly in value below the largest key,
-    later ones linearly in key bits over the bracket; candidate lo + 1 ends a search whose
-    KB-th key is lo (ties)."""
-    j = tl.arange(0, 1 << BITS)
-    top = tl.max(key, 0)
-    frac = j.to(tl.float32) * (1.0 / (1 << BITS))
-    t = tl.where(j == 0, 1, (top.to(tl.float32, bitcast=True) * frac).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    lo, hi, c_lo, c_hi = _bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, vis * 0, KB)
-    while (lo + 1 < hi) & (c_lo != KB):  # the same trip count in every thread of the program
-        t = tl.where(j == 0, lo + 1, lo + ((hi - lo) * j >> BITS)).to(tl.int32)
-        lo, hi, c_lo, c_hi = _bracket_step(key, t, lo, hi, c_lo, c_hi, KB)
-    exact = c_lo == KB
-    return tl.where(exact, lo - 1, lo).to(tl.int32), tl.where(exact, KB, c_hi)
-
-
-@triton.jit
-def _samples_bound(samples, KB: tl.constexpr, SBITS: tl.constexpr):
-    """A lower bound of a row's KB-th largest key from its samples int32 [N] (each a real key
-    of the row, the largest of a subset of its columns; -1: an empty subset) by the bracket
-    search (`_kth_bound`, 2^SBITS counts a step): its bracket's low end, the KB-th largest
-    sample or a value >= 0 below it that exactly KB samples reach; 0 with fewer than KB
-    samples. Either way >= KB of the row's keys reach it."""
-    thr, n_above = _kth_bound(samples, tl.sum((samples >= 0).to(tl.int32), 0), KB, SBITS)
-    return thr + (n_above == KB).to(tl.int32)  # (thr: one below the low end where KB samples reach it)
 
 
 @triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr"])
@@ -217,7 +39,7 @@ def _topk_short_kernel(
     PDL: tl.constexpr = 0,
 ):
     """Top-k of one row of at most CAP columns, all in registers (PACKED: the packed row).
-    The threshold: `_kth_bound` (2^SBITS counts a step, until isolated). EARLY: the row's scores load with its visible count (all n_cols
+    The threshold: `kth_bound` (2^SBITS counts a step, until isolated). EARLY: the row's scores load with its visible count (all n_cols
     columns, masked after), not after it."""
     pdl_start(PDL)
     lr = tl.program_id(0)
@@ -227,281 +49,77 @@ def _topk_short_kernel(
                     other=0.0)
     vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
     out_row = out_ptr + row.to(tl.int64) * stride_or
-    _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
+    write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
     if vis <= KB:
-        _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
+        write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
     else:
         cols = tl.arange(0, CAP)
         if EARLY:
             key = tl.where(cols < vis, s.to(tl.int32, bitcast=True) & 0x7FFFFFFF, -1)
         else:
-            key = _keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
-        thr, n_above = _kth_bound(key, vis, KB, SBITS)
-        _emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
-    pdl_end(PDL)
-
-
-@triton.jit
-def _subset_max(s_row, lo, hi, SAMP: tl.constexpr, SBLOCK: tl.constexpr):
-    """Maxima [SAMP] of the keys of columns [lo, hi) by subset (c - lo) mod SAMP, -1 where a
-    subset is empty; SBLOCK (a multiple of SAMP) columns per step."""
-    ar = tl.arange(0, SBLOCK)
-    m = tl.full((SAMP,), -1, tl.int32)
-    start = lo
-    while start < hi:  # (while: the interpreter cannot range over loaded values)
-        cols = start + ar
-        key = _keys(s_row, cols, cols < hi)
-        m = tl.maximum(m, tl.max(tl.reshape(key, (SBLOCK // SAMP, SAMP)), 0))
-        start += SBLOCK
-    return m
-
-
-@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr"])
-def _sample_kernel(
-    s_ptr, vis_ptr, samp_ptr, row0, n_cols, stride_sr, stride_pr,
-    KB: tl.constexpr, SEG: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr,
-    PDL: tl.constexpr = 0,
-):
-    """Subset maxima of one segment -> samp int32 [chunk rows, segments * SAMP] (rows with
-    visible > KB, segments holding visible columns)."""
-    pdl_start(PDL)
-    lr = tl.program_id(0)
-    seg = tl.program_id(1)
-    vis = tl.minimum(tl.load(vis_ptr + row0 + lr), n_cols)
-    lo = seg * SEG
-    if (vis > KB) & (lo < vis):
-        m = _subset_max(s_ptr + lr.to(tl.int64) * stride_sr, lo, tl.minimum(vis, lo + SEG), SAMP, SBLOCK)
-        tl.store(samp_ptr + lr.to(tl.int64) * stride_pr + seg * SAMP + tl.arange(0, SAMP), m)
-    pdl_end(PDL)
-
-
-@triton.jit
-def _resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                 PACKED: tl.constexpr, R: tl.constexpr):
-    """Exact top-k of a whole row by sweeps over its scores (the overflow route): the
-    threshold's bits by counts (`_kth_key` with the keys streamed), then the emit."""
-    ar = tl.arange(0, BLOCK)
-    j = tl.arange(0, 1 << BITS)
-    prefix = vis * 0
-    for s in tl.static_range((31 + BITS - 1) // BITS):
-        hi = 31 - BITS * s
-        shift = hi - BITS if hi > BITS else 0
-        jmax = 1 << (hi - shift)
-        t = prefix + (tl.minimum(j, jmax - 1) << shift)
-        cnt = tl.zeros((1 << BITS,), tl.int32)
-        start = vis * 0
-        while start < vis:
-            key = _keys(s_row, start + ar, start + ar < vis)
-            cnt += tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
-            start += BLOCK
-        ok = (cnt >= KB) & (j < jmax)
-        prefix += tl.maximum(tl.sum(ok.to(tl.int32), 0) - 1, 0) << shift
-    above_all = vis * 0
-    start = vis * 0
-    while start < vis:
-        key = _keys(s_row, start + ar, start + ar < vis)
-        above_all += tl.sum((key > prefix).to(tl.int32), 0)
-        start += BLOCK
-    need = KB - above_all
-    taken = vis * 0
-    ties = vis * 0
-    start = vis * 0
-    while start < vis:
-        cols = start + ar
-        key = _keys(s_row, cols, cols < vis)
-        above = (key > prefix).to(tl.int32)
-        equal = (key == prefix).to(tl.int32)
-        rank = ties + tl.cumsum(equal, 0) - equal
-        chosen = above + equal * (rank < need).to(tl.int32)
-        _store_groups(out_row, stride_oc, cols, taken + tl.cumsum(chosen, 0) - chosen, chosen > 0, KB, PACKED, R)
-        taken += tl.sum(chosen, 0)
-        ties += tl.sum(equal, 0)
-        start += BLOCK
-
-
-@triton.jit(do_not_specialize=["row0", "n_cols", "stride_sr", "stride_pr", "stride_cr"])
-def _topk_seg_kernel(
-    s_ptr, vis_ptr, samp_ptr, cidx_ptr, ckey_ptr, cnt_ptr, arrive_ptr, out_ptr, pos_ptr,
-    row0, n_cols, stride_sr, stride_pr, stride_cr, stride_or, stride_oc,
-    KB: tl.constexpr, KBP: tl.constexpr, BITS: tl.constexpr, SBITS: tl.constexpr, SEG: tl.constexpr,
-    SEGP: tl.constexpr, SAMP: tl.constexpr, SBLOCK: tl.constexpr, CAP: tl.constexpr, LCAP: tl.constexpr, BLOCK: tl.constexpr,
-    RBLOCK: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = 0,
-):
-    """One segment of a row (grid: rows x segments). Candidate lists: cidx / ckey int32
-    [chunk rows, SEGP * CAP] (list s at s * CAP), their lengths cnt int32 [chunk rows, SEGP];
-    arrive int32 [chunk rows] zero between calls (the last arriver resets it). SEGP == 1:
-    the program samples its row itself (SAMP subset maxima), else it reads samp int32
-    [chunk rows, SEGP * SAMP] from `_sample_kernel`. The resolving program packs the lists
-    behind list 0 in one step (at most CAP candidates in all and LCAP per list, else the
-    whole-row resolve)."""
-    pdl_start(PDL)
-    lr = tl.program_id(0)
-    seg = tl.program_id(1)
-    row = row0 + lr
-    vis = tl.minimum(tl.load(vis_ptr + row), n_cols)
-    out_row = out_ptr + row.to(tl.int64) * stride_or
-    s_row = s_ptr + lr.to(tl.int64) * stride_sr
-    n_seg = tl.cdiv(vis, SEG)
-    if vis <= KB:
-        if seg == 0:
-            _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-            _write_short(out_row, stride_oc, vis, KB, KBP, PACKED, R)
-    elif seg < n_seg:
-        lo = seg * SEG
-        hi = tl.minimum(vis, lo + SEG)
-        if SEGP == 1:
-            samples = _subset_max(s_row, lo, hi, SAMP, SBLOCK)
-        else:
-            p = tl.arange(0, SEGP * SAMP)
-            samples = tl.load(samp_ptr + lr.to(tl.int64) * stride_pr + p, mask=p < n_seg * SAMP, other=-1)
-        bound = _samples_bound(samples, KB, SBITS)  # <= the row's KB-th largest key
-        c_idx = cidx_ptr + lr.to(tl.int64) * stride_cr
-        c_key = ckey_ptr + lr.to(tl.int64) * stride_cr
-        n = _compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
-        tl.store(cnt_ptr + lr.to(tl.int64) * SEGP + seg, n)
-        last = n_seg == 1
-        if SEGP > 1:
-            tl.debug_barrier()  # this program's lists and count before its arrival
-            last = tl.atomic_add(arrive_ptr + lr, 1, sem="acq_rel", scope="gpu") == n_seg - 1
-        if last:
-            _write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-            packed = n <= CAP
-            j = tl.arange(0, CAP)
-            if SEGP > 1:
-                tl.store(arrive_ptr + lr, 0)  # clean for the next call
-                segs = tl.arange(0, SEGP)
-                cnt = tl.load(cnt_ptr + lr.to(tl.int64) * SEGP + segs, mask=segs < n_seg, other=0,
-                              cache_modifier=".cg")
-                packed = (tl.sum(cnt, 0) <= CAP) & (tl.max(cnt, 0) <= LCAP)
-                if packed:  # lists 1.. behind list 0, ascending columns throughout
-                    jj = tl.arange(0, LCAP)[None, :]
-                    m = (jj < cnt[:, None]) & (segs[:, None] > 0)
-                    src = segs[:, None] * CAP + jj
-                    dst = (tl.cumsum(cnt, 0) - cnt)[:, None] + jj
-                    idx_s = tl.load(c_idx + src, mask=m, cache_modifier=".cg")
-                    key_s = tl.load(c_key + src, mask=m, cache_modifier=".cg")
-                    tl.store(c_idx + dst, idx_s, mask=m)
-                    tl.store(c_key + dst, key_s, mask=m)
-                    tl.debug_barrier()
-                    n = tl.sum(cnt, 0)
-            if packed:
-                m = j < n
-                key = tl.load(c_key + j, mask=m, other=-1, cache_modifier=".cg")
-                idx = tl.load(c_idx + j, mask=m, other=0, cache_modifier=".cg")
-                thr, n_above = _kth_bound(key, n, KB, SBITS)
-                _emit_above(key, idx, thr, n_above, out_row, stride_oc, KB, PACKED, R)
-            else:
-                _resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+            key = score_keys(s_ptr + lr.to(tl.int64) * stride_sr, cols, cols < vis)
+        thr, n_above = kth_bound(key, vis, KB, SBITS)
+        emit_above(key, cols, thr, n_above, out_row, stride_oc, KB, PACKED, R)
     pdl_end(PDL)
 
 
 _short = Launcher(_topk_short_kernel)
-_sample = Launcher(_sample_kernel)
-_seg = Launcher(_topk_seg_kernel)
-
-
-def topk_tiles(num_cols: int, small: bool, rows: int = 1) -> dict[str, int]:
-    """Launch shapes for chunks of `rows` rows of num_cols columns. short: columns of the
-    short route (whole row in registers): 4096, or 8192 for chunks of fewer than 16 rows
-    (H200, session 8: 32K B4 select 40.6 us on the radix route, 26.0 short; chunks of 16-64
-    such rows keep the segment route, unmeasured against it); seg: columns per segment program; samp: subset maxima per segment (the
-    row's samples number samp x segments, >= 4 Kb keeps the bound tight); cap: candidates of
-    a row (and of a segment's list); lcap: candidates per list the resolve packs in one
-    step; block / rblock: columns per sweep step (compaction / the whole-row resolve); bits:
-    key bits per step of the whole-row resolve (`_kth_key`); sbits: log2 of the short route's
-    counts per step (`_kth_bound`); ssbits: the same for the segment route's bound and resolve
-    (H200, session 14, select us, `_kth_key` at 2 bits a step -> ssbits 3: 1M B4 x 4 141.8 ->
-    136.5, 128K B16 x 4 94.6 -> 87.5); early: the short route loads scores with the visible
-    count; warps per program. small: the interpreter's tiles (tests cross every border and
-    route with few columns)."""
-    if small:
-        return dict(short=32, seg=64, samp=16, cap=32, lcap=16, block=16, rblock=16, bits=4, sbits=2, ssbits=2, early=0,
-                    warps=4)
-    # sbits: the search's compare [row, 2^sbits] holds at most 64 keys a thread (16 warps): no
-    # spill; 3 (8 counts a step) measured best or even up to 4096 columns (H200, session 8:
-    # 8K B1 / B4 / B64, 16K B4, on the step's scores and on mixed rows), 2 at 8192.
-    cap_bits = triton.next_power_of_2(max(num_cols, 1)).bit_length() - 1
-    t = dict(short=8192 if rows < 16 else 4096, seg=32768, samp=2048, cap=2048, lcap=2048, block=4096, rblock=1024,
-             bits=2, sbits=min(3, max(2, 15 - cap_bits)), ssbits=3, early=0, warps=16)
-    segs = triton.cdiv(max(num_cols, 1), t["seg"])
-    if segs > 1:
-        segp = triton.next_power_of_2(segs)
-        t.update(samp=max(t["samp"] // segp, 64), lcap=min(t["cap"], max(8192 // segp, 64)))
-    return t
-
-
-def short_route(num_cols: int, tiles: dict) -> bool:
-    """Whether rows of num_cols columns take the one-program, all-in-registers route."""
-    return num_cols <= tiles["short"]
 
 
 @dataclass(frozen=True)
-class TopkScratch:
-    """Scratch of the long route for a chunk of rows (views): samples, candidate indices and
-    keys, list lengths, arrival counters (zero between calls)."""
+class TopkTiles:
+    """Launch shape of the short top-k (`topk_tiles`).
 
-    samples: torch.Tensor
-    cand_idx: torch.Tensor
-    cand_key: torch.Tensor
-    counts: torch.Tensor
-    arrive: torch.Tensor
+    short: the most columns a row may have (the whole row in registers); sbits: log2 of the
+    counts per step of the bracket search (`kth_bound`); early: the row's scores load with its
+    visible count (all columns, masked after), not after it; warps: per program."""
 
-
-def topk_scratch_elems(rows: int, num_cols: int, tiles: dict) -> dict[str, int]:
-    """int32 elements of each `TopkScratch` field for `rows` rows of num_cols columns."""
-    if short_route(num_cols, tiles):
-        return dict(samples=1, cand_idx=1, cand_key=1, counts=1, arrive=1)
-    segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles["seg"]))
-    return dict(samples=rows * segp * tiles["samp"] if segp > 1 else 1, cand_idx=rows * segp * tiles["cap"],
-                cand_key=rows * segp * tiles["cap"], counts=rows * segp, arrive=rows)
+    short: int
+    sbits: int
+    early: int
+    warps: int
 
 
-def topk_scratch(rows: int, num_cols: int, tiles: dict, device: torch.device | str) -> TopkScratch:
-    """Allocate the scratch of `topk_scratch_elems` (arrival counters zeroed)."""
-    n = topk_scratch_elems(rows, num_cols, tiles)
-    return TopkScratch(**{k: (torch.zeros if k == "arrive" else torch.empty)(v, dtype=torch.int32, device=device)
-                          for k, v in n.items()})
+def topk_tiles(num_cols: int, small: bool, rows: int = 1) -> TopkTiles:
+    """The short top-k's launch shape for chunks of `rows` rows of num_cols columns. small
+    (`KernelOptions.small_tiles`): rows of up to 32 columns, so that tests reach both sides of
+    the bound with few columns.
+
+    short: 8192 columns for chunks of fewer than 16 rows, else 4096: up to there one program
+    per row beats the radix passes' launches on the H200 (32K B4 decode select: 40.6 us on the
+    radix passes, 26.0 short); chunks of more rows or longer rows take the per-row-samples
+    route or the radix passes (`select.plan_select`). Measure: `python benchmarks/bench_qsa.py
+    --only decode-32768-4-1-bf16 decode-8192-1-1-bf16 --out DIR`.
+    sbits: 3 (8 counts a step) up to 4096 columns, 2 at 8192: the search's compare [row, 2^sbits]
+    then holds at most 64 keys a thread at 16 warps (no spill), and 3 measured fastest up to
+    4096 columns on the H200 (8K B1 / B4 / B64, 16K B4); same command."""
+    if small:
+        return TopkTiles(short=32, sbits=2, early=0, warps=4)
+    cap_bits = triton.next_power_of_2(max(num_cols, 1)).bit_length() - 1
+    return TopkTiles(short=8192 if rows < 16 else 4096, sbits=min(3, max(2, 15 - cap_bits)), early=0, warps=16)
+
+
+def short_route(num_cols: int, tiles: TopkTiles) -> bool:
+    """Whether rows of num_cols columns fit the one-program, all-in-registers top-k."""
+    return num_cols <= tiles.short
 
 
 class TopkLaunch(ChunkLaunches):
-    """The top-k launches of one chunk of `rows` rows (from a free first row `row0`) bound to
-    the score scratch fp32 [>= rows, num_cols], visible_blocks int32 [T] and `scratch`
-    (`topk_scratch(rows, num_cols, tiles)`); `__call__(row0, out, out_row_stride)` launches
-    them into out: int32 [T, Kb] (any strides; `out` at binding fixes its column stride) or,
-    with `positions` int64 [T] given, the packed selection int32 [T, W + 1] (contiguous rows;
-    W = width - 1, r = compress_ratio). One launch for short rows or one segment, two for
-    several segments."""
+    """The top-k launch of one chunk of `rows` rows (from a free first row `row0`) of at most
+    tiles.short columns, bound to the score scratch fp32 [>= rows, num_cols] and visible_blocks
+    int32 [T]; `__call__(row0, out, out_row_stride)` launches it into out: int32 [T, Kb] (any
+    strides; `out` at binding fixes its column stride) or, with `positions` int64 [T] given, the
+    packed selection int32 [T, W + 1] (contiguous rows; W = width - 1, r = compress_ratio)."""
 
-    def __init__(self, scores: torch.Tensor, visible_blocks: torch.Tensor, out: torch.Tensor, scratch: TopkScratch,
-                 *, row0: int, rows: int, num_cols: int, block_topk: int, tiles: dict,
-                 positions: torch.Tensor | None = None, compress_ratio: int = 1) -> None:
-        Kb, KBP, sr, t = block_topk, triton.next_power_of_2(block_topk), scores.stride(0), tiles
+    def __init__(self, scores: torch.Tensor, visible_blocks: torch.Tensor, out: torch.Tensor, *, row0: int, rows: int,
+                 num_cols: int, block_topk: int, tiles: TopkTiles, positions: torch.Tensor | None = None,
+                 compress_ratio: int = 1, options: KernelOptions = DEFAULT) -> None:
+        if not short_route(num_cols, tiles):
+            raise ValueError(f"the short top-k takes rows of at most {tiles.short} columns, got num_cols {num_cols}")
+        Kb, t = block_topk, tiles
         write, pos = packed_write(out, positions, visible_blocks, compress_ratio)
-        free, out_free = ("row0",), ("row0", "out_ptr", "stride_or")
-        outs = (out.stride(0), out.stride(1))
-        self._launches: list[tuple[BoundLaunch, bool]] = []
-        if short_route(num_cols, t):
-            self._launches.append((_short.bind(
-                (rows,), scores, visible_blocks, out, pos, row0, num_cols, sr, *outs, free=out_free,
-                KB=Kb, KBP=KBP, CAP=triton.next_power_of_2(max(num_cols, 1)), SBITS=t["sbits"], EARLY=t["early"], **write, num_warps=t["warps"],
-            ), True))
-            return
-        segs = triton.cdiv(num_cols, t["seg"])
-        segp = triton.next_power_of_2(segs)
-        c = scratch
-        n = topk_scratch_elems(rows, num_cols, t)
-        samp = c.samples[: n["samples"]].view(rows, -1) if segp > 1 else c.samples
-        cidx, ckey = (x[: n["cand_idx"]].view(rows, -1) for x in (c.cand_idx, c.cand_key))
-        if segp > 1:
-            self._launches.append((_sample.bind(
-                (rows, segs), scores, visible_blocks, samp, row0, num_cols, sr, samp.stride(0), free=free,
-                KB=Kb, SEG=t["seg"], SAMP=t["samp"], SBLOCK=max(t["samp"], t["block"]), num_warps=t["warps"],
-            ), False))
-        self._launches.append((_seg.bind(
-            (rows, segs), scores, visible_blocks, samp, cidx, ckey, c.counts, c.arrive, out, pos,
-            row0, num_cols, sr, samp.stride(0) if segp > 1 else 0, cidx.stride(0), *outs, free=out_free,
-            KB=Kb, KBP=KBP, BITS=t["bits"], SBITS=t["ssbits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
-            SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"], RBLOCK=t["rblock"],
-            **write, num_warps=t["warps"],
-        ), True))
+        self._launches = [(_short.bind(
+            (rows,), scores, visible_blocks, out, pos, row0, num_cols, scores.stride(0), out.stride(0), out.stride(1),
+            free=("row0", "out_ptr", "stride_or"), options=options, KB=Kb, KBP=triton.next_power_of_2(Kb),
+            CAP=triton.next_power_of_2(max(num_cols, 1)), SBITS=t.sbits, EARLY=t.early, **write, num_warps=t.warps,
+        ), True)]

@@ -6,12 +6,12 @@ route (`select_prefill`, tile `row_s`), a row's segment programs compact their c
 superset of the row's choice) and only the last to arrive resolves the row; the others then
 issue `cp.async.bulk.prefetch.L2` (sm_90's bulk copy engine: one instruction a contiguous run,
 no registers, no value, no wait) for their candidates' K and V rows, off the step's critical
-path, so those DRAM reads overlap the resolve and the attention's launch (H200, session 22,
+path, so those DRAM reads overlap the resolve and the attention's launch (H200,
 whole step, us: 128K B4 53.4 -> 51.7, fp8 1M B4 85.1 -> 84.0; the attention kernel 9.3 -> 8.1
 and 9.7 -> 8.6).
 
-A hint changes no value anywhere: outputs are bit-equal with it on or off. QSA_L2_WARM (read
-at binding): a bit mask, `KV` (default) or 0 (off). Only compiled kernels on sm_90+ issue it.
+A hint changes no value anywhere: outputs are bit-equal with it on or off
+(`KernelOptions.l2_warm`, read at binding). Only compiled kernels on sm_90+ issue it.
 Tried and dropped (the same runs, NOTES.md): prepare warming the score launch's first keys (its
 extra tasks lengthen prepare by ~1.2 us, the score launch gains ~1 us: no consistent gain on top
 of this warm), and the decode attention warming its V rows before loading K and the combine's
@@ -20,15 +20,14 @@ gate rows (slower everywhere: fp8 1M B4 +1.3 us, 128K B64 +8.2).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-KV = 1
-_ALL = KV
+from .options import DEFAULT, KernelOptions
+
 # The top-k warms the attention's K/V only where the step's chosen groups' K and V take at most
 # this: beyond a fraction of the H200's 60 MB L2 the lines are evicted before the attention reads
 # them (bf16, D 256, Hkv 2: up to 5 rows; MTP rows and large batches stay cold).
@@ -80,30 +79,15 @@ class KVWarm:
                 k.stride(1), v.stride(0), v.stride(1))
 
 
-def warm_mask() -> int:
-    """The QSA_L2_WARM bit mask (unset or empty: every warm)."""
-    raw = os.environ.get("QSA_L2_WARM", "")
-    if not raw:
-        return _ALL
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= _ALL:
-        raise ValueError(f"QSA_L2_WARM must be an integer bit mask in [0, {_ALL}], got {raw!r}")
-    return value
-
-
-def warm_enabled(part: int, device: torch.device) -> bool:
-    """Whether launches bound now on `device` issue the `part` warm: its QSA_L2_WARM bit is
-    set, Triton compiles (no interpreter) and the device is a CUDA GPU of capability >= 9."""
-    return (bool(warm_mask() & part) and os.environ.get("TRITON_INTERPRET", "0") != "1"
-            and device.type == "cuda" and torch.version.hip is None
+def warm_enabled(device: torch.device, options: KernelOptions = DEFAULT) -> bool:
+    """Whether launches bound now on `device` issue the K/V warm: `options.l2_warm`, Triton
+    compiles (not `options.interpreter`) and the device is a CUDA GPU of capability >= 9."""
+    return (options.l2_warm and not options.interpreter and device.type == "cuda" and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def kv_warm(k: torch.Tensor, v: torch.Tensor, token_to_req: torch.Tensor, compress_ratio: int, rows: int,
-            block_topk: int) -> KVWarm | None:
+            block_topk: int, options: KernelOptions = DEFAULT) -> KVWarm | None:
     """The `KV` warm of a decode top-k over `rows` rows, or None: off (`warm_enabled`), more
     than KV_WARM_BYTES of chosen K and V, or a layout where a group's rows are not contiguous.
     Two layouts warm: K and V each [pages, page, Hkv, D] contiguous (a run each), and one
@@ -114,7 +98,7 @@ def kv_warm(k: torch.Tensor, v: torch.Tensor, token_to_req: torch.Tensor, compre
     same = k.stride() == v.stride() and k.stride(3) == 1
     separate = same and k.stride(2) == d and k.stride(1) == hkv * d
     paired = same and k.stride(2) == 2 * d and k.stride(1) == 2 * hkv * d and v.data_ptr() == k.data_ptr() + d * size
-    if (not warm_enabled(KV, k.device) or not (separate or paired) or page % compress_ratio or run % 16
+    if (not warm_enabled(k.device, options) or not (separate or paired) or page % compress_ratio or run % 16
             or 2 * rows * block_topk * run > KV_WARM_BYTES):
         return None
     return KVWarm(k, v, token_to_req, run, run) if separate else KVWarm(k, v, token_to_req, 2 * run, 0)

@@ -21,12 +21,13 @@ __all__ = ["KernelSchedule", "LayerLaunches", "QSABackend", "create", "resolve_b
 
 def resolve_backend(device: torch.device, options: QSAOptions) -> str:
     """The backend name for tensors on `device`: options.backend, else Triton on CUDA and
-    the reference otherwise. Triton on CPU tensors needs the interpreter (options.interpret,
-    TRITON_INTERPRET=1): a compiled kernel would read CPU addresses on the GPU."""
+    the reference otherwise. Triton on CPU tensors needs the interpreter
+    (options.kernel.interpreter, TRITON_INTERPRET=1): a compiled kernel would read CPU
+    addresses on the GPU."""
     choice = options.backend
     if choice is None:
         return "triton" if device.type == "cuda" else "reference"
-    if choice == "triton" and device.type == "cpu" and not options.interpret:
+    if choice == "triton" and device.type == "cpu" and not options.kernel.interpreter:
         raise ValueError("the triton backend on CPU tensors needs TRITON_INTERPRET=1 (the Triton interpreter); "
                          "use the reference backend on the CPU or put the tensors on a GPU")
     return choice

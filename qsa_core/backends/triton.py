@@ -4,7 +4,10 @@ Its workspace (prepare outputs, select scratch, split-K partials, the shared-til
 workspace, the shared-slot claim table) is allocated once per planner; a step shape's
 select and attention schedules are planned once (the planner caches them); the launches of
 a layer part are bound once per (schedule, layer cache), on first use or by `bind_all`
-(the start-up warm-up), and later calls pass only what changes per call.
+(the start-up warm-up), and later calls pass only what changes per call. The kernels'
+routes, tiles and launch switches are the planner's `options.kernel` (`KernelOptions`),
+passed to every plan, workspace size and launch; the metadata build's guard bits are the
+reference's (`GUARD_BITS`: the kernels import nothing from the core).
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from qsa_kernels.options import KernelOptions
 
 from ..cache import QSALayerCache
+from ..reference.metadata import GUARD_BITS
 from .base import NO_BOUND, EmptyLaunches, KernelSchedule, LayerLaunches, QSABackend, check_binding
 
 if TYPE_CHECKING:
@@ -29,13 +34,13 @@ class TritonBackend(QSABackend):
     compiles = True
 
     def __init__(self, planner: "QSAPlanner") -> None:
-        from qsa_kernels import attention
         from qsa_kernels.attention import partials_size
-        from qsa_kernels.metadata import MetadataBuild, StaticStage
+        from qsa_kernels.metadata import GuardBits, MetadataBuild, StaticStage
         from qsa_kernels.select import select_workspace
 
         p, cfg, n, dev = planner, planner.config, planner.max_num_tokens, planner.device
-        self.device, self.config = dev, cfg
+        ko = planner.options.kernel
+        self.device, self.config, self.options = dev, cfg, ko
         i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
         slot_claims = None if p.num_slots is None else torch.zeros(p.num_slots + 1, **i64)
         self._q_idx = torch.empty(n, cfg.index_n_heads, cfg.index_head_dim, dtype=p.index_dtype, device=dev)
@@ -43,13 +48,12 @@ class TritonBackend(QSABackend):
         from ..planner import column_bucket
 
         max_cols = column_bucket(p.max_model_len // cfg.compress_ratio)
-        self._select_ws = select_workspace(n, max_cols, cfg.block_topk, dev)
-        acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev)
+        self._select_ws = select_workspace(n, max_cols, cfg.block_topk, dev, ko)
+        acc = partials_size(n, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width, dev, ko)
         self._partials = (torch.empty(acc * 2 // cfg.head_dim + 2, dtype=torch.float32, device=dev),
                           torch.empty(acc, dtype=torch.float32, device=dev))
-        self._shared_prefill = attention.shared_prefill_enabled()  # QSA_SHARED_PREFILL, read once
         self._attn_prefill_ws = None
-        if n >= attention._PREFILL_MIN_ROWS and self._shared_prefill:
+        if n >= ko.shared_prefill_min_rows and ko.shared_prefill:
             from qsa_kernels.attention_prefill import workspace_size
 
             self._attn_prefill_ws = torch.empty(workspace_size(
@@ -61,24 +65,26 @@ class TritonBackend(QSABackend):
             num_slots=NO_BOUND if p.num_slots is None else p.num_slots,
             num_ring_rows=NO_BOUND if p.num_ring_rows is None else p.num_ring_rows,
             slot_claims=slot_claims, inputs_checked=True,  # plan validates them first
+            guards=GuardBits(**GUARD_BITS), options=ko,
         )
-        self._stager = None if p.static is None else StaticStage(**p.static)
+        self._stager = None if p.static is None else StaticStage(**p.static, options=ko)
 
     def schedule(self, num_tokens, num_decode_tokens, num_cols, decode_query_len, decode_only) -> KernelSchedule:
         from qsa_kernels.attention import plan_attention
         from qsa_kernels.select import plan_select
 
-        cfg, T, nd, dev, ws = self.config, num_tokens, num_decode_tokens, self.device, self._select_ws
+        cfg, T, nd, dev, ws, ko = (self.config, num_tokens, num_decode_tokens, self.device, self._select_ws,
+                                   self.options)
         dec = pre = None
         if nd:
             dec = plan_select(nd, num_cols, cfg.block_topk, decode=True, device=dev, workspace=ws,
-                              rows_per_request=decode_query_len, rows_aligned=decode_only)
+                              rows_per_request=decode_query_len, rows_aligned=decode_only, options=ko)
         if nd < T:
-            pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=dev, workspace=ws)
+            pre = plan_select(T - nd, num_cols, cfg.block_topk, decode=False, device=dev, workspace=ws, options=ko)
         attn = plan_attention(T, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.selection_width,
                               device=dev, partials=self._partials, compress_ratio=cfg.compress_ratio,
-                              shared_prefill=self._shared_prefill, prefill_workspace=self._attn_prefill_ws,
-                              context=num_cols * cfg.compress_ratio)
+                              prefill_workspace=self._attn_prefill_ws, context=num_cols * cfg.compress_ratio,
+                              options=ko)
         return KernelSchedule(self._q_idx[:T], self._q[:T], dec, pre, attn)
 
     def build_metadata(self, inputs: "QSAStepInputs", tensors: tuple[torch.Tensor, ...], num_live_rows: int,
@@ -92,15 +98,16 @@ class TritonBackend(QSABackend):
                             inputs.ring_index, inputs.rope_positions)  # one launch
 
     def bind(self, plan: "QSAPlan", cache: QSALayerCache) -> LayerLaunches:
-        return EmptyLaunches(cache) if plan.schedule.num_tokens == 0 else TritonLaunches(cache)
+        return EmptyLaunches(cache) if plan.schedule.num_tokens == 0 else TritonLaunches(cache, self.options)
 
 
 class TritonLaunches(LayerLaunches):
     """The bound launches of one step shape on one layer cache, each bound on first use
-    (or by `bind_all`) with that call's tensors' layout."""
+    (or by `bind_all`) with that call's tensors' layout; options: the planner's kernel options
+    (the prepare launch takes them; select and attention take their schedules')."""
 
-    def __init__(self, cache: QSALayerCache) -> None:
-        self.cache = cache
+    def __init__(self, cache: QSALayerCache, options: KernelOptions) -> None:
+        self.cache, self.options = cache, options
         self._prepare: Any = None
         self._select: tuple = ()
         self._attention: Any = None
@@ -153,8 +160,13 @@ class TritonLaunches(LayerLaunches):
         self._prepare = PrepareLaunch(
             index_qk, index_qk, q_gate, k, v, meta.rope_positions, index_q_norm=norms.index_q,
             index_k_norm=norms.index_k, q_norm=norms.q, k_norm=norms.k, eps=cfg.rms_norm_eps,
-            inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, cache=cache, meta=meta, q_idx_out=s.q_idx, q_out=s.q,
-            raw_offset=cfg.index_n_heads * cfg.index_head_dim, fuse_ring=s.fuse_ring,
+            inv_freq=plan.inv_freq, rope_axes=plan.rope_axes, k_cache=cache.k, v_cache=cache.v,
+            k_scale=cache.k_scale, v_scale=cache.v_scale, compressed=cache.compressed, ring=cache.ring,
+            ring_positions=cache.ring_positions, slot_mapping=meta.slot_mapping, compressed_slot=meta.compressed_slot,
+            token_to_req=meta.token_to_req, positions=meta.positions, ring_slot=meta.ring_slot,
+            query_start_loc=meta.query_start_loc, ring_index=meta.ring_index, compress_ratio=meta.compress_ratio,
+            ring_capacity=meta.ring_capacity, q_idx_out=s.q_idx, q_out=s.q,
+            raw_offset=cfg.index_n_heads * cfg.index_head_dim, fuse_ring=s.fuse_ring, options=self.options,
         )
         return self._prepare
 

@@ -20,6 +20,13 @@ GUARD_SHARED_SLOT = 256  # a live row's slot (>= 0) is also another live row's: 
 GUARD_SHARED_RING = 512  # two requests with rows in the step have the same ring_index
 # A slot claim packs the step counter above the row (`slot_claims`): rows per step < 2**24.
 CLAIM_ROW_BITS = 24
+# The bits above by the field names of `qsa_kernels.metadata.GuardBits`: the Triton build
+# takes them from here (the kernels import nothing from the core).
+GUARD_BITS = dict(
+    max_seq_len=GUARD_MAX_SEQ_LEN, seq_len=GUARD_SEQ_LEN, query_start_loc=GUARD_QUERY_START_LOC, slot=GUARD_SLOT,
+    ring_index=GUARD_RING_INDEX, page=GUARD_PAGE, max_query_len=GUARD_MAX_QUERY_LEN, decode_rows=GUARD_DECODE_ROWS,
+    shared_slot=GUARD_SHARED_SLOT, shared_ring=GUARD_SHARED_RING, claim_row_bits=CLAIM_ROW_BITS,
+)
 
 
 def _rows_to_requests(req: torch.Tensor, rows: torch.Tensor, num_reqs: int, bit: int) -> torch.Tensor:

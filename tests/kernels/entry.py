@@ -4,8 +4,10 @@ Each function takes the arguments of its reference in `qsa_core.reference` (plus
 schedule where one is planned) and binds the production launch for this one call:
 `MetadataBuild`, `PrepareLaunch`, `SelectLaunch`, `AttentionLaunch`,
 `PrefillAttentionLaunch`. A planner binds those once per step shape and layer cache
-instead (`qsa_core.backends.triton`). `expand` launches a test kernel over the packed-row
-writers the top-k kernels use (`qsa_kernels.expand`): the product has no expand launch.
+instead (`qsa_core.backends.triton`). The kernels' options are the tests' (`OPTS`,
+tests/kernel_options.py) unless given; the select and attention launches take theirs from
+the schedule. `expand` launches a test kernel over the packed-row writers the top-k kernels
+use (`qsa_kernels.select_common`): the product has no expand launch.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernel_options import OPTS
 from qsa_core.cache import ring_store_fuses
 from qsa_core.reference.expand import check_expand_out
+from qsa_core.reference.metadata import GUARD_BITS
 from qsa_kernels.attention import AttentionLaunch, AttentionSchedule
 from qsa_kernels.attention_prefill import PrefillAttentionLaunch, PrefillSchedule
-from qsa_kernels.expand import _packed_groups, _packed_tail
-from qsa_kernels.metadata import MetadataBuild
+from qsa_kernels.metadata import GuardBits, MetadataBuild
+from qsa_kernels.options import KernelOptions
 from qsa_kernels.prepare import PrepareLaunch
 from qsa_kernels.select import SelectLaunch, SelectSchedule
+from qsa_kernels.select_common import packed_groups, packed_tail
 
 
 def build_metadata(
@@ -30,15 +35,16 @@ def build_metadata(
     page_size: int, num_live_rows: int, num_slots: int, num_ring_rows: int, token_to_req: torch.Tensor,
     positions: torch.Tensor, visible_blocks: torch.Tensor, ring_slot: torch.Tensor, compressed_slot: torch.Tensor,
     kv_slot: torch.Tensor, request_flags: torch.Tensor, guard: torch.Tensor, num_decodes: int = 0,
-    decode_query_len: int = 1, slot_claims: torch.Tensor | None = None,
+    decode_query_len: int = 1, slot_claims: torch.Tensor | None = None, options: KernelOptions = OPTS,
 ) -> None:
-    """`reference.qsa_build_metadata` by a `MetadataBuild` (its own arrival counter)."""
+    """`reference.qsa_build_metadata` by a `MetadataBuild` (its own arrival counter; the
+    reference's guard bits)."""
     MetadataBuild(
         token_to_req=token_to_req, positions=positions, visible_blocks=visible_blocks, ring_slot=ring_slot,
         compressed_slot=compressed_slot, kv_slot=kv_slot, request_flags=request_flags,
         arrive=torch.zeros(2, dtype=torch.int32, device=slot_mapping.device), guard=guard,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, page_size=page_size, num_slots=num_slots,
-        num_ring_rows=num_ring_rows, slot_claims=slot_claims,
+        num_ring_rows=num_ring_rows, guards=GuardBits(**GUARD_BITS), slot_claims=slot_claims, options=options,
     )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len, max_query_len, num_live_rows,
       num_decodes, decode_query_len)
 
@@ -48,6 +54,7 @@ def prepare(
     rope_positions: torch.Tensor, *, index_q_norm: torch.Tensor, index_k_norm: torch.Tensor, q_norm: torch.Tensor,
     k_norm: torch.Tensor, eps: float, inv_freq: torch.Tensor, rope_axes: torch.Tensor, index_dtype: torch.dtype,
     cache, meta, q_idx_out: torch.Tensor | None = None, q_out: torch.Tensor | None = None,
+    options: KernelOptions = OPTS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`reference.qsa_prepare` by a `PrepareLaunch` (fused ring store where the step allows);
     q_idx / q go into q_idx_out / q_out when given, else new tensors."""
@@ -61,8 +68,15 @@ def prepare(
     norms = (index_q_norm, index_k_norm, q_norm, k_norm)
     launch = PrepareLaunch(index_q, raw_keys, q_gate, k, v, rope_positions, index_q_norm=index_q_norm,
                            index_k_norm=index_k_norm, q_norm=q_norm, k_norm=k_norm, eps=eps, inv_freq=inv_freq,
-                           rope_axes=rope_axes, cache=cache, meta=meta, q_idx_out=q_idx, q_out=q,
-                           fuse_ring=ring_store_fuses(meta.max_query_len, meta.ring_capacity, meta.compress_ratio))
+                           rope_axes=rope_axes, k_cache=cache.k, v_cache=cache.v, k_scale=cache.k_scale,
+                           v_scale=cache.v_scale, compressed=cache.compressed, ring=cache.ring,
+                           ring_positions=cache.ring_positions, slot_mapping=meta.slot_mapping,
+                           compressed_slot=meta.compressed_slot, token_to_req=meta.token_to_req,
+                           positions=meta.positions, ring_slot=meta.ring_slot, query_start_loc=meta.query_start_loc,
+                           ring_index=meta.ring_index, compress_ratio=meta.compress_ratio,
+                           ring_capacity=meta.ring_capacity, q_idx_out=q_idx, q_out=q,
+                           fuse_ring=ring_store_fuses(meta.max_query_len, meta.ring_capacity, meta.compress_ratio),
+                           options=options)
     return launch(index_q, raw_keys, q_gate, k, v, rope_positions, *norms, meta.query_start_loc, meta.ring_index)
 
 
@@ -134,8 +148,8 @@ def _expand_kernel(blocks_ptr, stride_b, pos_ptr, vis_ptr, out_ptr, stride_o, Kb
     g = tl.load(blocks_ptr + t * stride_b + k, mask=k < Kb, other=-1)
     valid = (g >= 0) & (g < vis)
     rank = tl.cumsum(valid.to(tl.int32), 0) - 1  # the rank-th valid group fills columns rank*r ..
-    _packed_groups(row_out, g, rank, valid, r)
-    _packed_tail(row_out, tl.sum(valid.to(tl.int32), 0), vis, p, True, r, W, BLOCK_W)
+    packed_groups(row_out, g, rank, valid, r)
+    packed_tail(row_out, tl.sum(valid.to(tl.int32), 0), vis, p, True, r, W, BLOCK_W)
 
 
 def expand(block_indices: torch.Tensor, positions: torch.Tensor, visible_blocks: torch.Tensor, *,

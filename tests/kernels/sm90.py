@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -123,15 +124,15 @@ def compile_decode_topk(cols: int, rows: int, packed: bool, skip: int, warm_k: i
 
     from qsa_kernels import select_prefill as sp
 
-    t = dict(sp.decode_tiles(cols, 512, 128, small=False, rows=rows), skip=skip)
-    const = dict(KB=512, KBP=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SEG=t["seg"],
-                 SEGP=triton.next_power_of_2(triton.cdiv(cols, t["seg"])), CAP=t["cap"], BLOCK=t["block"],
-                 RBLOCK=t["rblock"], DEFER=0, PACKED=packed, R=4 if packed else 1, W=2051 if packed else 1,
-                 BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t["row_s"],
-                 LOG_G=t["log_g"], BOUND_IN=t["bound"] & 1, SBITS=t["sbits"], RSBITS=t["rsbits"], WARM_K=warm_k,
+    t = replace(sp.decode_tiles(cols, 512, 128, small=False, rows=rows), skip=skip)
+    const = dict(KB=512, KBP=512, BITS=t.bits, LBITS=t.lbits, S=128, SAMPP=1 << t.row_s, SEG=t.seg,
+                 SEGP=triton.next_power_of_2(triton.cdiv(cols, t.seg)), CAP=t.cap, BLOCK=t.block,
+                 RBLOCK=t.rblock, DEFER=0, PACKED=packed, R=4 if packed else 1, W=2051 if packed else 1,
+                 BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t.row_s,
+                 LOG_G=t.log_g, BOUND_IN=t.bound & 1, SBITS=t.sbits, RSBITS=t.rsbits, WARM_K=warm_k,
                  WARM_V=0, PAGE=64, PDL=2)
     types = dict(s_ptr="*fp32", pos_ptr="*i64", kc_ptr="*bf16", vc_ptr="*bf16")
-    return compile_sm90(sp._topk_prefill_kernel, const, types, num_warps=t["warps"], launch_pdl=True)
+    return compile_sm90(sp._topk_prefill_kernel, const, types, num_warps=t.warps, launch_pdl=True)
 
 
 class Binding(NamedTuple):
@@ -195,7 +196,7 @@ def recording(sms: int = 132):
     found = Recording()
 
     class Recorded:
-        def __init__(self, launcher, grid, values, options, free, checked=()):
+        def __init__(self, launcher, grid, values, options, free, checked=(), *, fast_launch=True):
             found.add(Binding(launcher.fn, tuple(values), dict(options)))
 
         def __call__(self, *free):
@@ -207,8 +208,8 @@ def recording(sms: int = 132):
     # the CPU tensors stand for the GPU's: nothing launches, so the triton backend may take them
     backends.resolve_backend = lambda device, options: (
         "triton" if options.backend == "triton" else real_backend(device, options))
-    launch.pdl_enabled = lambda fn: launch._pdl > 0
-    warm.warm_enabled = lambda part, device: bool(warm.warm_mask() & part)
+    launch.pdl_enabled = lambda fn, mode: mode > 0
+    warm.warm_enabled = lambda device, options: options.l2_warm
     attention._num_sms = lambda device: sms
     try:
         yield found

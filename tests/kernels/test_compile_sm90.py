@@ -12,8 +12,8 @@ warm-up missed.
 
 Matrix: the production geometry (24 / 2 heads of 256, indexer 4 x 128, budget 2048, r 4) at
 1M context, 8192 rows per step, 256 requests, decode query lengths 1 and 4 (MTP), with index /
-KV dtypes bf16 / bf16 and fp8_e4m3 / fp8_e4m3, and with QSA_DECODE_SAMPLES=0 (the routes it
-leaves: topk-seg, radix decode); the other dtype pairs (fp8_e5m2 KV too) at 64K context and
+KV dtypes bf16 / bf16 and fp8_e4m3 / fp8_e4m3, and with QSA_DECODE_SAMPLES=0 (the route it
+leaves: radix decode of long rows); the other dtype pairs (fp8_e5m2 KV too) at 64K context and
 2048 rows (the one kernel that reads both dtypes, prepare, has no column-dependent variant).
 Each process prints `<name> routes=... bindings=... variants=... compiled=... <kernel>=<n> ...`
 and `FAIL ...` per variant that does not compile.
@@ -28,7 +28,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROUTES = {"prefill", "dsamp", "topk-short", "topk-seg", "fused", "radix"}
+ROUTES = {"prefill", "dsamp", "topk-short", "fused", "radix"}
 # name: (index dtype, KV dtype, max_model_len, max_num_tokens, max_num_reqs, QSA_DECODE_SAMPLES)
 CONFIGS = {
     "bf16": ("bf16", "bf16", 1 << 20, 8192, 256, "auto"),

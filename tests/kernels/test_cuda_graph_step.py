@@ -103,9 +103,9 @@ STEPS = [([9000, 2049, 2051, 7000, 10240, 4096, 3001, 5555], 1),
 
 @pytest.mark.parametrize("pdl", [0, 1, 2], ids=["no-pdl", "pdl-early", "pdl-late"])
 def test_decode_step_replays_bitwise_as_eager(pdl, monkeypatch):
-    monkeypatch.setattr(launch, "_pdl", pdl)
+    monkeypatch.setenv("QSA_PDL", str(pdl))  # read when the engine's planner is made
     from qsa_kernels import attention
-    assert launch.pdl_enabled(attention._combine.fn) == (pdl > 0 and torch.cuda.get_device_capability()[0] >= 9)
+    assert launch.pdl_enabled(attention._combine.fn, pdl) == (pdl > 0 and torch.cuda.get_device_capability()[0] >= 9)
     engine = Engine()
     steps = STEPS
     with torch.no_grad():
@@ -164,7 +164,7 @@ def test_pdl_changes_no_bits(monkeypatch):
     """Eager steps with PDL (either signal) and without: the same outputs and caches, bit for bit."""
     runs = []
     for pdl in (0, 1, 2):
-        monkeypatch.setattr(launch, "_pdl", pdl)
+        monkeypatch.setenv("QSA_PDL", str(pdl))
         runs.append(eager_steps(Engine(), STEPS))
     for mode, run in enumerate(runs[1:], 1):
         assert_same_bits(runs[0], run, f"with PDL {mode}")

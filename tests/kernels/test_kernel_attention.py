@@ -13,6 +13,7 @@ if DEV == "cpu":
 
 from qsa_core.reference.attention import qsa_sparse_attention as reference  # noqa: E402
 from qsa_kernels import attention as ker  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 
 import entry  # noqa: E402
 from test_kernel_select import graph_replay, kernel_breakdown  # noqa: E402  (imported here: a rename fails on CPU too)
@@ -76,7 +77,7 @@ def make_problem(
 def attend(q, gate, k, v, table, to_req, seq, sel, **kw):
     """The kernel as a plan runs it: scheduled once for the shape, into an out buffer."""
     T, Hq, D = q.shape
-    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device, options=OPTS)
     out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
     return entry.sparse_attention(q, gate, k, v, table, to_req, seq, sel, out=out, schedule=sched, **kw)
 
@@ -140,7 +141,7 @@ def test_output_rows_of_a_wider_buffer():
     q, gate, k, v, table, to_req, seq, sel = problem
     T, Hq, D = q.shape
     wide = torch.full((T + 2, Hq * D + 8), 5.0, device=q.device)
-    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device, options=OPTS)
     entry.sparse_attention(*problem, softmax_scale=D**-0.5, out=wide[:T, : Hq * D], schedule=sched)
     torch.testing.assert_close(wide[:T, : Hq * D], attend(*problem, softmax_scale=D**-0.5), rtol=0, atol=0)
     assert (wide[T:] == 5.0).all() and (wide[:, Hq * D :] == 5.0).all()
@@ -180,7 +181,7 @@ def test_bound_launch_relaunches_with_new_tensors():
     second = make_problem([40, 9], [3, 2], pad_rows=1, seed=12)
     q, gate, k, v, table, to_req, seq, sel = first
     T, Hq, D = q.shape
-    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    sched = ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device, options=OPTS)
     out = torch.empty(T, Hq * D, device=q.device)
     bound = ker.AttentionLaunch(*first, softmax_scale=D**-0.5, out=out, schedule=sched)
     q2, gate2, _, _, table2, to_req2, seq2, sel2 = second
@@ -226,7 +227,7 @@ def test_gpu_cuda_graph_and_timing(capsys):
     for name, ql in [("decode 4 rows", [1] * 4), ("decode 64 rows", [1] * 64), ("prefill 4096 rows", [4096])]:
         problem = make_problem([131072] * len(ql), ql, Hq=24, Hkv=2, D=256, page=64, W=2051, dtype=torch.bfloat16,
                                device="cuda")
-        sched = ker.plan_attention(sum(ql), 24, 2, 256, 2051, device="cuda")
+        sched = ker.plan_attention(sum(ql), 24, 2, 256, 2051, device="cuda", options=OPTS)
         out = torch.empty(sum(ql), 24 * 256, dtype=torch.bfloat16, device="cuda")
         run = lambda: entry.sparse_attention(*problem, softmax_scale=256**-0.5, out=out, schedule=sched)  # noqa: E731
         eager = run().clone()

@@ -22,6 +22,7 @@ def compile_all() -> list[str]:
     import triton.language as tl
 
     from qsa_kernels import attention as ker
+    from qsa_kernels.attention_common import launch_config
     from sm90 import compile_sm90, usage_text
 
     variants = []
@@ -30,7 +31,7 @@ def compile_all() -> list[str]:
             ("decode D128", 128, True, "*bf16", 0), ("one pass", 256, False, "*bf16", 0),
             ("one pass fp8", 256, False, "*fp8e5", 0), ("one pass short", 256, False, "*bf16", 16384),
             ("one pass short fp8", 256, False, "*fp8e4nv", 16384)]:
-        bn, warps, stages = ker._launch_config(dp, split, context)
+        bn, warps, stages = launch_config(dp, split, context)
         consts = dict(HQ=24, G=12, GP=16, D=dp, DP=dp, PAGE=64, BLOCK_N=bn, DOT_DTYPE=tl.bfloat16, SPLIT=split,
                       INTERPRET=False, PDL=2)
         types = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr=kv, v_ptr=kv, out_ptr="*bf16", part_ml_ptr="*fp32",

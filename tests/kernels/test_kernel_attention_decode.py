@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from test_kernel_attention import attend, compare, ker, make_problem, reference
+from kernel_options import OPTS  # noqa: E402
 
 
 def force_splits(monkeypatch, n: int) -> None:
@@ -14,7 +15,7 @@ def force_splits(monkeypatch, n: int) -> None:
 def schedule(problem):
     q, _, k, _, _, _, _, sel = problem
     T, Hq, D = q.shape
-    return ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    return ker.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device, options=OPTS)
 
 
 @pytest.mark.parametrize("splits", [2, 4, 7])

@@ -2,6 +2,7 @@
 CPU, compiled on GPU)."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from qsa_core.reference.attention import qsa_sparse_attention as reference  # no
 from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_kernels import attention as per_row  # noqa: E402
 from qsa_kernels import attention_prefill as ker  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 
 import entry  # noqa: E402
 
@@ -78,7 +80,7 @@ def attend(problem, *, ratio=ker.MAX_UNION_RATIO, block_rows=None, k_scale=1.0, 
     q, gate, k, v, table, to_req, seq, sel = problem
     T, Hq, D = q.shape
     sched = ker.plan_prefill_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, R, device=q.device,
-                                       block_rows=block_rows, max_union_ratio=ratio)
+                                       block_rows=block_rows, max_union_ratio=ratio, options=OPTS)
     out = torch.full((T, Hq * D), 7.0, dtype=q.dtype, device=q.device)
     entry.prefill_attention(*problem, softmax_scale=D**-0.5, k_scale=k_scale, v_scale=v_scale, out=out,
                               schedule=sched)
@@ -88,7 +90,7 @@ def attend(problem, *, ratio=ker.MAX_UNION_RATIO, block_rows=None, k_scale=1.0, 
 def per_row_kernel(problem, **kw):
     q, k, sel = problem[0], problem[2], problem[-1]
     T, Hq, D = q.shape
-    sched = per_row.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device)
+    sched = per_row.plan_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, device=q.device, options=OPTS)
     out = torch.empty(T, Hq * D, dtype=q.dtype, device=q.device)
     return entry.sparse_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched, **kw)
 
@@ -224,7 +226,7 @@ def test_first_look_sends_independent_blocks_per_row_at_once():
         q, sel = problem[0], problem[-1]
         T, Hq, D = q.shape
         sched = ker.plan_prefill_attention(T, Hq, 2, D, sel.shape[1] - 1, R, device=q.device, block_rows=5,
-                                           max_union_ratio=0.3)
+                                           max_union_ratio=0.3, options=OPTS)
         sched.last.fill_(-7)
         out = torch.empty(T, Hq * D, device=q.device)
         entry.prefill_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
@@ -247,7 +249,7 @@ def test_union_writes_stay_within_the_planned_capacity(monkeypatch):
     need = ker.workspace_size(T, Hq, 2, sel.shape[1] - 1, R, 5, 0.3)
     ws = torch.full((need + 4096,), -9, dtype=torch.int32, device=q.device)
     sched = ker.plan_prefill_attention(T, Hq, 2, D, sel.shape[1] - 1, R, device=q.device, block_rows=5,
-                                       max_union_ratio=0.3, workspace=ws)
+                                       max_union_ratio=0.3, workspace=ws, options=OPTS)
     out = torch.empty(T, Hq * D, device=q.device)
     entry.prefill_attention(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)
     torch.testing.assert_close(out, reference(*problem, softmax_scale=D**-0.5), rtol=1e-5, atol=1e-5)
@@ -301,7 +303,7 @@ def test_bound_launch_relaunches_with_new_tensors():
     second = make_prefill([60], [12], overlap=0.9, pad_rows=1, seed=12)
     q, gate, k, v, table, to_req, seq, sel = first
     T, Hq, D = q.shape
-    sched = ker.plan_prefill_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, R, device=q.device, block_rows=5)
+    sched = ker.plan_prefill_attention(T, Hq, k.shape[2], D, sel.shape[1] - 1, R, device=q.device, block_rows=5, options=OPTS)
     out = torch.empty(T, Hq * D, device=q.device)
     bound = ker.PrefillAttentionLaunch(*first, softmax_scale=D**-0.5, out=out, schedule=sched)
     q2, gate2, _, _, table2, to_req2, seq2, sel2 = second
@@ -316,29 +318,27 @@ def test_bound_launch_relaunches_with_new_tensors():
 
 def test_bad_workspace_and_block_rows():
     with pytest.raises(ValueError, match="workspace"):
-        ker.plan_prefill_attention(10, 6, 2, 32, 27, R, device="cpu", workspace=torch.empty(3, dtype=torch.int32))
+        ker.plan_prefill_attention(10, 6, 2, 32, 27, R, device="cpu", workspace=torch.empty(3, dtype=torch.int32), options=OPTS)
     with pytest.raises(ValueError, match="block_rows"):
-        ker.plan_prefill_attention(10, 6, 2, 32, 27, R, device="cpu", block_rows=32)
+        ker.plan_prefill_attention(10, 6, 2, 32, 27, R, device="cpu", block_rows=32, options=OPTS)
 
 
-def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels(monkeypatch):
-    """With shared_prefill (on when a planner is made unless QSA_SHARED_PREFILL=0), `plan_attention`
-    given the compress ratio plans the shared-tile kernels for chunks of at least _PREFILL_MIN_ROWS
-    rows, and `AttentionLaunch` runs them (exact; the one block of 21 rows ends in a padding row,
-    which the first look passes over); fewer rows, no ratio or the switch off: the one pass."""
-    monkeypatch.setattr(per_row, "_PREFILL_MIN_ROWS", 16)
+def test_plan_attention_hands_prefill_chunks_to_the_shared_kernels():
+    """With shared_prefill (on unless QSA_SHARED_PREFILL=0), `plan_attention` given the compress
+    ratio plans the shared-tile kernels for chunks of at least shared_prefill_min_rows rows, and
+    `AttentionLaunch` runs them (exact; the one block of 21 rows ends in a padding row, which the
+    first look passes over); fewer rows, no ratio or the option off: the one pass."""
     problem = make_prefill([60], [18], overlap=1.0, pad_rows=1, seed=13)
     q, sel = problem[0], problem[-1]
     T, Hq, D = q.shape
-    monkeypatch.setenv("QSA_SHARED_PREFILL", "0")
-    assert not per_row.shared_prefill_enabled()
-    assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R).prefill is None
-    monkeypatch.delenv("QSA_SHARED_PREFILL")
-    assert per_row.shared_prefill_enabled()
-    on = dict(device=q.device, shared_prefill=True)
-    assert per_row.plan_attention(15, Hq, 2, D, sel.shape[1] - 1, compress_ratio=R, **on).prefill is None
-    assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, **on).prefill is None
-    sched = per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, compress_ratio=R, **on)
+    on = replace(OPTS, shared_prefill=True, shared_prefill_min_rows=16)
+    off = replace(on, shared_prefill=False)
+    assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R,
+                                  options=off).prefill is None
+    assert per_row.plan_attention(15, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R,
+                                  options=on).prefill is None
+    assert per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, options=on).prefill is None
+    sched = per_row.plan_attention(T, Hq, 2, D, sel.shape[1] - 1, device=q.device, compress_ratio=R, options=on)
     assert sched.prefill is not None
     out = torch.full((T, Hq * D), 7.0, device=q.device)
     per_row.AttentionLaunch(*problem, softmax_scale=D**-0.5, out=out, schedule=sched)(
@@ -354,6 +354,7 @@ _COMPILE = """
 import math
 import triton.language as tl
 from qsa_kernels import attention_prefill as ker
+from qsa_kernels.attention_common import launch_config
 from sm90 import compile_sm90, usage_text
 from test_kernel_attention_compile import VALUES
 
@@ -364,7 +365,7 @@ BG_UNION, BT_UNION = ker.union_tiles(NG)
 bf = dict(q_ptr="*bf16", gate_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", qk_scale="fp32",
           v_scale="fp32", max_ratio="fp32", min_share="fp32")
 bg, warps, stages = ker._launch_config(256, False)
-bn, rwarps, rstages = ker._row_launch_config(256, False, 16384)
+bn, rwarps, rstages = launch_config(256, False, 16384)
 variants = [
     ("union", ker._union_kernel, dict(BR=BR, BRP=8, W=W, R=R, NG=NG, CAP=CAP, PAGE=64, BLOCK_C=512,
      BLOCK_G=BG_UNION, BLOCK_T=BT_UNION, PRE=64, LOG=10, PDL=2),
@@ -421,7 +422,7 @@ def test_workspace_views_are_16_byte_aligned_for_every_row_count():
     for rows in range(1, 70):
         need = ker.workspace_size(rows, 24, 2, 2051, 4)
         ws = torch.zeros(need, dtype=torch.int32)
-        s = ker.plan_prefill_attention(rows, 24, 2, 256, 2051, 4, device="cpu", workspace=ws)
+        s = ker.plan_prefill_attention(rows, 24, 2, 256, 2051, 4, device="cpu", workspace=ws, options=OPTS)
         views = [v for v in (getattr(s, f) for f in s.__dataclass_fields__) if isinstance(v, torch.Tensor)]
         assert len(views) == 4
         spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * 4) for v in views)

@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
 
 from qsa_core import QSAConfig, QSAPlanner, QSAStepInputs  # noqa: E402
 from qsa_core.reference import qsa_build_metadata as reference_build  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 from entry import build_metadata as qsa_build_metadata  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -308,7 +309,7 @@ def test_static_stage_copies_a_step_in_one_launch(rope_axes):
         torch.randint(0, 9, (R,), generator=gen, dtype=torch.int32),
         None if rope_axes == 0 else torch.randint(0, 999, (T,) if rope_axes == 1 else (3, T), generator=gen),
     )
-    views = StaticStage(**buffers)(*inputs)
+    views = StaticStage(**buffers, options=OPTS)(*inputs)
     want = list(inputs)
     want[2] = inputs[2][:R]
     for got, src in zip(views, want):

@@ -22,7 +22,6 @@ from qsa_core import reference  # noqa: E402
 from qsa_core.cache import QSACacheLayout, QSALayerCache, ring_capacity, ring_store_fuses  # noqa: E402
 from qsa_core.config import QSAConfig, resolve_dtype  # noqa: E402
 from qsa_core import QSAPlanner, QSAStepInputs  # noqa: E402
-
 import entry  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

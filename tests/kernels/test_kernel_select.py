@@ -13,6 +13,7 @@ if DEV == "cpu":
 
 from qsa_core.reference import select as ref  # noqa: E402
 from qsa_kernels import select as ker  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 
 import entry  # noqa: E402
 
@@ -60,11 +61,11 @@ def _values(kind, shape, g):
     return torch.randn(shape, generator=g)
 
 
-def schedule(rows, max_seq_len, r, Kb, decode, device, route):
+def schedule(rows, max_seq_len, r, Kb, decode, device, route, options=OPTS):
     """The plan's schedule of one select call (scratch allocated, so fixtures can poison it),
     asserted to take the top-k route `route` (`SelectSchedule.route`): a plan that moves the
     case to another route fails the test instead of testing that one."""
-    sched = ker.plan_select(rows, max_seq_len // r, Kb, decode=decode, device=device)
+    sched = ker.plan_select(rows, max_seq_len // r, Kb, decode=decode, device=device, options=options)
     assert sched.route == route, (sched.route, route)
     return sched
 
@@ -79,11 +80,11 @@ def reference(problem, *, r=4, page=16, Kb=8, device=None):
     return ref.qsa_select_prefill(*args, out=out, page_size=page, compress_ratio=r, block_topk=Kb).to(q.device)
 
 
-def run_both(problem, *, route, r=4, page=16, Kb=8, decode=False, ref_device=None):
+def run_both(problem, *, route, r=4, page=16, Kb=8, decode=False, ref_device=None, options=OPTS):
     """(kernel selection through a schedule asserted to take `route`, reference selection)."""
     q, comp, table, to_req, vis, max_seq = problem
     fn = entry.select_decode if decode else entry.select_prefill
-    sched = schedule(q.shape[0], max_seq, r, Kb, decode, q.device, route)
+    sched = schedule(q.shape[0], max_seq, r, Kb, decode, q.device, route, options)
     out = fn(q, comp, table, to_req, vis, out=torch.full((q.shape[0], Kb), 7, dtype=torch.int32, device=q.device),
              schedule=sched, page_size=page, compress_ratio=r, block_topk=Kb)
     return out, reference(problem, r=r, page=page, Kb=Kb, device=ref_device)
@@ -271,11 +272,11 @@ def test_float_kinds_by_score_values(nan_scratch, route, kind):
 def test_one_workspace_serves_consecutive_calls(nan_scratch):
     """A plan's persistent scratch: histograms and arrival counters are clean again after every
     call (prefill chunks of 64 columns take select_prefill, decode rows `MID_DECODE`)."""
-    ws = ker.select_workspace(max_rows=128, max_cols=64, block_topk=8, device=DEV)
+    ws = ker.select_workspace(max_rows=128, max_cols=64, block_topk=8, device=DEV, options=OPTS)
     for seed, decode in ((0, False), (1, True), (2, False)):
         problem = make_problem(**RAGGED, kind="int", pad_rows=2, seed=seed)
         q, comp, table, to_req, vis, ms = problem
-        sched = ker.plan_select(q.shape[0], 64, 8, decode=decode, device=DEV, workspace=ws)
+        sched = ker.plan_select(q.shape[0], 64, 8, decode=decode, device=DEV, workspace=ws, options=OPTS)
         assert sched.route == (MID_DECODE if decode else "prefill")
         fn = entry.select_decode if decode else entry.select_prefill
         out = torch.full((q.shape[0], 8), 7, dtype=torch.int32, device=DEV)

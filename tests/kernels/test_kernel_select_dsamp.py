@@ -1,10 +1,10 @@
-"""The per-row-samples decode route (`QSA_DECODE_SAMPLES`, plan_select's decode_samples) against
+"""The per-row-samples decode route (`KernelOptions.decode_samples`; QSA_DECODE_SAMPLES) against
 main's decode route and the reference, bit for bit.
 
 Runs on the GPU when there is one, else in the Triton interpreter (small tiles: score tiles of
 16 columns, so per-row strides of 1..16 columns and 2^5 sample slots at Kb = 8; segments of 64
 columns, 32 candidates per row). The decode score launch writes each row's samples at a stride
-of its own (`select_score._sample_shift`), so the shapes mix in one batch: rows of several
+of its own (`select_score.sample_shift`), so the shapes mix in one batch: rows of several
 strides in one plan (a short row of a long plan keeps one sample per column), rows at or below
 Kb, padding rows, MTP rows (rows x heads packed on the dot's M), ties (integer data), ReLU
 zeros (a row whose every score is 0: bound 0, the exact whole-row resolve), overflowing
@@ -12,6 +12,7 @@ candidate lists, the packed rows.
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,10 +23,14 @@ if DEV == "cpu":
 
 from test_kernel_select import make_problem  # noqa: E402
 
+from qsa_core import QSAOptions  # noqa: E402
 from qsa_core.reference import select as ref  # noqa: E402
 from qsa_kernels import select as ker  # noqa: E402
 from qsa_kernels import select_prefill as sp  # noqa: E402
 from qsa_kernels.select_score import ScoreLaunch  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
+
+ON, OFF = replace(OPTS, decode_samples=True), replace(OPTS, decode_samples=False)
 
 # The shapes below take the route with the interpreter's small tiles only (the H200's short
 # route covers them): on the GPU, benchmarks/device/dsamp_measure.sh at 7bb3f93 checks the real shapes.
@@ -52,8 +57,8 @@ def select(problem, on, rpr=1, pos=None, workspace=None, calls=1, aligned=False)
     aligned: a decode-only step's rows (MTP rows: the request-rows score kernel)."""
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
-    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=rpr, decode_samples=on,
-                        workspace=workspace, rows_aligned=aligned)
+    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=rpr, workspace=workspace,
+                        rows_aligned=aligned, options=replace(OPTS, decode_samples=on))
     assert (s.decode_samples is not None) == on
     width = KB * R + R if pos is not None else KB
     out = torch.full((T, width), 7, dtype=torch.int32, device=DEV)
@@ -82,7 +87,7 @@ MIXED_MTP = dict(seq_lens=[600, 130, 300, 36, 1000], query_lens=[4, 4, 4, 4, 4])
 def skip(request, monkeypatch):
     """Both compactions: whole segments, and (skip) the live runs of rows of >= 8 columns per sample."""
     tiles = sp.decode_tiles
-    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: {**tiles(*a, **k), "skip": request.param})
+    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: replace(tiles(*a, **k), skip=request.param))
     return request.param
 
 
@@ -100,8 +105,8 @@ MIXED_LONG = dict(seq_lens=[2000, 600, 300, 100, 20], query_lens=[1, 1, 1, 1, 1]
 def test_mixed_batch_equals_main_route(nan_scratch, skip, mix, rpr, aligned, kind):
     problem = make_problem(**mix, kind=kind, pad_rows=2, seed=1)
     got, s = select(problem, True, rpr, calls=2, aligned=aligned)  # twice: arrival counters left at zero
-    assert s.decode_samples_tiles["row_s"] == 5 and s.num_cols == 250
-    assert sp.seg_runs(s.num_cols, s.decode_samples_tiles, ker._decode_block_g()) == 8 * skip
+    assert s.decode_samples_tiles.row_s == 5 and s.num_cols == 250
+    assert sp.seg_runs(s.num_cols, s.decode_samples_tiles, ker.decode_block_g(OPTS)) == 8 * skip
     want, _ = select(problem, False, rpr)
     assert torch.equal(got, want)
     if kind == "int":
@@ -120,7 +125,7 @@ def test_packed_rows_equal_main_route(nan_scratch, skip, mix, rpr, aligned):
 
 
 def sample_shift(v: int, wbits: int, log_g: int) -> int:
-    """`select_score._sample_shift` on the host."""
+    """`select_score.sample_shift` on the host."""
     return sum(v > 1 << (wbits + i) for i in range(log_g))
 
 
@@ -132,15 +137,15 @@ def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, m
     problem = make_problem(**mix, kind="int", pad_rows=2, seed=3)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
-    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=rpr, decode_samples=True,
-                        rows_aligned=aligned)
+    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=rpr, rows_aligned=aligned,
+                        options=ON)
     t = s.decode_samples_tiles
     out = torch.empty(T, KB, dtype=torch.int32, device=DEV)
     launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, **KW)
-    samples = sp.samples_view(s.decode_samples, s.chunk, s.num_cols, t, ker._decode_block_g())
+    samples = sp.samples_view(s.decode_samples, s.chunk, s.num_cols, t, ker.decode_block_g(OPTS))
     samples.fill_(-7)
     launch._chunks[0][1](q, table, 0)  # the score launch alone
-    assert t["sample_launch"] == (rpr > 1)
+    assert t.sample_launch == (rpr > 1)
     if rpr > 1:
         assert (samples.cpu() == -7).all(), "MTP rows' score launch wrote samples"
         launch._chunks[0][2]._samples(0)
@@ -152,16 +157,16 @@ def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, m
         if v <= KB:
             assert (got[r] == -7).all(), r
             continue
-        S = 1 << sample_shift(v, t["row_s"], t["log_g"])
+        S = 1 << sample_shift(v, t.row_s, t.log_g)
         shifts.add(S)
         n = -(-v // S)
-        assert KB < n <= 1 << t["row_s"]
+        assert KB < n <= 1 << t.row_s
         want = torch.stack([keys[r, i * S: min(v, i * S + S)].max() for i in range(n)])
         assert torch.equal(got[r, :n], want), (r, S)
         assert (got[r, n:] == -7).all(), r
     assert len(shifts) >= 3, shifts
     if mix is MIXED_LONG:
-        assert shifts == {1, 4, 8, 1 << t["log_g"]}, shifts
+        assert shifts == {1, 4, 8, 1 << t.log_g}, shifts
 
 
 @small_tiles
@@ -186,10 +191,10 @@ def test_bound_launch_and_bracket_search_per_row_strides(nan_scratch, monkeypatc
     # Tile bound (`select_prefill.prefill_tiles`) on per-row sample strides: 1 / 3 the chunk's
     # bound launch, 2 / 3 the bracket search; MTP rows and skip, then ties, zeros and a row of all 0.
     tiles = sp.decode_tiles
-    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: {**tiles(*a, **k), "bound": bound, "skip": bound & 1})
+    monkeypatch.setattr(sp, "decode_tiles", lambda *a, **k: replace(tiles(*a, **k), bound=bound, skip=bound & 1))
     problem = make_problem(**MIXED_MTP, kind="int", pad_rows=2, seed=1)
     got, s = select(problem, True, 4, calls=2)
-    assert s.decode_samples_tiles["bound"] == bound
+    assert s.decode_samples_tiles.bound == bound
     assert torch.equal(got, select(problem, False, 4)[0])
     assert torch.equal(got.cpu(), reference(problem))
     problem = list(make_problem([1000, 600, 300, 1000], [1, 1, 1, 1], Hi=1, kind="int", pad_rows=1, seed=5))
@@ -202,17 +207,17 @@ def test_bound_launch_and_bracket_search_per_row_strides(nan_scratch, monkeypatc
 @small_tiles
 def test_the_workspace_holds_every_decode_plan_of_this_route(nan_scratch):
     cap = ker._DECODE_SAMPLES_MAX_ROWS  # rows a chunk (256)
-    ws = ker.select_workspace(cap + 40, 1200 // R, KB, DEV, decode_samples=True)
+    ws = ker.select_workspace(cap + 40, 1200 // R, KB, DEV, options=ON)
     assert ws.decode_samples is not None
-    assert ker.select_workspace(cap + 40, 1200 // R, KB, DEV, decode_samples=False).decode_samples is None
+    assert ker.select_workspace(cap + 40, 1200 // R, KB, DEV, options=OFF).decode_samples is None
     for rows in (1, 4, 16, 64, 65, cap, cap + 1, cap + 40):
         for cols in (16, 32, 64, 128, 256, 300):
-            s = ker.plan_select(rows, cols, KB, decode=True, device=DEV, workspace=ws, decode_samples=True)
+            s = ker.plan_select(rows, cols, KB, decode=True, device=DEV, workspace=ws, options=ON)
             taken = s.decode_samples is not None
             assert taken == (rows <= cap and cols > 32 and cols > KB), (rows, cols)
             assert not taken or s.decode_samples is ws.decode_samples
     problem = make_problem(**MIXED, kind="int", pad_rows=2, seed=6)
-    got, s = select(problem, True, workspace=ker.select_workspace(16, 1200 // R, KB, DEV, decode_samples=True),
+    got, s = select(problem, True, workspace=ker.select_workspace(16, 1200 // R, KB, DEV, options=ON),
                     calls=2)
     assert torch.equal(got.cpu(), reference(problem))
 
@@ -223,44 +228,44 @@ def test_mtp_score_kernels_refuse_per_row_samples(aligned):
     # MTP rows take their samples from the sample launch; their score kernels write none.
     q, comp, table, to_req, vis, max_seq = make_problem(**MIXED_MTP, kind="int", pad_rows=0, seed=5)
     T = q.shape[0]
-    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=4, decode_samples=True,
-                        rows_aligned=aligned)
+    s = ker.plan_select(T, max_seq // R, KB, decode=True, device=DEV, rows_per_request=4, rows_aligned=aligned,
+                        options=ON)
     t = s.decode_samples_tiles
-    samples = sp.samples_view(s.decode_samples, s.chunk, s.num_cols, t, ker._decode_block_g())
+    samples = sp.samples_view(s.decode_samples, s.chunk, s.num_cols, t, ker.decode_block_g(OPTS))
     with pytest.raises(ValueError, match="per-row score samples need the one-row decode launch"):
         ScoreLaunch(q, comp, table, to_req, vis, s.scores, row0=0, rows=T, num_cols=s.num_cols, page_size=PAGE,
-                    compress_ratio=R, block_topk=KB, decode=True, tiles=s.tiles, interpret=s.interpret,
-                    samples=samples, row_samples=t["row_s"])
+                    compress_ratio=R, block_topk=KB, decode=True, tiles=s.tiles, options=s.options,
+                    samples=samples, row_samples=t.row_s)
 
 
 @small_tiles
-def test_the_switch_is_read_when_a_schedule_is_made(monkeypatch):
-    monkeypatch.setenv("QSA_DECODE_SAMPLES", "1")
-    assert ker.plan_select(4, 256, KB, decode=True, device=DEV).decode_samples is not None
-    assert ker.plan_select(4, 256, KB, decode=False, device=DEV).decode_samples is None
-    monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")
-    assert ker.plan_select(4, 256, KB, decode=True, device=DEV).decode_samples is None
-
+def test_the_option_is_read_when_a_schedule_is_made():
+    assert ker.plan_select(4, 256, KB, decode=True, device=DEV, options=ON).decode_samples is not None
+    assert ker.plan_select(4, 256, KB, decode=False, device=DEV, options=ON).decode_samples is None
+    assert ker.plan_select(4, 256, KB, decode=True, device=DEV, options=OFF).decode_samples is None
 
 
 def test_the_route_takes_long_decode_chunks_by_default(monkeypatch):
-    # H200: faster than the radix and segment routes with one row per request (session 12: 128K
-    # B4, 1M B4, 128K B64; session 13: chunks of up to 256 rows) and, with their samples from a
-    # launch of their own, with MTP rows (session 16: 1M B4 x 4, 128K B16 x 4).
-    monkeypatch.delenv("QSA_DECODE_SAMPLES", raising=False)
-    assert ker.select_workspace(64, 1 << 15, KB, "meta").decode_samples is not None
+    # H200: faster than the radix and segment routes with one row per request (128K B4, 1M B4,
+    # 128K B64; chunks of up to 256 rows) and, with their samples from a launch of their own,
+    # with MTP rows (1M B4 x 4, 128K B16 x 4): BENCHMARKS.md.
+    assert OPTS.decode_samples
+    assert ker.select_workspace(64, 1 << 15, KB, "meta", options=OPTS).decode_samples is not None
     for rows, cols in ((4, 1 << 15), (15, 20480), (64, 1 << 18)):
-        s = ker.plan_select(rows, cols, KB, decode=True, device="meta")
-        assert s.decode_samples is not None and not s.decode_samples_tiles["sample_launch"]
-        s = ker.plan_select(rows * 4, cols, KB, decode=True, device="meta", rows_per_request=4)
-        assert s.decode_samples is not None and s.decode_samples_tiles["sample_launch"]
-    assert ker.plan_select(256, 1 << 15, KB, decode=True, device="meta").decode_samples is not None
-    assert ker.plan_select(257, 1 << 15, KB, decode=True, device="meta").decode_samples is None  # > 256 rows a chunk
-    monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")
-    assert ker.select_workspace(64, 1 << 15, KB, "meta").decode_samples is None
+        s = ker.plan_select(rows, cols, KB, decode=True, device="meta", options=OPTS)
+        assert s.decode_samples is not None and not s.decode_samples_tiles.sample_launch
+        s = ker.plan_select(rows * 4, cols, KB, decode=True, device="meta", rows_per_request=4, options=OPTS)
+        assert s.decode_samples is not None and s.decode_samples_tiles.sample_launch
+    assert ker.plan_select(256, 1 << 15, KB, decode=True, device="meta", options=OPTS).decode_samples is not None
+    assert ker.plan_select(257, 1 << 15, KB, decode=True, device="meta", options=OPTS).decode_samples is None  # > 256 rows a chunk
+    assert ker.select_workspace(64, 1 << 15, KB, "meta", options=OFF).decode_samples is None
+    # The environment's switch (read when a planner is made): QSA_DECODE_SAMPLES.
+    for raw, on in (("", True), ("auto", True), ("1", True), ("0", False)):
+        monkeypatch.setenv("QSA_DECODE_SAMPLES", raw)
+        assert QSAOptions.from_env().kernel.decode_samples is on
     monkeypatch.setenv("QSA_DECODE_SAMPLES", "2")
-    with pytest.raises(ValueError, match="QSA_DECODE_SAMPLES must be auto, 0 or 1, got '2'"):
-        ker.plan_select(4, 1 << 15, KB, decode=True, device="meta")
+    with pytest.raises(ValueError, match=r"QSA_DECODE_SAMPLES must be one of auto, 0, 1 \(or unset\), got '2'"):
+        QSAOptions.from_env()
 
 
 SM90_COMPILE = """
@@ -276,12 +281,12 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M contex
             k = compile_decode_topk(cols, rows, packed, skip, warm)
             print("compiled topk", cols, packed, skip, "divisions", int_divisions(k), "warm", warm,
                   k.asm["ptx"].count("cp.async.bulk.prefetch"))
-    if t["bound"] & 1:
-        const = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=128, SAMPP=1 << t["row_s"], SBITS=t["sbits"],
-                     ROW_SAMPLES=t["row_s"], LOG_G=t["log_g"], PDL=2)
-        k = compile_sm90(sp._bound_prefill_kernel, const, num_warps=t["warps"], launch_pdl=True)
+    if t.bound & 1:
+        const = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=128, SAMPP=1 << t.row_s, SBITS=t.sbits,
+                     ROW_SAMPLES=t.row_s, LOG_G=t.log_g, PDL=2)
+        k = compile_sm90(sp._bound_prefill_kernel, const, num_warps=t.warps, launch_pdl=True)
         print("compiled bound", cols, "divisions", int_divisions(k))
-    const = dict(KB=512, WBITS=t["row_s"], BLOCK=t["sblock"], LOG_G=t["log_g"], PDL=2)  # MTP rows' sample launch
+    const = dict(KB=512, WBITS=t.row_s, BLOCK=t.sblock, LOG_G=t.log_g, PDL=2)  # MTP rows' sample launch
     compile_sm90(sp._row_samples_kernel, const, dict(s_ptr="*fp32"), num_warps=4, launch_pdl=True)
     print("compiled samples", cols)
 """

@@ -8,6 +8,7 @@ whole-row resolve when candidates overflow, rows at or below Kb, padding rows, t
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,6 +25,10 @@ from qsa_kernels import select as ker  # noqa: E402
 
 import entry  # noqa: E402
 from qsa_kernels import select_prefill as sp  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
+
+# Chunks of any number of rows take the route (the GPU's plan takes it from 64).
+OPTS = replace(OPTS, select_prefill_min_rows=1)
 
 R = 4  # compress ratio
 BLOCK_G = 16  # columns per score tile the samples of the top-k tests stand for
@@ -31,11 +36,9 @@ BLOCK_G = 16  # columns per score tile the samples of the top-k tests stand for
 
 @pytest.fixture
 def nan_scratch(monkeypatch):
-    """Every score scratch starts NaN: a read of an unscored column would show up. Chunks of
-    any number of rows take the route (the GPU's plan takes it from 64)."""
+    """Every score scratch starts NaN: a read of an unscored column would show up."""
     monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
         (rows, cols), float("nan"), device=device))
-    monkeypatch.setattr(ker, "_PREFILL_MIN_ROWS", 1)
 
 
 def positions_of(vis: list[int]) -> torch.Tensor:
@@ -71,7 +74,7 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     scores = torch.full((T, num_cols), float("nan"))
     for i, r in enumerate(rows):
         scores[i, : r.numel()] = r
-    tiles = {**sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), **tile_changes}
+    tiles = replace(sp.prefill_tiles(num_cols, kb, BLOCK_G, small=True), **tile_changes)
     scratch = sp.prefill_scratch(sp.prefill_scratch_elems(T, T, num_cols, tiles, BLOCK_G), DEV)
     samples = sp.samples_view(scratch, T, num_cols, tiles, BLOCK_G)
     samples.copy_(samples_of(scores, vis, sp.sample_cols(tiles, BLOCK_G)))
@@ -84,7 +87,7 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     scores = scores.to(DEV)
     launch = sp.PrefillTopkLaunch(scores, samples, vis_t, out, scratch, row0=row0, rows=T, num_cols=num_cols,
                                   block_topk=kb, tiles=tiles, score_block_g=BLOCK_G, first_row=row0, num_rows=T,
-                                  chunk=T, positions=pos, compress_ratio=R)
+                                  chunk=T, positions=pos, compress_ratio=R, options=OPTS)
     for _ in range(calls):
         out[row0:] = -7
         launch(row0, out, out.stride(0))
@@ -118,7 +121,7 @@ COLS = [60, 300]
 
 def test_small_tiles_cross_every_path():
     t = sp.prefill_tiles(300, 8, BLOCK_G, small=True)
-    assert 60 <= t["seg"] < 300 and sp.prefill_route(300, 8, t, BLOCK_G)
+    assert 60 <= t.seg < 300 and sp.prefill_route(300, 8, t, BLOCK_G)
     assert not sp.prefill_route(40, 8, sp.prefill_tiles(40, 8, BLOCK_G, small=True), BLOCK_G)
 
 
@@ -273,13 +276,13 @@ def test_score_launch_writes_the_samples(nan_scratch):
     problem = make_problem([300, 520], [40, 24], kind="int", pad_rows=2)
     q, comp, table, to_req, vis, max_seq = problem
     T, cols = q.shape[0], max_seq // R
-    s = ker.plan_select(T, cols, 8, decode=False, device=DEV)
+    s = ker.plan_select(T, cols, 8, decode=False, device=DEV, options=OPTS)
     assert s.prefill is not None and s.chunk == T
     out = torch.empty(T, 8, dtype=torch.int32, device=DEV)
     launch = ker.SelectLaunch(s, q, comp, table, to_req, vis, out, page_size=16, compress_ratio=R, block_topk=8)
     launch._chunks[0][1](q, table, 0)
-    S = sp.sample_cols(s.prefill_tiles, ker._score_block_g(cols))
-    got = sp.samples_view(s.prefill, T, cols, s.prefill_tiles, ker._score_block_g(cols)).cpu()
+    S = sp.sample_cols(s.prefill_tiles, ker.score_block_g(cols, OPTS))
+    got = sp.samples_view(s.prefill, T, cols, s.prefill_tiles, ker.score_block_g(cols, OPTS)).cpu()
     scores = s.scores.cpu()
     for t in range(T):
         v = int(vis[t])
@@ -306,14 +309,14 @@ def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkey
     monkeypatch.setattr(ker, "PREFILL_MIN_CHUNK_ROWS", 1)
     # defer: the lists of 2 chunks (14 rows) per resolve launch: groups of 14, 14 and a last one of 9.
     tiles = sp.prefill_tiles
-    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: {**tiles(*a, **k), "defer": defer})
-    t = sp.prefill_tiles(128, 8, ker._score_block_g(128), small=DEV == "cpu")
-    monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t["seg"]) * t["cap"] * 8)
+    monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: replace(tiles(*a, **k), defer=defer))
+    t = sp.prefill_tiles(128, 8, ker.score_block_g(128, OPTS), small=DEV == "cpu")
+    monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t.seg) * t.cap * 8)
     problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
-    ws = ker.select_workspace(T, max_seq // R, 8, DEV)
-    s = ker.plan_select(T, max_seq // R, 8, decode=False, device=DEV, workspace=ws)
+    ws = ker.select_workspace(T, max_seq // R, 8, DEV, options=OPTS)
+    s = ker.plan_select(T, max_seq // R, 8, decode=False, device=DEV, workspace=ws, options=OPTS)
     assert s.prefill is ws.prefill and s.chunk == 7
     assert sp.defer_rows(s.chunk, T, s.num_cols, s.prefill_tiles) == (14 if defer else 7)
     kw = dict(page_size=16, compress_ratio=R, block_topk=8)
@@ -327,29 +330,29 @@ def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkey
 
 SM90_COMPILE = """
 import triton.language as tl
-from qsa_kernels import select_prefill as sp, select_score as ss
+from qsa_kernels import select as sel, select_prefill as sp, select_score as ss
 from sm90 import compile_sm90
 t = sp.prefill_tiles(32768, 512, 64, small=False)
-write = dict(KB=512, BITS=t["bits"], SEG=t["seg"], SEGP=8, CAP=t["cap"], PACKED=True, R=4, W=2051, BLOCK_W=1024,
+write = dict(KB=512, BITS=t.bits, SEG=t.seg, SEGP=8, CAP=t.cap, PACKED=True, R=4, W=2051, BLOCK_W=1024,
              stride_oc=1, PDL=2)
-topk = dict(KBP=512, LBITS=t["lbits"], S=16, SAMPP=2048, BLOCK=t["block"], RBLOCK=t["rblock"], DEFER=t["defer"],
+topk = dict(KBP=512, LBITS=t.lbits, S=16, SAMPP=2048, BLOCK=t.block, RBLOCK=t.rblock, DEFER=t.defer,
             ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0, RSBITS=0, WARM_K=0, WARM_V=0, PAGE=1)
 skip = dict(topk, RUNS=sp.seg_runs(32768, t, 64))
-bound = dict(KB=512, BITS=t["bits"], LBITS=t["lbits"], S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, PDL=2)
+bound = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, PDL=2)
 for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns),
         # with the bound read (tile bound 1 / 3) or by the bracket search (2), the bound launch (1 / 3)
-        (sp._topk_prefill_kernel, dict(topk, RUNS=0, **write), t["warps"]),
-        (sp._topk_prefill_kernel, dict(skip, **write), t["warps"]),
-        (sp._topk_prefill_kernel, dict(skip, **write, BOUND_IN=1), t["warps"]),
-        (sp._topk_prefill_kernel, dict(skip, **write, SBITS=t["sbits"]), t["warps"]),
-        (sp._resolve_prefill_kernel, dict(write), t["rwarps"]),
-        (sp._bound_prefill_kernel, dict(bound, SBITS=0), t["warps"]),
-        (sp._bound_prefill_kernel, dict(bound, SBITS=t["sbits"]), t["warps"])):
-    k = compile_sm90(fn, const, dict(pos_ptr="*i64", s_ptr="*fp32"), num_warps=warps, maxnreg=t["regs"] or None,
+        (sp._topk_prefill_kernel, dict(topk, RUNS=0, **write), t.warps),
+        (sp._topk_prefill_kernel, dict(skip, **write), t.warps),
+        (sp._topk_prefill_kernel, dict(skip, **write, BOUND_IN=1), t.warps),
+        (sp._topk_prefill_kernel, dict(skip, **write, SBITS=t.sbits), t.warps),
+        (sp._resolve_prefill_kernel, dict(write), t.rwarps),
+        (sp._bound_prefill_kernel, dict(bound, SBITS=0), t.warps),
+        (sp._bound_prefill_kernel, dict(bound, SBITS=t.sbits), t.warps)):
+    k = compile_sm90(fn, const, dict(pos_ptr="*i64", s_ptr="*fp32"), num_warps=warps, maxnreg=t.regs or None,
                      launch_pdl=True)
     print("topk", k.metadata.shared)
 fn = ss._scores_prefill_kernel
-for st, sub in [(ss.score_tiles(False, {}, False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
+for st, sub in [(ss.score_tiles(False, sel.select_tiles(False), False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=st.block_g, STAGES=st.stages,
                  DOT_DTYPE=tl.bfloat16, SPAN_TILES=0, BLOCK_R=st.block_r, PACK=st.pack, HP=4, FAST_DIV=st.fast_div,
                  SAMPLE=sub, WHOLE=st.whole,

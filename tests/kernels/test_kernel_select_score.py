@@ -29,6 +29,7 @@ from qsa_kernels import select as sel  # noqa: E402
 
 import entry  # noqa: E402
 from qsa_kernels import select_score as ss  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 
 DTYPE = {"int": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "randn": torch.bfloat16}
 
@@ -85,10 +86,10 @@ def kernel_scores(problem, rows, num_cols, Kb, *, decode, r=4, page=16, tiles=No
     q, comp, table, to_req, vis = problem
     scratch = torch.full((len(rows) + 3, num_cols + 5), float("nan"), device=DEV)
     plan_tiles = sel.plan_select(len(rows), num_cols, Kb, decode=decode, device=DEV,
-                                 rows_per_request=rows_per_request, rows_aligned=rows_aligned).tiles
+                                 rows_per_request=rows_per_request, rows_aligned=rows_aligned, options=OPTS).tiles
     launch = ss.ScoreLaunch(q, comp, table, to_req, vis, scratch, row0=rows.start, rows=len(rows), num_cols=num_cols,
                             page_size=page, compress_ratio=r, block_topk=Kb, decode=decode, tiles=plan_tiles,
-                            interpret=DEV == "cpu", score=tiles)
+                            score=tiles, options=OPTS)
     launch(q, table, rows.start)
     return scratch.cpu()
 
@@ -130,7 +131,7 @@ ROWS4 = ss.ScoreTiles(block_r=4, block_g=16, span=32, stages=1, num_warps=4, pac
 def test_decode_rows_of_a_request_share_a_program(kind):
     problem = make_problem([200, 120, 37, 90, 150], [4, 1, 3, 2, 4], kind=kind, pad_rows=2, seed=7)
     rows, cols = range(1, 16), 200 // 4
-    assert ss.score_tiles(True, sel.plan_select(15, cols, 8, decode=True, device=DEV, rows_per_request=4).tiles,
+    assert ss.score_tiles(True, sel.plan_select(15, cols, 8, decode=True, device=DEV, rows_per_request=4, options=OPTS).tiles,
                           DEV == "cpu").block_r == 4  # the plan's MTP route
     assert_scores(kernel_scores(problem, rows, cols, 8, decode=True, rows_per_request=4),
                   reference_scores(problem, rows, cols, 8), True)
@@ -144,7 +145,7 @@ def test_decode_rows_of_a_request_share_a_program(kind):
 def test_request_rows_kernel_bitwise(kind, first):
     problem = make_problem([200, 120, 30, 36, 90], [4] * 5, kind=kind, pad_rows=3, seed=9)
     rows, cols = range(first, 23), 200 // 4  # 19 or 23 rows: the last program's rows run past the chunk
-    plan = sel.plan_select(len(rows), cols, 8, decode=True, device=DEV, rows_per_request=4, rows_aligned=True)
+    plan = sel.plan_select(len(rows), cols, 8, decode=True, device=DEV, rows_per_request=4, rows_aligned=True, options=OPTS)
     assert ss.score_tiles(True, plan.tiles, DEV == "cpu").request_rows
     assert_scores(kernel_scores(problem, rows, cols, 8, decode=True, rows_per_request=4, rows_aligned=True),
                   reference_scores(problem, rows, cols, 8), True)
@@ -186,8 +187,8 @@ def test_fp8_scores_equal_the_scores_of_their_bf16_values(route):
 
 def test_aligned_chunks_hold_whole_requests(monkeypatch):
     monkeypatch.setattr(sel, "SCORE_SCRATCH_BYTES", 4 * 50 * 10)  # 10 rows of 50 columns a chunk
-    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3, rows_aligned=True).chunk == 9
-    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3).chunk == 10
+    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3, rows_aligned=True, options=OPTS).chunk == 9
+    assert sel.plan_select(24, 50, 8, decode=True, device=DEV, rows_per_request=3, options=OPTS).chunk == 10
 
 
 @pytest.mark.parametrize("aligned, chunk_rows", [(False, 0), (True, 0), (True, 7)])
@@ -202,7 +203,7 @@ def test_mtp_decode_select_through_the_plan(monkeypatch, aligned, chunk_rows):
     q, comp, table, to_req, vis = problem
     kw = dict(page_size=16, compress_ratio=4, block_topk=8)
     sched = sel.plan_select(q.shape[0], 200 // 4, 8, decode=True, device=DEV, rows_per_request=4,
-                            rows_aligned=aligned)
+                            rows_aligned=aligned, options=OPTS)
     assert sched.chunk == (4 if chunk_rows else q.shape[0])
     out = entry.select_decode(q, comp, table, to_req, vis, out=torch.full((q.shape[0], 8), 7, dtype=torch.int32,
                                 device=DEV), schedule=sched, **kw)
@@ -232,7 +233,7 @@ def test_whole_tiles_take_the_unmasked_body_with_the_same_bits(kind, tiles):
     problem = make_problem([600, 90, 250], [40, 10, 21], kind=kind, seed=8)
     q, comp, table, to_req, vis = problem
     rows, cols = range(0, 71), 600 // 4
-    plan = sel.plan_select(len(rows), cols, 8, decode=False, device=DEV).tiles
+    plan = sel.plan_select(len(rows), cols, 8, decode=False, device=DEV, options=OPTS).tiles
     t = WHOLE if tiles == "small" else ss.score_tiles(False, plan, DEV == "cpu", num_cols=cols)
     assert t.whole
     # the premise: some row tiles are one request's rows that all see >= one column tile
@@ -302,7 +303,7 @@ def test_auto_span_keeps_programs_and_whole_tiles():
     assert ss._span(t, 64, 1 << 15) == 2048
     assert ss._span(t, 10**6, 1 << 20) == 32 * 128  # at most 32 tiles per program
     # decode rows: up to 2 tiles (bf16 keys) or 4 (fp8) while >= 512 programs remain
-    bf16, fp8 = (ss.score_tiles(True, {}, False, key_bytes) for key_bytes in (2, 1))
+    bf16, fp8 = (ss.score_tiles(True, sel.select_tiles(True), False, key_bytes) for key_bytes in (2, 1))
     assert ss._span(bf16, 4, 1 << 18) == 256 and ss._span(fp8, 4, 1 << 18) == 512  # 1M B4
     assert ss._span(bf16, 4, 1 << 15) == 256 and ss._span(fp8, 4, 1 << 15) == 256  # 128K B4: 512 programs
     assert ss._span(fp8, 2, 1 << 15) == 128 and ss._span(bf16, 1, 1 << 11) == 128  # fewer: one tile
@@ -341,7 +342,8 @@ def test_fast_division_is_the_ieee_quotient(Di):
 
 SM90_COMPILE = """
 import triton.language as tl
-from qsa_kernels import select_score as ss
+from dataclasses import replace
+from qsa_kernels import select as sel, select_score as ss
 from sm90 import compile_sm90
 # Runtime ints as a served step passes them (`sm90`: == 1 -> constant, % 16 == 0 -> divisibility).
 VALUES = dict(stride_qt=512, stride_qh=128, stride_qd=1, stride_kp=4096, stride_kr=128, stride_kd=1,
@@ -352,7 +354,8 @@ VALUES = dict(stride_qt=512, stride_qh=128, stride_qd=1, stride_kp=4096, stride_
 for decode, kdt, rows_per_request, row_samples, aligned in (
         (True, "bf16", 1, 0, False), (True, "fp8e4nv", 1, 0, False), (True, "bf16", 4, 0, False),
         (False, "bf16", 1, 0, False), (True, "bf16", 1, 11, False), (True, "bf16", 4, 0, True)):
-    t = ss.score_tiles(decode, dict(rows_per_request=rows_per_request, rows_aligned=aligned), False,
+    t = ss.score_tiles(decode, replace(sel.select_tiles(decode), rows_per_request=rows_per_request,
+                                       rows_aligned=aligned), False,
                        1 if kdt.startswith("fp8") else 2)
     const = dict(HI=4, DI=128, DP=128, PAGE=64, R=4, KB=512, BLOCK_G=t.block_g, STAGES=t.stages,
                  DOT_DTYPE=tl.float16 if kdt.startswith("fp8") else tl.bfloat16, SPAN_TILES=0,
@@ -381,9 +384,10 @@ for decode, kdt, rows_per_request, row_samples, aligned in (
 
 def test_prefill_tiles_widen_from_1m_context():
     # H200 (session 8): 128-column tiles won at 1M (select 35.9 -> 32.7 ms) and lost at 128K.
-    assert ss.score_tiles(False, {}, False, num_cols=1 << 18).block_g == 128
-    assert ss.score_tiles(False, {}, False, num_cols=(1 << 18) - 4096).block_g == 64
-    assert ss.score_tiles(True, {}, False, num_cols=1 << 18).block_g == 128  # decode: its own 128
+    prefill, decode = sel.select_tiles(False), sel.select_tiles(True)
+    assert ss.score_tiles(False, prefill, False, num_cols=1 << 18).block_g == 128
+    assert ss.score_tiles(False, prefill, False, num_cols=(1 << 18) - 4096).block_g == 64
+    assert ss.score_tiles(True, decode, False, num_cols=1 << 18).block_g == 128  # decode: its own 128
 
 
 def test_production_tiles_compile_for_sm90_on_tensor_cores():

@@ -1,12 +1,12 @@
-"""The histogram-free top-k (`select_topk`) against the reference top-k, indices exact.
+"""The histogram-free short top-k (`select_topk`) against the reference top-k, indices exact.
 
-Runs on the GPU when there is one, else in the Triton interpreter, with the small tiles
-(short rows <= 32 columns, segments of 64 columns, 16 samples per segment, 32 candidates
-per row), so the shapes below cross every route: short, one segment, several segments,
-and the whole-row resolve when a candidate list overflows.
+Runs on the GPU when there is one, else in the Triton interpreter: rows of 24 to 300 columns,
+each launched with a short bound of its own column count (the small tiles' is 32), so the
+bracket search meets thresholds over rows of one to several hundred keys.
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,7 +17,8 @@ if DEV == "cpu":
 
 from qsa_core.reference.expand import qsa_expand  # noqa: E402
 from qsa_core.reference.select import topk_groups  # noqa: E402
-from qsa_kernels.select_topk import TopkLaunch, short_route, topk_scratch, topk_tiles  # noqa: E402
+from qsa_kernels.select_topk import TopkLaunch, short_route, topk_tiles  # noqa: E402
+from kernel_options import OPTS  # noqa: E402
 
 R = 4  # compress ratio of the packed rows
 
@@ -33,7 +34,8 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
              packed: bool = False, **tile_changes) -> torch.Tensor:
     """Kernel top-k of score rows (row i: its visible scores) in one chunk. The scratch beyond
     each row's visible columns is NaN; out has row0 rows before the chunk (must stay -7).
-    packed: the packed selection rows [W + 1] instead of the groups; tile_changes: of the small tiles."""
+    packed: the packed selection rows [W + 1] instead of the groups; tile_changes: of the small tiles
+    (short: num_cols unless given)."""
     T = len(rows)
     scores = torch.full((T, num_cols), float("nan"), device=DEV)
     for i, r in enumerate(rows):
@@ -42,9 +44,8 @@ def run_topk(rows: list[torch.Tensor], num_cols: int, kb: int, *, row0: int = 0,
     pos = torch.cat([torch.full((row0,), -1, dtype=torch.int64), positions_of(rows)]).to(DEV) if packed else None
     width = kb * R + R if packed else kb
     out = torch.full((row0 + T, width), -7, dtype=torch.int32, device=DEV)
-    tiles = {**topk_tiles(num_cols, small=True), **tile_changes}
-    launch = TopkLaunch(scores, vis, out, topk_scratch(T, num_cols, tiles, DEV), row0=row0, rows=T,
-                        num_cols=num_cols, block_topk=kb, tiles=tiles, positions=pos, compress_ratio=R)
+    tiles = replace(topk_tiles(num_cols, small=True), **{"short": num_cols, **tile_changes})
+    launch = TopkLaunch(scores, vis, out, row0=row0, rows=T, num_cols=num_cols, block_topk=kb, tiles=tiles, positions=pos, compress_ratio=R, options=OPTS)
     for _ in range(calls):
         out[row0:] = -7
         launch(row0, out, out.stride(0))
@@ -69,13 +70,16 @@ def distinct(n: int, seed: int) -> torch.Tensor:
     return torch.rand(n, generator=g) * 10
 
 
-# num_cols per route with the small tiles: 24 short, 60 one segment, 300 five segments.
 COLS = [24, 60, 300]
 
 
-def test_small_tiles_cross_every_route():
+def test_small_tiles_bound_and_the_launch_refuses_longer_rows():
     t = topk_tiles(0, small=True)
-    assert short_route(24, t) and not short_route(60, t) and 60 <= t["seg"] < 300
+    assert short_route(32, t) and not short_route(33, t)
+    with pytest.raises(ValueError, match="the short top-k takes rows of at most 32 columns, got num_cols 60"):
+        TopkLaunch(torch.zeros(1, 60, device=DEV), torch.zeros(1, dtype=torch.int32, device=DEV),
+                   torch.zeros(1, 8, dtype=torch.int32, device=DEV), row0=0, rows=1, num_cols=60, block_topk=8,
+                   tiles=t, options=OPTS)
 
 
 @pytest.mark.parametrize("num_cols", COLS)
@@ -109,16 +113,6 @@ def test_short_route_search_meets_every_threshold(kind, sbits, early):
     assert torch.equal(got, reference(rows, 256, 8))
 
 
-@pytest.mark.parametrize("kind, ssbits", [(k, 3) for k in ("random", "crowd", "zeros", "ints", "tiny", "huge", "equal")]
-                         + [(k, 1) for k in ("random", "zeros", "tiny")])
-def test_segment_route_searches_meet_every_threshold(kind, ssbits):
-    # 300 columns, five segments: the bound from the samples and the resolve of the lists both
-    # by the bracket search, 2^ssbits counts a step (crowds and equal rows overflow to the
-    # whole-row resolve).
-    rows = _search_rows(kind, 300)
-    assert torch.equal(run_topk(rows, 300, 8, calls=2, ssbits=ssbits), reference(rows, 300, 8))
-
-
 def test_short_route_bracket_search_is_batch_invariant():
     # Rows of different lengths (padding, <= Kb, crowds of ties in one row) in one chunk.
     g = torch.Generator().manual_seed(13)
@@ -134,7 +128,7 @@ def test_short_route_bracket_search_is_batch_invariant():
 
 @pytest.mark.parametrize("num_cols", COLS)
 def test_all_equal_scores_take_the_lowest_groups(num_cols):
-    # Every key equals the bound: each segment's 64 candidates overflow its 32 slots.
+    # Every key equals the threshold: the lowest-index ties fill the row.
     rows = [torch.full((num_cols,), 1.5), torch.zeros(num_cols)]
     got = run_topk(rows, num_cols, 8)
     assert torch.equal(got, torch.arange(8, dtype=torch.int32).expand(2, 8))
@@ -152,15 +146,6 @@ def test_many_ties_at_the_threshold(num_cols):
     assert torch.equal(got, reference([row], num_cols, 8))
     tied = tie_at[:12].sort().values[:3]
     assert set(got[0].tolist()) == set(tie_at[12:].tolist()) | set(tied.tolist())
-
-
-@pytest.mark.parametrize("num_cols, packed", [(60, False), (300, False), (200, True)])
-def test_crowded_candidates_overflow_to_the_exact_resolve(num_cols, packed):
-    # Integer scores 0..3: the bound admits every key of the top value and beyond a list's capacity.
-    g = torch.Generator().manual_seed(5)
-    rows = [torch.randint(0, 4, (num_cols,), generator=g).float() for _ in range(2)]
-    rows[1][-40:] = 7.0  # the top keys crowd the last segment
-    assert torch.equal(run_topk(rows, num_cols, 16, calls=2, packed=packed), reference(rows, num_cols, 16, packed))
 
 
 @pytest.mark.parametrize("num_cols", COLS)
@@ -192,18 +177,10 @@ def test_batch_invariance_rows_of_different_lengths():
         assert torch.equal(together[i], run_topk([r], num_cols, 8)[0]), f"row {i} depends on the batch"
 
 
-def test_a_long_list_within_the_row_capacity():
-    # 20 top keys in one segment: its list outgrows the one-step pack (16), the row's 32 slots do not.
-    num_cols = 300
-    row = distinct(num_cols, 21)
-    row[130:150] = 20.0 + torch.arange(20.0)
-    assert torch.equal(run_topk([row], num_cols, 16), reference([row], num_cols, 16))
-
-
 @pytest.mark.parametrize("seq_lens, query_lens, route", [
     ([100, 60], [2, 3], "topk-short"),  # <= 32 columns
-    # 20 rows of up to 150 columns: several segments (the GPU's short route holds 4096 columns)
-    ([120, 300, 600, 90], [4, 4, 8, 4], "topk-seg" if DEV == "cpu" else "topk-short"),
+    # 20 rows of up to 150 columns: the GPU's short top-k holds 4096 columns, the small tiles' 32
+    ([120, 300, 600, 90], [4, 4, 8, 4], "fused" if DEV == "cpu" else "topk-short"),
 ])
 def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, route, monkeypatch):
     from test_kernel_select import make_problem, run_both
@@ -211,23 +188,15 @@ def test_decode_select_takes_this_route_through_the_plan(seq_lens, query_lens, r
 
     monkeypatch.setattr(ker, "_score_scratch", lambda rows, cols, device: torch.full(
         (rows, cols), float("nan"), device=device))
-    monkeypatch.setenv("QSA_DECODE_SAMPLES", "0")  # (by default one row per request goes to the samples route)
     problem = make_problem(seq_lens, query_lens, kind="int", pad_rows=2)
-    out, expect = run_both(problem, decode=True, route=route)
+    # (by default one row per request goes to the samples route)
+    out, expect = run_both(problem, decode=True, route=route, options=replace(OPTS, decode_samples=False))
     assert torch.equal(out, expect)
 
 
-def test_the_select_workspace_holds_every_decode_plan_of_this_route():
-    from qsa_kernels import select as ker
-
-    ws = ker.select_workspace(1000, 1200 // 4, 8, DEV)
-    for rows in (1, 16, 20, 64, 65, 1000):
-        for cols in (32, 64, 128, 300):
-            s = ker.plan_select(rows, cols, 8, decode=True, device=DEV, workspace=ws)
-            assert s.topk is None or s.topk is ws.topk
-
-
 SM90_COMPILE = """
+from dataclasses import replace
+
 import triton
 from qsa_kernels import select_topk as stk
 from sm90 import compile_sm90, usage
@@ -239,32 +208,24 @@ def regs_stack(fn, const, warps):
 
 for cols, rows, early, packed in ((2048, 1, 0, True), (2048, 1, 1, False), (4096, 64, 0, True), (8192, 4, 0, True),
                                    (8192, 4, 0, False), (1024, 1, 0, True)):
-    t = {**stk.topk_tiles(cols, small=False, rows=rows), "early": early}
+    t = replace(stk.topk_tiles(cols, small=False, rows=rows), early=early)
     assert stk.short_route(cols, t), (cols, rows)
-    const = dict(KB=512, KBP=512, CAP=triton.next_power_of_2(cols), SBITS=t["sbits"], EARLY=early, PACKED=packed, R=4 if packed else 1, W=2052 if packed else 1, BLOCK_W=1024 if packed else 1, PDL=2)
-    print(cols, rows, early, packed, t["sbits"], regs_stack(stk._topk_short_kernel, const, t["warps"]))
-for cols, rows in ((1 << 18, 16), (1 << 15, 64), (1 << 17, 16)):  # the segment route's chunks (MTP rows)
-    t = stk.topk_tiles(cols, small=False, rows=rows)
-    assert not stk.short_route(cols, t), (cols, rows)
-    segp = triton.next_power_of_2(triton.cdiv(cols, t["seg"]))
-    const = dict(KB=512, KBP=512, BITS=t["bits"], SBITS=t["ssbits"], SEG=t["seg"], SEGP=segp, SAMP=t["samp"],
-                 SBLOCK=max(t["samp"], t["block"]), CAP=t["cap"], LCAP=t["lcap"], BLOCK=t["block"],
-                 RBLOCK=t["rblock"], PACKED=True, R=4, W=2052, BLOCK_W=1024, PDL=2)
-    print("seg", cols, rows, t["ssbits"], regs_stack(stk._topk_seg_kernel, const, t["warps"]))
+    const = dict(KB=512, KBP=512, CAP=triton.next_power_of_2(cols), SBITS=t.sbits, EARLY=early, PACKED=packed,
+                 R=4 if packed else 1, W=2052 if packed else 1, BLOCK_W=1024 if packed else 1, PDL=2)
+    print(cols, rows, early, packed, t.sbits, regs_stack(stk._topk_short_kernel, const, t.warps))
 """
 
 
-def test_short_and_segment_routes_compile_for_sm90_without_spills():
-    """The short route's H200 tiles (up to 4096 columns, and 8192 for chunks of few rows; early
-    loads at 2048 columns) and the segment route's (MTP chunks at 128K and 1M, 64 rows at 32K)
-    compile here without a GPU; the bracket search's sbits keep its compare's keys in
-    registers (no spill stack)."""
+def test_the_short_top_k_compiles_for_sm90_without_spills():
+    """The short top-k's H200 tiles (up to 4096 columns, and 8192 for chunks of few rows; early
+    loads at 2048 columns) compile here without a GPU; the bracket search's sbits keep its
+    compare's keys in registers (no spill stack)."""
     from sm90 import run as run_script
 
     run = run_script(SM90_COMPILE, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 9 and [line[0] for line in lines].count("seg") == 3, run.stdout
+    assert len(lines) == 6, run.stdout
     import triton
 
     # 8192 columns (chunks of few rows) spill 8-40 bytes under triton 3.9, none under the H200's 3.6.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import weakref
-from types import SimpleNamespace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 from qsa_kernels import launch  # noqa: E402
 from qsa_kernels.launch import Launcher, spec_key  # noqa: E402
+from qsa_kernels.options import KernelOptions  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA_BACKEND = make_backend(GPUTarget("cuda", 90, 32))
@@ -77,9 +78,8 @@ def fake_device(monkeypatch):
         return FakeCompiled(len(compiled), calls)
 
     monkeypatch.setattr(Launcher, "compiled", compile_)
-    monkeypatch.setattr(launch, "driver", SimpleNamespace(active=SimpleNamespace(
-        get_current_stream=lambda device: 1000 + device, get_current_device=lambda: -1)))  # CPU tensors' device
-    monkeypatch.setattr(launch, "_enabled", True)
+    monkeypatch.setattr(launch, "RUNTIME", replace(  # the CPU tensors' device -1, its stream 999
+        launch.RUNTIME, device=lambda: -1, stream_fn=lambda: (lambda device: 1000 + device)))
     fn = JITFunction(_scale_rows, do_not_specialize=["n"])
     return Launcher(fn), fn, calls, compiled
 
@@ -127,10 +127,8 @@ def test_disabled_or_hooked_launches_take_the_ordinary_path(fake_device, monkeyp
     ordinary = []
     monkeypatch.setattr(Launcher, "ordinary", lambda self, grid, values, options: ordinary.append(values))
     x, out = torch.randn(4, 64), torch.empty(4, 32)
+    launcher.bind((4,), x, out, 64, 32, 2.0, free=("n",), options=KernelOptions(fast_launch=False), BLOCK=32)(7)
     bound = launcher.bind((4,), x, out, 64, 32, 2.0, free=("n",), BLOCK=32)
-    launch.set_enabled(False)
-    bound(7)
-    launch.set_enabled(True)
     hook = lambda metadata: None  # noqa: E731
     triton.knobs.runtime.launch_enter_hook.add(hook)
     try:
@@ -284,48 +282,67 @@ def test_bound_launches_replay_in_a_cuda_graph_gpu():
 def test_a_layer_on_bound_launches_equals_the_ordinary_launches_gpu():
     """Plans and layers (metadata, prepare, expand bound; a second shape; a new cache object)
     give bitwise the same outputs and caches with the launcher on and off."""
-    from qsa_core import QSAAttention, QSACacheLayout, QSAConfig, QSAPlanner, QSAStepInputs
+    from qsa_core import QSAAttention, QSACacheLayout, QSAConfig, QSAOptions, QSAPlanner, QSAStepInputs
 
     config = QSAConfig(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, index_n_heads=2,
                        index_head_dim=64, token_topk=64, compress_ratio=4, rotary_dim=32, rope_theta=1e4)
     page, dev = 16, "cuda"
 
     def run(fast: bool) -> list[torch.Tensor]:
-        launch.set_enabled(fast)
-        try:
-            torch.manual_seed(0)
-            layer = QSAAttention(config).to(dev, torch.bfloat16)
-            for p in layer.parameters():
-                p.data.normal_(0, 0.05 if p.dim() == 2 else 0.3)
-            layout = QSACacheLayout(num_layers=2, page_size=page, num_pages=40, ring_rows=4)
-            caches = layout.allocate(config, torch.bfloat16, dev)
-            planner = QSAPlanner(config, dtype=torch.bfloat16, page_size=page,
-                                 ring_capacity=layout.ring_capacity(config), max_num_tokens=64, max_model_len=256,
-                                 device=dev)
-            outs = []
-            for qlens, ctx in (([40, 9], [0, 0]), ([1, 1], [40, 9]), ([1, 1], [41, 10]), ([5, 3], [42, 11])):
-                seq = [c + q for c, q in zip(ctx, qlens)]
-                qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device=dev)
-                table = torch.arange(20, dtype=torch.int32, device=dev).view(2, 10) + 1
-                pos = torch.cat([torch.arange(c, s) for c, s in zip(ctx, seq)]).to(dev)
-                req = torch.repeat_interleave(torch.arange(2, device=dev), torch.tensor(qlens, device=dev))
-                slots = table[req, pos // page].long() * page + pos % page
-                inputs = QSAStepInputs(
-                    query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), block_table=table,
-                    slot_mapping=slots, ring_index=torch.tensor([0, 2], dtype=torch.int32, device=dev),
-                    num_decodes=2 if qlens == [1, 1] else 0, max_query_len=max(qlens), max_seq_len=max(seq),
-                )
-                plan = planner.plan(inputs)
-                hidden = torch.randn(sum(qlens), config.hidden_size, device=dev, dtype=torch.bfloat16)
-                with torch.no_grad():
-                    for cache in caches:
-                        outs.append(layer(hidden, plan, cache).clone())
-                        outs.append(plan.schedule.selection.clone())
-            return outs + [t for c in caches for t in (c.k, c.v, c.compressed, c.ring)]
-        finally:
-            launch.set_enabled(True)
+        torch.manual_seed(0)
+        layer = QSAAttention(config).to(dev, torch.bfloat16)
+        for p in layer.parameters():
+            p.data.normal_(0, 0.05 if p.dim() == 2 else 0.3)
+        layout = QSACacheLayout(num_layers=2, page_size=page, num_pages=40, ring_rows=4)
+        caches = layout.allocate(config, torch.bfloat16, dev)
+        planner = QSAPlanner(config, dtype=torch.bfloat16, page_size=page,
+                             ring_capacity=layout.ring_capacity(config), max_num_tokens=64, max_model_len=256,
+                             device=dev, options=QSAOptions(kernel=KernelOptions(fast_launch=fast)))
+        outs = []
+        for qlens, ctx in (([40, 9], [0, 0]), ([1, 1], [40, 9]), ([1, 1], [41, 10]), ([5, 3], [42, 11])):
+            seq = [c + q for c, q in zip(ctx, qlens)]
+            qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32, device=dev)
+            table = torch.arange(20, dtype=torch.int32, device=dev).view(2, 10) + 1
+            pos = torch.cat([torch.arange(c, s) for c, s in zip(ctx, seq)]).to(dev)
+            req = torch.repeat_interleave(torch.arange(2, device=dev), torch.tensor(qlens, device=dev))
+            slots = table[req, pos // page].long() * page + pos % page
+            inputs = QSAStepInputs(
+                query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev), block_table=table,
+                slot_mapping=slots, ring_index=torch.tensor([0, 2], dtype=torch.int32, device=dev),
+                num_decodes=2 if qlens == [1, 1] else 0, max_query_len=max(qlens), max_seq_len=max(seq),
+            )
+            plan = planner.plan(inputs)
+            hidden = torch.randn(sum(qlens), config.hidden_size, device=dev, dtype=torch.bfloat16)
+            with torch.no_grad():
+                for cache in caches:
+                    outs.append(layer(hidden, plan, cache).clone())
+                    outs.append(plan.schedule.selection.clone())
+        return outs + [t for c in caches for t in (c.k, c.v, c.compressed, c.ring)]
 
     fast, ordinary = run(True), run(False)
     assert len(fast) == len(ordinary)
     for a, b in zip(fast, ordinary):
         assert torch.equal(a, b)
+
+
+def test_the_runtime_view_is_gated_on_the_triton_version():
+    """Only the Triton versions the fast path was written against get its view of Triton's
+    internals (others launch the ordinary way); only 3.6 calls the C launch itself."""
+    for version in ("3.6.0", "3.7.1", "3.8.0", "3.9.0+git1a2b"):
+        rt = launch.triton_runtime(version)
+        assert rt is not None and rt.version == tuple(int(x) for x in version.split(".")[:2])
+        assert rt.jit_type is JITFunction
+        assert (rt.direct is launch.direct_launch) == version.startswith("3.6.")
+    for version in ("3.5.1", "3.10.0", "4.0.0", "dev"):
+        assert launch.triton_runtime(version) is None
+
+
+def test_an_unknown_triton_launches_the_ordinary_way(fake_device, monkeypatch):
+    launcher, fn, calls, compiled = fake_device
+    ordinary = []
+    monkeypatch.setattr(Launcher, "ordinary", lambda self, grid, values, options: ordinary.append(values))
+    monkeypatch.setattr(launch, "RUNTIME", None)
+    x, out = torch.randn(4, 64), torch.empty(4, 32)
+    bound = launcher.bind((4,), x, out, 64, 32, 2.0, free=("n",), BLOCK=32)
+    bound(7)
+    assert not bound.native and not compiled and not calls and [v[3] for v in ordinary] == [7]

@@ -1,7 +1,7 @@
 """The decode top-k's L2 warm of the attention's K/V (`qsa_kernels.warm`).
 
 Whether the warm changes any bit is a GPU question (`test_cuda_graph_step.test_l2_warm_changes_no_bits`);
-here: QSA_L2_WARM's parsing, the K/V layouts and the byte cap the warm takes, that nothing warms
+here: QSA_L2_WARM's parsing (`KernelOptions.l2_warm`), the K/V layouts and the byte cap the warm takes, that nothing warms
 without a GPU of sm_90, and (compiled for sm_90 on the CPU) that the top-k kernel bound with the
 warm issues bulk L2 prefetches after the PDL wait, each guarded by its mask and a 16-byte
 alignment test, and none when bound without it.
@@ -14,30 +14,31 @@ import os
 import pytest
 import torch
 
+from qsa_core import QSAOptions
 from qsa_kernels import warm
+from qsa_kernels.options import KernelOptions
 
 
-def test_qsa_l2_warm_is_a_bit_mask(monkeypatch):
-    for raw, want in (("", warm.KV), ("0", 0), ("1", warm.KV)):
-        monkeypatch.setenv("QSA_L2_WARM", raw)
-        assert warm.warm_mask() == want
-    monkeypatch.delenv("QSA_L2_WARM")
-    assert warm.warm_mask() == warm.KV
+def test_qsa_l2_warm_is_on_or_off():
+    for raw, want in (("", True), ("0", False), ("1", True)):
+        assert QSAOptions.from_env({"QSA_L2_WARM": raw}).kernel.l2_warm is want
+    assert QSAOptions.from_env({}).kernel.l2_warm
     for raw in ("2", "-1", "all"):
-        monkeypatch.setenv("QSA_L2_WARM", raw)
-        with pytest.raises(ValueError, match=f"QSA_L2_WARM must be an integer bit mask in \\[0, 1\\], got '{raw}'"):
-            warm.warm_mask()
+        with pytest.raises(ValueError, match=f"QSA_L2_WARM must be one of 0, 1 \\(or unset\\), got '{raw}'"):
+            QSAOptions.from_env({"QSA_L2_WARM": raw})
 
 
-def test_nothing_warms_without_an_sm90_gpu(monkeypatch):
-    monkeypatch.delenv("QSA_L2_WARM", raising=False)
+def test_nothing_warms_without_an_sm90_gpu_or_in_the_interpreter():
     k = torch.zeros(4, 64, 2, 256, dtype=torch.bfloat16)
-    assert not warm.warm_enabled(warm.KV, torch.device("cpu"))
+    assert not warm.warm_enabled(torch.device("cpu"), KernelOptions())
     assert warm.kv_warm(k, k, torch.zeros(4, dtype=torch.int32), 4, rows=4, block_topk=512) is None
+    if torch.cuda.is_available():
+        assert not warm.warm_enabled(torch.device("cuda"), KernelOptions.for_interpreter())
+        assert not warm.warm_enabled(torch.device("cuda"), KernelOptions(l2_warm=False))
 
 
 def test_kv_warm_takes_contiguous_group_runs(monkeypatch):
-    monkeypatch.setattr(warm, "warm_enabled", lambda part, device: True)
+    monkeypatch.setattr(warm, "warm_enabled", lambda device, options: True)
     to_req = torch.zeros(4, dtype=torch.int32)
     paired = torch.zeros(8, 64, 2, 512, dtype=torch.bfloat16)  # QSACacheLayout: [K | V] per head
     k, v = paired[..., :256], paired[..., 256:]
