@@ -122,8 +122,6 @@ def triton_runtime(version: str = triton.__version__) -> TritonRuntime | None:
     )
 
 
-RUNTIME = triton_runtime()
-
 
 def _fast() -> bool:
     """Whether no Triton launch enter/exit hook (a profiler's) is installed: the fast path's
@@ -204,6 +202,10 @@ def direct_launch(run: Any) -> Callable[..., None] | None:
     if not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
         return None
     return launch
+
+
+# The running Triton's view (after `direct_launch`, which the 3.6 view holds).
+RUNTIME = triton_runtime()
 
 
 class Launcher:
