@@ -126,16 +126,16 @@ def _topk(sg, logits, starts, lengths, k):
         _Switch.on = False
 
 
-class SGLangPath:
-    """SGLang's indexer and attention for one benchmark step (built once, then launch-only).
+class SGLangStepInputs:
+    """A benchmark step's inputs the way SGLang's QSA metadata holds them (built once): a
+    token-slot table per request (`req_to_token`), each row's position, causal length
+    (`row_seq`) and request (`row_req`), flat K/V views, and the indexer's inputs (decode: q_idx
+    with heads padded to 8, the compressed-key cache as pages, per-row page tables and group
+    counts; prefill: packed compressed-key slots with per-row [start, end) of each request's
+    groups). The two SGLang paths (this module's and bench_sglang_cuda's) build on it."""
 
-    step: the benchmark's Step (caches, block table, prepared q_idx / q); inputs are derived
-    here the way SGLang's metadata holds them (a token-slot table per request, per-row
-    compressed page tables and lengths for decode, packed compressed keys for prefill).
-    """
-
-    def __init__(self, sg, step, *, page_size: int, ratio: int, token_topk: int, softmax_scale: float) -> None:
-        self.sg, self.step = sg, step
+    def __init__(self, step, *, page_size: int, ratio: int, token_topk: int, softmax_scale: float) -> None:
+        self.step = step
         self.ratio, self.token_topk, self.block_topk = ratio, token_topk, token_topk // ratio
         self.width = token_topk + ratio - 1
         self.scale = softmax_scale
@@ -147,16 +147,14 @@ class SGLangPath:
         table = step.block_table  # [B, pages per request]
         pos = torch.arange(ctx, device=dev)
         self.req_to_token = (table.long()[:, pos // page_size] * page_size + pos % page_size).to(torch.int32)
-        positions = step.meta.positions[:T].to(torch.int64)
-        self.positions = positions
-        self.row_seq = (positions + 1).to(torch.int32)  # causal length per row
+        self.positions = step.meta.positions[:T].to(torch.int64)
+        self.row_seq = (self.positions + 1).to(torch.int32)  # causal length per row
         self.row_req = step.meta.token_to_req[:T].long()
         groups = (self.row_seq // ratio).to(torch.int32)  # complete groups a row sees
         Hkv, D = step.cache.k.shape[-2:]
         self.k_flat = step.cache.k.view(-1, Hkv, D)
         self.v_flat = step.cache.v.view(-1, Hkv, D)
         self.q = step.q.contiguous()
-        self.seq = torch.full((B,), ctx, **i32)
         comp = step.cache.compressed  # [pages, page_size / r, Di]
         if self.decode:
             pad = (-step.q_idx.shape[1]) % 8  # SGLang's decode projection pads heads to 8
@@ -164,7 +162,7 @@ class SGLangPath:
             wide = qi.to(torch.bfloat16)  # exact for fp8; the padding is built in bf16
             self.q_idx = torch.cat([wide, wide.new_zeros(T, pad, qi.shape[2])], 1).to(qi.dtype) if pad else qi.contiguous()
             self.k_cache = comp.unsqueeze(2)  # [pages, 16, 1, Di]
-            self.page_table = table.repeat_interleave(rows, 0).contiguous()
+            self.page_table = table.repeat_interleave(rows, 0).contiguous()  # full-KV page ids per row
             self.lengths = groups
             self.max_model_len = table.shape[1] * comp.shape[1]
         else:
@@ -175,6 +173,26 @@ class SGLangPath:
             self.total_blocks, self.max_blocks = B * (ctx // ratio), ctx // ratio
             self.row_starts = self.cu_blocks[self.row_req].contiguous()
             self.row_ends = (self.row_starts + groups).contiguous()
+
+
+class SGLangPath(SGLangStepInputs):
+    """SGLang's indexer and attention for one benchmark step (built once, then launch-only).
+
+    step: the benchmark's Step (caches, block table, prepared q_idx / q); inputs are derived
+    here the way SGLang's metadata holds them (a token-slot table per request, per-row
+    compressed page tables and lengths for decode, packed compressed keys for prefill).
+    """
+
+    def __init__(self, sg, step, *, page_size: int, ratio: int, token_topk: int, softmax_scale: float) -> None:
+        super().__init__(step, page_size=page_size, ratio=ratio, token_topk=token_topk, softmax_scale=softmax_scale)
+        self.sg = sg
+        dev = step.q.device
+        B, rows, ctx = step.batch, step.rows, step.context
+        T = B * rows
+        i32 = dict(device=dev, dtype=torch.int32)
+        Hkv, D = step.cache.k.shape[-2:]
+        self.seq = torch.full((B,), ctx, **i32)
+        if not self.decode:
             block_q = max(1, 128 // self.q_idx.shape[1])
             per = max(block_q, LOGITS_BUDGET_BYTES // (self.max_blocks * 4))
             self.chunk = min(T, max(block_q, per // block_q * block_q))

@@ -31,6 +31,7 @@ import importlib
 import types
 
 import torch
+from bench_sglang import SGLangStepInputs
 
 QSA = "sglang.srt.layers.attention.qsa"
 
@@ -115,56 +116,25 @@ def varlen_name(fn) -> str:
     return "flash-attn-4 cute varlen" if cute else f"{mod}.{fn.__name__}"
 
 
-class SGLangCudaPath:
+class SGLangCudaPath(SGLangStepInputs):
     """SGLang's indexer and attention for one benchmark step (inputs built once; then launches).
 
     step: bench_qsa.Step (caches, block table, prepared q_idx / q / k). `selection` [T, W] int32
     holds the last `indexer()` output (logical token indices, valid first, -1 after)."""
 
     def __init__(self, mods, step, *, page_size: int, ratio: int, token_topk: int, softmax_scale: float) -> None:
-        self.m, self.step = mods, step
-        self.ratio, self.token_topk, self.block_topk = ratio, token_topk, token_topk // ratio
-        self.width = token_topk + ratio - 1
-        self.scale = softmax_scale
+        super().__init__(step, page_size=page_size, ratio=ratio, token_topk=token_topk, softmax_scale=softmax_scale)
+        self.m = mods
         self.cuda = step.q.is_cuda
         dev = step.q.device
         B, rows, ctx = step.batch, step.rows, step.context
         T = B * rows
-        self.decode = step.decode
         i32 = dict(device=dev, dtype=torch.int32)
-        table = step.block_table  # [B, pages per request]
-        pos = torch.arange(ctx, device=dev)
-        self.req_to_token = (table.long()[:, pos // page_size] * page_size + pos % page_size).to(torch.int32)
-        self.positions = step.meta.positions[:T].to(torch.int64)
-        self.row_seq = (self.positions + 1).to(torch.int32)  # each row's causal length
+        Hkv, D = step.cache.k.shape[-2:]
         # the sequence length SGLang's metadata gives each row: decode rows their own, prefill rows their request's
         self.seq_rows = self.row_seq if self.decode else torch.full((T,), ctx, **i32)
-        self.row_req = step.meta.token_to_req[:T].long()
-        groups = (self.row_seq // ratio).to(torch.int32)
-        Hkv, D = step.cache.k.shape[-2:]
-        self.k_flat = step.cache.k.view(-1, Hkv, D)
-        self.v_flat = step.cache.v.view(-1, Hkv, D)
-        self.q = step.q.contiguous()
         # SGLang's own methods read only these attributes of the indexer
         self.ns = types.SimpleNamespace(token_topk=token_topk, compress_ratio=ratio, block_topk=self.block_topk)
-        comp = step.cache.compressed  # [pages, page_size / r, Di]
-        if self.decode:
-            pad = (-step.q_idx.shape[1]) % 8  # decode projects the indexer heads padded to 8
-            qi = step.q_idx
-            wide = qi.to(torch.bfloat16)  # exact for fp8; the padding is built in bf16
-            self.q_idx = torch.cat([wide, wide.new_zeros(T, pad, qi.shape[2])], 1).to(qi.dtype) if pad else qi.contiguous()
-            self.k_cache = comp.unsqueeze(2)  # [pages, 16, 1, Di]
-            self.page_table = table.repeat_interleave(rows, 0).contiguous()  # full-KV page ids per row
-            self.lengths = groups
-            self.max_model_len = table.shape[1] * comp.shape[1]
-        else:
-            self.q_idx = step.q_idx.contiguous()
-            self.comp_slots = comp.view(-1, 1, comp.shape[-1])
-            blocks = torch.full((B,), ctx // ratio, **i32)
-            self.cu_blocks = torch.cat([blocks.new_zeros(1), blocks.cumsum(0)]).to(torch.int32)
-            self.total_blocks, self.max_blocks = B * (ctx // ratio), ctx // ratio
-            self.row_starts = self.cu_blocks[self.row_req].contiguous()
-            self.row_ends = (self.row_starts + groups).contiguous()
         self.selection = torch.full((T, self.width), -1, **i32)
         if self.decode:
             self.counts = torch.empty(T, **i32)
