@@ -228,7 +228,7 @@ def _shared_tile(
     slot = first + nr
     page = (slot // PAGE).to(tl.int64)
     off = (slot % PAGE).to(tl.int64)
-    # K gathered as its transpose [DP, BLOCK_N], as `attention._attend_block` does.
+    # K gathered as its transpose [DP, BLOCK_N], as `attention_common.attend_block` does.
     k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
                 mask=(d < D)[:, None] & real[None, :], other=0.0).to(DOT_DTYPE)
     s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, BLOCK_N], log2 units
