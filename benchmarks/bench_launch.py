@@ -10,7 +10,7 @@ For the same kernel, grid and arguments (each case issues the identical launch):
 - `compiled.run(...)`: that launcher called directly with the grid, stream and arguments;
 - `bound (ordinary)`: a `BoundLaunch` with `KernelOptions.fast_launch` off (its `kernel[grid]`);
 - `bound`: the `BoundLaunch` fast path (`qsa_kernels.launch`: its generated call checks the free
-  arguments' specialization and hands raw pointers to the launcher, on triton 3.6 its C launch).
+  arguments' specialization and hands raw pointers to `compiled.run`).
 
 Kernels: an empty one (2 arguments), one of 8 pointers and 8 ints, and the decode attention
 kernel of the production geometry (`AttentionLaunch`, 31 runtime arguments, 16 of them free).
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                 us = round(host_us(fn, args.calls, args.rounds), 2)
             except Exception as exc:  # a path this Triton does not offer: report it, go on
                 us = f"error: {type(exc).__name__}: {exc}"[:100]
-            rows.append(dict(kernel=name, path=path, us=us, direct=getattr(fast, "direct", False)))
+            rows.append(dict(kernel=name, path=path, us=us))
             print(f"{name:<28}{path:<22}{us}", flush=True)
     meta = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__)
     print(f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}: host us per launch")

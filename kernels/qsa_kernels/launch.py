@@ -4,9 +4,12 @@
 specialization key, the compiled-kernel lookup, launch metadata and hooks, and in the
 compiled launcher a `data_ptr()` call and a driver query per pointer. A QSA layer launches
 the same kernels with the same workspace, caches and constexprs on every call, so a
-`BoundLaunch` does that work once and then calls the compiled kernel's low-level `run` (the
-call `JITFunction.run` ends with, in triton 3.6 and 3.9) with the grid, the current stream
-and the argument list, pointers as raw ints, in which only the `free` arguments change.
+`BoundLaunch` does that work once and then calls Triton's own compiled-kernel handle, the
+`CompiledKernel.run` launcher that `JITFunction.run` ends with (triton 3.6 to 3.9), with the
+grid, the current stream and the argument list, pointers as raw ints, in which only the
+`free` arguments change. Calling the C launch under that launcher directly saves another
+0.24-0.5 us per launch on an H100 (triton 3.6, benchmarks/results/launch.json) but reaches
+one more internal per Triton version: not taken.
 
 Specialization is respected: Triton compiles a different kernel when a tensor's dtype or
 16-byte alignment, or an int's range (i32/i64/u64), its being 1 or its divisibility by 16
@@ -67,10 +70,7 @@ class TritonRuntime:
     the compiled kernel of the arguments (Triton's cache, compiling if needed; async results
     resolved); handles(kernel): its (run, function, packed metadata); spec_flags(fn): per
     parameter name, (specialize ints, specialize alignment) as Triton's binder reads them (off
-    for `do_not_specialize` / `do_not_specialize_on_alignment`); direct(run): the C launch
-    function behind run where calling it directly is what run does, else None; its call is
-    `direct(gx, gy, gz, stream, function, cooperative, pdl, None, None, packed, None, None,
-    None, *args)`."""
+    for `do_not_specialize` / `do_not_specialize_on_alignment`)."""
 
     version: tuple[int, int]
     jit_type: type
@@ -80,7 +80,6 @@ class TritonRuntime:
     compile: Callable[[Any, Sequence[int], list, dict], Any]
     handles: Callable[[Any], tuple[Any, Any, Any]]
     spec_flags: Callable[[Any], dict[str, tuple[bool, bool]]]
-    direct: Callable[[Any], Callable[..., None] | None]
 
 
 def triton_runtime(version: str = triton.__version__) -> TritonRuntime | None:
@@ -91,11 +90,7 @@ def triton_runtime(version: str = triton.__version__) -> TritonRuntime | None:
     may return an async handle: `.result()`), a `CompiledKernel` holds `run` (the launcher:
     `run(gx, gy, gz, stream, function, packed_metadata, launch_metadata, enter_hook,
     exit_hook, *args)`), `function` and `packed_metadata`, and `triton.runtime.driver.active`
-    gives the current device and stream. 3.6 only: its `CudaLauncher.__call__(gx, gy, gz,
-    stream, function, *args)` adds only two scratch buffers (None when the kernel needs none)
-    and its launch flags before the C launch, which the fast path then calls itself
-    (`direct_launch`); 3.7+ launchers pass more (scratch, annotations, the signature), so
-    their fast path calls `run`."""
+    gives the current device and stream."""
     try:
         key = tuple(int(x) for x in version.split(".")[:2])
     except ValueError:
@@ -118,7 +113,6 @@ def triton_runtime(version: str = triton.__version__) -> TritonRuntime | None:
         handles=lambda kernel: (kernel.run, kernel.function, kernel.packed_metadata),
         spec_flags=lambda fn: {p.name: (not p.do_not_specialize, not p.do_not_specialize_on_alignment)
                                for p in fn.params},
-        direct=direct_launch if key == (3, 6) else (lambda run: None),
     )
 
 
@@ -184,27 +178,7 @@ def spec_key(x: Any, specialize: bool = True, align: bool = True) -> Any:
     return type(x)
 
 
-def direct_launch(run: Any) -> Callable[..., None] | None:
-    """The C launch function behind a compiled kernel's `run`, where calling it directly is
-    what `run` would do: triton 3.6's `CudaLauncher`, whose `__call__(grid, stream,
-    function, *args)` only adds two scratch buffers (None when the kernel needs none) and
-    its launch flags. None otherwise (other backends, scratch, tensor descriptors)."""
-    if type(run).__name__ != "CudaLauncher":
-        return None
-    params = list(inspect.signature(type(run).__call__).parameters)
-    if params != ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]:
-        return None
-    launch = getattr(run, "launch", None)
-    if type(launch).__name__ != "builtin_function_or_method" or getattr(launch, "__name__", "") != "launch":
-        return None  # wrapped (tensor descriptors)
-    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
-        return None
-    if not hasattr(run, "launch_cooperative_grid") or not hasattr(run, "launch_pdl"):
-        return None
-    return launch
-
-
-# The running Triton's view (after `direct_launch`, which the 3.6 view holds).
+# The running Triton's view.
 RUNTIME = triton_runtime()
 
 
@@ -277,7 +251,6 @@ class BoundLaunch:
         self.native = RUNTIME is not None and isinstance(launcher.fn, RUNTIME.jit_type)
         self._variants: dict[tuple, tuple] = {}
         self.source = ""
-        self.direct = False  # whether the fast path calls the C launch itself (`RUNTIME.direct`)
         # The generated fast call (native kernels) refers to nothing that refers back to this
         # binding: a binding its owner drops frees the caches and workspace it holds at once, not
         # when Python's cycle collector runs (a bound method stored here would make a cycle).
@@ -301,13 +274,11 @@ class BoundLaunch:
         return tuple(spec_key(x, s, a) for x, (s, a) in zip(free, self.free_flags))
 
     def _variant(self, key: tuple, values: list) -> tuple:
-        """(run, function, packed metadata, direct) of the compiled kernel for `key`, fetched
-        once; direct: its C launch function where `RUNTIME.direct` allows it, else None."""
+        """(run, function, packed metadata) of the compiled kernel for `key`, fetched once."""
         entry = self._variants.get(key)
         if entry is None:
             kernel = self.launcher.compiled(self.grid, values, self.options)
-            run, function, packed = RUNTIME.handles(kernel)
-            entry = (run, function, packed, RUNTIME.direct(run))
+            entry = RUNTIME.handles(kernel)
             self._variants[key] = entry
         return entry
 
@@ -319,7 +290,7 @@ class BoundLaunch:
         if not (self.native and self._can_fast()):
             self.launcher.ordinary(self.grid, values, self.options)
             return
-        run, function, packed, _ = self._variant(self.key(free), values)
+        run, function, packed = self._variant(self.key(free), values)
         g = tuple(self.grid) + (1,) * (3 - len(self.grid))
         run(*g, self._stream(self.device), function, packed, None, None, None, *values)
 
@@ -366,14 +337,7 @@ class BoundLaunch:
                 args.append(f"V{i}")
         g = tuple(self.grid) + (1,) * (3 - len(self.grid))
         sig = ", ".join(params)
-        run, direct = entry[0], entry[3]
-        self.direct = direct is not None
-        if direct is None:
-            launch = f"RUN({g[0]}, {g[1]}, {g[2]}, STREAM(DEV), FN, PACKED, None, None, None, {', '.join(args)})"
-        else:  # the C launch itself: (grid, stream, function, cooperative, pdl, scratch x2, metadata, hooks)
-            names["RUN"] = direct
-            launch = (f"RUN({g[0]}, {g[1]}, {g[2]}, STREAM(DEV), FN, {int(run.launch_cooperative_grid)}, "
-                      f"{int(run.launch_pdl)}, None, None, PACKED, None, None, None, {', '.join(args)})")
+        launch = f"RUN({g[0]}, {g[1]}, {g[2]}, STREAM(DEV), FN, PACKED, None, None, None, {', '.join(args)})"
         self.source = "\n".join([
             f"def fast({sig}):",
             *(f"    {line}" for line in prep),

@@ -247,21 +247,6 @@ def test_bound_launch_results_equal_the_ordinary_launch():
 
 
 @pytest.mark.gpu
-def test_the_fast_path_calls_the_c_launch_itself_on_triton_3_6_gpu():
-    """triton 3.6: a bound launch skips `CudaLauncher.__call__` (which only adds two scratch
-    buffers, None for these kernels) and calls the C launch with the same arguments; other
-    versions keep `run`. The results are the ordinary launch's."""
-    x = torch.randn(6, 80, device="cuda")
-    out, want = torch.zeros(6, 64, device="cuda"), torch.zeros(6, 64, device="cuda")
-    bound = Launcher(scale_rows).bind((6,), x, out, 80, 64, 3.0, free=("n",), BLOCK=64)
-    assert bound.direct == triton.__version__.startswith("3.6.")
-    bound(50)
-    scale_rows[(6,)](x, want, 80, 50, 3.0, BLOCK=64)
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
-
-
-@pytest.mark.gpu
 def test_bound_launches_replay_in_a_cuda_graph_gpu():
     x = torch.randn(6, 80, device="cuda")
     out = torch.zeros(6, 64, device="cuda")
@@ -327,12 +312,11 @@ def test_a_layer_on_bound_launches_equals_the_ordinary_launches_gpu():
 
 def test_the_runtime_view_is_gated_on_the_triton_version():
     """Only the Triton versions the fast path was written against get its view of Triton's
-    internals (others launch the ordinary way); only 3.6 calls the C launch itself."""
+    internals (others launch the ordinary way)."""
     for version in ("3.6.0", "3.7.1", "3.8.0", "3.9.0+git1a2b"):
         rt = launch.triton_runtime(version)
         assert rt is not None and rt.version == tuple(int(x) for x in version.split(".")[:2])
         assert rt.jit_type is JITFunction
-        assert (rt.direct is launch.direct_launch) == version.startswith("3.6.")
     for version in ("3.5.1", "3.10.0", "4.0.0", "dev"):
         assert launch.triton_runtime(version) is None
 
