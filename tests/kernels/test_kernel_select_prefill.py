@@ -295,7 +295,7 @@ def test_score_launch_writes_the_samples(nan_scratch):
 def test_prefill_select_takes_this_route(nan_scratch, kind):
     # Two requests (130 and 75 columns: several segments), chunks of rows crossing Kb, padding.
     problem = make_problem([520, 300, 40], [12, 10, 3], kind=kind, pad_rows=3, seed=1)
-    out, expect = run_both(problem, decode=False, route="prefill")
+    out, expect = run_both(problem, decode=False, route="prefill", options=OPTS)
     if kind == "int":  # exact scores: ties broken by design.md §2.7
         assert torch.equal(out, expect)
     else:  # fp32 sums in another order: the chosen groups' reference scores agree

@@ -228,7 +228,9 @@ def test_the_short_top_k_compiles_for_sm90_without_spills():
     assert len(lines) == 6, run.stdout
     import triton
 
-    # 8192 columns (chunks of few rows) spill 8-40 bytes under triton 3.9, none under the H200's 3.6.
-    wide_stack = 0 if triton.__version__.startswith("3.6") else 64
+    # Stack bytes per tile where a Triton other than the 3.6 the tiles were measured under keeps
+    # a frame: 3.8 caps the 2048-column tile (sbits 3) at 64 registers with an 8-byte frame (sbits
+    # 2 or 4 keep none); 3.9 spills 8-40 bytes at 8192 columns (chunks of few rows). None on 3.6.
+    allowed = {"3.8": {"2048": 8}, "3.9": {"8192": 64}}.get(".".join(triton.__version__.split(".")[:2]), {})
     for cols, *_, regs, stack in lines:
-        assert int(stack) <= (wide_stack if cols == "8192" else 0), lines  # (-1: no cuobjdump to read it)
+        assert int(stack) <= allowed.get(cols, 0), lines  # (-1: no cuobjdump to read it)
