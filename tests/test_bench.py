@@ -320,3 +320,146 @@ def test_single_stage_prefill_rebuilds_sglangs_tilelang_prefill_kernels_once():
         getattr(mqa, n)(heads=4)
     assert calls == [(n, {"heads": 4, "num_stages": 1}) for n in PREFILL_KERNELS]
     assert not single_stage_prefill(types.SimpleNamespace(mqa=types.SimpleNamespace(HAS_TILELANG=False)))
+
+
+# -- `bench_qsa.py peers --vllm`: vLLM 0.33's upstream ops on our caches, FA3 dense ----------------
+
+@pytest.mark.parametrize("case", [Case("decode", 4096, 2, 3), Case("prefill", 4096, 1, 8)], ids=["decode-mtp", "prefill"])
+def test_vllm_inputs_are_our_caches_in_upstreams_layout(case):
+    """Upstream's scoring addresses compressed group c of request b at k_cache[page_table[b, c //
+    (page / r)], c % (page / r), 0] and scores sum_h relu(q . k) (no 1/sqrt(Di): the same order);
+    its decode rows are request-major. Emulated here in torch on VLLMStepInputs, it must give the
+    reference scores, over exactly the groups the reference says each row sees."""
+    import bench_qsa
+    from bench_vllm import VLLMStepInputs
+
+    step = bench_qsa.Step(case, torch.device("cpu"))
+    inp = VLLMStepInputs(step, ratio=G.compress_ratio, token_topk=G.token_topk)
+    T = case.batch * case.rows
+    per_page = G.page_size // G.compress_ratio
+    assert inp.k_cache.shape == (step.cache.compressed.shape[0], per_page, 1, G.index_head_dim)
+    assert inp.k_cache.data_ptr() == step.cache.compressed.data_ptr()  # the same bytes, no copy
+    assert torch.equal(inp.visible, step.meta.visible_blocks[:T])
+    assert torch.equal(inp.token_to_req, torch.arange(case.batch, dtype=torch.int32).repeat_interleave(case.rows))
+    assert inp.query_start_loc.tolist() == list(range(0, T + 1, case.rows))
+    assert inp.positions.tolist() == [case.context - case.rows + j for _ in range(case.batch) for j in range(case.rows)]
+    assert inp.block_indices.shape == (T, G.token_topk // G.compress_ratio)
+    assert inp.packed_out.shape == (T, step.cfg.packed_width) and inp.out.shape == inp.q.shape == inp.gate.shape
+    for r in range(T):
+        req, vis = int(inp.token_to_req[r]), int(inp.visible[r])
+        c = torch.arange(vis)
+        keys = inp.k_cache[inp.page_table[req, c // per_page].long(), c % per_page, 0].float()
+        upstream = (inp.q_idx[r].float() @ keys.T).relu().sum(0)
+        torch.testing.assert_close(upstream / math.sqrt(G.index_head_dim), step.ref_scores(r), rtol=1e-5, atol=1e-6)
+
+
+def _varlen_paged_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, softmax_scale, causal,
+                            block_table, out, fa_version):
+    """FlashAttention's documented varlen paged contract in plain torch (causal aligned
+    bottom-right), to hold fa3_dense's arguments to the dense reference on the CPU."""
+    assert causal and fa_version == 3 and q.dtype == k.dtype == torch.bfloat16
+    Hkv, D = k.shape[-2:]
+    for b in range(cu_seqlens_q.numel() - 1):
+        a, e, L = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
+        assert e - a <= max_seqlen_q and L <= max_seqlen_k
+        kb = k[block_table[b].long()].reshape(-1, Hkv, D)[:L].float()
+        vb = v[block_table[b].long()].reshape(-1, Hkv, D)[:L].float()
+        s = torch.einsum("qhgd,lhd->qhgl", q[a:e].float().view(e - a, Hkv, -1, D), kb) * softmax_scale
+        visible = torch.arange(L)[None, :] <= (L - (e - a) + torch.arange(e - a))[:, None]
+        s = s.masked_fill(~visible[:, None, None, :], -torch.inf)
+        out[a:e] = torch.einsum("qhgl,lhd->qhgd", s.softmax(-1), vb).reshape(e - a, -1, D).to(out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("case", [Case("decode", 1024, 2, 2), Case("prefill", 1024, 1, 8)], ids=["decode-mtp", "prefill"])
+def test_dense_reference_and_fa3_arguments_against_the_sparse_reference(case):
+    """Below the budget the selection holds every token, so the sparse reference (ungated) is
+    dense attention: dense_reference must match it, and fa3_dense's varlen arguments, run through
+    FlashAttention's documented contract in torch, must pass check_dense."""
+    import types
+
+    import bench_peers
+    import bench_qsa
+    from bench_vllm import dense_reference, fa3_dense
+
+    from qsa_core.reference import qsa_sparse_attention as ref_attention
+
+    step = bench_qsa.Step(case, torch.device("cpu"))
+    packed, m = step.select(), step.meta
+    T = case.batch * case.rows
+    assert (packed[:, -1] == m.positions[:T].int() + 1).all()  # every token of each row's prefix chosen
+    rows = list(range(T))
+    ungated = ref_attention(step.q, torch.full_like(step.gate, 100.0), step.cache.k, step.cache.v, m.block_table,
+                            m.token_to_req[:T], m.seq_lens, packed, softmax_scale=step.cfg.softmax_scale)
+    assert bench_qsa.attention_error(ungated, dense_reference(step, rows)) < 1e-2  # bf16 rounding of the reference
+    mods = types.SimpleNamespace(fa3=_varlen_paged_attention, missing={})
+    assert bench_peers.check_dense(step, fa3_dense(mods, step)(), rows) < 1e-2
+    with pytest.raises(bench_peers.PeerMismatch, match="dense attention differs from the reference"):
+        bench_peers.check_dense(step, fa3_dense(mods, step)() * 1.1, rows)
+    with pytest.raises(RuntimeError, match="FA3 cannot run here: FA3 is only supported on devices with compute"):
+        fa3_dense(types.SimpleNamespace(fa3=None, missing={"fa3": "FA3 is only supported on devices with compute "
+                                                                  "capability 9.x"}), step)
+
+
+class FakeVLLMPath(FakePeer):
+    """A vLLM-like peer: fused gate (attention gated by ours), block indices from select()."""
+
+    gated = True
+
+    def __init__(self, step, swap_row=None, fuse_gate=True):
+        super().__init__(step, swap_row=swap_row)
+        if fuse_gate:
+            self.out = (self.out.float().view(step.gate.shape) * torch.sigmoid(step.gate.float())).to(self.out.dtype)
+        self.routes = {"top-k": "fake"}
+
+    def select(self):
+        return self.selection
+
+    def expand(self):
+        return self.packed()
+
+    def full(self):
+        return self.attention()
+
+
+@pytest.mark.parametrize("variant", ["agrees", "swapped", "ungated"])
+def test_a_vllm_peer_is_checked_gated_before_it_is_timed_and_dense_columns_record_why_not(monkeypatch, variant):
+    import types
+
+    import bench_peers
+    import bench_qsa
+    import bench_vllm
+
+    monkeypatch.setattr(bench_vllm, "VLLMPath", lambda mods, step, **kw: FakeVLLMPath(
+        step, swap_row=3 if variant == "swapped" else None, fuse_gate=variant != "ungated"))
+    mods = types.SimpleNamespace(fa3=None, missing={"fa3": "FA3 is unavailable due to: no GPU"})
+    r = Result(Case("prefill", 4096, 1, 8))
+    bench_peers.measure(r.case, torch.device("cpu"), bench_qsa.WallTimer(), None, "", r, lambda: None, vllm=mods)
+    assert r.check.startswith("ok") and rep.WHOLE in r.us  # ours, measured first
+    assert "vllm routes: top-k: fake" in r.notes and "vllm import fa3: FA3 is unavailable due to: no GPU" in r.notes
+    assert "FA3 dense: RuntimeError: FA3 cannot run here: FA3 is unavailable due to: no GPU" in r.notes
+    assert bench_peers.FA3 not in r.us
+    vl = {c for c in r.us if c.startswith("vllm")}
+    if variant == "agrees":
+        assert vl == {bench_peers.VL_SELECT, bench_peers.VL_EXPAND, bench_peers.VL_INDEXER, bench_peers.VL_ATTN,
+                      bench_peers.VL_ALL}
+        assert "vllm: selection a top-k of the reference in 8/8 rows (8 equal to ours" in r.check
+    else:
+        want = "row 3: not a top-k" if variant == "swapped" else "attention on its own selection differs"
+        assert not vl and "vllm:" not in r.check
+        assert [n for n in r.notes if n.startswith(f"vllm: PeerMismatch: {want}")]
+    table = bench_peers.table([r])
+    assert ("| vllm score+top-k |" in table) == (variant == "agrees") and "FA3 dense" in table
+
+
+def test_peers_vllm_records_that_vllm_cannot_run_here(tmp_path):
+    """In the core environment (no vllm) the vLLM column records the import error; ours run."""
+    import bench_qsa
+
+    key = Case("decode", 4096, 2, 1).key
+    bench_qsa.main(["peers", "--vllm", "--dry-run", "--out", str(tmp_path), "--only", key])
+    meta, (r,) = rep.load(tmp_path / "peers.json")
+    assert r.check.startswith("ok") and rep.WHOLE in r.us
+    assert [n for n in r.notes if n.startswith("vllm: ModuleNotFoundError: No module named 'vllm")]
+    assert not [n for n in r.notes if n.startswith("sglang")]  # not asked for
+    assert "vllm: ModuleNotFoundError" in (tmp_path / "peers.md").read_text()
