@@ -1,6 +1,7 @@
 """Peer columns beside ours, in one process, on the same caches and data (`bench_qsa.py peers`).
 
     python benchmarks/bench_qsa.py peers --sglang-cuda --out DIR [--only KEY ...] [--budget-s S] [--config-timeout S]
+    python benchmarks/bench_qsa.py peers --vllm --out DIR [...]        # vLLM 0.33's upstream QSA, FA3 dense
     python benchmarks/bench_qsa.py peers --sglang-cuda --dry-run --out DIR   # CPU: SGLang's CPU routes, no timing
 
 On a GPU host with SGLang's stack, in the repository root, in one call of about 8 minutes (a
@@ -17,9 +18,11 @@ Our columns are bench_qsa.py's (`measure`: prepare, select+expand, attention, no
 step); `--sglang-cuda` adds SGLang 0.5.23's default CUDA path (bench_sglang_cuda.py): its scoring,
 its top-k on those logits, its whole indexer (scoring + top-k + expansion), its attention, and
 indexer + attention in one graph; plus sgl_kernel's fast_topk_v2 on the same logits where it
-serves 512 blocks. Before a peer is timed, its selection must be a valid top-k of the reference
+serves 512 blocks. `--vllm` adds vLLM 0.33's upstream ops (bench_vllm.py): scoring + top-k,
+expansion, the indexer, its gated attention, indexer + attention in one graph; and FA3 dense
+beside FlashInfer dense, each held to a dense fp32 reference first. Before a peer is timed, its selection must be a valid top-k of the reference
 scores on rows spread over the step (`valid_topk`: any order among ties, 1e-4 relative) and its
-attention on its own selection, gated by ours, must be within 2e-2 of the reference; a peer
+attention on its own selection, gated by ours (vLLM's gates itself), must be within 2e-2 of the reference; a peer
 that fails, or cannot run, records the exact error in the notes and the rest goes on. Every time
 is GraphTimer's (bench_qsa.py): one CUDA graph per column, median of replays, L2 flushed before
 each. DIR/peers.json is written after every measurement (a rerun resumes), DIR/peers.md after
