@@ -18,9 +18,10 @@ Our columns are bench_qsa.py's (`measure`: prepare, select+expand, attention, no
 step); `--sglang-cuda` adds SGLang 0.5.23's default CUDA path (bench_sglang_cuda.py): its scoring,
 its top-k on those logits, its whole indexer (scoring + top-k + expansion), its attention, and
 indexer + attention in one graph; plus sgl_kernel's fast_topk_v2 on the same logits where it
-serves 512 blocks. `--vllm` adds vLLM 0.33's upstream ops (bench_vllm.py): scoring + top-k,
-expansion, the indexer, its gated attention, indexer + attention in one graph; and FA3 dense
-beside FlashInfer dense, each held to a dense fp32 reference first. Before a peer is timed, its selection must be a valid top-k of the reference
+serves 512 blocks. `--vllm` adds vLLM 0.33's upstream ops (bench_vllm.py): its fused prepare
+(each output held to ours first), scoring + top-k, expansion, the indexer, its gated attention,
+indexer + attention and the whole step in one graph; and FA3 dense beside FlashInfer dense, each
+held to a dense fp32 reference first. Before a peer is timed, its selection must be a valid top-k of the reference
 scores on rows spread over the step (`valid_topk`: any order among ties, 1e-4 relative) and its
 attention on its own selection, gated by ours (vLLM's gates itself), must be within 2e-2 of the reference; a peer
 that fails, or cannot run, records the exact error in the notes and the rest goes on. Every time
@@ -51,10 +52,15 @@ SG = "sglang-cuda"
 SG_SCORE, SG_TOPK, SG_TOPK_V2 = f"{SG} score", f"{SG} top-k", "sgl_kernel top-k v2"
 SG_INDEXER, SG_ATTN, SG_ALL = f"{SG} indexer", f"{SG} attention", f"{SG} (all)"
 VL = "vllm"
-VL_SELECT, VL_EXPAND, VL_INDEXER = f"{VL} score+top-k", f"{VL} expand", f"{VL} indexer"
-VL_ATTN, VL_ALL, FA3, FI_DENSE = f"{VL} attention", f"{VL} (all)", "FA3 dense", "FlashInfer dense"
+VL_PREP, VL_SELECT, VL_EXPAND = f"{VL} prepare", f"{VL} score+top-k", f"{VL} expand"
+VL_INDEXER, VL_ATTN, VL_ALL, VL_WHOLE = f"{VL} indexer", f"{VL} attention", f"{VL} (all)", f"{VL} whole step"
+FA3, FI_DENSE = "FA3 dense", "FlashInfer dense"
 SG_COLUMNS = [SG_SCORE, SG_TOPK, SG_TOPK_V2, SG_INDEXER, SG_ATTN, SG_ALL]
-VL_COLUMNS = [VL_SELECT, VL_EXPAND, VL_INDEXER, VL_ATTN, VL_ALL, FA3, FI_DENSE]
+VL_COLUMNS = [VL_PREP, VL_SELECT, VL_EXPAND, VL_INDEXER, VL_ATTN, VL_ALL, VL_WHOLE, FA3, FI_DENSE]
+# upstream's prepare against ours: normed / rotated outputs to bf16 rounding (fp8 index dtype:
+# one e4m3 step), copies (gate, V, raw keys into the ring) exactly
+PREP_TOL = {"q_idx": 2e-2, "q": 2e-2, "K": 2e-2, "compressed": 2e-2, "gate": 0.0, "V": 0.0, "ring": 0.0}
+PREP_TOL_FP8 = 1.3e-1
 PEER_COLUMNS = SG_COLUMNS + VL_COLUMNS
 OURS = ["select+expand", "attention", NO_PREP, WHOLE]
 RTOL_TIE = 1e-4  # scores this close (relative) at the top-k boundary are a tie: either side is right
@@ -248,14 +254,29 @@ def timed_dense(step, result: Result, name: str, build, timer, save) -> None:
     save()
 
 
+def check_prepare(step, prep) -> str:
+    """Run upstream's prepare once and hold each output to ours (raises PeerMismatch naming
+    the first output beyond PREP_TOL); returns the errors as text."""
+    q, gate = prep()
+    errs = prep.errors(q, gate)
+    fp8 = step.q_idx.dtype != torch.bfloat16
+    for name, err in errs.items():
+        tol = PREP_TOL_FP8 if fp8 and name in ("q_idx", "compressed") else PREP_TOL[name]
+        if not err <= tol:
+            raise PeerMismatch(f"prepare's {name} differs from ours: {err:.2e} > {tol}")
+    return "prepare err " + ", ".join(f"{k} {v:.1e}" for k, v in errs.items())
+
+
 def measure_vllm(step, mods, result: Result, timer, save) -> None:
-    """vLLM 0.33's upstream QSA ops on step: checked (selection and gated attention), then timed
-    column by column; then FA3 and FlashInfer dense, each checked first."""
-    from bench_vllm import VLLMPath, fa3_dense
+    """vLLM 0.33's upstream QSA ops on step: checked (prepare's outputs against ours, selection
+    and gated attention against the reference), then timed column by column; then FA3 and
+    FlashInfer dense, each checked first."""
+    from bench_vllm import VLLMPath, VLLMPrepare, fa3_dense
 
     g = bq.GEOM
     notes = [f"{VL} import {name}: {why}"[:400] for name, why in mods.missing.items()]
     result.notes += [n for n in notes if n not in result.notes]
+    path = None
     if not any(n.startswith(f"{VL}:") for n in result.notes) and VL_ALL not in result.us:
         try:
             path = VLLMPath(mods, step, ratio=g.compress_ratio, token_topk=g.token_topk)
@@ -272,6 +293,21 @@ def measure_vllm(step, mods, result: Result, timer, save) -> None:
             timed(result, VL_ALL, timer, path.full, save)
         except Exception as e:  # noqa: BLE001 - the peer's failure is its column's, recorded exactly
             result.notes.append(f"{VL}: {type(e).__name__}: {e}"[:600])
+            save()
+    if VL_ALL in result.us and not any(n.startswith(f"{VL_PREP}:") for n in result.notes) and VL_WHOLE not in result.us:
+        try:
+            path = path or VLLMPath(mods, step, ratio=g.compress_ratio, token_topk=g.token_topk)
+            prep = VLLMPrepare(mods, step, ratio=g.compress_ratio, page_size=g.page_size)
+            result.check = "; ".join(filter(None, [result.check, f"{VL} {check_prepare(step, prep)}"]))
+            timed(result, VL_PREP, timer, prep, save)
+
+            def whole() -> torch.Tensor:
+                prep()
+                return path.full()
+
+            timed(result, VL_WHOLE, timer, whole, save)
+        except Exception as e:  # noqa: BLE001 - the prepare column's failure leaves the rest
+            result.notes.append(f"{VL_PREP}: {type(e).__name__}: {e}"[:600])
             save()
     timed_dense(step, result, FA3, lambda: fa3_dense(mods, step), timer, save)
     timed_dense(step, result, FI_DENSE, lambda: bq.flashinfer_dense(step), timer, save)

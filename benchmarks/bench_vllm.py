@@ -20,8 +20,14 @@ KV-cache spec with r tokens per state): the core's [pages, page / r, Di] with a 
 same block table. Its main K/V kernel takes any strides with a unit last stride: the core's
 [pages, page, Hkv, D] K and V go in as they are. So no copy: the same bytes as ours.
 
-Not covered: upstream's fused prepare (`ops.qsa_prepare.qsa_prepare`), which also needs its
-metadata builder's `k_work_metadata`, its ring layout and the main q|gate|k|v projection layout.
+- prepare: `ops.qsa_prepare.qsa_prepare`, its fused launch (index q norm + RoPE, group
+  compression from this step's raw keys and its ring, the ring store, main q/k norm + RoPE, the
+  gate copy and the K/V write), on the step's own projections. It writes into its own copies
+  (VLLMPrepare): a ring laid out as its CircularBufferSpec (block b + 1 is request b's, block 0
+  the null block), compact compressed-key and [pages, Hkv, page, 2D] K|V caches holding just
+  this step's rows, so our caches stay as our prepare left them. Its `k_work_metadata` is built
+  by its metadata builder's rule (`k_work_metadata`), its cos/sin table as its RotaryEmbedding
+  builds one (fp32 angles, cast to the model dtype).
 
 FA3 dense: `vllm.vllm_flash_attn.flash_attn_varlen_func(fa_version=3)` over the same paged K/V
 (block table, `seqused_k`, causal aligned bottom-right: MTP row j of a request sees its prefix).
@@ -47,6 +53,7 @@ def load() -> types.SimpleNamespace:
     mods = types.SimpleNamespace(
         indexer=importlib.import_module(f"{UPSTREAM}.qsa_indexer"),
         attn=importlib.import_module(f"{UPSTREAM}.qsa"),
+        prepare=importlib.import_module(f"{UPSTREAM}.qsa_prepare"),
         fa3=None, missing={},
     )
     try:
@@ -154,6 +161,92 @@ class VLLMPath(VLLMStepInputs):
     def full(self) -> torch.Tensor:
         self.indexer()
         return self.attention()
+
+
+def k_work_metadata(batch: int, rows: int, context: int, ratio: int, device: torch.device) -> torch.Tensor:
+    """Upstream's prepare work list for `batch` requests whose last `rows` tokens of `context`
+    are this step's: one (request, item) per group the step closes, at least one per request
+    (item 0 also stores the ring), as its metadata builder lays it out: int32 [n, 2]."""
+    n = max(context // ratio - (context - rows) // ratio, 1)
+    req = torch.arange(batch, device=device).repeat_interleave(n)
+    return torch.stack([req, torch.arange(n, device=device).repeat(batch)], 1).to(torch.int32)
+
+
+class VLLMPrepare:
+    """Upstream's fused prepare on one step (inputs and its output caches built once).
+
+    Reads the step's index_qk [T, (Hi + 1) Di] (q | raw key, upstream's split), q_gate / k / v
+    as its fused main projection [T, (2 Hq + 2 Hkv) D] (per head q | gate, then K, then V), the
+    step's norm weights (the `w` of 1 + w, as its GemmaRMSNorm) and the step's ring rows as
+    history. Writes q_out [T, Hi, Di], q / gate [T, Hq, D] (returned), its ring `state`, its
+    compressed rows `comp` [groups closed / 16 pages, 16, 1, Di] and `kv` [pages, page, Hkv, 2D]."""
+
+    def __init__(self, mods, step, *, ratio: int, page_size: int) -> None:
+        self.m, self.step, cfg, m = mods, step, step.cfg, step.meta
+        T, B, rows, ctx = step.batch * step.rows, step.batch, step.rows, step.context
+        dev = step.q.device
+        Hi, Di, Hkv, D = cfg.index_n_heads, cfg.index_head_dim, cfg.num_kv_heads, cfg.head_dim
+        self.q_in, self.k_in = step.index_qk[:, : Hi * Di], step.index_qk[:, Hi * Di:]
+        self.positions = m.positions[:T].to(torch.int64)
+        angles = torch.arange(ctx, device=dev, dtype=torch.float32)[:, None] * cfg.inv_freq().to(dev)[None, :]
+        self.cos_sin = torch.cat([angles.cos(), angles.sin()], 1).to(step.q.dtype).contiguous()  # [ctx, Rd]
+        self.q_out = torch.empty(T, Hi, Di, device=dev, dtype=step.q_idx.dtype)
+        ring = step.cache.ring
+        C = ring.shape[1]
+        self.state = torch.cat([ring.new_zeros(1, C, Di), ring]).contiguous()
+        self.state_table = torch.arange(1, B + 1, device=dev, dtype=torch.int32)[:, None]
+        j = torch.arange(T, device=dev) % rows  # row within its request
+        req = m.token_to_req[:T].long()
+        self.state_slots = torch.where(j >= rows - C, (req + 1) * C + self.positions % C, -1)
+        self.query_start_loc = torch.arange(0, T + 1, rows, device=dev, dtype=torch.int32)
+        closing = (self.positions + 1) % ratio == 0
+        per_page = page_size // ratio
+        n_groups = int(closing.sum())
+        self.comp = torch.zeros(n_groups // per_page + 1, per_page, 1, Di, device=dev, dtype=step.cache.compressed.dtype)
+        self.comp_slots = torch.where(closing, closing.long().cumsum(0) - 1, -1)
+        self.k_work = k_work_metadata(B, rows, ctx, ratio, dev)
+        self.main_qkv = torch.cat([step.q_gate, step.k, step.v], 1).contiguous()
+        self.kv = torch.zeros(T // page_size + 1, Hkv, page_size, 2 * D, device=dev, dtype=step.cache.k.dtype)
+        self.kv_slots = torch.arange(T, device=dev, dtype=torch.int64)
+        self.ratio, self.eps = ratio, cfg.rms_norm_eps
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.step.norms
+        return self.m.prepare.qsa_prepare(
+            self.q_in, self.k_in, self.positions, self.cos_sin, n.index_q, n.index_k, self.eps, self.q_out,
+            self.state, self.state_slots, self.state_table, self.query_start_loc, self.positions, self.comp,
+            self.comp_slots, self.k_work, compress_ratio=self.ratio, mrope_section=None, rope_pos_offset=None,
+            main_qkv=self.main_qkv, main_q_norm_weight=n.q, main_k_norm_weight=n.k, main_eps=self.eps,
+            main_kv_cache=self.kv.transpose(1, 2), main_slot_mapping=self.kv_slots, main_k_scale=1.0,
+            main_v_scale=1.0)
+
+    def errors(self, q: torch.Tensor, gate: torch.Tensor) -> dict[str, float]:
+        """Each output of one call (q, gate: its return) against what our prepare left in the
+        step (relative max error; raw keys, V and the gate are copies: 0 when right)."""
+        step, m = self.step, self.step.meta
+        T, D = q.shape[0], q.shape[-1]
+        rel = _rel_error
+        slots = m.slot_mapping[:T].long()
+        k_ours, v_ours = step.cache.k.flatten(0, 1)[slots], step.cache.v.flatten(0, 1)[slots]
+        kv = self.kv.transpose(1, 2).flatten(0, 1)[:T]
+        closing = self.comp_slots >= 0
+        if not torch.equal(closing, m.compressed_slot[:T] >= 0):
+            raise AssertionError("the groups closing in this step differ from the ones our plan compresses")
+        comp_ours = step.cache.compressed.flatten(0, 1)[m.compressed_slot[:T][closing].long()]
+        comp = self.comp.flatten(0, 2)[: int(closing.sum())]
+        kept = self.state_slots >= 0
+        ring = self.state.flatten(0, 1)[self.state_slots[kept]]
+        return {"q_idx": rel(self.q_out, step.q_idx), "q": rel(q, step.q), "gate": rel(gate, step.gate),
+                "K": rel(kv[:, :, :D], k_ours), "V": rel(kv[:, :, D:], v_ours), "compressed": rel(comp, comp_ours),
+                "ring": rel(ring, self.k_in[kept])}
+
+
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| in fp32 (0 for two empty tensors)."""
+    if want.numel() == 0 and got.numel() == 0:
+        return 0.0
+    got, want = got.float().reshape(want.shape), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
 
 
 def fa3_dense(mods, step):

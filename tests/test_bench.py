@@ -432,7 +432,8 @@ def test_a_vllm_peer_is_checked_gated_before_it_is_timed_and_dense_columns_recor
 
     monkeypatch.setattr(bench_vllm, "VLLMPath", lambda mods, step, **kw: FakeVLLMPath(
         step, swap_row=3 if variant == "swapped" else None, fuse_gate=variant != "ungated"))
-    mods = types.SimpleNamespace(fa3=None, missing={"fa3": "FA3 is unavailable due to: no GPU"})
+    mods = types.SimpleNamespace(fa3=None, missing={"fa3": "FA3 is unavailable due to: no GPU"},
+                                 prepare=types.SimpleNamespace(qsa_prepare=_upstream_prepare))
     r = Result(Case("prefill", 4096, 1, 8))
     bench_peers.measure(r.case, torch.device("cpu"), bench_qsa.WallTimer(), None, "", r, lambda: None, vllm=mods)
     assert r.check.startswith("ok") and rep.WHOLE in r.us  # ours, measured first
@@ -441,9 +442,10 @@ def test_a_vllm_peer_is_checked_gated_before_it_is_timed_and_dense_columns_recor
     assert bench_peers.FA3 not in r.us
     vl = {c for c in r.us if c.startswith("vllm")}
     if variant == "agrees":
-        assert vl == {bench_peers.VL_SELECT, bench_peers.VL_EXPAND, bench_peers.VL_INDEXER, bench_peers.VL_ATTN,
-                      bench_peers.VL_ALL}
+        assert vl == {bench_peers.VL_PREP, bench_peers.VL_SELECT, bench_peers.VL_EXPAND, bench_peers.VL_INDEXER,
+                      bench_peers.VL_ATTN, bench_peers.VL_ALL, bench_peers.VL_WHOLE}
         assert "vllm: selection a top-k of the reference in 8/8 rows (8 equal to ours" in r.check
+        assert "vllm prepare err q_idx" in r.check
     else:
         want = "row 3: not a top-k" if variant == "swapped" else "attention on its own selection differs"
         assert not vl and "vllm:" not in r.check
@@ -463,3 +465,94 @@ def test_peers_vllm_records_that_vllm_cannot_run_here(tmp_path):
     assert [n for n in r.notes if n.startswith("vllm: ModuleNotFoundError: No module named 'vllm")]
     assert not [n for n in r.notes if n.startswith("sglang")]  # not asked for
     assert "vllm: ModuleNotFoundError" in (tmp_path / "peers.md").read_text()
+
+
+def _upstream_prepare(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps, q_out, state_cache, state_slots,
+                      state_block_table, query_start_loc, logical_positions, compressed_cache, compressed_slots,
+                      k_work_metadata, *, compress_ratio, mrope_section, rope_pos_offset, main_qkv,
+                      main_q_norm_weight, main_k_norm_weight, main_eps, main_kv_cache, main_slot_mapping,
+                      main_k_scale, main_v_scale):
+    """vLLM 0.33's `_qsa_prepare_kernel` as its source reads, in plain torch, one work item at a
+    time (1-D positions, bf16 caches): Gemma RMSNorm (1 + w) in fp32, cast to the cos/sin
+    table's dtype, NeoX RoPE on the first Rd = cos_sin.shape[1] dims; its K work first reads
+    raw keys from the chunk or the ring, pools them to bf16 and stores normed, rotated group
+    keys; item 0 of a request then stores the request's last STATE_SIZE raw keys; the main
+    heads of each token come from [q_h | gate_h]... | K... | V..., K and V into [page, Hkv, 2D]."""
+    assert mrope_section is None and rope_pos_offset is None and main_k_scale == main_v_scale == 1.0
+    T, Hi, Di = q_out.shape
+    half = cos_sin.shape[1] // 2
+
+    def norm_rope(x, pos, weight, epsilon):
+        x = x.float()
+        y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon) * (1.0 + weight.float())).to(cos_sin.dtype)
+        cos, sin = cos_sin[pos, :half].float(), cos_sin[pos, half:].float()
+        r0, r1 = y[:, :half].float(), y[:, half: 2 * half].float()
+        return torch.cat([r0 * cos - r1 * sin, r1 * cos + r0 * sin, y[:, 2 * half:].float()], 1)
+
+    q_out.copy_(norm_rope(q.reshape(T * Hi, Di), positions.repeat_interleave(Hi), q_norm_weight, eps)
+                .view(T, Hi, Di).to(q_out.dtype))
+    r, C = compress_ratio, state_cache.shape[1]
+    ring, comp = state_cache.view(-1, Di), compressed_cache.view(-1, Di)
+    ring_stores = []
+    for b, w in k_work_metadata.tolist():
+        qs, qe = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        end = int(logical_positions[qe - 1])
+        start = end - (qe - qs) + 1
+        if w < (end + 1) // r - start // r:
+            last = ((start + r) // r) * r - 1 + w * r
+            src = [k[qs + p - start] if p >= start else state_cache[int(state_block_table[b, 0]), p % C]
+                   for p in range(last - r + 1, last + 1)]
+            pooled = (torch.stack(src).float().sum(0) / r).to(torch.bfloat16)
+            comp[int(compressed_slots[qs + last - start])] = norm_rope(
+                pooled[None], torch.tensor([last - r + 1]), k_norm_weight, eps)[0].to(comp.dtype)
+        if w == 0:
+            ring_stores += [t for t in range(qe - min(qe - qs, C), qe) if state_slots[t] >= 0]
+    for t in ring_stores:  # after every read of the ring
+        ring[int(state_slots[t])] = k[t]
+    P, Hkv, D2 = main_kv_cache.shape[1:]
+    D = D2 // 2
+    Hq = main_qkv.shape[1] // D2 - Hkv
+    heads = main_qkv.view(T, -1, D)
+    main_pos = positions.repeat_interleave(Hq)
+    qm = norm_rope(heads[:, 0: 2 * Hq: 2].reshape(-1, D), main_pos, main_q_norm_weight, main_eps)
+    km = norm_rope(heads[:, 2 * Hq: 2 * Hq + Hkv].reshape(-1, D), positions.repeat_interleave(Hkv),
+                   main_k_norm_weight, main_eps).view(T, Hkv, D)
+    for t in range(T):
+        slot = int(main_slot_mapping[t])
+        main_kv_cache[slot // P, slot % P, :, :D] = km[t].to(main_kv_cache.dtype)
+        main_kv_cache[slot // P, slot % P, :, D:] = heads[t, 2 * Hq + Hkv:]
+    return qm.view(T, Hq, D).to(main_qkv.dtype), heads[:, 1: 2 * Hq: 2].clone()
+
+
+@pytest.mark.parametrize("case", [Case("decode", 4096, 2, 1), Case("decode", 4096, 2, 4), Case("prefill", 4096, 1, 8)],
+                         ids=["decode", "decode-mtp", "prefill"])
+def test_vllm_prepare_inputs_reproduce_our_prepare_through_upstreams_kernel_contract(case):
+    """VLLMPrepare's inputs (index q | raw key split, cos/sin table, norm weights, the fused main
+    projection, ring slots and history, group slots, work list) run through upstream's prepare
+    as its source reads (emulated in torch) must give what our prepare left in the step; a
+    main projection with q and gate swapped must be caught."""
+    import types
+
+    import bench_peers
+    import bench_qsa
+    from bench_vllm import VLLMPrepare, k_work_metadata
+
+    step = bench_qsa.Step(case, torch.device("cpu"))
+    mods = types.SimpleNamespace(prepare=types.SimpleNamespace(qsa_prepare=_upstream_prepare))
+    prep = VLLMPrepare(mods, step, ratio=G.compress_ratio, page_size=G.page_size)
+    m, C = step.meta, step.cache.ring.shape[1]
+    assert torch.equal(prep.state_slots, torch.where(m.ring_slot >= 0, m.ring_slot + C, -1))  # ring_index + 1
+    work = k_work_metadata(case.batch, case.rows, case.context, G.compress_ratio, torch.device("cpu")).tolist()
+    closes = max(1, case.context // 4 - (case.context - case.rows) // 4)
+    assert work == [[b, w] for b in range(case.batch) for w in range(closes)]
+    text = bench_peers.check_prepare(step, prep)
+    errs = dict(kv.split(" ") for kv in text.removeprefix("prepare err ").split(", "))
+    assert float(errs["gate"]) == float(errs["V"]) == float(errs["ring"]) == 0.0
+    assert int((prep.comp_slots >= 0).sum()) == case.batch * (case.context // 4 - (case.context - case.rows) // 4)
+    D = step.cfg.head_dim
+    swapped = prep.main_qkv.view(prep.main_qkv.shape[0], -1, D).clone()
+    Hq = step.cfg.num_heads
+    swapped[:, 0: 2 * Hq: 2], swapped[:, 1: 2 * Hq: 2] = swapped[:, 1: 2 * Hq: 2].clone(), swapped[:, 0: 2 * Hq: 2].clone()
+    prep.main_qkv = swapped.view_as(prep.main_qkv)
+    with pytest.raises(bench_peers.PeerMismatch, match=r"^prepare's q differs from ours"):
+        bench_peers.check_prepare(step, prep)
