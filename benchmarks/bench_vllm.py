@@ -5,21 +5,6 @@ Upstream's ops, called by module path the way its layer calls them
 (`vllm/models/qwen4_exp/nvidia/indexer_qsa.py`, `QSAIndexer.forward`, and `qsa.py`,
 `Qwen4ExpQSAFlashAttentionImpl.forward_qsa`):
 
-- scoring + top-k: `ops.qsa_indexer.qsa_select_paged_decode` (a request-major decode batch,
-  `decode_query_len` rows per request: its Triton scoring packs rows x heads into one MMA) or
-  `qsa_select_paged_prefill` (row chunks under VLLM_SPARSE_INDEXER_MAX_LOGITS_MB); both end in
-  `torch.ops._C.cooperative_topk` (<= 64 rows on sm_90) or `persistent_topk`, writing group
-  indices [T, budget / r];
-- expansion: `ops.qsa_indexer.expand_qsa_block_indices` into the packed [T, W + 1] selection
-  (count last: the core's layout, design.md §4);
-- attention: `ops.qsa.qsa_sparse_paged_attention` (Triton split-K, sigmoid gate fused; decode
-  config while the step's rows per request are <= 1 + MTP tokens, as `use_prefill_config`).
-
-Upstream's compressed-key cache is [blocks, page / r, 1, Di] sharing the main block table (a
-KV-cache spec with r tokens per state): the core's [pages, page / r, Di] with a unit head axis,
-same block table. Its main K/V kernel takes any strides with a unit last stride: the core's
-[pages, page, Hkv, D] K and V go in as they are. So no copy: the same bytes as ours.
-
 - prepare: `ops.qsa_prepare.qsa_prepare`, its fused launch (index q norm + RoPE, group
   compression from this step's raw keys and its ring, the ring store, main q/k norm + RoPE, the
   gate copy and the K/V write), on the step's own projections. It writes into its own copies
@@ -28,6 +13,20 @@ same block table. Its main K/V kernel takes any strides with a unit last stride:
   this step's rows, so our caches stay as our prepare left them. Its `k_work_metadata` is built
   by its metadata builder's rule (`k_work_metadata`), its cos/sin table as its RotaryEmbedding
   builds one (fp32 angles, cast to the model dtype).
+- scoring + top-k: `ops.qsa_indexer.qsa_select_paged_decode` (a request-major decode batch,
+  `decode_query_len` rows per request: its Triton scoring packs rows x heads into one MMA) or
+  `qsa_select_paged_prefill` (row chunks under VLLM_SPARSE_INDEXER_MAX_LOGITS_MB); both end in
+  `torch.ops._C.cooperative_topk` (<= 64 rows on sm_90) or `persistent_topk`, writing group
+  indices [T, budget / r];
+- expansion: `ops.qsa_indexer.expand_qsa_block_indices` into the packed [T, W + 1] selection
+  (count last: the core's layout, design.md §5);
+- attention: `ops.qsa.qsa_sparse_paged_attention` (Triton split-K, sigmoid gate fused; decode
+  config while the step's rows per request are <= 1 + MTP tokens, as `use_prefill_config`).
+
+Upstream's compressed-key cache is [blocks, page / r, 1, Di] sharing the main block table (a
+KV-cache spec with r tokens per state): the core's [pages, page / r, Di] with a unit head axis,
+same block table. Its main K/V kernel takes any strides with a unit last stride: the core's
+[pages, page, Hkv, D] K and V go in as they are. So no copy: the same bytes as ours.
 
 FA3 dense: `vllm.vllm_flash_attn.flash_attn_varlen_func(fa_version=3)` over the same paged K/V
 (block table, `seqused_k`, causal aligned bottom-right: MTP row j of a request sees its prefix).
