@@ -352,9 +352,9 @@ def table(results: list[Result]) -> str:
     """Ours, then every peer column that holds a time or a note in some row."""
     used = [c for c in PEER_COLUMNS if any(c in r.us or any(n.startswith(f"{c}:") for n in r.notes) for r in results)]
     sg = any(c in SG_COLUMNS for c in used) or any(n.startswith(SG) for r in results for n in r.notes)
-    vl = any(c in VL_COLUMNS for c in used)
-    ratios = [c for c, on in ((SG_ALL, sg), (VL_ALL, vl)) if on]
-    head = ["case", "index", *(f"ours {c}" for c in OURS), *used, *(f"{c} / ours (no prepare)" for c in ratios)]
+    ratios = [(c, o) for c, o in ((SG_ALL, NO_PREP), (VL_ALL, NO_PREP), (VL_WHOLE, WHOLE), (FA3, WHOLE))
+              if c in used or (c == SG_ALL and sg)]
+    head = ["case", "index", *(f"ours {c}" for c in OURS), *used, *(f"{c} / ours {o}" for c, o in ratios)]
     head += [f"{SG} top-k checked rows (equal to ours)"] if sg else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -362,7 +362,7 @@ def table(results: list[Result]) -> str:
         a = r.agreement
         cells = [r.case.label, r.case.index_dtype, *(rep._fmt(us.get(c)) for c in OURS),
                  *(rep._fmt(us.get(c)) for c in used),
-                 *(f"{us[c] / us[NO_PREP]:.2f}" if c in us and us.get(NO_PREP) else "-" for c in ratios)]
+                 *(f"{us[c] / us[o]:.2f}" if c in us and us.get(o) else "-" for c, o in ratios)]
         cells += [f"{a['gapped']} ({a['agree']})" if a.get("rows") else "-"] if sg else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -452,6 +452,7 @@ def test_a_vllm_peer_is_checked_gated_before_it_is_timed_and_dense_columns_recor
         assert [n for n in r.notes if n.startswith(f"vllm: PeerMismatch: {want}")]
     table = bench_peers.table([r])
     assert ("| vllm score+top-k |" in table) == (variant == "agrees") and "FA3 dense" in table
+    assert ("| vllm whole step / ours whole step |" in table) == (variant == "agrees")
 
 
 def test_peers_vllm_records_that_vllm_cannot_run_here(tmp_path):
