@@ -39,6 +39,8 @@ import types
 
 import torch
 
+from qsa_core.cache import ring_store_fuses
+
 UPSTREAM = "vllm.models.qwen4_exp.nvidia.ops"
 
 
@@ -192,6 +194,10 @@ class VLLMPrepare:
         self.q_out = torch.empty(T, Hi, Di, device=dev, dtype=step.q_idx.dtype)
         ring = step.cache.ring
         C = ring.shape[1]
+        if (ctx - rows) % ratio and not ring_store_fuses(rows, C, ratio):
+            raise ValueError(f"rows={rows} at context {ctx}: the step starts inside a group and its ring stores "
+                             f"(capacity {C}) replaced that group's earlier raw keys when our prepare ran; upstream's "
+                             "prepare reads them from the ring")
         self.state = torch.cat([ring.new_zeros(1, C, Di), ring]).contiguous()
         self.state_table = torch.arange(1, B + 1, device=dev, dtype=torch.int32)[:, None]
         j = torch.arange(T, device=dev) % rows  # row within its request

@@ -557,3 +557,16 @@ def test_vllm_prepare_inputs_reproduce_our_prepare_through_upstreams_kernel_cont
     prep.main_qkv = swapped.view_as(prep.main_qkv)
     with pytest.raises(bench_peers.PeerMismatch, match=r"^prepare's q differs from ours"):
         bench_peers.check_prepare(step, prep)
+
+
+def test_vllm_prepare_refuses_a_step_whose_ring_history_our_prepare_replaced():
+    """6 rows from position 4090 close the group of 4088..4091, whose first two raw keys live in
+    the ring (capacity 4) until our prepare stores rows 4092..4095 over them."""
+    import types
+
+    import bench_qsa
+    from bench_vllm import VLLMPrepare
+
+    step = bench_qsa.Step(Case("prefill", 4096, 2, 6), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^rows=6 at context 4096: the step starts inside a group"):
+        VLLMPrepare(types.SimpleNamespace(), step, ratio=G.compress_ratio, page_size=G.page_size)
