@@ -407,9 +407,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="SGLang 0.5.23's default CUDA path from the installed sglang (JIT fast_topk, its Hopper "
                     "decode attention through FlashAttention varlen, forward_extend's prefill route)")
     ap.add_argument("--vllm", action="store_true",
-                    help="vLLM 0.33's upstream QSA ops from the installed vllm GPU wheel (bench_vllm.py: scoring + "
-                    "top-k, expansion, sparse attention with the gate fused), FA3 dense (vllm.vllm_flash_attn) and "
-                    "FlashInfer dense where importable")
+                    help="vLLM 0.33's upstream QSA ops from the installed vllm GPU wheel (bench_vllm.py: fused "
+                    "prepare, scoring + top-k, expansion, sparse attention with the gate fused), FA3 dense "
+                    "(vllm.vllm_flash_attn) and FlashInfer dense where importable")
     ap.add_argument("--dry-run", action="store_true",
                     help="on the CPU: tiny shapes, SGLang's CPU routes, wall-clock times that mean nothing")
     ap.add_argument("--only", nargs="+", metavar="KEY", help="only these configurations (keys as in peers.json)")
