@@ -20,11 +20,12 @@ its top-k on those logits, its whole indexer (scoring + top-k + expansion), its 
 indexer + attention in one graph; plus sgl_kernel's fast_topk_v2 on the same logits where it
 serves 512 blocks. `--vllm` adds vLLM 0.33's upstream ops (bench_vllm.py): its fused prepare
 (each output held to ours first), scoring + top-k, expansion, the indexer, its gated attention,
-indexer + attention and the whole step in one graph; and FA3 dense beside FlashInfer dense, each
-held to a dense fp32 reference first. Before a peer is timed, its selection must be a valid top-k of the reference
-scores on rows spread over the step (`valid_topk`: any order among ties, 1e-4 relative) and its
-attention on its own selection, gated by ours (vLLM's gates itself), must be within 2e-2 of the reference; a peer
-that fails, or cannot run, records the exact error in the notes and the rest goes on. Every time
+indexer + attention and the whole step in one graph; and FA3 dense beside FlashInfer dense,
+each held to a dense fp32 reference first. Before a peer is timed, its selection must be a
+valid top-k of the reference scores on rows spread over the step (`valid_topk`: any order among
+ties, 1e-4 relative) and its attention on its own selection, gated by ours (vLLM's gates
+itself), must be within 2e-2 of the reference; a peer that fails, or cannot run, records the
+exact error in the notes and the rest goes on. Every time
 is GraphTimer's (bench_qsa.py): one CUDA graph per column, median of replays, L2 flushed before
 each. DIR/peers.json is written after every measurement (a rerun resumes), DIR/peers.md after
 every configuration.
