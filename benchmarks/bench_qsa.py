@@ -16,6 +16,7 @@ the byte/FLOP model, the issue's targets and the table writers.
     python benchmarks/bench_qsa.py report DIR [--markdown BENCHMARKS.md --readme README.md]   # re-render a run
     python benchmarks/bench_qsa.py serving --out DIR [--engine sglang]  # qsa_core vs the engine's QSA (bench_serving)
     python benchmarks/bench_qsa.py peers --sglang-cuda --out DIR   # SGLang's default CUDA path beside ours (bench_peers.py)
+    python benchmarks/bench_qsa.py peers --vllm --out DIR          # vLLM's upstream QSA and FA3 dense beside ours
 
 DIR/results.json is written after every measurement; a rerun with the same --out resumes
 (configurations already there are skipped), so a run cut by a time limit continues in the next
@@ -506,8 +507,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(bench_launch.py); `tp` times a rank's kernels under tensor parallelism (bench_tp.py); `report DIR` re-renders "
         "a run's tables and plot from DIR/results.json on any machine (bench_report.py); `serving` serves a model "
         "through vLLM's or SGLang's server with qsa_core and with the engine's own QSA: TTFT, TPOT, tokens/s "
-        "(bench_serving.py); `peers --sglang-cuda` puts SGLang's default CUDA path beside ours, each checked before "
-        "it is timed (bench_peers.py)",
+        "(bench_serving.py); `peers --sglang-cuda` / `--vllm` put SGLang's default CUDA path / vLLM's upstream QSA "
+        "ops and FA3 dense beside ours, each checked before it is timed (bench_peers.py)",
     )
     ap.add_argument("--out", type=Path, default=Path("bench-results"), metavar="DIR",
                     help="folder for results.json, table.md and latency.png; an existing results.json there is "

@@ -320,3 +320,253 @@ def test_single_stage_prefill_rebuilds_sglangs_tilelang_prefill_kernels_once():
         getattr(mqa, n)(heads=4)
     assert calls == [(n, {"heads": 4, "num_stages": 1}) for n in PREFILL_KERNELS]
     assert not single_stage_prefill(types.SimpleNamespace(mqa=types.SimpleNamespace(HAS_TILELANG=False)))
+
+
+# -- `bench_qsa.py peers --vllm`: vLLM 0.33's upstream ops on our caches, FA3 dense ----------------
+
+@pytest.mark.parametrize("case", [Case("decode", 4096, 2, 3), Case("prefill", 4096, 1, 8)], ids=["decode-mtp", "prefill"])
+def test_vllm_inputs_are_our_caches_in_upstreams_layout(case):
+    """Upstream's scoring addresses compressed group c of request b at k_cache[page_table[b, c //
+    (page / r)], c % (page / r), 0] and scores sum_h relu(q . k) (no 1/sqrt(Di): the same order);
+    its decode rows are request-major. Emulated here in torch on VLLMStepInputs, it must give the
+    reference scores, over exactly the groups the reference says each row sees."""
+    import bench_qsa
+    from bench_vllm import VLLMStepInputs
+
+    step = bench_qsa.Step(case, torch.device("cpu"))
+    inp = VLLMStepInputs(step, ratio=G.compress_ratio, token_topk=G.token_topk)
+    T = case.batch * case.rows
+    per_page = G.page_size // G.compress_ratio
+    assert inp.k_cache.shape == (step.cache.compressed.shape[0], per_page, 1, G.index_head_dim)
+    assert inp.k_cache.data_ptr() == step.cache.compressed.data_ptr()  # the same bytes, no copy
+    assert torch.equal(inp.visible, step.meta.visible_blocks[:T])
+    assert torch.equal(inp.token_to_req, torch.arange(case.batch, dtype=torch.int32).repeat_interleave(case.rows))
+    assert inp.query_start_loc.tolist() == list(range(0, T + 1, case.rows))
+    assert inp.positions.tolist() == [case.context - case.rows + j for _ in range(case.batch) for j in range(case.rows)]
+    assert inp.block_indices.shape == (T, G.token_topk // G.compress_ratio)
+    assert inp.packed_out.shape == (T, step.cfg.packed_width) and inp.out.shape == inp.q.shape == inp.gate.shape
+    for r in range(T):
+        req, vis = int(inp.token_to_req[r]), int(inp.visible[r])
+        c = torch.arange(vis)
+        keys = inp.k_cache[inp.page_table[req, c // per_page].long(), c % per_page, 0].float()
+        upstream = (inp.q_idx[r].float() @ keys.T).relu().sum(0)
+        torch.testing.assert_close(upstream / math.sqrt(G.index_head_dim), step.ref_scores(r), rtol=1e-5, atol=1e-6)
+
+
+def _varlen_paged_attention(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, softmax_scale, causal,
+                            block_table, out, fa_version):
+    """FlashAttention's documented varlen paged contract in plain torch (causal aligned
+    bottom-right), to hold fa3_dense's arguments to the dense reference on the CPU."""
+    assert causal and fa_version == 3 and q.dtype == k.dtype == torch.bfloat16
+    Hkv, D = k.shape[-2:]
+    for b in range(cu_seqlens_q.numel() - 1):
+        a, e, L = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]), int(seqused_k[b])
+        assert e - a <= max_seqlen_q and L <= max_seqlen_k
+        kb = k[block_table[b].long()].reshape(-1, Hkv, D)[:L].float()
+        vb = v[block_table[b].long()].reshape(-1, Hkv, D)[:L].float()
+        s = torch.einsum("qhgd,lhd->qhgl", q[a:e].float().view(e - a, Hkv, -1, D), kb) * softmax_scale
+        visible = torch.arange(L)[None, :] <= (L - (e - a) + torch.arange(e - a))[:, None]
+        s = s.masked_fill(~visible[:, None, None, :], -torch.inf)
+        out[a:e] = torch.einsum("qhgl,lhd->qhgd", s.softmax(-1), vb).reshape(e - a, -1, D).to(out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("case", [Case("decode", 1024, 2, 2), Case("prefill", 1024, 1, 8)], ids=["decode-mtp", "prefill"])
+def test_dense_reference_and_fa3_arguments_against_the_sparse_reference(case):
+    """Below the budget the selection holds every token, so the sparse reference (ungated) is
+    dense attention: dense_reference must match it, and fa3_dense's varlen arguments, run through
+    FlashAttention's documented contract in torch, must pass check_dense."""
+    import types
+
+    import bench_peers
+    import bench_qsa
+    from bench_vllm import dense_reference, fa3_dense
+
+    from qsa_core.reference import qsa_sparse_attention as ref_attention
+
+    step = bench_qsa.Step(case, torch.device("cpu"))
+    packed, m = step.select(), step.meta
+    T = case.batch * case.rows
+    assert (packed[:, -1] == m.positions[:T].int() + 1).all()  # every token of each row's prefix chosen
+    rows = list(range(T))
+    ungated = ref_attention(step.q, torch.full_like(step.gate, 100.0), step.cache.k, step.cache.v, m.block_table,
+                            m.token_to_req[:T], m.seq_lens, packed, softmax_scale=step.cfg.softmax_scale)
+    assert bench_qsa.attention_error(ungated, dense_reference(step, rows)) < 1e-2  # bf16 rounding of the reference
+    mods = types.SimpleNamespace(fa3=_varlen_paged_attention, missing={})
+    assert bench_peers.check_dense(step, fa3_dense(mods, step)(), rows) < 1e-2
+    with pytest.raises(bench_peers.PeerMismatch, match="dense attention differs from the reference"):
+        bench_peers.check_dense(step, fa3_dense(mods, step)() * 1.1, rows)
+    with pytest.raises(RuntimeError, match="FA3 cannot run here: FA3 is only supported on devices with compute"):
+        fa3_dense(types.SimpleNamespace(fa3=None, missing={"fa3": "FA3 is only supported on devices with compute "
+                                                                  "capability 9.x"}), step)
+
+
+class FakeVLLMPath(FakePeer):
+    """A vLLM-like peer: fused gate (attention gated by ours), block indices from select()."""
+
+    gated = True
+
+    def __init__(self, step, swap_row=None, fuse_gate=True):
+        super().__init__(step, swap_row=swap_row)
+        if fuse_gate:
+            self.out = (self.out.float().view(step.gate.shape) * torch.sigmoid(step.gate.float())).to(self.out.dtype)
+        self.routes = {"top-k": "fake"}
+
+    def select(self):
+        return self.selection
+
+    def expand(self):
+        return self.packed()
+
+    def full(self):
+        return self.attention()
+
+
+@pytest.mark.parametrize("variant", ["agrees", "swapped", "ungated"])
+def test_a_vllm_peer_is_checked_gated_before_it_is_timed_and_dense_columns_record_why_not(monkeypatch, variant):
+    import types
+
+    import bench_peers
+    import bench_qsa
+    import bench_vllm
+
+    monkeypatch.setattr(bench_vllm, "VLLMPath", lambda mods, step, **kw: FakeVLLMPath(
+        step, swap_row=3 if variant == "swapped" else None, fuse_gate=variant != "ungated"))
+    mods = types.SimpleNamespace(fa3=None, missing={"fa3": "FA3 is unavailable due to: no GPU"},
+                                 prepare=types.SimpleNamespace(qsa_prepare=_upstream_prepare))
+    r = Result(Case("prefill", 4096, 1, 8))
+    bench_peers.measure(r.case, torch.device("cpu"), bench_qsa.WallTimer(), None, "", r, lambda: None, vllm=mods)
+    assert r.check.startswith("ok") and rep.WHOLE in r.us  # ours, measured first
+    assert "vllm routes: top-k: fake" in r.notes and "vllm import fa3: FA3 is unavailable due to: no GPU" in r.notes
+    assert "FA3 dense: RuntimeError: FA3 cannot run here: FA3 is unavailable due to: no GPU" in r.notes
+    assert bench_peers.FA3 not in r.us
+    vl = {c for c in r.us if c.startswith("vllm")}
+    if variant == "agrees":
+        assert vl == {bench_peers.VL_PREP, bench_peers.VL_SELECT, bench_peers.VL_EXPAND, bench_peers.VL_INDEXER,
+                      bench_peers.VL_ATTN, bench_peers.VL_ALL, bench_peers.VL_WHOLE}
+        assert "vllm: selection a top-k of the reference in 8/8 rows (8 equal to ours" in r.check
+        assert "vllm prepare err q_idx" in r.check
+    else:
+        want = "row 3: not a top-k" if variant == "swapped" else "attention on its own selection differs"
+        assert not vl and "vllm:" not in r.check
+        assert [n for n in r.notes if n.startswith(f"vllm: PeerMismatch: {want}")]
+    table = bench_peers.table([r])
+    assert ("| vllm score+top-k |" in table) == (variant == "agrees") and "FA3 dense" in table
+    assert ("| vllm whole step / ours whole step |" in table) == (variant == "agrees")
+
+
+def test_peers_vllm_records_that_vllm_cannot_run_here(tmp_path):
+    """In the core environment (no vllm) the vLLM column records the import error; ours run."""
+    import bench_qsa
+
+    key = Case("decode", 4096, 2, 1).key
+    bench_qsa.main(["peers", "--vllm", "--dry-run", "--out", str(tmp_path), "--only", key])
+    meta, (r,) = rep.load(tmp_path / "peers.json")
+    assert r.check.startswith("ok") and rep.WHOLE in r.us
+    assert [n for n in r.notes if n.startswith("vllm: ModuleNotFoundError: No module named 'vllm")]
+    assert not [n for n in r.notes if n.startswith("sglang")]  # not asked for
+    assert "vllm: ModuleNotFoundError" in (tmp_path / "peers.md").read_text()
+
+
+def _upstream_prepare(q, k, positions, cos_sin, q_norm_weight, k_norm_weight, eps, q_out, state_cache, state_slots,
+                      state_block_table, query_start_loc, logical_positions, compressed_cache, compressed_slots,
+                      k_work_metadata, *, compress_ratio, mrope_section, rope_pos_offset, main_qkv,
+                      main_q_norm_weight, main_k_norm_weight, main_eps, main_kv_cache, main_slot_mapping,
+                      main_k_scale, main_v_scale):
+    """vLLM 0.33's `_qsa_prepare_kernel` as its source reads, in plain torch, one work item at a
+    time (1-D positions, bf16 caches): Gemma RMSNorm (1 + w) in fp32, cast to the cos/sin
+    table's dtype, NeoX RoPE on the first Rd = cos_sin.shape[1] dims; its K work first reads
+    raw keys from the chunk or the ring, pools them to bf16 and stores normed, rotated group
+    keys; item 0 of a request then stores the request's last STATE_SIZE raw keys; the main
+    heads of each token come from [q_h | gate_h]... | K... | V..., K and V into [page, Hkv, 2D]."""
+    assert mrope_section is None and rope_pos_offset is None and main_k_scale == main_v_scale == 1.0
+    T, Hi, Di = q_out.shape
+    half = cos_sin.shape[1] // 2
+
+    def norm_rope(x, pos, weight, epsilon):
+        x = x.float()
+        y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + epsilon) * (1.0 + weight.float())).to(cos_sin.dtype)
+        cos, sin = cos_sin[pos, :half].float(), cos_sin[pos, half:].float()
+        r0, r1 = y[:, :half].float(), y[:, half: 2 * half].float()
+        return torch.cat([r0 * cos - r1 * sin, r1 * cos + r0 * sin, y[:, 2 * half:].float()], 1)
+
+    q_out.copy_(norm_rope(q.reshape(T * Hi, Di), positions.repeat_interleave(Hi), q_norm_weight, eps)
+                .view(T, Hi, Di).to(q_out.dtype))
+    r, C = compress_ratio, state_cache.shape[1]
+    ring, comp = state_cache.view(-1, Di), compressed_cache.view(-1, Di)
+    ring_stores = []
+    for b, w in k_work_metadata.tolist():
+        qs, qe = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        end = int(logical_positions[qe - 1])
+        start = end - (qe - qs) + 1
+        if w < (end + 1) // r - start // r:
+            last = ((start + r) // r) * r - 1 + w * r
+            src = [k[qs + p - start] if p >= start else state_cache[int(state_block_table[b, 0]), p % C]
+                   for p in range(last - r + 1, last + 1)]
+            pooled = (torch.stack(src).float().sum(0) / r).to(torch.bfloat16)
+            comp[int(compressed_slots[qs + last - start])] = norm_rope(
+                pooled[None], torch.tensor([last - r + 1]), k_norm_weight, eps)[0].to(comp.dtype)
+        if w == 0:
+            ring_stores += [t for t in range(qe - min(qe - qs, C), qe) if state_slots[t] >= 0]
+    for t in ring_stores:  # after every read of the ring
+        ring[int(state_slots[t])] = k[t]
+    P, Hkv, D2 = main_kv_cache.shape[1:]
+    D = D2 // 2
+    Hq = main_qkv.shape[1] // D2 - Hkv
+    heads = main_qkv.view(T, -1, D)
+    main_pos = positions.repeat_interleave(Hq)
+    qm = norm_rope(heads[:, 0: 2 * Hq: 2].reshape(-1, D), main_pos, main_q_norm_weight, main_eps)
+    km = norm_rope(heads[:, 2 * Hq: 2 * Hq + Hkv].reshape(-1, D), positions.repeat_interleave(Hkv),
+                   main_k_norm_weight, main_eps).view(T, Hkv, D)
+    for t in range(T):
+        slot = int(main_slot_mapping[t])
+        main_kv_cache[slot // P, slot % P, :, :D] = km[t].to(main_kv_cache.dtype)
+        main_kv_cache[slot // P, slot % P, :, D:] = heads[t, 2 * Hq + Hkv:]
+    return qm.view(T, Hq, D).to(main_qkv.dtype), heads[:, 1: 2 * Hq: 2].clone()
+
+
+@pytest.mark.parametrize("case", [Case("decode", 4096, 2, 1), Case("decode", 4096, 2, 4), Case("prefill", 4096, 1, 8)],
+                         ids=["decode", "decode-mtp", "prefill"])
+def test_vllm_prepare_inputs_reproduce_our_prepare_through_upstreams_kernel_contract(case):
+    """VLLMPrepare's inputs (index q | raw key split, cos/sin table, norm weights, the fused main
+    projection, ring slots and history, group slots, work list) run through upstream's prepare
+    as its source reads (emulated in torch) must give what our prepare left in the step; a
+    main projection with q and gate swapped must be caught."""
+    import types
+
+    import bench_peers
+    import bench_qsa
+    from bench_vllm import VLLMPrepare, k_work_metadata
+
+    step = bench_qsa.Step(case, torch.device("cpu"))
+    mods = types.SimpleNamespace(prepare=types.SimpleNamespace(qsa_prepare=_upstream_prepare))
+    prep = VLLMPrepare(mods, step, ratio=G.compress_ratio, page_size=G.page_size)
+    m, C = step.meta, step.cache.ring.shape[1]
+    assert torch.equal(prep.state_slots, torch.where(m.ring_slot >= 0, m.ring_slot + C, -1))  # ring_index + 1
+    work = k_work_metadata(case.batch, case.rows, case.context, G.compress_ratio, torch.device("cpu")).tolist()
+    closes = max(1, case.context // 4 - (case.context - case.rows) // 4)
+    assert work == [[b, w] for b in range(case.batch) for w in range(closes)]
+    text = bench_peers.check_prepare(step, prep)
+    errs = dict(kv.split(" ") for kv in text.removeprefix("prepare err ").split(", "))
+    assert float(errs["gate"]) == float(errs["V"]) == float(errs["ring"]) == 0.0
+    assert int((prep.comp_slots >= 0).sum()) == case.batch * (case.context // 4 - (case.context - case.rows) // 4)
+    D = step.cfg.head_dim
+    swapped = prep.main_qkv.view(prep.main_qkv.shape[0], -1, D).clone()
+    Hq = step.cfg.num_heads
+    swapped[:, 0: 2 * Hq: 2], swapped[:, 1: 2 * Hq: 2] = swapped[:, 1: 2 * Hq: 2].clone(), swapped[:, 0: 2 * Hq: 2].clone()
+    prep.main_qkv = swapped.view_as(prep.main_qkv)
+    with pytest.raises(bench_peers.PeerMismatch, match=r"^prepare's q differs from ours"):
+        bench_peers.check_prepare(step, prep)
+
+
+def test_vllm_prepare_refuses_a_step_whose_ring_history_our_prepare_replaced():
+    """6 rows from position 4090 close the group of 4088..4091, whose first two raw keys live in
+    the ring (capacity 4) until our prepare stores rows 4092..4095 over them."""
+    import types
+
+    import bench_qsa
+    from bench_vllm import VLLMPrepare
+
+    step = bench_qsa.Step(Case("prefill", 4096, 2, 6), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^rows=6 at context 4096: the step starts inside a group"):
+        VLLMPrepare(types.SimpleNamespace(), step, ratio=G.compress_ratio, page_size=G.page_size)
