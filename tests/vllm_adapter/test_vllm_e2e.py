@@ -215,11 +215,12 @@ FP8_SCALES = {0: (0.375, 1.75), 1: (0.625, 0.875)}
 
 
 @pytest.fixture(scope="module")
-def fp8_scaled_checkpoint(tmp_path_factory, full_checkpoint):
-    """The full checkpoint with `model.layers.{i}.self_attn.k_scale` / `v_scale` (FP8_SCALES)."""
+def fp8_scaled_checkpoint(tmp_path_factory, mtp_checkpoint):
+    """The full checkpoint with its MTP layer (`mtp_checkpoint`) and
+    `model.layers.{i}.self_attn.k_scale` / `v_scale` (FP8_SCALES)."""
     from safetensors.torch import load_file, save_file
 
-    folder, _ = full_checkpoint
+    folder = mtp_checkpoint
     scaled = tmp_path_factory.mktemp("qwen4_fp8_scales") / "checkpoint"
     shutil.copytree(folder, scaled)
     path = scaled / "model.safetensors"
@@ -235,12 +236,14 @@ def hf_fp8_logprobs(model, seq: list[int], dtype: torch.dtype, scales) -> torch.
         return torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype, num_spec", [("fp8", 3), ("fp8_e5m2", 0)], ids=["fp8_mtp3", "fp8_e5m2"])
 def test_fp8_kv_cache_greedy_equals_transformers_over_fp8_kv(tmp_path, full_checkpoint, fp8_scaled_checkpoint,
-                                                               hf_greedy, kv_cache_dtype):
-    """`--kv-cache-dtype fp8` (vLLM's fp8 = e4m3) and `fp8_e5m2`, with the checkpoint's
-    per-tensor scales: vLLM's uint8 pages are the core's float8 K/V, stored as fp8(x / scale)
-    and read with the scale folded into the softmax scale / output.
+                                                               hf_greedy, kv_cache_dtype, num_spec):
+    """`--kv-cache-dtype fp8` (vLLM's fp8 = e4m3; with 3 MTP draft tokens, as the released
+    model is deployed: the draft layer's main K/V is fp8 too, and every decode is a verify
+    step) and `fp8_e5m2` (plain decodes), with the checkpoint's per-tensor scales: vLLM's uint8
+    pages are the core's float8 K/V, stored as fp8(x / scale) and read with the scale folded
+    into the softmax scale / output.
     The oracle is HF fp32 attending over the same fp8-rounded keys and values (`fp8_kv_cache`),
     which changes the greedy tokens of some prompts from HF's fp32 ones: vLLM's greedy tokens
     equal the oracle's, and every log-prob vLLM reports is within 1e-3 of it, 20x closer than
@@ -251,10 +254,15 @@ def test_fp8_kv_cache_greedy_equals_transformers_over_fp8_kv(tmp_path, full_chec
     near-tie of 4.8e-5 on these prompts, checked above MIN_GAP / 4 (5x the fp32 drift)."""
     _, model = full_checkpoint
     dtype = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
-    result = run_vllm(tmp_path, kv_cache_dtype, {
-        "llm": dict(model=fp8_scaled_checkpoint, dtype="float32", enable_prefix_caching=False,
-                    kv_cache_dtype=kv_cache_dtype, **ENGINE),
-        "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": 5, "rank_selections": True})
+    llm = dict(model=fp8_scaled_checkpoint, dtype="float32", enable_prefix_caching=False,
+               kv_cache_dtype=kv_cache_dtype, **ENGINE)
+    if num_spec:
+        llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": num_spec}
+    result = run_vllm(tmp_path, kv_cache_dtype, {"llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                                                 "logprobs": 5, "rank_selections": True, "spec_metrics": bool(num_spec)})
+    if num_spec:  # drafts accepted and rejected (rejected rows written to the fp8 pages too)
+        spec = result["spec_decode"]
+        assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"] == num_spec * spec["num_drafts"]
     (rank,) = result["ranks"]
     name = str(dtype)
     assert rank["kv_caches"] == [["torch.uint8", name, name, *FP8_SCALES[i]] for i in (0, 1)]
