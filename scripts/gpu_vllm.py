@@ -2,6 +2,7 @@
 
     python3 scripts/gpu_vllm.py OUT_DIR [--models full,hybrid] [--modes eager,graphs]
                                 [--backends QSA_CORE,upstream] [--server]
+                                [--kv-cache-dtype auto|fp8|fp8_e5m2] [--lengths 40,700,...]
 
 Run where vLLM's GPU build and this repo's plugin are installed (the plugin registers QSA_CORE;
 `../shared/gpu-stage` stages vLLM 0.33 on the GPU host). For each model it writes a bf16
@@ -9,15 +10,20 @@ checkpoint with the production attention geometry (24 query / 2 KV heads of 256,
 4 x 128, budget 2048 tokens in groups of 4, partial rotary 0.25; a few layers, random weights):
 `full` is every decoder layer QSA, `hybrid` GDN, QSA, GDN, QSA with prefix caching on. Each
 (model, backend, mode) runs in its own process (`tests/vllm_adapter/vllm_generate.py`): six
-prompts of 40 to 8000 tokens at once, greedy, chunked prefill of 2048 tokens, run twice (the
-second round is timed warm). `--server` also serves `full` with QSA_CORE and CUDA graphs through
-the OpenAI server and asks for the same completions concurrently.
+prompts of 40 to 8000 tokens at once (`--lengths` picks others), greedy, chunked prefill of
+2048 tokens, run twice (the second round is timed warm). `--server` also serves `full` with
+QSA_CORE and CUDA graphs through the OpenAI server and asks for the same completions concurrently.
+`--kv-cache-dtype fp8` runs every engine with vLLM's fp8 (e4m3) main KV cache: QSA_CORE stores
+and reads the core's fp8 K/V in vLLM's uint8 pages, upstream its own; the checkpoint has no
+k_scale / v_scale, so both use 1.0 (upstream's layer never reads a checkpoint's scales into the
+floats its kernels take). Upstream serves fp8 only as e4m3: with `fp8_e5m2` run
+`--backends QSA_CORE` (eager against graphs). Run names and the summary carry the dtype.
 
 Checks (exit 1 on any failure): QSA_CORE's tokens equal upstream's in each mode, eager equals
 CUDA graphs, the server equals `LLM.generate`; token for token, except where both runs stand at a
 bf16 tie of their two likeliest tokens (random weights make such ties common; the summary gives
 each margin). OUT_DIR gets every run's JSON and log and
-`summary.md`.
+`summary.md` (`summary-fp8.md` with `--kv-cache-dtype fp8`).
 """
 
 from __future__ import annotations
@@ -67,14 +73,18 @@ def write(folder: str, hybrid: bool) -> None:
         write_checkpoint(folder, production_config(hybrid), seed=7)
 
 
-def prompts() -> list[list[int]]:
+def prompts(lengths: list[int]) -> list[list[int]]:
+    """Random prompts of these lengths: one of LENGTHS gets the same tokens as in the default run,
+    other lengths are drawn after those."""
     g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    drawn = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    return [drawn[LENGTHS.index(n)] if n in LENGTHS else torch.randint(0, VOCAB, (n,), generator=g).tolist()
+            for n in lengths]
 
 
-def run(out: str, name: str, llm: dict, env: dict) -> dict:
+def run(out: str, name: str, llm: dict, env: dict, lengths: list[int]) -> dict:
     """One vllm_generate.py process; its JSON result (or {"error": ...})."""
-    request = {"llm": llm, "prompts": prompts(), "max_tokens": [MAX_TOKENS] * len(LENGTHS), "repeat": 2,
+    request = {"llm": llm, "prompts": prompts(lengths), "max_tokens": [MAX_TOKENS] * len(lengths), "repeat": 2,
                "logprobs": 2}
     req, res, log = (os.path.join(out, f"{name}{ext}") for ext in (".json", ".out.json", ".log"))
     with open(req, "w") as f:
@@ -109,9 +119,10 @@ def vllm_server(folder: str, args: list[str], env: dict, log_path: str, timeout_
         served.stop()
 
 
-def serve_and_ask(out: str, folder: str, env: dict) -> dict:
+def serve_and_ask(out: str, folder: str, env: dict, lengths: list[int], kv_cache_dtype: str) -> dict:
     """The OpenAI server with QSA_CORE and CUDA graphs: the prompts' completions, concurrently."""
     args = ["--attention-backend", "QSA_CORE", "--no-enable-prefix-caching", "--dtype", "bfloat16",
+            "--kv-cache-dtype", kv_cache_dtype,
             "--max-model-len", str(ENGINE["max_model_len"]), "--max-num-seqs", str(ENGINE["max_num_seqs"]),
             "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
             "--gpu-memory-utilization", str(ENGINE["gpu_memory_utilization"]), "-cc.cudagraph_capture_sizes=[1,2,4]"]
@@ -126,8 +137,8 @@ def serve_and_ask(out: str, folder: str, env: dict) -> dict:
                 with urllib.request.urlopen(request, timeout=300) as r:
                     return json.load(r)["choices"][0]["token_ids"]
 
-            with ThreadPoolExecutor(max_workers=len(LENGTHS)) as pool:
-                return {"tokens": list(pool.map(complete, prompts()))}
+            with ThreadPoolExecutor(max_workers=len(lengths)) as pool:
+                return {"tokens": list(pool.map(complete, prompts(lengths)))}
     except (RuntimeError, TimeoutError) as e:
         return {"error": str(e)}
 
@@ -139,11 +150,20 @@ def main() -> int:
     ap.add_argument("--modes", default="eager,graphs")
     ap.add_argument("--backends", default="QSA_CORE,upstream")
     ap.add_argument("--server", action="store_true")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths (tokens), comma-separated")
     args = ap.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if max(lengths) + MAX_TOKENS > ENGINE["max_model_len"]:
+        ap.error(f"--lengths: a prompt of {max(lengths)} tokens and {MAX_TOKENS} new ones pass max_model_len "
+                 f"{ENGINE['max_model_len']}")
+    kv = args.kv_cache_dtype
+    suffix = "" if kv == "auto" else f"-{kv}"  # the runs of each dtype keep their own files
     os.makedirs(args.out, exist_ok=True)
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # flashinfer is not a dependency
     results: dict[tuple[str, str, str], dict] = {}
-    lines = ["| model | backend | mode | init s | generate s (cold, warm) | Triton JIT warnings while serving | result |",
+    lines = [f"KV cache dtype: {kv}; prompt lengths {lengths}", "",
+             "| model | backend | mode | init s | generate s (cold, warm) | Triton JIT warnings while serving | result |",
              "|---|---|---|---|---|---|---|"]
     for model in args.models.split(","):
         hybrid = model == "hybrid"
@@ -151,13 +171,14 @@ def main() -> int:
         write(folder, hybrid)
         for backend in args.backends.split(","):
             for mode in args.modes.split(","):
-                llm = dict(ENGINE, model=folder, enable_prefix_caching=hybrid, **(GRAPHS if mode == "graphs" else {}))
+                llm = dict(ENGINE, model=folder, enable_prefix_caching=hybrid, kv_cache_dtype=kv,
+                           **(GRAPHS if mode == "graphs" else {}))
                 if backend != "upstream":
                     llm["attention_backend"] = backend
                 if hybrid:
                     llm["additional_config"] = {"gdn_prefill_backend": "triton"}
-                name = f"{model}-{backend}-{mode}"
-                r = results[(model, backend, mode)] = run(args.out, name, llm, env)
+                name = f"{model}-{backend}-{mode}{suffix}"
+                r = results[(model, backend, mode)] = run(args.out, name, llm, env, lengths)
                 if "error" in r:
                     lines.append(f"| {model} | {backend} | {mode} | | | | {r['error']} |")
                     print(f"{name}: {r['error']}\n{r['tail']}", flush=True)
@@ -179,7 +200,7 @@ def main() -> int:
         first = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
                  for x, y in zip(a["tokens"], b["tokens"])]
         parted = [(i, j, margin(a, i, j), margin(b, i, j)) for i, j in enumerate(first) if j is not None]
-        lines.append(f"| {label} | {same}/{len(LENGTHS)} | "
+        lines.append(f"| {label} | {same}/{len(lengths)} | "
                      + ("; ".join(f"prompt {i} at token {j}: {ma}, {mb}" for i, j, ma, mb in parted) or "-") + " |")
         if any(ma is None or mb is None or max(ma, mb) > TIE for _, _, ma, mb in parted):
             failures.append(label)
@@ -199,13 +220,13 @@ def main() -> int:
             compare(f"{model} {backend}: graphs vs eager", r, results.get((model, backend, "eager")))
     failures += [f"{m} {b} {mode}: {r['error']}" for (m, b, mode), r in results.items() if "error" in r]
     if args.server:
-        served = serve_and_ask(args.out, os.path.join(args.out, "ckpt-full"), env)
+        served = serve_and_ask(args.out, os.path.join(args.out, "ckpt-full"), env, lengths, kv)
         if "error" in served:
             failures.append(f"server: {served['error']}")
         compare("full QSA_CORE: OpenAI server (graphs) vs LLM.generate (graphs)", served,
                 results.get(("full", "QSA_CORE", "graphs")))
     lines += ["", f"failures: {failures or 'none'}"]
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
+    with open(os.path.join(args.out, f"summary{suffix}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 1 if failures else 0

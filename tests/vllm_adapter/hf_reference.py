@@ -71,3 +71,32 @@ def spec_order_boundaries() -> Iterator[list[tuple[float, float, float]]]:
         yield bounds
     finally:
         torch.Tensor.topk = original
+
+
+@contextlib.contextmanager
+def fp8_kv_cache(model, dtype: torch.dtype, scales: dict[int, tuple[float, float]] | None = None) -> Iterator[None]:
+    """HF's attention over an fp8 main KV cache with per-tensor scales, as the core computes it
+    (design.md §4): every key and value the attention reads is `fp8(x / scale) * scale`
+    (x / scale rounded to `dtype`, nearest even, as a cache store rounds it), so
+    q.k * softmax_scale = q.fp8(k / k_scale) * (softmax_scale * k_scale) and the output is
+    v_scale * sum p fp8(v / v_scale). scales: (k_scale, v_scale) by layer index (default 1.0).
+    Runs HF's eager attention (the function patched here) while inside."""
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
+
+    original, attn_config = hf.eager_attention_forward, getattr(model.config, "text_config", model.config)
+    implementation = attn_config._attn_implementation
+
+    def rounded(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return ((x.float() / scale).to(dtype).float() * scale).to(x.dtype)
+
+    def fp8_attention(module, query, key, value, *args, **kwargs):
+        k_scale, v_scale = (scales or {}).get(module.layer_idx, (1.0, 1.0))
+        return original(module, query, rounded(key, k_scale), rounded(value, v_scale), *args, **kwargs)
+
+    hf.eager_attention_forward = fp8_attention
+    attn_config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        hf.eager_attention_forward = original
+        attn_config._attn_implementation = implementation

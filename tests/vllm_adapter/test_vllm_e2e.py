@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from hf_reference import greedy, selection_gaps
+from hf_reference import fp8_kv_cache, greedy, selection_gaps
 from ports import free_port
 from qwen4_checkpoint import VOCAB, add_mtp_layer, tiny_config, tiny_vl_config, write_checkpoint
 from server_process import ServerProcess
@@ -206,6 +206,83 @@ def test_production_budget_greedy_equals_transformers(tmp_path, long_checkpoint,
         assert got == over_budget(range(n + LONG_MAX_TOKENS[0] - 1)) == 44 if not num_spec else got >= 44
     if num_spec:  # the MTP layer's step 0 runs on the target's rows: the prompt's at least
         assert past["mtp.layers.2.self_attn.indexer"] >= over_budget(range(n)) == 42
+
+
+# fp8 KV cache: the checkpoint's per-tensor scales (upstream's names, loaded into each QSA
+# layer's _k_scale / _v_scale) are not powers of two, so they change how K and V round, and
+# are exact in float32 (the checkpoint's dtype).
+FP8_SCALES = {0: (0.375, 1.75), 1: (0.625, 0.875)}
+
+
+@pytest.fixture(scope="module")
+def fp8_scaled_checkpoint(tmp_path_factory, mtp_checkpoint):
+    """The full checkpoint with its MTP layer (`mtp_checkpoint`) and
+    `model.layers.{i}.self_attn.k_scale` / `v_scale` (FP8_SCALES)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = mtp_checkpoint
+    scaled = tmp_path_factory.mktemp("qwen4_fp8_scales") / "checkpoint"
+    shutil.copytree(folder, scaled)
+    path = scaled / "model.safetensors"
+    scales = {f"model.layers.{i}.self_attn.{name}_scale": torch.tensor(value)
+              for i, pair in FP8_SCALES.items() for name, value in zip("kv", pair)}
+    save_file({**load_file(path), **scales}, str(path), metadata={"format": "pt"})
+    return str(scaled)
+
+
+@torch.no_grad()
+def hf_fp8_logprobs(model, seq: list[int], dtype: torch.dtype, scales) -> torch.Tensor:
+    with fp8_kv_cache(model, dtype, scales):
+        return torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+
+
+@pytest.mark.parametrize("kv_cache_dtype, num_spec", [("fp8", 3), ("fp8_e5m2", 0)], ids=["fp8_mtp3", "fp8_e5m2"])
+def test_fp8_kv_cache_greedy_equals_transformers_over_fp8_kv(tmp_path, full_checkpoint, fp8_scaled_checkpoint,
+                                                               hf_greedy, kv_cache_dtype, num_spec):
+    """`--kv-cache-dtype fp8` (vLLM's fp8 = e4m3; with 3 MTP draft tokens, as the released
+    model is deployed: the draft layer's main K/V is fp8 too, and every decode is a verify
+    step) and `fp8_e5m2` (plain decodes), with the checkpoint's per-tensor scales: vLLM's uint8
+    pages are the core's float8 K/V, stored as fp8(x / scale) and read with the scale folded
+    into the softmax scale / output.
+    The oracle is HF fp32 attending over the same fp8-rounded keys and values (`fp8_kv_cache`),
+    which changes the greedy tokens of some prompts from HF's fp32 ones: vLLM's greedy tokens
+    equal the oracle's, and every log-prob vLLM reports is within 1e-3 of it, 20x closer than
+    the fp32 cache's (fp8 rounding moves these log-probs by 1e-2 and more; both sides compute
+    in fp32 and differ by summation order, ~1e-6, unless that drift moves a K/V element across
+    an fp8 rounding boundary: one fp8 step of one element, far below 1e-3 in a log-prob).
+    Top-k boundaries over fp8 K/V: e4m3's gaps exceed MIN_GAP; e5m2's coarser grid leaves a
+    near-tie of 4.8e-5 on these prompts, checked above MIN_GAP / 4 (5x the fp32 drift)."""
+    _, model = full_checkpoint
+    dtype = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    llm = dict(model=fp8_scaled_checkpoint, dtype="float32", enable_prefix_caching=False,
+               kv_cache_dtype=kv_cache_dtype, **ENGINE)
+    if num_spec:
+        llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": num_spec}
+    result = run_vllm(tmp_path, kv_cache_dtype, {"llm": llm, "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
+                                                 "logprobs": 5, "rank_selections": True, "spec_metrics": bool(num_spec)})
+    if num_spec:  # drafts accepted and rejected (rejected rows written to the fp8 pages too)
+        spec = result["spec_decode"]
+        assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"] == num_spec * spec["num_drafts"]
+    (rank,) = result["ranks"]
+    name = str(dtype)
+    assert rank["kv_caches"] == [["torch.uint8", name, name, *FP8_SCALES[i]] for i in (0, 1)]
+    with selection_gaps() as gaps, fp8_kv_cache(model, dtype, FP8_SCALES):
+        want = greedy(model, PROMPTS, MAX_TOKENS)
+    assert len(gaps) > 400 and min(gaps) > (MIN_GAP if kv_cache_dtype == "fp8" else MIN_GAP / 4), sorted(gaps)[:5]
+    assert want != hf_greedy[0]  # the fp8 rounding with these scales reaches the tokens
+    assert result["tokens"] == want
+    worst_fp8 = worst_fp32 = 0.0
+    for prompt, tokens, top in zip(PROMPTS, result["tokens"], result["logprobs"]):
+        seq = prompt + tokens
+        ref = hf_fp8_logprobs(model, seq, dtype, FP8_SCALES)
+        fp32 = hf_logprobs(model, seq)[0]
+        for j, entries in enumerate(top):
+            row = len(prompt) - 1 + j
+            for token, logprob in entries.items():
+                worst_fp8 = max(worst_fp8, abs(logprob - float(ref[row, int(token)])))
+                worst_fp32 = max(worst_fp32, abs(logprob - float(fp32[row, int(token)])))
+    print(f"\n{kv_cache_dtype}: max |log-prob - HF over fp8 K/V| {worst_fp8:.2e}, - HF fp32 {worst_fp32:.2e}")
+    assert worst_fp8 < 1e-3 and worst_fp32 > 20 * worst_fp8
 
 
 def test_prefix_caching_without_linear_layers_is_refused(tmp_path, full_checkpoint):
@@ -404,12 +481,13 @@ def server_command(folder: str, port: int, *extra: str) -> list[str]:
             "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), *extra]
 
 
-@pytest.mark.parametrize("setting", ["fp8_kv_cache", "mrope_multimodal_speculative"])
+@pytest.mark.parametrize("setting", ["fp8_kv_cache_skip_layers", "mrope_multimodal_speculative"])
 def test_server_refuses_unserved_settings_at_startup(tmp_path, full_checkpoint, vl_checkpoint, setting):
     """The OpenAI server exits at start-up (before any weight loads) with an error naming the flag."""
     mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
     folder, extra, names = {
-        "fp8_kv_cache": (full_checkpoint[0], ["--kv-cache-dtype", "fp8"], "use --kv-cache-dtype auto"),
+        "fp8_kv_cache_skip_layers": (full_checkpoint[0], ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0"],
+                                     "QSA_CORE does not serve --kv-cache-dtype-skip-layers"),
         "mrope_multimodal_speculative": (vl_checkpoint[0], ["--speculative-config", mtp],
                                          "QSA_CORE does not serve --speculative-config with Qwen4-Exp's MRoPE"),
     }[setting]

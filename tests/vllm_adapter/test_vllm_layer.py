@@ -306,14 +306,18 @@ def test_plugin_registers_backend_and_model_idempotently():
     assert AttentionBackendEnum["QSA_CORE"].get_class() is QSACoreBackend
 
 
-@pytest.mark.parametrize("setting, match", [
-    ({"cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not served yet"),
-    ({"mrope_section": [8, 4, 4], "speculative": True},
+@pytest.mark.parametrize("setting, error, match", [
+    ({"cache_dtype": "int8_per_token_head"}, ValueError,
+     "QSA_CORE does not serve --kv-cache-dtype int8_per_token_head with a torch.float32 model"),
+    ({"cache_dtype": "fp8", "skip_layers": ["0"]}, ValueError,
+     r"QSA_CORE does not serve --kv-cache-dtype-skip-layers \(\['0'\]\) with --kv-cache-dtype fp8"),
+    ({"mrope_section": [8, 4, 4], "speculative": True}, NotImplementedError,
      r"speculative decoding \(speculative_config\) with MRoPE \(rope_parameters.mrope_section\) is not served yet"),
 ])
-def test_unserved_settings_are_refused_by_name(stack, setting, match):
-    """fp8 main KV, and MRoPE with speculative decoding: refused when the core-backed layer is
-    built, naming the setting (MRoPE alone is served)."""
+def test_unserved_settings_are_refused_by_name(stack, setting, error, match):
+    """A KV-cache dtype outside the served ones, per-layer fp8 exceptions, and MRoPE with
+    speculative decoding: refused when the core-backed layer is built, naming the setting
+    (fp8 alone and MRoPE alone are served)."""
     from types import SimpleNamespace
 
     from qsa_adapters.vllm.qwen4_exp import check_supported
@@ -321,15 +325,50 @@ def test_unserved_settings_are_refused_by_name(stack, setting, match):
     hf = tiny_config()
     if "mrope_section" in setting:
         hf.rope_parameters = dict(hf.rope_parameters, mrope_section=setting["mrope_section"], mrope_interleaved=True)
-    cache = CacheConfig(block_size=PAGE, enable_prefix_caching=False, cache_dtype=setting.get("cache_dtype", "auto"))
+    cache = CacheConfig(block_size=PAGE, enable_prefix_caching=False, cache_dtype=setting.get("cache_dtype", "auto"),
+                        kv_cache_dtype_skip_layers=setting.get("skip_layers", []))
     vc = VllmConfig(model_config=stack.vllm_config.model_config, cache_config=cache)
     with set_current_vllm_config(vc):
         if setting.get("speculative"):
             check_supported(vc, hf)  # MRoPE alone passes
             # check_supported reads whether speculative_config is set; a real one needs a draft model
-            vc = SimpleNamespace(cache_config=cache, parallel_config=vc.parallel_config, speculative_config=object())
-        with pytest.raises(NotImplementedError, match=match):
+            vc = SimpleNamespace(cache_config=cache, model_config=vc.model_config, parallel_config=vc.parallel_config,
+                                 speculative_config=object())
+        if "skip_layers" in setting:
+            check_supported(VllmConfig(model_config=vc.model_config, cache_config=CacheConfig(
+                block_size=PAGE, enable_prefix_caching=False, cache_dtype="fp8")), hf)  # fp8 alone passes
+        with pytest.raises(error, match=match):
             check_supported(vc, hf)
+
+
+@pytest.mark.parametrize("cache_dtype, core, view", [
+    ("fp8", "fp8_e4m3", torch.float8_e4m3fn), ("fp8_e4m3", "fp8_e4m3", torch.float8_e4m3fn),
+    ("fp8_e5m2", "fp8_e5m2", torch.float8_e5m2),
+])
+def test_fp8_pages_are_the_cores_float8_kv_with_the_layers_scales(cache_dtype, core, view):
+    """vLLM's fp8 main K/V pages (uint8, one byte per element, compressed rows behind in the
+    model dtype) are viewed as the core's float8 dtype over the same bytes, with the layer's
+    scales; a scale that is not a positive finite float is refused by name."""
+    from qsa_adapters.vllm.cache import bind_layer_cache, core_kv_cache_dtype, main_kv_spec
+
+    assert core_kv_cache_dtype(cache_dtype, torch.float32) == core
+    cfg = QSAConfig.from_hf(tiny_config(), kv_cache_dtype=core)
+    vc = VllmConfig(cache_config=CacheConfig(block_size=PAGE, cache_dtype=cache_dtype))
+    spec = main_kv_spec(vc, cfg, torch.float32, torch.float32)
+    kv_bytes = PAGE * 2 * 2 * 64  # Hkv 2, K and V of D 64, one byte each
+    assert spec.dtype == torch.uint8 and spec.page_size_bytes == kv_bytes + PAGE // 4 * 64 * 4
+    pages = torch.zeros(3, spec.page_size_bytes, dtype=torch.uint8)
+    kv = pages[:, :kv_bytes].view(3, 2, PAGE, 128)  # vLLM's view [blocks, Hkv, page, 2D]
+    ring = torch.zeros(2, 1, 4, 64)
+    cache, _ = bind_layer_cache(kv, ring, cfg, torch.float32, torch.float32, 0.5, 3.0)
+    assert cache.k.dtype == cache.v.dtype == view and (cache.k_scale, cache.v_scale) == (0.5, 3.0)
+    cache.k[1, 5, 1, 7] = 2.0  # block 1, slot 5, KV head 1, dim 7: the page's byte there
+    assert kv[1, 1, 5, 7].item() == torch.tensor(2.0, dtype=view).view(torch.uint8).item()
+    cache.v[1, 5, 1, 7] = -1.0  # V is the second half of the last dim
+    assert kv[1, 1, 5, 64 + 7].item() == torch.tensor(-1.0, dtype=view).view(torch.uint8).item()
+    for bad in (0.0, float("inf"), -1.0):
+        with pytest.raises(ValueError, match="v_scale must be a positive finite float"):
+            bind_layer_cache(kv, ring, cfg, torch.float32, torch.float32, 1.0, bad)
 
 
 def test_specs_follow_the_block_size_vllm_settles_on(stack):

@@ -16,7 +16,8 @@ With "rank_selections" every worker (one per tensor-parallel rank) records a dig
 selection its QSA indexers make; OUT_JSON then has "ranks": per worker, its "selections"
 ([layer prefix, rows, skip_topk (an MTP step reusing step 0's selection), sha256 of the int32
 rows, rows past the budget] per call, in order) and
-its QSA layers' "heads" ([query heads, KV heads, main K/V cache shape] per layer).
+its QSA layers' "heads" ([query heads, KV heads, main K/V cache shape] per layer) and
+"kv_caches" ([vLLM's main K/V page dtype, the core's K and V view dtypes, k_scale, v_scale] per layer).
 """
 
 import json
@@ -111,7 +112,10 @@ def selection_records(worker) -> dict:
 
     layers = [m for m in worker.get_model().modules() if isinstance(m, QSACoreAttention)]
     heads = [[m.num_heads, m.num_kv_heads, list(m.kv_cache.shape)] for m in layers]
-    return {"selections": QSAIndexer.probe_records, "heads": heads}
+    bound = [m.indexer.layer_cache(m.kv_cache, m._k_scale_float, m._v_scale_float)[0] for m in layers]
+    kv_caches = [[str(m.kv_cache.dtype), str(c.k.dtype), str(c.v.dtype), c.k_scale, c.v_scale]
+                 for m, c in zip(layers, bound)]
+    return {"selections": QSAIndexer.probe_records, "heads": heads, "kv_caches": kv_caches}
 
 
 def record_steps(steps: list[dict]) -> None:

@@ -47,6 +47,11 @@ class QSAAttentionLayer(nn.Module, AttentionLayerBase):
     ) -> None:
         super().__init__()
         cfg = qsa_config_for(vllm_config, config)
+        if cfg.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(
+                f"QSAAttentionLayer does not serve --kv-cache-dtype {vllm_config.cache_config.cache_dtype} (it loads "
+                "no k_scale / v_scale): the Qwen4-Exp model classes serve fp8 KV caches"
+            )
         H, Hq, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
         def linear(n_in: int, n_out: int, name: str) -> ReplicatedLinear:
@@ -79,6 +84,7 @@ class QSAAttentionLayer(nn.Module, AttentionLayerBase):
         self.kv_dtype = vllm_config.model_config.dtype
         self.layer_name = f"{prefix}.attn"
         self.kv_cache = torch.tensor([])
+        self._k_scale_float = self._v_scale_float = 1.0  # no fp8 cache here (above)
         register_layer(vllm_config, self.layer_name, self)
 
     def get_attn_backend(self) -> type[QSACoreBackend]:

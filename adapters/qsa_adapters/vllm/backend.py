@@ -149,7 +149,8 @@ class QSAStepPairing:
             self._geometries, self.mappers, self._key_caches = {}, {}, key
             for layer in self._layers:
                 if getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel():
-                    cache, geometry = layer.indexer.layer_cache(layer.kv_cache)
+                    cache, geometry = layer.indexer.layer_cache(layer.kv_cache, layer._k_scale_float,
+                                                                layer._v_scale_float)
                     slots, rows = cache.k.shape[0] * geometry.page_size, cache.ring.shape[0]
                     if geometry in self._geometries:
                         seen = self._geometries[geometry]
@@ -161,9 +162,9 @@ class QSAStepPairing:
         """Compile every kernel variant the new mapper's steps can choose, on its geometry's
         bound layer caches (`warmup.start_up_warm`: static steps of 1 and decode_threshold
         rows per decode request; Triton's cache makes a rebuild's warm-up cheap)."""
-        caches = [cache for cache, g in (layer.indexer.layer_cache(layer.kv_cache) for layer in self._layers
-                                         if getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel())
-                  if g == geometry]
+        bound = (layer.indexer.layer_cache(layer.kv_cache, layer._k_scale_float, layer._v_scale_float)
+                 for layer in self._layers if getattr(layer, "kv_cache", None) is not None and layer.kv_cache.numel())
+        caches = [cache for cache, g in bound if g == geometry]
         line = start_up_warm(mapper.planner, caches, decode_query_lens=(1, self.decode_threshold))
         if line is not None:
             logger.info(line)

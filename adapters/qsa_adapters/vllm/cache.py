@@ -3,6 +3,8 @@
 vLLM's allocator owns all three caches of a QSA layer:
 - main K/V and compressed keys: one `FullAttentionSpec` page [Hkv, page_size, 2D] (K and V
   side by side) followed by the block's page_size / r compressed rows of Di (row = main slot // r);
+  with an fp8 KV cache (`--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2`) the K/V half is vLLM's
+  uint8 storage, viewed as the core's float8 dtype, with the layer's per-tensor scales;
 - raw-key ring: `CircularBufferSpec(block_size=C)`, a group of its own, one block per request;
   for MRoPE each block's C rows of Di are followed by their int64 [C, 3] RoPE positions (the
   first token of an open group may come from an earlier step, design.md §6.2).
@@ -13,6 +15,7 @@ strides (core page = vLLM block), with no renumbering.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -23,9 +26,10 @@ from vllm.v1.kv_cache_interface import (
     CircularBufferSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    KVQuantMode,
 )
 
-from qsa_core import QSAConfig, QSALayerCache, ring_capacity, validate_layer_cache
+from qsa_core import QSAConfig, QSALayerCache, resolve_dtype, ring_capacity, validate_layer_cache
 
 from .context import register_layer
 from .metadata import PagedGeometry
@@ -37,11 +41,72 @@ def speculative_tokens(vllm_config: VllmConfig) -> int:
     return int(spec.num_speculative_tokens or 0) if spec is not None else 0
 
 
+# vLLM's fp8 --kv-cache-dtype values and the core's kv_cache_dtype for each: vLLM's "fp8" is
+# e4m3 (its CacheConfig, its CUDA kernels and upstream's QSA; the CPU attention takes the
+# same names). vLLM stores every one of them as uint8 pages.
+FP8_KV_CACHE_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+SERVED_KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", *FP8_KV_CACHE_DTYPES)
+
+
+def core_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> str:
+    """The core's `QSAConfig.kv_cache_dtype` for vLLM's `cache_config.cache_dtype`
+    (`--kv-cache-dtype`), or a ValueError naming the flag and the values served."""
+    if cache_dtype in FP8_KV_CACHE_DTYPES:
+        return FP8_KV_CACHE_DTYPES[cache_dtype]
+    if cache_dtype == "auto" or (cache_dtype == "float32" and model_dtype == torch.float32):
+        return "auto"
+    if cache_dtype == "bfloat16":
+        return "auto" if model_dtype == torch.bfloat16 else "bf16"
+    raise ValueError(
+        f"QSA_CORE does not serve --kv-cache-dtype {cache_dtype} with a {model_dtype} model: its main K/V "
+        f"path serves {', '.join(SERVED_KV_CACHE_DTYPES)} (float32 only for a float32 model)"
+    )
+
+
+def check_kv_cache_settings(vllm_config: VllmConfig, quant_config=None) -> None:
+    """Refuse, naming the flag, the KV-cache settings the core-backed QSA layers do not serve:
+    a `--kv-cache-dtype` outside `SERVED_KV_CACHE_DTYPES`, per-layer fp8 exceptions
+    (`--kv-cache-dtype-skip-layers`: the main K/V pages of all QSA layers share one dtype
+    here) and a checkpoint's KV-cache quantization scheme (as upstream refuses it)."""
+    cache = vllm_config.cache_config
+    kv = core_kv_cache_dtype(cache.cache_dtype, vllm_config.model_config.dtype)
+    if kv.startswith("fp8") and cache.kv_cache_dtype_skip_layers:
+        raise ValueError(
+            f"QSA_CORE does not serve --kv-cache-dtype-skip-layers ({cache.kv_cache_dtype_skip_layers}) with "
+            f"--kv-cache-dtype {cache.cache_dtype}: every QSA layer's main K/V is fp8 or none is"
+        )
+    quant = quant_config if quant_config is not None else getattr(vllm_config, "quant_config", None)
+    if getattr(quant, "kv_cache_scheme", None) is not None:
+        raise ValueError(
+            "QSA_CORE does not serve the checkpoint's quantization_config.kv_cache_scheme (KV-cache quantization "
+            "scheme): fp8 KV with per-tensor k_scale / v_scale is served through --kv-cache-dtype fp8"
+        )
+
+
+def checked_kv_scale(name: str, scale: torch.Tensor) -> float:
+    """A layer's per-tensor fp8 K or V scale (a one-element tensor) as a positive finite float:
+    read once after the weights load (a host read), never per step."""
+    if scale.numel() != 1:
+        raise ValueError(f"{name} must be one per-tensor scale, got shape {tuple(scale.shape)}")
+    value = float(scale.item())
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite scale, got {value}")
+    return value
+
+
+def kv_storage_dtype(config: QSAConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of vLLM's main K/V pages: uint8 for an fp8 cache (as vLLM and upstream's QSA
+    allocate fp8 pages; `bind_layer_cache` views them as the float8 dtype), else the cache dtype."""
+    dtype = resolve_dtype(config.kv_cache_dtype, model_dtype)
+    return torch.uint8 if dtype.itemsize == 1 else dtype
+
+
 def main_kv_spec(
     vllm_config: VllmConfig, config: QSAConfig, dtype: torch.dtype, index_dtype: torch.dtype
 ) -> FullAttentionSpec:
-    """Main K/V [Hkv, page_size, 2D] per block (K then V in the last dim), followed in the same
-    page by the block's compressed keys [page_size / r, Di] (`index_dtype`).
+    """Main K/V [Hkv, page_size, 2D] per block (K then V in the last dim; `dtype` the model
+    dtype, the pages `kv_storage_dtype`), followed in the same page by the block's compressed
+    keys [page_size / r, Di] (`index_dtype`).
 
     The compressed rows ride in the page's padding (`page_size_padded`), so they share the
     main block table and prefix-cache blocks by construction: a separate spec lands in a KV-cache
@@ -54,14 +119,16 @@ def main_kv_spec(
             f"cache_config.block_size ({block_size}) must be a multiple of compress_ratio "
             f"({config.compress_ratio})"
         )
-    main_bytes = block_size * config.num_kv_heads * 2 * config.head_dim * dtype.itemsize
+    storage = kv_storage_dtype(config, dtype)
+    main_bytes = block_size * config.num_kv_heads * 2 * config.head_dim * storage.itemsize
     compressed_bytes = block_size // config.compress_ratio * config.index_head_dim * index_dtype.itemsize
     return FullAttentionSpec(
         block_size=block_size,
         num_kv_heads=config.num_kv_heads,
         head_size=config.head_dim,
         head_size_v=config.head_dim,
-        dtype=dtype,
+        dtype=storage,
+        kv_quant_mode=KVQuantMode.FP8_PER_TENSOR if storage == torch.uint8 else KVQuantMode.NONE,
         page_size_padded=main_bytes + compressed_bytes,
     )
 
@@ -201,15 +268,24 @@ class QSASideCache(nn.Module, AttentionLayerBase):
 
 
 def bind_layer_cache(
-    kv_cache: torch.Tensor, ring: torch.Tensor, config: QSAConfig, index_dtype: torch.dtype, dtype: torch.dtype
+    kv_cache: torch.Tensor, ring: torch.Tensor, config: QSAConfig, index_dtype: torch.dtype, dtype: torch.dtype,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> tuple[QSALayerCache, PagedGeometry]:
     """The core's cache views of one QSA layer over vLLM's two bound tensors.
 
-    kv_cache [B, Hkv, page, 2D] (compressed keys behind each page, viewed as index_dtype);
+    kv_cache [B, Hkv, page, 2D] (compressed keys behind each page, viewed as index_dtype;
+    an fp8 cache's uint8 K/V viewed as the config's float8 dtype, same bytes);
     ring [B, 1, C, Di] (for MRoPE with its rows' positions behind, `ring_positions_view`);
-    dtype: the model dtype. Returns the views and the `PagedGeometry`
-    the step metadata must use with them.
+    dtype: the model dtype; k_scale / v_scale: the layer's per-tensor fp8 scales (floats read
+    once after loading: the core stores K / k_scale and folds k_scale into the softmax scale).
+    Returns the views and the `PagedGeometry` the step metadata must use with them.
     """
+    kv_dtype = resolve_dtype(config.kv_cache_dtype, dtype)
+    if kv_cache.dtype == torch.uint8 and kv_dtype.itemsize == 1:
+        kv_cache = kv_cache.view(kv_dtype)  # vLLM's fp8 storage: the same bytes and strides
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not (isinstance(scale, float) and math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name} must be a positive finite float (the layer's _{name}_float), got {scale!r}")
     page = kv_cache.shape[2]
     compressed = compressed_view(kv_cache, config, index_dtype)
     rows_per_page = page // config.compress_ratio
@@ -223,6 +299,7 @@ def bind_layer_cache(
     C = ring.shape[2]
     geometry = PagedGeometry(compress_ratio=config.compress_ratio, page_size=page, ring_capacity=C)
     positions = ring_positions_view(ring) if config.uses_mrope else None
-    cache = QSALayerCache(k=k, v=v, compressed=compressed[:, 0], ring=ring[:, 0], ring_positions=positions)
+    cache = QSALayerCache(k=k, v=v, compressed=compressed[:, 0], ring=ring[:, 0], ring_positions=positions,
+                          k_scale=k_scale, v_scale=v_scale)
     validate_layer_cache(cache, config, page, ring_capacity=C, dtype=dtype)
     return cache, geometry

@@ -23,8 +23,8 @@ def refuse_unserved_settings(vllm_config: Any) -> None:
     """What the core-backed QSA layers do not serve, refused by name before anything loads
     (in the process that builds the config: `vllm serve` exits at start-up with this error).
 
-    - an fp8 KV cache (`--kv-cache-dtype fp8*`): vLLM's fp8 pages (uint8 storage, per-layer
-      scales loaded after construction) are not mapped onto the core's fp8 K/V path;
+    - a KV-cache dtype or fp8 setting the core's main K/V path does not serve
+      (`cache.check_kv_cache_settings`; fp8 / fp8_e4m3 / fp8_e5m2 are served);
     - MTP speculative decoding with MRoPE in multimodal mode: the draft steps are planned at
       logical positions (vLLM's proposer hands the draft layers no 3-axis positions to the
       step metadata), which after an image are not the MRoPE ones. Multimodal MRoPE without
@@ -35,16 +35,12 @@ def refuse_unserved_settings(vllm_config: Any) -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from .backend import BACKEND_NAME
+    from .cache import check_kv_cache_settings
 
     backend = vllm_config.attention_config.backend
     if not (current_platform.is_cpu() or (backend is not None and backend == AttentionBackendEnum[BACKEND_NAME])):
         return  # upstream's QSA serves the model
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype not in ("auto", "bfloat16", "float32"):
-        raise ValueError(
-            f"QSA_CORE does not serve --kv-cache-dtype {cache_dtype} yet (vLLM's fp8 KV pages are not mapped onto "
-            "the core's fp8 K/V path): use --kv-cache-dtype auto"
-        )
+    check_kv_cache_settings(vllm_config)
     text = vllm_config.model_config.hf_text_config
     if (getattr(text, "rope_parameters", None) or {}).get("mrope_section") and vllm_config.speculative_config:
         raise ValueError(

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.quantization import QuantizationConfig
 from qsa_core import GemmaRMSNorm, QSAConfig, QSAIndexed, QSALayerCache, QSANormWeights, QSAPlan, qsa_indexer
 from qsa_core import resolve_dtype
 
-from .cache import QSASideCache, bind_layer_cache, ring_spec
+from .cache import QSASideCache, bind_layer_cache, core_kv_cache_dtype, ring_spec
 from .context import step_metadata
 from .metadata import PagedGeometry
 
@@ -30,19 +30,20 @@ class QSAAttentionLike(Protocol):
     """What `QSAIndexer.forward` reads from the attention layer it serves."""
 
     layer_name: str  # its static_forward_context name (the main group's metadata key)
-    kv_cache: torch.Tensor  # vLLM's main K/V view [blocks, Hkv, page, 2D]
+    kv_cache: torch.Tensor  # vLLM's main K/V view [blocks, Hkv, page, 2D] (uint8 for an fp8 cache)
+    _k_scale_float: float  # per-tensor fp8 K/V scales, read once after the weights load (1.0 otherwise)
+    _v_scale_float: float
     q_norm: GemmaRMSNorm
     k_norm: GemmaRMSNorm
 
 
 def qsa_config_for(vllm_config: VllmConfig, config: Any) -> QSAConfig:
-    """`QSAConfig` of a HF text config under vLLM's cache settings (validated once)."""
+    """`QSAConfig` of a HF text config under vLLM's cache settings (validated once): the main
+    K/V dtype from `--kv-cache-dtype` (`core_kv_cache_dtype`)."""
     if vllm_config.cache_config is None:
         raise ValueError("QSA requires a paged KV cache: vllm_config.cache_config is None")
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype != "auto":
-        raise NotImplementedError(f"cache_config.cache_dtype must be 'auto' for QSA layers, got {cache_dtype!r}")
-    return QSAConfig.from_hf(config)
+    kv = core_kv_cache_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config.dtype)
+    return QSAConfig.from_hf(config, kv_cache_dtype=kv)
 
 
 def check_rotary(rotary_emb: nn.Module, config: QSAConfig) -> None:
@@ -119,11 +120,17 @@ class QSAIndexer(nn.Module):
         """W + 1: the trailing column holds each row's count of valid entries."""
         return self.qsa_config.packed_width
 
-    def layer_cache(self, kv_cache: torch.Tensor) -> tuple[QSALayerCache, PagedGeometry]:
-        """Core views over vLLM's bound main K/V and side caches (rebuilt only on rebinding)."""
+    def layer_cache(
+        self, kv_cache: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0
+    ) -> tuple[QSALayerCache, PagedGeometry]:
+        """Core views over vLLM's bound main K/V and side caches, with the attention layer's
+        fp8 K/V scales (rebuilt only on rebinding)."""
         tensors = (kv_cache, self.raw_key_cache.kv_cache)
-        if self._bound is None or any(a is not b for a, b in zip(self._bound[0], tensors)):
-            self._bound = (tensors, *bind_layer_cache(*tensors, self.qsa_config, self.index_dtype, self.dtype))
+        bound = self._bound
+        if bound is None or any(a is not b for a, b in zip(bound[0], tensors)) or (
+                (bound[1].k_scale, bound[1].v_scale) != (k_scale, v_scale)):
+            self._bound = (tensors, *bind_layer_cache(*tensors, self.qsa_config, self.index_dtype, self.dtype,
+                                                      k_scale, v_scale))
         return self._bound[1], self._bound[2]
 
     def step_inputs(
@@ -140,7 +147,7 @@ class QSAIndexer(nn.Module):
         ring = step_metadata(self.raw_key_cache.prefix)
         if ring is not None and ring[0].step is not main.step:
             raise RuntimeError(f"{self.raw_key_cache.prefix}: its group's metadata belongs to another step")
-        cache, geometry = self.layer_cache(attn.kv_cache)
+        cache, geometry = self.layer_cache(attn.kv_cache, attn._k_scale_float, attn._v_scale_float)
         mrope = positions if self.qsa_config.uses_mrope and positions is not None and positions.dim() == 2 else None
         return main.step.record(geometry, mrope), cache
 

@@ -42,7 +42,10 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from .attention import run_core_attention
 from .backend import BACKEND_NAME, QSACoreBackend
-from .cache import QSASideCache, main_kv_spec, mtp_ring_prefixes, ring_spec
+from .cache import (
+    QSASideCache, check_kv_cache_settings, checked_kv_scale, kv_storage_dtype, main_kv_spec, mtp_ring_prefixes,
+    ring_spec,
+)
 from .hc_ops import register_torch_hc_ops
 from .indexer import QSAIndexer, qsa_config_for
 from .spec_decode import name_image_token_for_proposer
@@ -60,15 +63,9 @@ def uses_qsa_core(vllm_config: VllmConfig) -> bool:
     return chosen or current_platform.is_cpu()
 
 
-def check_supported(vllm_config: VllmConfig, config: Any) -> None:
+def check_supported(vllm_config: VllmConfig, config: Any, quant_config: QuantizationConfig | None = None) -> None:
     """Refuse, naming the setting, what the core-backed layer does not serve yet."""
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype not in ("auto", "bfloat16", "float32"):
-        raise NotImplementedError(
-            f"QSA_CORE: kv_cache_dtype={cache_dtype!r} is not served yet (use 'auto'): the core's "
-            "fp8 main K/V path exists, but vLLM's fp8 cache (uint8 storage, per-layer scales loaded "
-            "after construction) is not mapped onto it or tested"
-        )
+    check_kv_cache_settings(vllm_config, quant_config)
     if (config.rope_parameters or {}).get("mrope_section") and vllm_config.speculative_config is not None:
         raise NotImplementedError(
             "QSA_CORE: speculative decoding (speculative_config) with MRoPE (rope_parameters.mrope_section) is "
@@ -97,7 +94,7 @@ class QSACoreAttention(Qwen4ExpQSAAttention):
         prefix: str = "",
     ) -> None:
         nn.Module.__init__(self)
-        check_supported(vllm_config, config)
+        check_supported(vllm_config, config, quant_config)
         self.config = config
         self.hidden_size = int(config.hidden_size)
         # This rank's heads, split as QKVParallelLinear splits them (KV heads replicated when
@@ -145,8 +142,10 @@ class QSACoreAttention(Qwen4ExpQSAAttention):
         self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.layer_name = f"{prefix}.attn"
-        self.kv_cache_dtype = "auto"
-        self.kv_cache_torch_dtype = vllm_config.model_config.dtype
+        # vLLM's name and page dtype of the main K/V (uint8 for fp8, as upstream's layer); the
+        # core's dtype is rank_config.kv_cache_dtype. Scales: `process_weights_after_loading`.
+        self.kv_cache_dtype = vllm_config.cache_config.cache_dtype
+        self.kv_cache_torch_dtype = kv_storage_dtype(rank_config, vllm_config.model_config.dtype)
         self.kv_sharing_target_layer_name = None
         self.kv_cache = torch.tensor([])
         set_default_quant_scales(self, register_buffer=True)
@@ -187,7 +186,15 @@ class QSACoreAttention(Qwen4ExpQSAAttention):
         return QSACoreBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return main_kv_spec(vllm_config, self.indexer.qsa_config, self.kv_cache_torch_dtype, self.indexer.index_dtype)
+        return main_kv_spec(vllm_config, self.indexer.qsa_config, self.indexer.dtype, self.indexer.index_dtype)
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Once the checkpoint is loaded (vLLM calls this on attention layers): the per-tensor
+        K/V scales as floats, read once here, never per step. Upstream's loader puts a
+        checkpoint's `k_scale` / `v_scale` (also `k_proj.k_scale`, `attn.k_scale`, ...) into
+        the `_k_scale` / `_v_scale` buffers; without them they stay 1.0."""
+        self._k_scale_float, self._v_scale_float = (
+            checked_kv_scale(f"{self.layer_name}: {name}", getattr(self, name)) for name in ("_k_scale", "_v_scale"))
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
