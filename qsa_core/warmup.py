@@ -103,16 +103,29 @@ def _layout_key(cache: QSALayerCache) -> tuple:
     return tuple(None if t is None else (t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in views)
 
 
+def compile_workers() -> int:
+    """Compiles `warm` runs at once: this process's CPUs, at most 16."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(16, cpus))
+
+
 def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query_lens: Sequence[int] = (1,),
-         static: bool = False, max_num_reqs: int | None = None) -> list[WarmStep]:
-    """Plan every `warm_steps` shape and bind the layer launches on one cache of each
-    distinct layout (`bind_layer`: compiles on a GPU, launches nothing); returns the steps
-    planned (none on the reference backend, which compiles nothing). static: plan as the
-    engine does (`plan(static=True)`); max_num_reqs: the engine's request bound (default the
-    planner's). The planner's schedules are restored afterwards; its workspace is left as the
-    last warm step's metadata build wrote it (no cache is written)."""
+         static: bool = False, max_num_reqs: int | None = None, workers: int | None = None) -> list[WarmStep]:
+    """Plan every `warm_steps` shape, bind the layer launches on one cache of each distinct
+    layout with compiling deferred (`launch.deferred_binds`: each binding's specialization key
+    computed, none compiled), then compile the distinct variants, `workers` at a time (default
+    `compile_workers()`; `launch.compile_bindings`); returns the steps planned (none on the
+    reference backend, which compiles nothing). The per-shape cost is host Python only; the
+    compiles scale with the distinct variants. static: plan as the engine does
+    (`plan(static=True)`); max_num_reqs: the engine's request bound (default the planner's).
+    The planner's schedules are as before (warm plans on a fresh set and drops it); its
+    workspace is left as the last warm step's metadata build wrote it (no cache is written)."""
     if not planner.backend.compiles:
         return []
+    from qsa_kernels import launch
+
     from .layer import QSANormWeights, bind_layer
 
     layouts = {_layout_key(c): c for c in caches}
@@ -135,16 +148,21 @@ def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query
     # at 1M context would take GBs).
     block_table = torch.zeros(1, -(-L // planner.page_size), dtype=torch.int32, device=dev).expand(
         max(max_num_reqs or T, 2), -1)
+    found: dict[tuple, tuple] = {}
     saved = dict(planner._schedules)
+    planner._schedules.clear()  # warm's schedules hold deferred launches: never the engine's
     try:
         for step in steps:
+            # planned as the engine plans (the metadata build and stage launch and compile)
             plan = planner.plan(step_inputs(step, block_table), static=static)
             n = plan.num_tokens
-            for cache in layouts.values():
-                bind_layer(plan, norms, *(proj[k].expand(n, -1) for k in ("index_qk", "q_gate", "k", "v")), cache)
+            with launch.deferred_binds(found):
+                for cache in layouts.values():
+                    bind_layer(plan, norms, *(proj[k].expand(n, -1) for k in ("index_qk", "q_gate", "k", "v")), cache)
     finally:
         planner._schedules.clear()
         planner._schedules.update(saved)
+    launch.compile_bindings(list(found.values()), compile_workers() if workers is None else workers)
     return steps
 
 
