@@ -8,8 +8,11 @@ compiled or launched), the engines' warm-up runs (static steps, decode query len
 then random valid steps are planned, bound and run through the layer's prepare, select and
 attention calls with every binding and every call recorded; each one's Triton key
 (`sm90.spec_key`) must be one the warm-up compiled. Configurations: the H100 runs' 8K context
-/ 2048 rows and 128K / 8192 rows, 256 requests. Each process prints `<name> warm=<variants>
-seen=<keys> missed=<n>` and a `MISSED <kernel> ...` line per key the warm-up did not compile.
+/ 2048 rows and 128K / 8192 rows, 256 requests, static steps (CUDA graphs); and eager steps
+(`plan(static=False)`) at 8K on the engine's own block table, whose row stride (3 past the
+pages max_model_len needs: neither 1 nor a multiple of 16) the warm-up is told. Each process
+prints `<name> warm=<variants> seen=<keys> missed=<n>` and a `MISSED <kernel> ...` line per
+key the warm-up did not compile.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import random
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# name: (max_model_len, max_num_tokens, max_num_reqs, random steps)
-CONFIGS = {"8k": (8192, 2048, 256, 100), "128k": (131072, 8192, 256, 60)}
+# name: (max_model_len, max_num_tokens, max_num_reqs, random steps, static, extra block-table columns)
+CONFIGS = {"8k": (8192, 2048, 256, 100, True, 0), "128k": (131072, 8192, 256, 60, True, 0),
+           "8k-eager": (8192, 2048, 256, 100, False, 3)}
 
 
 def check(name: str) -> None:
@@ -33,7 +37,8 @@ def check(name: str) -> None:
     from qsa_kernels import launch
     from test_compile_sm90 import _config, _norms, _random_step
 
-    L, N, R, count = CONFIGS[name]
+    L, N, R, count, static, extra = CONFIGS[name]
+    pages = -(-L // 64)
     cfg = _config("bf16", "bf16")
     layout = QSACacheLayout(num_layers=2, page_size=64, num_pages=64, ring_rows=R, num_speculative_tokens=3)
     with sm90.recording() as found:
@@ -41,7 +46,7 @@ def check(name: str) -> None:
                              max_model_len=L, max_num_reqs=R, backend="triton", value_checks=False,
                              num_slots=layout.num_slots, num_ring_rows=R)
         caches = layout.allocate(cfg, torch.bfloat16)
-        planner.warm(caches, decode_query_lens=(1, 4), static=True)
+        planner.warm(caches, decode_query_lens=(1, 4), static=static, block_table_stride=pages + extra)
         warmed = {sm90.spec_key(b) for b in found.bindings.values()}
         seen = sm90.Recording()
 
@@ -61,9 +66,9 @@ def check(name: str) -> None:
 
         launch.BoundLaunch = Recorded  # sm90.recording restores the real one
         rng, norms = random.Random(1), _norms(cfg)
-        table = torch.zeros(R, -(-L // 64), dtype=torch.int32)
+        table = torch.zeros(R, pages + extra, dtype=torch.int32)[:, :pages]  # the engine's (row stride pages + extra)
         for _ in range(count):
-            plan = planner.plan(_random_step(rng, planner, table, rng.choice([1, 4])), static=True)
+            plan = planner.plan(_random_step(rng, planner, table, rng.choice([1, 4])), static=static)
             T, s = plan.num_tokens, plan.schedule
             proj = [torch.zeros(T, w, dtype=torch.bfloat16) for w in (640, 12288, 512, 512)]
             for cache in caches:
