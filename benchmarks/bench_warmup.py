@@ -8,7 +8,7 @@ planner and two layers' caches and times:
 - `cold`: `planner.warm(caches, static=True)` (the engines' CUDA-graph planning), compiling
   everything (`--workers` compiles at a time; default `warmup.compile_workers()`);
 - `hot`: the same call again (Triton's in-memory cache hot: the planning and binding alone);
-- `eager`: `warm(static=False, block_table_stride=P + 3)`, the eager planning on an engine
+- `eager`: `warm(static=False, block_table_strides=(P + 3,))`, the eager planning on an engine
   block table of row stride P + 3 (P = pages of max_model_len): the variants of that stride;
 
 then plans `--steps` random valid steps (half static, half eager on such a table; several
@@ -110,7 +110,8 @@ def child(name: str, steps: int, workers: int | None, disk_only: bool) -> dict:
     out["cold"] = _timed_warm(planner, caches, workers, static=True)
     out["hot"] = _timed_warm(planner, caches, workers, static=True)
     P = -(-L // PAGE)
-    stride_kw = {"block_table_stride": P + 3} if "block_table_stride" in inspect.signature(planner.warm).parameters else {}
+    params = inspect.signature(planner.warm).parameters
+    stride_kw = {"block_table_strides": (P + 3,)} if "block_table_strides" in params else {}
     out["eager"] = _timed_warm(planner, caches, workers, static=False, **stride_kw)
     rng = random.Random(0)
     table = torch.zeros(R, P + 3, dtype=torch.int32, device=dev)[:, :P]  # an engine's table: row stride P + 3

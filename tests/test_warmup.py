@@ -135,14 +135,14 @@ def test_start_up_warm_compiles_nothing_where_nothing_compiles(monkeypatch):
     monkeypatch.setattr(planner, "options", dataclasses.replace(planner.options, kernel=no_interpreter))
     monkeypatch.setattr(planner, "warm", lambda c, **k: called.append(k) or [None] * 3)
     line = start_up_warm(planner, caches, decode_query_lens=(2, 1, 2))
-    assert called == [dict(decode_query_lens=(1, 2), static=True, block_table_stride=None)]
+    assert called == [dict(decode_query_lens=(1, 2), static=True, block_table_strides=())]
     assert line.startswith("QSA: warmed 0 kernel variants over 3 step shapes in ") and line.endswith(" s")
 
 
 def test_warm_block_table_specializes_as_the_engines_row_stride():
     from qsa_kernels.launch import spec_key
 
-    for stride in (1, 16, 128, 131, 3, 4096, 4099):
+    for stride in (1, 0, 16, 128, 131, 3, 4096, 4099):
         pages = 1 if stride == 1 else 5
         t = warm_block_table(7, pages, stride, torch.device("cpu"))
         assert t.shape == (7, pages) and t.dtype == torch.int32 and t.stride(1) == 1

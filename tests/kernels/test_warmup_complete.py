@@ -9,8 +9,9 @@ then random valid steps are planned, bound and run through the layer's prepare, 
 attention calls with every binding and every call recorded; each one's Triton key
 (`sm90.spec_key`) must be one the warm-up compiled. Configurations: the H100 runs' 8K context
 / 2048 rows and 128K / 8192 rows, 256 requests, static steps (CUDA graphs); and eager steps
-(`plan(static=False)`) at 8K on the engine's own block table, whose row stride (3 past the
-pages max_model_len needs: neither 1 nor a multiple of 16) the warm-up is told. Each process
+(`plan(static=False)`) at 8K on the engine's own block tables, sized per step as SGLang's are
+(ceil(max_seq_len / page_size) pages: any row stride, 1 included), with the warm-up told so
+(`block_table_strides=(1, 16, 17)`). Each process
 prints `<name> warm=<variants> seen=<keys> missed=<n>` and a `MISSED <kernel> ...` line per
 key the warm-up did not compile.
 """
@@ -22,9 +23,9 @@ import random
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# name: (max_model_len, max_num_tokens, max_num_reqs, random steps, static, extra block-table columns)
-CONFIGS = {"8k": (8192, 2048, 256, 100, True, 0), "128k": (131072, 8192, 256, 60, True, 0),
-           "8k-eager": (8192, 2048, 256, 100, False, 3)}
+# name: (max_model_len, max_num_tokens, max_num_reqs, random steps, static: else eager on tables sized per step)
+CONFIGS = {"8k": (8192, 2048, 256, 80, True), "128k": (131072, 8192, 256, 50, True),
+           "8k-eager": (8192, 2048, 256, 80, False)}
 
 
 def check(name: str) -> None:
@@ -37,8 +38,7 @@ def check(name: str) -> None:
     from qsa_kernels import launch
     from test_compile_sm90 import _config, _norms, _random_step
 
-    L, N, R, count, static, extra = CONFIGS[name]
-    pages = -(-L // 64)
+    L, N, R, count, static = CONFIGS[name]
     cfg = _config("bf16", "bf16")
     layout = QSACacheLayout(num_layers=2, page_size=64, num_pages=64, ring_rows=R, num_speculative_tokens=3)
     with sm90.recording() as found:
@@ -46,7 +46,7 @@ def check(name: str) -> None:
                              max_model_len=L, max_num_reqs=R, backend="triton", value_checks=False,
                              num_slots=layout.num_slots, num_ring_rows=R)
         caches = layout.allocate(cfg, torch.bfloat16)
-        planner.warm(caches, decode_query_lens=(1, 4), static=static, block_table_stride=pages + extra)
+        planner.warm(caches, decode_query_lens=(1, 4), static=static, block_table_strides=() if static else (1, 16, 17))
         warmed = {sm90.spec_key(b) for b in found.bindings.values()}
         seen = sm90.Recording()
 
@@ -66,9 +66,12 @@ def check(name: str) -> None:
 
         launch.BoundLaunch = Recorded  # sm90.recording restores the real one
         rng, norms = random.Random(1), _norms(cfg)
-        table = torch.zeros(R, pages + extra, dtype=torch.int32)[:, :pages]  # the engine's (row stride pages + extra)
+        table = torch.zeros(R, -(-L // 64), dtype=torch.int32)
         for _ in range(count):
-            plan = planner.plan(_random_step(rng, planner, table, rng.choice([1, 4])), static=static)
+            step = _random_step(rng, planner, table, rng.choice([1, 4]))
+            if not static:  # the engine's table of this step: ceil(max_seq_len / page_size) pages
+                step = _with_table(step, torch.zeros(R, -(-step.max_seq_len // 64), dtype=torch.int32))
+            plan = planner.plan(step, static=static)
             T, s = plan.num_tokens, plan.schedule
             proj = [torch.zeros(T, w, dtype=torch.bfloat16) for w in (640, 12288, 512, 512)]
             for cache in caches:
@@ -83,6 +86,16 @@ def check(name: str) -> None:
     for b in missed:
         print(f"MISSED {b.fn.__name__}: a random step bound or called a variant the warm-up did not compile")
     print(f"{name} warm={len(warmed)} seen={len(keys)} missed={len(missed)}")
+
+
+def _with_table(step, table):
+    """`step` (a QSAStepInputs) on another block table."""
+    from qsa_core.inputs import QSAStepInputs
+
+    return QSAStepInputs(query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_table=table,
+                         slot_mapping=step.slot_mapping, ring_index=step.ring_index, num_decodes=step.num_decodes,
+                         max_query_len=step.max_query_len, max_seq_len=step.max_seq_len,
+                         decode_query_len=step.decode_query_len, num_padding_rows=step.num_padding_rows)
 
 
 def test_random_steps_and_their_calls_compile_nothing_after_warm():
