@@ -390,11 +390,12 @@ class BoundLaunch:
 
 def binding_key(launcher: Launcher, values: Sequence[Any], options: dict) -> tuple:
     """What a binding's compiled variant depends on (equal keys => one kernel; finer than
-    Triton's own key): the kernel, its constexprs' values, `spec_key` of every runtime
-    argument (as the kernel specializes it) and the launch options."""
+    Triton's own key): the kernel (its launcher, one per kernel: hashed by identity, unlike a
+    JITFunction), its constexprs' values, `spec_key` of every runtime argument (as the kernel
+    specializes it) and the launch options."""
     const, flags = launcher._constexpr, launcher._spec_flags
     args = tuple(repr(v) if n in const else spec_key(v, *flags[n]) for n, v in zip(launcher.names, values))
-    return launcher.fn, args, tuple(sorted((k, repr(v)) for k, v in options.items()))
+    return launcher, args, tuple(sorted((k, repr(v)) for k, v in options.items()))
 
 
 class _Deferred:
