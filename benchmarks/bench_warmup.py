@@ -131,8 +131,8 @@ def child(name: str, steps: int, workers: int | None, disk_only: bool) -> dict:
             before = after
     torch.cuda.synchronize()
     planner.check_guard()
-    out["steps"] = dict(count=steps, seconds=round(time.perf_counter() - t0, 2), compiled=sum(n["compiled"] for n in new),
-                        which=new)
+    out["steps"] = dict(count=steps, seconds=round(time.perf_counter() - t0, 2),
+                        compiled=sum(n["compiled"] for n in new), which=new)
     return out
 
 
@@ -172,11 +172,12 @@ def main(argv: list[str] | None = None) -> None:
             for key in ("cold", "hot", "eager", "disk"):
                 if key in found:
                     r = found[key]
-                    print(f"{name} {key:5s}: {r['seconds']:6.2f} s, {r['shapes']} step shapes, {r['compiled']} compiled")
+                    print(f"{name} {key:5s}: {r['seconds']:6.2f} s, {r['shapes']} step shapes, "
+                          f"{r['compiled']} compiled")
             if "steps" in found:
                 s = found["steps"]
-                print(f"{name} steps: {s['count']} random steps in {s['seconds']:.2f} s, {s['compiled']} compiled after "
-                      f"warm-up {s['which'] if s['which'] else ''}")
+                print(f"{name} steps: {s['count']} random steps in {s['seconds']:.2f} s, {s['compiled']} compiled "
+                      f"after warm-up {s['which'] if s['which'] else ''}")
                 if s["compiled"]:
                     failed.append(f"{name}: {s['compiled']} kernels compiled after warm-up: {s['which']}")
     if args.out:

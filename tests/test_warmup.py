@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import triton.language as tl
 
 from qsa_core import QSAConfig
 from qsa_core.cache import QSACacheLayout
@@ -150,7 +151,7 @@ def test_warm_block_table_specializes_as_the_engines_row_stride():
         assert t.untyped_storage().nbytes() <= 4 * (6 * 3 + pages)  # rows overlap: no rows x stride table
 
 
-def _jit_rows(x_ptr, n, BLOCK: "tl.constexpr"):
+def _jit_rows(x_ptr, n, BLOCK: tl.constexpr):
     pass
 
 
