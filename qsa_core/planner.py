@@ -364,17 +364,21 @@ class QSAPlanner:
         return _record(QSAPlan, self._plan_fixed, meta=meta, schedule=schedule)
 
     def warm(self, caches: Iterable[QSALayerCache], *, decode_query_lens: Sequence[int] = (1,),
-             static: bool = False, max_num_reqs: int | None = None) -> list:
+             static: bool = False, max_num_reqs: int | None = None, workers: int | None = None,
+             block_table_strides: Sequence[int] = ()) -> list:
         """Compile every kernel specialization this engine's steps can choose, before serving
-        (`warmup.warm`: plans each step shape of `warmup.warm_steps` and binds the layer
-        launches on each distinct cache layout, launching none of them; the metadata build
-        runs on the planner's workspace). Call once the real caches are bound, before CUDA
-        graph capture. decode_query_lens: the decode rows per request the engine runs (1, and
-        1 + num_speculative_tokens with MTP); static: as the engine's `plan(static=...)`.
+        (`warmup.warm`: plans each step shape of `warmup.warm_steps`, binds the layer launches
+        on each distinct cache layout with compiling deferred, launching none of them, then
+        compiles the distinct variants `workers` at a time; the metadata build runs on the
+        planner's workspace). Call once the real caches are bound, before CUDA graph capture.
+        decode_query_lens: the decode rows per request the engine runs (1, and
+        1 + num_speculative_tokens with MTP); static: as the engine's `plan(static=...)`;
+        block_table_strides: without static, the row strides the engine's block tables can have.
         Returns the step shapes planned: none on the reference backend (nothing compiles)."""
         from .warmup import warm
 
-        return warm(self, caches, decode_query_lens=decode_query_lens, static=static, max_num_reqs=max_num_reqs)
+        return warm(self, caches, decode_query_lens=decode_query_lens, static=static, max_num_reqs=max_num_reqs,
+                    workers=workers, block_table_strides=block_table_strides)
 
     @property
     def request_flags(self) -> torch.Tensor:

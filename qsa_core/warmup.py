@@ -103,16 +103,50 @@ def _layout_key(cache: QSALayerCache) -> tuple:
     return tuple(None if t is None else (t.dtype, tuple(t.shape), t.stride(), t.data_ptr() % 16) for t in views)
 
 
+def compile_workers() -> int:
+    """Compiles `warm` runs at once: this process's CPUs, at most 16."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(16, cpus))
+
+
+def stride_class(row_stride: int) -> int:
+    """The smallest row stride a kernel specializes as `row_stride` (== 1, % 16 == 0, neither):
+    1, 0 or 3."""
+    return 1 if row_stride == 1 else 0 if row_stride % 16 == 0 else 3
+
+
+def warm_block_table(rows: int, pages: int, row_stride: int, device: torch.device) -> torch.Tensor:
+    """A block table int32 [rows, pages] of zeros (every request's pages page 0) whose row
+    stride specializes as `row_stride` does (`stride_class`: all a kernel's variant depends on)
+    without rows x row_stride elements: rows overlap (nothing writes it)."""
+    stride = stride_class(row_stride)
+    return torch.zeros((rows - 1) * stride + pages, dtype=torch.int32, device=device).as_strided((rows, pages),
+                                                                                                 (stride, 1))
+
+
 def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query_lens: Sequence[int] = (1,),
-         static: bool = False, max_num_reqs: int | None = None) -> list[WarmStep]:
-    """Plan every `warm_steps` shape and bind the layer launches on one cache of each
-    distinct layout (`bind_layer`: compiles on a GPU, launches nothing); returns the steps
-    planned (none on the reference backend, which compiles nothing). static: plan as the
-    engine does (`plan(static=True)`); max_num_reqs: the engine's request bound (default the
-    planner's). The planner's schedules are restored afterwards; its workspace is left as the
-    last warm step's metadata build wrote it (no cache is written)."""
+         static: bool = False, max_num_reqs: int | None = None, workers: int | None = None,
+         block_table_strides: Sequence[int] = ()) -> list[WarmStep]:
+    """Plan every `warm_steps` shape, bind the layer launches on one cache of each distinct
+    layout with compiling deferred (`launch.deferred_binds`: each binding's specialization key
+    computed, none compiled), then compile the distinct variants, `workers` at a time (default
+    `compile_workers()`; `launch.compile_bindings`); returns the steps planned (none on the
+    reference backend, which compiles nothing). The per-shape cost is host Python only; the
+    compiles scale with the distinct variants. static: plan as the engine does
+    (`plan(static=True)`); block_table_strides: without static, the row strides the engine's
+    block tables can have (a free argument the score, attention and top-k kernels specialize
+    on: each `stride_class` is warmed, one plan and bind a shape each; default
+    ceil(max_model_len / page_size), tables sized for max_model_len; a table sized per step
+    can have any: pass (1, 16, 17)); max_num_reqs: the engine's request bound (default the
+    planner's).
+    The planner's schedules are as before (warm plans on a fresh set and drops it); its
+    workspace is left as the last warm step's metadata build wrote it (no cache is written)."""
     if not planner.backend.compiles:
         return []
+    from qsa_kernels import launch
+
     from .layer import QSANormWeights, bind_layer
 
     layouts = {_layout_key(c): c for c in caches}
@@ -131,20 +165,29 @@ def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query
     proj = {n: torch.empty(1, w, dtype=dtype, device=dev) for n, w in
             (("index_qk", (Hi + 1) * Di), ("q_gate", 2 * Hq * D), ("k", Hkv * D), ("v", Hkv * D))}
     norms = QSANormWeights(*(torch.zeros(d, dtype=dtype, device=dev) for d in (Di, Di, D, D)))
-    # Every request's pages: page 0 (one row, expanded: a table of every request's pages
-    # at 1M context would take GBs).
-    block_table = torch.zeros(1, -(-L // planner.page_size), dtype=torch.int32, device=dev).expand(
-        max(max_num_reqs or T, 2), -1)
+    # Every request's pages: page 0 (a table of every request's pages at 1M context would
+    # take GBs; static plans copy it into the planner's own table).
+    pages = -(-L // planner.page_size)
+    strides = {stride_class(s) for s in block_table_strides or (pages,)} if not static else {0}
+    tables = [warm_block_table(max(max_num_reqs or T, 2), pages, s, dev) for s in sorted(strides)]
+    found: dict[tuple, tuple] = {}
     saved = dict(planner._schedules)
+    planner._schedules.clear()  # warm's schedules hold deferred launches: never the engine's
     try:
-        for step in steps:
-            plan = planner.plan(step_inputs(step, block_table), static=static)
-            n = plan.num_tokens
-            for cache in layouts.values():
-                bind_layer(plan, norms, *(proj[k].expand(n, -1) for k in ("index_qk", "q_gate", "k", "v")), cache)
+        for table in tables:
+            planner._schedules.clear()  # a shape's launches bind anew on each table
+            for step in steps:
+                # planned as the engine plans (the metadata build and stage launch and compile)
+                plan = planner.plan(step_inputs(step, table), static=static)
+                n = plan.num_tokens
+                with launch.deferred_binds(found):
+                    for cache in layouts.values():
+                        bind_layer(plan, norms, *(proj[k].expand(n, -1) for k in ("index_qk", "q_gate", "k", "v")),
+                                   cache)
     finally:
         planner._schedules.clear()
         planner._schedules.update(saved)
+    launch.compile_bindings(list(found.values()), compile_workers() if workers is None else workers)
     return steps
 
 
@@ -160,10 +203,11 @@ def _compiled_kernels() -> int:
     return sum(len(entry[0]) for fn in fns.values() for entry in fn.device_caches.values())
 
 
-def start_up_warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *,
-                  decode_query_lens: Sequence[int]) -> str | None:
-    """An engine's start-up warm-up: `planner.warm(caches, decode_query_lens, static=True)`
-    (engines plan static steps); returns the line to log, "QSA: warmed N kernel variants
+def start_up_warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query_lens: Sequence[int],
+                  static: bool = True, block_table_strides: Sequence[int] = ()) -> str | None:
+    """An engine's start-up warm-up: `planner.warm(caches, decode_query_lens, static,
+    block_table_strides)` with the engine's planning (static steps, or eager steps on its own
+    block tables of those row strides); returns the line to log, "QSA: warmed N kernel variants
     over M step shapes in S s" (N: kernels Triton compiled meanwhile). None where nothing
     compiles: the reference backend, or the interpreter (`planner.options.kernel.interpreter`,
     TRITON_INTERPRET=1; skipped: binding every shape in the interpreter would cost the CPU
@@ -173,6 +217,7 @@ def start_up_warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *,
     if not planner.backend.compiles or planner.options.kernel.interpreter:
         return None
     before, t0 = _compiled_kernels(), time.perf_counter()
-    steps = planner.warm(caches, decode_query_lens=tuple(sorted(set(decode_query_lens))), static=True)
+    steps = planner.warm(caches, decode_query_lens=tuple(sorted(set(decode_query_lens))), static=static,
+                         block_table_strides=block_table_strides)
     return (f"QSA: warmed {_compiled_kernels() - before} kernel variants over {len(steps)} step shapes "
             f"in {time.perf_counter() - t0:.1f} s")

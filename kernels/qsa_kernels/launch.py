@@ -347,3 +347,74 @@ class BoundLaunch:
         ])
         exec(compile(self.source, f"<bound {self.launcher.fn.__name__}>", "exec"), names)
         return names["fast"]
+
+
+# -- start-up warm-up: collect bindings, then compile their distinct variants at once --------------
+
+
+def binding_key(launcher: Launcher, values: Sequence[Any], options: dict) -> tuple:
+    """What a binding's compiled variant depends on (equal keys => one kernel; finer than
+    Triton's own key): the kernel (its launcher, one per kernel: hashed by identity, unlike a
+    JITFunction), its constexprs' values, `spec_key` of every runtime argument (as the kernel
+    specializes it) and the launch options."""
+    const, flags = launcher._constexpr, launcher._spec_flags
+    args = tuple(repr(v) if n in const else spec_key(v, *flags[n]) for n, v in zip(launcher.names, values))
+    return launcher, args, tuple(sorted((k, repr(v)) for k, v in options.items()))
+
+
+class _Deferred:
+    """What `Launcher.bind` returns under `deferred_binds`: never launched."""
+
+    def __init__(self, launcher: Launcher, grid: Sequence[int], values: list, options: dict,
+                 free: tuple[str, ...], checked: tuple[bool, ...] = (), *, fast_launch: bool = True) -> None:
+        _DEFERRED[-1].found.setdefault(binding_key(launcher, values, options), (launcher, tuple(grid), values, options))
+        self.name = launcher.fn.__name__
+
+    def __call__(self, *free: Any) -> None:
+        raise RuntimeError(f"{self.name}: bound under deferred_binds (warm-up), not launchable: bind it again")
+
+
+class deferred_binds:
+    """`with deferred_binds(found):` (one thread, start-up only) `Launcher.bind` compiles
+    nothing and returns a launch that raises if called, and each binding's (launcher, grid,
+    values, options) is added to the dict `found` once per `binding_key` (the first values seen
+    kept alive there); `compile_bindings` then compiles them."""
+
+    def __init__(self, found: dict[tuple, tuple]) -> None:
+        self.found = found
+
+    def __enter__(self) -> dict[tuple, tuple]:
+        global BoundLaunch
+        self._saved = BoundLaunch
+        _DEFERRED.append(self)
+        BoundLaunch = _Deferred  # type: ignore[misc, assignment]
+        return self.found
+
+    def __exit__(self, *exc: Any) -> None:
+        global BoundLaunch
+        BoundLaunch = self._saved  # type: ignore[misc]
+        _DEFERRED.pop()
+
+
+_DEFERRED: list[deferred_binds] = []
+
+
+def compile_bindings(bindings: Sequence[tuple], workers: int) -> int:
+    """Compile the variant of each (launcher, grid, values, options) of `deferred_binds` into
+    Triton's cache, as `Launcher.bind` would on the current device, `workers` compiles at a time
+    (Triton's `AsyncCompileMode`: its compiles run in a thread pool, the MLIR / LLVM passes
+    outside the GIL, ptxas in a process; the Triton in use without it: one at a time). The
+    interpreter's functions compile nothing. Returns how many were compiled or found cached."""
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import nullcontext
+
+    from triton.runtime.jit import JITFunction
+
+    native = [b for b in bindings if isinstance(b[0].fn, JITFunction)]
+    if not native:
+        return 0
+    mode = getattr(triton, "AsyncCompileMode", None)
+    with ThreadPoolExecutor(max(1, workers)) as pool, (nullcontext() if mode is None or workers <= 1 else mode(pool)):
+        for launcher, grid, values, options in native:
+            launcher.fn.run(*values, grid=grid, warmup=True, **options)  # leaving the mode waits for every compile
+    return len(native)

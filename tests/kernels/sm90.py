@@ -185,7 +185,8 @@ def _stand_in_of(dtype, aligned: bool):
 @contextlib.contextmanager
 def recording(sms: int = 132):
     """Within: every `Launcher.bind` is added to the yielded `Recording` and returns a launch
-    that does nothing, instead of compiling for this machine; and the binding code sees an
+    that does nothing, and so is every binding the warm-up compiles (`launch.compile_bindings`),
+    instead of compiling for this machine; and the binding code sees an
     sm_90 GPU of `sms` SMs (the H100 / H200's 132): PDL on, the decode top-k's L2 warm on,
     the attention's split count planned for that many SMs, the triton backend on CPU tensors. Run without TRITON_INTERPRET, so
     every tile choice is the production one."""
@@ -202,9 +203,15 @@ def recording(sms: int = 132):
         def __call__(self, *free):
             return None
 
-    saved = launch.BoundLaunch, launch.pdl_enabled, warm.warm_enabled, attention._num_sms, backends.resolve_backend
+    def compile_bindings(bindings, workers):
+        for launcher, _, values, options in bindings:
+            found.add(Binding(launcher.fn, tuple(values), dict(options)))
+        return len(bindings)
+
+    saved = (launch.BoundLaunch, launch.compile_bindings, launch.pdl_enabled, warm.warm_enabled, attention._num_sms,
+             backends.resolve_backend)
     real_backend = backends.resolve_backend
-    launch.BoundLaunch = Recorded
+    launch.BoundLaunch, launch.compile_bindings = Recorded, compile_bindings
     # the CPU tensors stand for the GPU's: nothing launches, so the triton backend may take them
     backends.resolve_backend = lambda device, options: (
         "triton" if options.backend == "triton" else real_backend(device, options))
@@ -214,7 +221,8 @@ def recording(sms: int = 132):
     try:
         yield found
     finally:
-        launch.BoundLaunch, launch.pdl_enabled, warm.warm_enabled, attention._num_sms, backends.resolve_backend = saved
+        (launch.BoundLaunch, launch.compile_bindings, launch.pdl_enabled, warm.warm_enabled, attention._num_sms,
+         backends.resolve_backend) = saved
 
 
 def portable(b: Binding) -> tuple:
