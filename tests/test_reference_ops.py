@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qsa_core.reference import qsa_expand, qsa_select_prefill, qsa_sparse_attention
+from qsa_core.reference import qsa_expand, qsa_select_prefill, qsa_sparse_attention, qsa_store_kv
 from qsa_core.reference.select import topk_groups
 
 
@@ -104,3 +104,17 @@ def test_fp8_kv_with_scales_matches_dequantized_values():
     got = qsa_sparse_attention(q, gate, k8, v8, *args, softmax_scale=0.25, k_scale=0.125, v_scale=0.5)
     want = qsa_sparse_attention(q, gate, k8.float() * 0.125, v8.float() * 0.5, *args, softmax_scale=0.25)
     assert torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_store_saturates_at_the_largest_finite_value(dtype):
+    """x / scale beyond the format's range stores +-max (448 e4m3fn, 57344 e5m2), never inf:
+    the kernels' conversion saturates; torch's e5m2 cast alone gives inf."""
+    top = torch.finfo(dtype).max
+    k = torch.tensor([[[3.0 * top, -3.0 * top, 1.0, 0.5]]])  # [T 1, Hkv 1, D 4]
+    v = -k
+    kc, vc = torch.zeros(2, 4, 1, 4, dtype=dtype), torch.zeros(2, 4, 1, 4, dtype=dtype)
+    qsa_store_kv(kc, vc, torch.tensor([5]), k, v, k_scale=2.0, v_scale=0.5)
+    assert kc[1, 1, 0].float().tolist() == [top, -top, 0.5, 0.25]
+    assert vc[1, 1, 0].float().tolist() == [-top, top, -2.0, -1.0]
+    assert torch.isfinite(kc.float()).all() and torch.isfinite(vc.float()).all()

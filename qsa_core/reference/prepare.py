@@ -34,12 +34,18 @@ def qsa_store_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """Write K/V [T, Hkv, D] into paged caches [pages, page_size, Hkv, D] at main slots."""
+    """Write K/V [T, Hkv, D] into paged caches [pages, page_size, Hkv, D] at main slots; x / scale
+    rounded to the cache dtype, saturated at its largest finite value in fp8 (as the kernels'
+    conversion: torch turns e5m2 overflow into inf, e4m3fn saturates)."""
     page = k_cache.shape[1]
     keep = (slots >= 0) & (slots < k_cache.shape[0] * page)
     s = slots[keep]
     for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
-        cache[s // page, s % page] = (x[keep].float() / scale).to(cache.dtype)
+        y = x[keep].float() / scale
+        if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            top = torch.finfo(cache.dtype).max
+            y = y.clamp(-top, top)
+        cache[s // page, s % page] = y.to(cache.dtype)
 
 
 def _group_first_rope_positions(
