@@ -9,10 +9,10 @@ expansion) and `qsa_attention` (sparse attention, gate) over views of SGLang's
 `QSATokenToKVPool` and return `[rows, Hq * D]`.
 
 Metadata: `init_forward_metadata` maps the batch eagerly (`batch_map`) and plans the step
-(`QSAPlanner.plan`) on the eager planner, built at start-up for the largest eager step
-(`eager.eager_max_tokens`) and warmed then; CUDA graphs use the static buffers of `cuda_graph.GraphInputs` and a
-planner sized for the graphs, refreshed in place by `init_forward_metadata_out_graph`
-(decode and target-verify graphs). After each plan a `GuardWatch` copies the device guards'
+(`QSAPlanner.plan`) on the eager planner, built and warmed at start-up for the largest eager
+step (`eager.eager_max_tokens`); CUDA graphs use the static buffers of
+`cuda_graph.GraphInputs` and a planner sized for the graphs, refreshed in place by
+`init_forward_metadata_out_graph` (decode and target-verify graphs). After each plan a `GuardWatch` copies the device guards'
 flags without a sync and logs, a step or more later, each request they made inert and why.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from qsa_core import QSAConfig, QSANormWeights, QSAPlan, QSAPlanner, qsa_attention, qsa_indexer
+from qsa_core import QSAConfig, QSALayerCache, QSANormWeights, QSAPlan, QSAPlanner, qsa_attention, qsa_indexer
 from qsa_core.guard import GuardWatch
 from qsa_core.warmup import start_up_warm
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -138,7 +138,7 @@ class QSACoreBackend(AttentionBackend):
             value_checks=False if graphs else None,
         )
 
-    def _caches(self) -> list:
+    def _caches(self) -> list[QSALayerCache]:
         """Every QSA layer's cache views of the pool (the warm-ups bind on them)."""
         return [layer_cache(self.token_to_kv_pool, self.ring, i, page_size=self.page_size)
                 for i in self.token_to_kv_pool.full_attention_layer_id_mapping]
