@@ -37,10 +37,9 @@ def eager_max_tokens(*, chunked_prefill_size: int | None, max_prefill_tokens: in
 
 
 def schedule_bounds() -> tuple[int | None, int]:
-    """(chunked_prefill_size or None when off, max_prefill_tokens) of this scheduler process
-    (SGLang's published schedule config, as its scheduler reads them)."""
+    """(chunked_prefill_size, max_prefill_tokens) of this scheduler process: SGLang's published
+    schedule config, as its scheduler reads them (chunked_prefill_size None or <= 0: off)."""
     from sglang.srt.runtime_context import get_schedule
 
     schedule = get_schedule()
-    chunk = schedule.chunked_prefill_size
-    return (int(chunk) if chunk is not None and chunk > 0 else None), int(schedule.max_prefill_tokens)
+    return schedule.chunked_prefill_size, int(schedule.max_prefill_tokens)
