@@ -88,6 +88,7 @@ class Env:
         spec_algorithm: the runner's `SpeculativeAlgorithm` (None: no speculative decoding)."""
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 
+        publish_cpu_context()  # the scheduler's published config (the backend sizes its eager planner from it)
         config = config or sglang_config()
         self.layer, self.layer_id = layer, (layer.attn.layer_id if layer is not None else layer_id)
         self.r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_ctx, device="cpu", enable_memory_saver=False)

@@ -242,6 +242,8 @@ def test_cuda_graph_state_warms_the_graph_planner(layer, monkeypatch):
 
     calls, real = [], backend.start_up_warm
 
+    env = Env(layer)  # warms its eager planner (test_eager_planner.py)
+
     def spy(planner, caches, *, decode_query_lens):
         caches = list(caches)
         calls.append((planner, caches, tuple(decode_query_lens)))
@@ -250,7 +252,6 @@ def test_cuda_graph_state_warms_the_graph_planner(layer, monkeypatch):
         return out
 
     monkeypatch.setattr(backend, "start_up_warm", spy)
-    env = Env(layer)
     env.backend.init_cuda_graph_state(max_bs=4, max_num_tokens=12)
     (planner, caches, lens), = calls
     assert planner is env.backend.graph.planner

@@ -260,6 +260,9 @@ def test_qsa_core_server_serves_with_its_own_cpu_settings(runs):
     assert chunks.count(CHUNK) >= 3, chunks
     running = [int(n) for n in re.findall(r"Prefill batch.*#running-req: (\d+)", log)]
     assert max(running) >= 1, "no prefill ran beside a running request"
+    # The eager planner was built once for the largest step, the chunk (eager.py), and kept.
+    assert f"eager planner for {CHUNK} rows a step (chunked_prefill_size {CHUNK}," in log
+    assert "exceeds the eager planner" not in log
     report("server start s", {b: round(r["start_s"], 1) for b, r in runs.items()})
     report("long request s", {b: round(r["long_s"], 1) for b, r in runs.items()})
     report("concurrent requests s", {b: round(r["concurrent_s"], 1) for b, r in runs.items()})
@@ -403,6 +406,9 @@ def test_speculative_greedy_equals_greedy_without(core_run, spec_run, hf):
     rows this run was seen to pass too, so the ring itself is checked in test_speculative.py."""
     log = spec_run["log"]
     assert "raw-key ring 8 rows per request" in log
+    sized = rf"eager planner for {CHUNK} rows a step \(chunked_prefill_size {CHUNK}, .*, 3 draft tokens\)"
+    assert re.search(sized, log)
+    assert "exceeds the eager planner" not in log
     assert "the speculative draft model runs on SGLang's own QSA backend" in log
     assert "QSA MTP index sharing enabled" in log
     assert "qsa_core on the CPU: TRITON_INTERPRET=1 (was None" in log, "the plugin must set it, not the test"

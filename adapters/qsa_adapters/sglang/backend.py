@@ -9,9 +9,10 @@ expansion) and `qsa_attention` (sparse attention, gate) over views of SGLang's
 `QSATokenToKVPool` and return `[rows, Hq * D]`.
 
 Metadata: `init_forward_metadata` maps the batch eagerly (`batch_map`) and plans the step
-(`QSAPlanner.plan`); CUDA graphs use the static buffers of `cuda_graph.GraphInputs` and a
-planner sized for the graphs, refreshed in place by `init_forward_metadata_out_graph`
-(decode and target-verify graphs). After each plan a `GuardWatch` copies the device guards'
+(`QSAPlanner.plan`) on the eager planner, built and warmed at start-up for the largest eager
+step (`eager.eager_max_tokens`); CUDA graphs use the static buffers of
+`cuda_graph.GraphInputs` and a planner sized for the graphs, refreshed in place by
+`init_forward_metadata_out_graph` (decode and target-verify graphs). After each plan a `GuardWatch` copies the device guards'
 flags without a sync and logs, a step or more later, each request they made inert and why.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from qsa_core import QSAConfig, QSANormWeights, QSAPlan, QSAPlanner, qsa_attention, qsa_indexer
+from qsa_core import QSAConfig, QSALayerCache, QSANormWeights, QSAPlan, QSAPlanner, qsa_attention, qsa_indexer
 from qsa_core.guard import GuardWatch
 from qsa_core.warmup import start_up_warm
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -32,6 +33,7 @@ from .batch_map import DECODE_LIKE, step_inputs
 from .caches import check_pool, checked_layer_cache, layer_cache
 from .checks import model_qsa_config
 from .cuda_graph import GraphInputs
+from .eager import eager_max_tokens, schedule_bounds
 from .ring import AdapterRing, ring_capacity, speculative_tokens
 from .ring_guard import RingContinuity
 
@@ -98,8 +100,13 @@ class QSACoreBackend(AttentionBackend):
         # Every position of a request lives in req_to_token: its width bounds seq_len.
         self.max_seq_len = self.req_to_token.shape[1]
         # The raw-key ring is the adapter's: C rows per request hold the open group and a draft window.
-        self.ring = AdapterRing.for_pool(pool, ring_capacity(r, speculative_tokens(runner)), self.mrope)
-        self.planner = self._planner(max_num_tokens=256)
+        drafts = speculative_tokens(runner)
+        self.ring = AdapterRing.for_pool(pool, ring_capacity(r, drafts), self.mrope)
+        chunk, max_prefill = schedule_bounds()
+        self.planner = self._planner(eager_max_tokens(
+            chunked_prefill_size=chunk, max_prefill_tokens=max_prefill,
+            num_request_slots=self.req_to_token_pool.size, speculative_tokens=drafts,
+        ))
         self.plan: QSAPlan | None = None
         self.ring_guard = RingContinuity(r, capacity=4 * pool.qsa_num_request_slots)
         self.graph: GraphInputs | None = None
@@ -112,6 +119,7 @@ class QSACoreBackend(AttentionBackend):
             r, self.config.token_topk, self.page_size, self.ring.capacity, self.config.index_dtype,
             self.planner.backend, tp_rank, tp_size, self.config.num_heads, self.config.num_kv_heads,
         )
+        self._warm_eager(drafts, chunk, max_prefill)
 
     # -- per-step metadata ------------------------------------------------------------
 
@@ -130,6 +138,26 @@ class QSACoreBackend(AttentionBackend):
             value_checks=False if graphs else None,
         )
 
+    def _caches(self) -> list[QSALayerCache]:
+        """Every QSA layer's cache views of the pool (the warm-ups bind on them)."""
+        return [layer_cache(self.token_to_kv_pool, self.ring, i, page_size=self.page_size)
+                for i in self.token_to_kv_pool.full_attention_layer_id_mapping]
+
+    def _warm_eager(self, drafts: int, chunk: int | None, max_prefill: int) -> None:
+        """Compile the eager planner's kernel variants at start-up: decode steps of 1 row (and
+        1 + drafts with speculation), prefills, on block tables of every row-stride class
+        (eager tables are ceil(step max_seq_len / page) pages wide)."""
+        logger.info(
+            "qsa_core: eager planner for %d rows a step (chunked_prefill_size %s, max_prefill_tokens %d, "
+            "%d request slots, %d draft tokens)",
+            self.planner.max_num_tokens, chunk, max_prefill, self.req_to_token_pool.size, drafts,
+        )
+        lens = (1, 1 + drafts) if drafts else (1,)
+        line = start_up_warm(self.planner, self._caches(), decode_query_lens=lens, static=False,
+                             block_table_strides=(1, 16, 17))
+        if line is not None:
+            logger.info("%s (eager planner)", line)
+
     def _set_plan(self, plan: QSAPlan | None) -> None:
         self.plan = plan
         self.forward_metadata = None if plan is None else plan.meta
@@ -146,8 +174,12 @@ class QSACoreBackend(AttentionBackend):
             forward_batch, self.req_to_token, page_size=self.page_size, mrope=self.mrope,
             max_seq_len_bound=self.max_seq_len,
         )
-        if step.num_tokens > self.planner.max_num_tokens:
-            self.planner = self._planner(max(step.num_tokens, 2 * self.planner.max_num_tokens))
+        if step.num_tokens > self.planner.max_num_tokens:  # above the start-up bound (eager.py): grow, unwarmed
+            size = max(step.num_tokens, 2 * self.planner.max_num_tokens)
+            logger.warning("qsa_core: an eager step of %d rows exceeds the eager planner's %d: rebuilt for %d rows, "
+                           "unwarmed (its kernels compile as steps need them)", step.num_tokens,
+                           self.planner.max_num_tokens, size)
+            self.planner = self._planner(size)
         self._set_plan(self.planner.plan(step))
         self.guard_watch.poll(self.planner, step.num_reqs, getattr(forward_batch, "rids", None))
 
@@ -162,9 +194,8 @@ class QSACoreBackend(AttentionBackend):
         )
         # Compile the graphs' kernel variants before capture: decode steps of 1 row per
         # request, or max_num_tokens / max_bs with speculative verification.
-        caches = (layer_cache(self.token_to_kv_pool, self.ring, i, page_size=self.page_size)
-                  for i in self.token_to_kv_pool.full_attention_layer_id_mapping)
-        line = start_up_warm(self.graph.planner, caches, decode_query_lens=(1, max(1, max_num_tokens // max_bs)))
+        line = start_up_warm(self.graph.planner, self._caches(),
+                             decode_query_lens=(1, max(1, max_num_tokens // max_bs)))
         if line is not None:
             logger.info(line)
 
