@@ -83,7 +83,8 @@ def assert_refused_in_launcher(run: types.SimpleNamespace, line: str) -> None:
 
 
 @pytest.mark.parametrize("flags, rule, start", [
-    (("--decode-attention-backend", "triton"), lambda: split_backend_refusal(resolved(decode_attention_backend="triton")),
+    (("--decode-attention-backend", "triton"),
+     lambda: split_backend_refusal(resolved(decode_attention_backend="triton")),
      "qsa_core: --decode-attention-backend triton: qsa_core must run both"),
     # refused before SGLang's own check of the flag (which asks for attention DP or an EP backend)
     (("--enable-two-batch-overlap",), lambda: overlap_refusal(resolved(enable_two_batch_overlap=True)),
