@@ -16,6 +16,7 @@ from qsa_adapters.sglang.hooks import backend_wrapper_around, find_core_backend,
 from qsa_adapters.sglang.layer import run_qsa_layer
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang_harness import Env, ensure_plugin
 
@@ -158,6 +159,12 @@ def test_draft_runner_gets_sglang_qsa_and_split_backends_are_refused(env):
     split = types.SimpleNamespace(prefill_attention_backend_str="qsa_core", decode_attention_backend_str="fa3")
     with pytest.raises(ValueError, match="decode='fa3'"):
         check_runner(split)
+    # a runner built without the launcher's refusal (test_startup.py) for two batches in flight
+    check_runner(types.SimpleNamespace(server_args=ServerArgs(model_path="dummy")))
+    for flag in ("enable_two_batch_overlap", "enable_pdmux"):
+        overlapped = types.SimpleNamespace(server_args=ServerArgs(model_path="dummy", **{flag: True}))
+        with pytest.raises(ValueError, match=f"^qsa_core: --{flag.replace('_', '-')}: qsa_core does not serve two"):
+            check_runner(overlapped)
 
 
 def test_refuses_models_and_pools_it_cannot_serve(env):

@@ -1,8 +1,9 @@
 """Start-up refusals of `--attention-backend qsa_core`: in the launcher, exit code 1, one line.
 
-Two real `python -m sglang.launch_server` launches on the CPU (the flags of the server tests,
-127.0.0.1, a free port): a split decode backend (`--decode-attention-backend triton`) and a
-float32 checkpoint without `--dtype` (SGLang resolves `auto` to float16 for it). Each must end in the
+Three real `python -m sglang.launch_server` launches on the CPU (the flags of the server tests,
+127.0.0.1, a free port): a split decode backend (`--decode-attention-backend triton`),
+two-batch overlap (`--enable-two-batch-overlap`) and a float32 checkpoint without `--dtype`
+(SGLang resolves `auto` to float16 for it). Each must end in the
 launcher before any scheduler process starts: exit code 1, the refusal as the last line of the
 output, no traceback, no model loaded. The rules themselves are checked on resolved arguments.
 """
@@ -22,6 +23,7 @@ from ports import free_port
 from qsa_adapters.sglang.startup import (
     after_resolve_refuse,
     dtype_refusal,
+    overlap_refusal,
     parallel_refusal,
     speculative_refusal,
     split_backend_refusal,
@@ -80,10 +82,18 @@ def assert_refused_in_launcher(run: types.SimpleNamespace, line: str) -> None:
     assert not started, f"a scheduler started before the refusal ({started})"
 
 
-def test_launcher_refuses_a_split_decode_backend(checkpoint):
-    run = launch(checkpoint, "--decode-attention-backend", "triton")
-    assert_refused_in_launcher(run, "qsa_core: " + split_backend_refusal(resolved(decode_attention_backend="triton")))
-    assert run.last.startswith("qsa_core: --decode-attention-backend triton: qsa_core must run both")
+@pytest.mark.parametrize("flags, rule, start", [
+    (("--decode-attention-backend", "triton"),
+     lambda: split_backend_refusal(resolved(decode_attention_backend="triton")),
+     "qsa_core: --decode-attention-backend triton: qsa_core must run both"),
+    # refused before SGLang's own check of the flag (which asks for attention DP or an EP backend)
+    (("--enable-two-batch-overlap",), lambda: overlap_refusal(resolved(enable_two_batch_overlap=True)),
+     "qsa_core: --enable-two-batch-overlap: qsa_core does not serve two batches in flight"),
+], ids=["split_decode_backend", "two_batch_overlap"])
+def test_launcher_refuses_by_name(checkpoint, flags, rule, start):
+    run = launch(checkpoint, *flags)
+    assert_refused_in_launcher(run, "qsa_core: " + rule())
+    assert run.last.startswith(start)
 
 
 def test_launcher_refuses_a_float32_model(fp32_checkpoint):
@@ -96,7 +106,8 @@ def resolved(**fields) -> types.SimpleNamespace:
     """Resolved server arguments as the rules read them (SGLang's defaults otherwise)."""
     base = dict(attention_backend="qsa_core", device="cuda", speculative_algorithm=None, speculative_eagle_topk=None,
                 attn_cp_size=1, dcp_size=1, enable_prefill_cp=False, prefill_attention_backend=None,
-                decode_attention_backend=None)
+                decode_attention_backend=None, enable_two_batch_overlap=False, enable_single_batch_overlap=False,
+                enable_pdmux=False)
     return types.SimpleNamespace(**{**base, **fields})
 
 
@@ -112,6 +123,12 @@ def test_rules_name_the_flag():
     assert parallel_refusal(resolved(attn_cp_size=2)).startswith("--attn-cp-size 2: ")
     assert parallel_refusal(resolved(dcp_size=4)).startswith("--dcp-size 4: ")
     assert parallel_refusal(resolved(enable_prefill_cp=True)).startswith("--enable-prefill-cp: ")
+    assert overlap_refusal(resolved()) is None
+    assert overlap_refusal(resolved(enable_two_batch_overlap=True)).startswith("--enable-two-batch-overlap: ")
+    assert overlap_refusal(resolved(enable_pdmux=True)) == (
+        "--enable-pdmux: qsa_core does not serve two batches in flight on separate attention backends (each keeps "
+        "its own plan and raw-key ring); drop --enable-pdmux")
+    assert overlap_refusal(resolved(enable_single_batch_overlap=True)) is None  # MoE streams, one batch
     assert split_backend_refusal(resolved(prefill_attention_backend="qsa_core")) is None
     assert split_backend_refusal(resolved(decode_attention_backend="fa3")).startswith(
         "--decode-attention-backend fa3: qsa_core must run both prefill and decode")

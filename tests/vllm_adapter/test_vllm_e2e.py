@@ -481,15 +481,19 @@ def server_command(folder: str, port: int, *extra: str) -> list[str]:
             "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]), *extra]
 
 
-@pytest.mark.parametrize("setting", ["fp8_kv_cache_skip_layers", "mrope_multimodal_speculative"])
+@pytest.mark.parametrize("setting", ["fp8_kv_cache_skip_layers", "mrope_multimodal_speculative",
+                                     "dual_batch_overlap"])
 def test_server_refuses_unserved_settings_at_startup(tmp_path, full_checkpoint, vl_checkpoint, setting):
-    """The OpenAI server exits at start-up (before any weight loads) with an error naming the flag."""
+    """The OpenAI server exits at start-up (before any weight loads) with an error naming the flag
+    (micro-batching: ours, before upstream's own refusal, which names no flag)."""
     mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
     folder, extra, names = {
         "fp8_kv_cache_skip_layers": (full_checkpoint[0], ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "0"],
                                      "QSA_CORE does not serve --kv-cache-dtype-skip-layers"),
         "mrope_multimodal_speculative": (vl_checkpoint[0], ["--speculative-config", mtp],
                                          "QSA_CORE does not serve --speculative-config with Qwen4-Exp's MRoPE"),
+        "dual_batch_overlap": (full_checkpoint[0], ["--enable-dbo"],
+                               "QSA_CORE does not serve micro-batching (--enable-dbo)"),
     }[setting]
     log = tmp_path / "server.log"
     with open(log, "w") as out:

@@ -244,6 +244,23 @@ def test_without_step_metadata_the_layer_is_inert(stack):
     assert (selection[:, :-1] == -1).all() and (selection[:, -1] == 0).all()
 
 
+def test_per_micro_batch_metadata_is_refused_by_name(stack):
+    """vLLM's forward context under micro-batching holds a list of per-ubatch dicts: the layer
+    refuses it instead of running one micro-batch on another's plan (the first dict here is a
+    real step's, which the layer would otherwise have used for both)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, stack.hf.hidden_size, generator=g)
+    stack.runner.step({"mb": x})
+    try:
+        common, ring = common_metadata(stack.runner.last_metadata, block_offset=1, ring_offset=RING_BLOCKS)
+        step = stack.attn_metadata(common, ring)
+        with set_forward_context([step, step], stack.vllm_config), torch.no_grad():
+            with pytest.raises(RuntimeError, match=r"list of 2 micro-batches' metadata; micro-batching \(--enable-dbo"):
+                stack.layers[0](common.positions, x)
+    finally:
+        stack.runner.free("mb")
+
+
 def test_skip_topk_keeps_the_step0_selection_while_caches_update(stack):
     """MTP steps after the first reuse the selection; the ring still takes the new raw key."""
     g = torch.Generator().manual_seed(9)
@@ -313,13 +330,21 @@ def test_plugin_registers_backend_and_model_idempotently():
      r"QSA_CORE does not serve --kv-cache-dtype-skip-layers \(\['0'\]\) with --kv-cache-dtype fp8"),
     ({"mrope_section": [8, 4, 4], "speculative": True}, NotImplementedError,
      r"speculative decoding \(speculative_config\) with MRoPE \(rope_parameters.mrope_section\) is not served yet"),
+    ({"parallel": {"enable_dbo": True}}, NotImplementedError,
+     r"QSA_CORE does not serve micro-batching \(--enable-dbo\): .*; drop --enable-dbo$"),
+    ({"parallel": {"ubatch_size": 2}}, NotImplementedError,
+     r"QSA_CORE does not serve micro-batching \(--ubatch-size 2\): .*; drop --ubatch-size 2$"),
 ])
 def test_unserved_settings_are_refused_by_name(stack, setting, error, match):
-    """A KV-cache dtype outside the served ones, per-layer fp8 exceptions, and MRoPE with
-    speculative decoding: refused when the core-backed layer is built, naming the setting
-    (fp8 alone and MRoPE alone are served)."""
+    """A KV-cache dtype outside the served ones, per-layer fp8 exceptions, MRoPE with
+    speculative decoding, and micro-batching (vLLM's dual batch overlap, ubatches): refused
+    when the core-backed layer is built, naming the setting (fp8 alone, MRoPE alone and
+    --ubatch-size 1 are served). Micro-batching is refused at config time too, by the same rule."""
     from types import SimpleNamespace
 
+    from vllm.config import ParallelConfig
+
+    from qsa_adapters.vllm.config_hooks import refuse_microbatching
     from qsa_adapters.vllm.qwen4_exp import check_supported
 
     hf = tiny_config()
@@ -337,6 +362,18 @@ def test_unserved_settings_are_refused_by_name(stack, setting, error, match):
         if "skip_layers" in setting:
             check_supported(VllmConfig(model_config=vc.model_config, cache_config=CacheConfig(
                 block_size=PAGE, enable_prefix_caching=False, cache_dtype="fp8")), hf)  # fp8 alone passes
+        if "parallel" in setting:
+            # a VllmConfig with micro-batching on is refused while it is built (`refuse_microbatching`
+            # in vLLM's config hook, the server test): the rules get vLLM's own ParallelConfig
+            def with_parallel(**fields):
+                return SimpleNamespace(cache_config=cache, model_config=vc.model_config, speculative_config=None,
+                                       attention_config=vc.attention_config, parallel_config=ParallelConfig(**fields))
+
+            check_supported(with_parallel(ubatch_size=1), hf)  # one ubatch: no micro-batching
+            refuse_microbatching(with_parallel(ubatch_size=1))
+            vc = with_parallel(**setting["parallel"])
+            with pytest.raises(ValueError, match=match):
+                refuse_microbatching(vc)
         with pytest.raises(error, match=match):
             check_supported(vc, hf)
 

@@ -7,11 +7,15 @@ from typing import Any
 from qsa_core import QSAConfig
 
 from .caches import INDEX_DTYPES, KV_DTYPES
+from .startup import overlap_refusal
 
 
 def check_runner(runner: Any) -> None:
     """Refuse runner settings the adapter cannot serve correctly (the launcher refuses them
     first, `startup`; this covers runners built without it)."""
+    overlap = overlap_refusal(getattr(runner, "server_args", None))
+    if overlap is not None:
+        raise ValueError(f"qsa_core: {overlap}")
     prefill = getattr(runner, "prefill_attention_backend_str", None)
     decode = getattr(runner, "decode_attention_backend_str", None)
     if prefill is not None and decode is not None and prefill != decode:

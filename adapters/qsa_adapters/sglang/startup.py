@@ -5,8 +5,8 @@ before it spawns the scheduler processes: a refusal there ends the launcher with
 and one line naming the flag, instead of a scheduler traceback 20-40 s later. The values are
 the resolved ones (`--speculative-algorithm NEXTN` reads EAGLE, `--dtype auto` the model's
 dtype as SGLang's `ModelConfig` resolves it). The scheduler keeps backstops for callers that
-build a ModelRunner without the launcher: split backends (`checks.check_runner`), the pool's
-dtype (`caches.check_pool`), draft trees (`batch_map`).
+build a ModelRunner without the launcher: split backends and overlapped batches
+(`checks.check_runner`), the pool's dtype (`caches.check_pool`), draft trees (`batch_map`).
 """
 
 from __future__ import annotations
@@ -50,6 +50,23 @@ def parallel_refusal(cfg: Any) -> str | None:
     return None
 
 
+def overlap_refusal(cfg: Any) -> str | None:
+    """Two batches in flight at once on separate backend objects: not served.
+
+    Two-batch overlap builds a primary backend and two children (`TboAttnBackend`) and
+    PD-multiplexing a prefill backend and a decode backend per stream; each `QSACoreBackend`
+    owns its planner and its raw-key ring, so a request's ring history would split between
+    objects. Qwen4-Exp's decoder layer has no TBO operation strategy in SGLang either.
+    """
+    for name, flag in (("enable_two_batch_overlap", "--enable-two-batch-overlap"), ("enable_pdmux", "--enable-pdmux")):
+        if getattr(cfg, name, False):
+            return (
+                f"{flag}: qsa_core does not serve two batches in flight on separate attention backends (each "
+                f"keeps its own plan and raw-key ring); drop {flag}"
+            )
+    return None
+
+
 def split_backend_refusal(cfg: Any) -> str | None:
     """qsa_core writes its own caches, so it must run prefill and decode."""
     for name in ("prefill_attention_backend", "decode_attention_backend"):
@@ -87,6 +104,7 @@ def startup_refusal(server_args: Any) -> str | None:
     reason = (
         speculative_refusal(cfg, getattr(server_args, "speculative_algorithm", None))
         or parallel_refusal(cfg)
+        or overlap_refusal(cfg)
         or split_backend_refusal(cfg)
     )
     if reason is not None:

@@ -19,6 +19,46 @@ def refuse_prefix_caching_without_linear_layers(vllm_config: Any) -> None:
         )
 
 
+def uses_qsa_core(vllm_config: Any) -> bool:
+    """True when the QSA layers run on qsa_core: QSA_CORE chosen, or the CPU platform."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from .backend import BACKEND_NAME
+
+    backend = vllm_config.attention_config.backend
+    return current_platform.is_cpu() or (backend is not None and backend == AttentionBackendEnum[BACKEND_NAME])
+
+
+def microbatching_refusal(parallel_config: Any) -> str | None:
+    """Why QSA_CORE cannot serve vLLM's micro-batching (dual batch overlap `--enable-dbo`, or
+    `--ubatch-size` > 1), naming the flag; None without it.
+
+    Under micro-batching vLLM splits a step into ubatches, builds each one's metadata with a
+    builder of its own and runs them interleaved on two threads. The core plans a step into
+    its planner's persistent buffers, one plan and workspace per engine step
+    (`QSAStepPairing`): a second ubatch's plan would overwrite the first's while it runs.
+    """
+    if parallel_config.enable_dbo:
+        flag = "--enable-dbo"
+    elif parallel_config.ubatch_size > 1:
+        flag = f"--ubatch-size {parallel_config.ubatch_size}"
+    else:
+        return None
+    return (
+        f"QSA_CORE does not serve micro-batching ({flag}): it plans one step at a time into one "
+        f"workspace, and vLLM's micro-batches of a step run interleaved; drop {flag}"
+    )
+
+
+def refuse_microbatching(vllm_config: Any) -> None:
+    """Refuse `microbatching_refusal` at config time, before upstream's own check (vLLM 0.32
+    and 0.33 refuse it for every Qwen4-Exp QSA model without naming the flag)."""
+    reason = microbatching_refusal(vllm_config.parallel_config) if uses_qsa_core(vllm_config) else None
+    if reason is not None:
+        raise ValueError(reason)
+
+
 def refuse_unserved_settings(vllm_config: Any) -> None:
     """What the core-backed QSA layers do not serve, refused by name before anything loads
     (in the process that builds the config: `vllm serve` exits at start-up with this error).
@@ -31,14 +71,9 @@ def refuse_unserved_settings(vllm_config: Any) -> None:
       speculation is served (the ring keeps each row's 3-axis position), and so is MTP
       text-only (`--language-model-only` strips MRoPE: a 1-D position feeds all three axes).
     """
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    from .backend import BACKEND_NAME
     from .cache import check_kv_cache_settings
 
-    backend = vllm_config.attention_config.backend
-    if not (current_platform.is_cpu() or (backend is not None and backend == AttentionBackendEnum[BACKEND_NAME])):
+    if not uses_qsa_core(vllm_config):
         return  # upstream's QSA serves the model
     check_kv_cache_settings(vllm_config)
     text = vllm_config.model_config.hf_text_config
@@ -79,6 +114,7 @@ def install() -> None:
             continue
 
         def verify_and_update_config(vllm_config: Any, _upstream=upstream, _draft=arch == "Qwen4ExpMTP") -> None:
+            refuse_microbatching(vllm_config)
             _upstream.verify_and_update_config(vllm_config)
             if _draft:
                 text_only_draft_without_mrope(vllm_config)

@@ -19,12 +19,19 @@ def register_layer(vllm_config: VllmConfig, name: str, layer: nn.Module) -> None
 
 
 def step_metadata(*names: str) -> tuple[Any, ...] | None:
-    """This step's metadata of the named layers, or None (profiling and dummy runs)."""
+    """This step's metadata of the named layers, or None (profiling and dummy runs).
+
+    A list (vLLM's per-micro-batch metadata) is refused: which entry belongs to the running
+    micro-batch is not in it, and the core plans one step at a time (micro-batching is refused
+    at start-up, `config_hooks.microbatching_refusal`)."""
     if not is_forward_context_available():
         return None
     metadata = get_forward_context().attn_metadata
-    if isinstance(metadata, list):  # micro-batching: the first is the base
-        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, list):
+        raise RuntimeError(
+            f"QSA_CORE: vLLM handed the layers a list of {len(metadata)} micro-batches' metadata; micro-batching "
+            "(--enable-dbo, --ubatch-size > 1) is not served"
+        )
     if not isinstance(metadata, dict) or not all(name in metadata for name in names):
         return None
     return tuple(metadata[name] for name in names)

@@ -35,7 +35,7 @@ def register() -> None:
     their config checks (`config_hooks`) and the V1 proposer's MTP width (`spec_decode`).
 
     The architectures replace upstream's under the same names; they are upstream's models
-    unless QSA_CORE is chosen or the platform is the CPU (`qwen4_exp.uses_qsa_core`).
+    unless QSA_CORE is chosen or the platform is the CPU (`config_hooks.uses_qsa_core`).
     """
     from vllm import ModelRegistry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

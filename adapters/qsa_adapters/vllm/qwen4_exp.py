@@ -37,15 +37,15 @@ from vllm.models.qwen4_exp.nvidia import model as upstream_model
 from vllm.models.qwen4_exp.nvidia import mtp as upstream_mtp
 from vllm.models.qwen4_exp.nvidia.qsa import Qwen4ExpQSAAttention, Qwen4ExpQSAQKVIndexerLinear
 from vllm.platforms import current_platform
-from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from .attention import run_core_attention
-from .backend import BACKEND_NAME, QSACoreBackend
+from .backend import QSACoreBackend
 from .cache import (
     QSASideCache, check_kv_cache_settings, checked_kv_scale, kv_storage_dtype, main_kv_spec, mtp_ring_prefixes,
     ring_spec,
 )
+from .config_hooks import microbatching_refusal, uses_qsa_core
 from .hc_ops import register_torch_hc_ops
 from .indexer import QSAIndexer, qsa_config_for
 from .spec_decode import name_image_token_for_proposer
@@ -54,13 +54,6 @@ from .spec_decode import name_image_token_for_proposer
 # key; on a platform without Triton (the CPU) they get PyTorch bodies.
 if not current_platform.is_cuda_alike():
     register_torch_hc_ops(current_platform.dispatch_key)
-
-
-def uses_qsa_core(vllm_config: VllmConfig) -> bool:
-    """True when the QSA layers run on qsa_core: QSA_CORE chosen, or the CPU platform."""
-    backend = vllm_config.attention_config.backend
-    chosen = backend is not None and backend == AttentionBackendEnum[BACKEND_NAME]
-    return chosen or current_platform.is_cpu()
 
 
 def check_supported(vllm_config: VllmConfig, config: Any, quant_config: QuantizationConfig | None = None) -> None:
@@ -74,6 +67,9 @@ def check_supported(vllm_config: VllmConfig, config: Any, quant_config: Quantiza
     parallel = vllm_config.parallel_config
     if parallel.prefill_context_parallel_size > 1 or parallel.decode_context_parallel_size > 1:
         raise NotImplementedError("QSA_CORE: context parallelism is not supported")
+    microbatching = microbatching_refusal(parallel)
+    if microbatching is not None:
+        raise NotImplementedError(microbatching)
 
 
 class QSACoreAttention(Qwen4ExpQSAAttention):
