@@ -49,6 +49,21 @@ def _config(index_dtype: str, kv_dtype: str):
                      index_dtype=index_dtype, kv_cache_dtype=kv_dtype)
 
 
+def _planner(cfg, num_layers: int, max_num_tokens: int, max_model_len: int, max_num_reqs: int):
+    """(planner, caches) of the production geometry: page 64, a ring of 8 rows per request
+    (3 MTP tokens), Triton backend without value checks, the caches of `num_layers` layers."""
+    import torch
+    from qsa_core.cache import QSACacheLayout
+    from qsa_core.planner import QSAPlanner
+
+    layout = QSACacheLayout(num_layers=num_layers, page_size=64, num_pages=64, ring_rows=max_num_reqs,
+                            num_speculative_tokens=3)
+    planner = QSAPlanner(cfg, dtype=torch.bfloat16, page_size=64, ring_capacity=8, max_num_tokens=max_num_tokens,
+                         max_model_len=max_model_len, max_num_reqs=max_num_reqs, backend="triton",
+                         value_checks=False, num_slots=layout.num_slots, num_ring_rows=max_num_reqs)
+    return planner, layout.allocate(cfg, torch.bfloat16)
+
+
 def _random_step(rng: random.Random, planner, block_table, dql: int):
     """A valid random step: decode requests of dql rows, then prefills, then padding rows."""
     import torch
@@ -82,9 +97,7 @@ def record(name: str) -> dict:
     import torch
 
     import sm90
-    from qsa_core.cache import QSACacheLayout
     from qsa_core.layer import bind_layer
-    from qsa_core.planner import QSAPlanner
     from qsa_kernels import select
 
     idx, kv, L, N, R, dsamp = CONFIGS[name]
@@ -104,12 +117,8 @@ def record(name: str) -> dict:
     try:
         for index_dtype, kv_dtype in MIXED if idx is None else ((idx, kv),):
             cfg = _config(index_dtype, kv_dtype)
-            layout = QSACacheLayout(num_layers=1, page_size=64, num_pages=64, ring_rows=R, num_speculative_tokens=3)
             with sm90.recording() as found:
-                planner = QSAPlanner(cfg, dtype=torch.bfloat16, page_size=64, ring_capacity=8, max_num_tokens=N,
-                                     max_model_len=L, max_num_reqs=R, backend="triton", value_checks=False,
-                                     num_slots=layout.num_slots, num_ring_rows=R)
-                caches = layout.allocate(cfg, torch.bfloat16)
+                planner, caches = _planner(cfg, 1, N, L, R)
                 t0 = time.perf_counter()
                 planner.warm(caches, decode_query_lens=(1, 4), static=True)
                 seconds += time.perf_counter() - t0

@@ -32,20 +32,14 @@ def check(name: str) -> None:
     import torch
 
     import sm90
-    from qsa_core.cache import QSACacheLayout
     from qsa_core.layer import bind_layer
-    from qsa_core.planner import QSAPlanner
     from qsa_kernels import launch
-    from test_compile_sm90 import _config, _norms, _random_step
+    from test_compile_sm90 import _config, _norms, _planner, _random_step
 
     L, N, R, count, static = CONFIGS[name]
     cfg = _config("bf16", "bf16")
-    layout = QSACacheLayout(num_layers=2, page_size=64, num_pages=64, ring_rows=R, num_speculative_tokens=3)
     with sm90.recording() as found:
-        planner = QSAPlanner(cfg, dtype=torch.bfloat16, page_size=64, ring_capacity=8, max_num_tokens=N,
-                             max_model_len=L, max_num_reqs=R, backend="triton", value_checks=False,
-                             num_slots=layout.num_slots, num_ring_rows=R)
-        caches = layout.allocate(cfg, torch.bfloat16)
+        planner, caches = _planner(cfg, 2, N, L, R)
         planner.warm(caches, decode_query_lens=(1, 4), static=static, block_table_strides=() if static else (1, 16, 17))
         warmed = {sm90.spec_key(b) for b in found.bindings.values()}
         seen = sm90.Recording()
