@@ -7,8 +7,8 @@ of 4 x 5 merged patches (20 image tokens, all three MRoPE axes apart) across gro
 Served alone, the first prompt's first prefill chunk (CHUNK = 42 tokens) ends inside the image,
 inside a group: that group's key is rotated at the 3-axis position of its first token, an
 image token of the step before, which only the ring's stored positions have. The text after
-the image runs at MRoPE positions behind the logical ones. Then both prompts are served
-concurrently (mixed prefill / decode steps). The server is stopped by its pid at teardown.
+the image runs at MRoPE positions behind the logical ones. Then the first prompt is served
+while the second decodes (mixed prefill / decode steps of two image requests). The server is stopped by its pid at teardown.
 
 Budget 16, not the production 2048: every row past 16 tokens selects, so the image's group
 keys decide selections all through these short prompts. At 2048 only rows past 2051 tokens
@@ -41,11 +41,12 @@ from server_process import ServerProcess
 R = 4  # tiny_vl_config's compress ratio
 BUDGET = 16
 CHUNK = 42  # max_num_batched_tokens: the first prompt's first chunk ends inside a group of its image
-MAX_TOKENS = 24  # decodes long enough for the concurrent requests to share steps
+MAX_TOKENS = 24  # greedy tokens compared with HF's
 MIN_GAP = 1e-4  # relative top-k boundary margin: 10x the ~1e-5 relative fp32 drift of hidden states
 # (letters before the image, image height x width in pixels, letters after it)
 PROMPTS = [(29, (128, 160), 25), (14, (160, 128), 40)]
 START_TIMEOUT_S = 300
+MAX_MODEL_LEN = 256
 
 
 def image(seed: int, size: tuple[int, int]) -> Image.Image:
@@ -141,7 +142,7 @@ def server(tmp_path_factory, checkpoint):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--attention-backend", "QSA_CORE", "--enforce-eager", "--no-enable-prefix-caching",
-        "--enable-chunked-prefill", "--block-size", "16", "--max-model-len", "256",
+        "--enable-chunked-prefill", "--block-size", "16", "--max-model-len", str(MAX_MODEL_LEN),
         "--max-num-seqs", "3", "--max-num-batched-tokens", str(CHUNK),
         "--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}),
         "--kv-cache-memory-bytes", str(64 << 20)]
@@ -160,17 +161,21 @@ def running_requests(url: str) -> int:
 
 
 def test_image_requests_equal_transformers(server, hf_runs):
-    """Image chat requests, the first alone, then both concurrently (seen running together):
-    vLLM's prompt ids are HF's processor's, and its greedy tokens equal HF `generate`'s, token
-    for token."""
+    """Image chat requests, the first alone, then both together: the second streams, held
+    running past HF's MAX_TOKENS up to the model length, and the first is sent once the second
+    decodes (the two seen running at once). vLLM's prompt ids are HF's processor's, and its
+    greedy tokens equal HF `generate`'s, token for token (the held request's first MAX_TOKENS:
+    greedy tokens do not depend on how many follow)."""
     url, folder = server
     runs, _ = hf_runs
 
-    def chat(i: int) -> tuple[list[int], list[int]]:
+    def body(i: int, max_tokens: int, stream: bool) -> dict:
         before, size, after = PROMPTS[i]
-        body = {"model": folder, "messages": messages(i, before, after, image(i, size)), "max_tokens": MAX_TOKENS,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+        return {"model": folder, "messages": messages(i, before, after, image(i, size)), "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": stream}
+
+    def chat(i: int) -> tuple[list[int], list[int]]:
+        r = requests.post(f"{url}/v1/chat/completions", json=body(i, MAX_TOKENS, False), timeout=300)
         assert r.status_code == 200, r.text[:2000]
         answer = r.json()
         return answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
@@ -182,14 +187,29 @@ def test_image_requests_equal_transformers(server, hf_runs):
         while not done.wait(0.02):
             seen[0] = max(seen[0], running_requests(url))
 
+    held = MAX_MODEL_LEN - len(runs[1][0])  # the second request decodes to the model length
+    prompt_ids, ids = [], []
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
-        with ThreadPoolExecutor(max_workers=len(PROMPTS)) as pool:
-            together = list(pool.map(chat, range(len(PROMPTS))))
+        with requests.post(f"{url}/v1/chat/completions", json=body(1, held, True), stream=True, timeout=300) as r:
+            assert r.status_code == 200, r.text[:2000]
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    prompt_ids += chunk.get("prompt_token_ids") or []
+                    ids += (chunk["choices"] or [{}])[0].get("token_ids") or []
+                    if ids:
+                        break
+            first = chat(0)  # while the second request decodes
+            for line in lines:
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    ids += (json.loads(line[6:])["choices"] or [{}])[0].get("token_ids") or []
     finally:
         done.set()
         poller.join(timeout=60)
     assert alone == (runs[0][0], runs[0][2])
-    assert together == [(ids, want) for ids, _, want in runs]
-    assert seen[0] == len(PROMPTS), f"the concurrent requests never ran together (at most {seen[0]})"
+    assert first == alone
+    assert len(ids) == held and (prompt_ids, ids[:MAX_TOKENS]) == (runs[1][0], runs[1][2])
+    assert seen[0] == len(PROMPTS), f"the two requests never ran together (at most {seen[0]})"
