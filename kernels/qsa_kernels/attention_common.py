@@ -29,27 +29,27 @@ def dot_dtype(q: torch.Tensor, kv: torch.Tensor, interpret: bool) -> tl.dtype:
 
 
 @triton.jit
-def attend_block(
-    q, m, l, acc, c0, hi, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
-    D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-):
-    """Online-softmax update with selection columns [c0, min(c0 + BLOCK_N, hi))."""
+def tile_scores(q, page, off, load, kvh, k_ptr, qk_scale, stride_kp, stride_ks, stride_kh,
+                D: tl.constexpr, DP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Scores fp32 [M, N] (log2 units) of the query tile q [M, DP] against N gathered keys of KV
+    head kvh at page / off int64 [N], loaded where `load` [N] (0 elsewhere)."""
     d = tl.arange(0, DP)
-    d_mask = d < D
-    cols = c0 + tl.arange(0, BLOCK_N)
-    idx = tl.load(sel_row + cols * stride_sc, mask=cols < hi, other=-1)
-    valid = (idx >= 0) & (idx < seq_len)
-    safe = tl.where(valid, idx, 0)
-    page = tl.maximum(tl.load(bt_row + (safe // PAGE) * stride_btp, mask=valid, other=0), 0).to(tl.int64)
-    off = (safe % PAGE).to(tl.int64)
-    # K gathered as its transpose [DP, BLOCK_N], the dot's operand as loaded, not [BLOCK_N, DP] and
+    # K gathered as its transpose [DP, N], the dot's operand as loaded, not [N, DP] and
     # tl.trans (H200, 16K prefill rows at 16K, ms: 32 columns / 1 warp / 2 stages 12.2 ->
     # 8.0, 64 / 2 / 1 11.0 -> 10.6; decode splits ~1 us).
     k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
-                mask=d_mask[:, None] & valid[None, :], other=0.0).to(DOT_DTYPE)
-    s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [GP, BLOCK_N], log2 units
-    s = tl.where(valid[None, :], s, float("-inf"))
+                mask=(d < D)[:, None] & load[None, :], other=0.0).to(DOT_DTYPE)
+    return tl.dot(q, k, input_precision="ieee") * qk_scale
+
+
+@triton.jit
+def online_update(s, keep, m, l, acc, page, off, load, kvh, v_ptr, stride_vp, stride_vs, stride_vh,
+                  D: tl.constexpr, DP: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Online-softmax update of (running max m, sum l fp32 [M], acc fp32 [M, DP]) with the
+    scores s [M, N] of `tile_scores` where `keep` ([M, N], or [1, N] for every row) and the N
+    values at page / off, loaded where `load` [N]."""
+    d = tl.arange(0, DP)
+    s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     # A head with nothing valid yet keeps m = -inf: shift by 0 so exp2 gives 0, not NaN.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -57,9 +57,27 @@ def attend_block(
     p = tl.math.exp2(s - m_shift[:, None])
     l = l * alpha + tl.sum(p, 1)
     v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                mask=valid[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+                mask=load[:, None] & (d < D)[None, :], other=0.0).to(DOT_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
     return m_new, l, acc
+
+
+@triton.jit
+def attend_block(
+    q, m, l, acc, c0, hi, sel_row, bt_row, seq_len, kvh, k_ptr, v_ptr, qk_scale,
+    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_btp, stride_sc,
+    D: tl.constexpr, DP: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """Online-softmax update with selection columns [c0, min(c0 + BLOCK_N, hi))."""
+    cols = c0 + tl.arange(0, BLOCK_N)
+    idx = tl.load(sel_row + cols * stride_sc, mask=cols < hi, other=-1)
+    valid = (idx >= 0) & (idx < seq_len)
+    safe = tl.where(valid, idx, 0)
+    page = tl.maximum(tl.load(bt_row + (safe // PAGE) * stride_btp, mask=valid, other=0), 0).to(tl.int64)
+    off = (safe % PAGE).to(tl.int64)
+    s = tile_scores(q, page, off, valid, kvh, k_ptr, qk_scale, stride_kp, stride_ks, stride_kh, D, DP, DOT_DTYPE)
+    return online_update(s, valid[None, :], m, l, acc, page, off, valid, kvh, v_ptr, stride_vp, stride_vs, stride_vh,
+                         D, DP, DOT_DTYPE)
 
 
 @triton.jit

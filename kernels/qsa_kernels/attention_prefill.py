@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import LOG2E, attend, dot_dtype, launch_config, normalized_store, store_row
+from .attention_common import LOG2E, attend, dot_dtype, launch_config, normalized_store, online_update, store_row, tile_scores
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 from .options import DEFAULT, KernelOptions
 
@@ -217,7 +217,6 @@ def _shared_tile(
     for tokens: the only group a row holds in part is the one of its last entry (its open tail),
     and the only group with tokens >= seq_len is the one of the request's last token (end_slot);
     those are found by their first slot (a request's pages are distinct)."""
-    d = tl.arange(0, DP)
     n = tl.arange(0, BLOCK_G * R)
     gi = t0 + n // R
     inu = gi < n_union
@@ -228,23 +227,12 @@ def _shared_tile(
     slot = first + nr
     page = (slot // PAGE).to(tl.int64)
     off = (slot % PAGE).to(tl.int64)
-    # K gathered as its transpose [DP, BLOCK_N], as `attention_common.attend_block` does.
-    k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
-                mask=(d < D)[:, None] & real[None, :], other=0.0).to(DOT_DTYPE)
-    s = tl.dot(q, k, input_precision="ieee") * qk_scale  # [M, BLOCK_N], log2 units
+    s = tile_scores(q, page, off, real, kvh, k_ptr, qk_scale, stride_kp, stride_ks, stride_kh, D, DP, DOT_DTYPE)
     in_tail = first[None, :] == (last - last % R)[:, None]
-    allowed = ((((bits[None, :] >> local[:, None]) & 1) != 0) & (~in_tail | (nr[None, :] <= (last % R)[:, None]))
-               & real[None, :])
-    s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m - m_shift)
-    p = tl.math.exp2(s - m_shift[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptr + (page * stride_vp + off * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                mask=real[:, None] & (d < D)[None, :], other=0.0).to(DOT_DTYPE)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-    return m_new, l, acc
+    keep = ((((bits[None, :] >> local[:, None]) & 1) != 0) & (~in_tail | (nr[None, :] <= (last % R)[:, None]))
+            & real[None, :])
+    return online_update(s, keep, m, l, acc, page, off, real, kvh, v_ptr, stride_vp, stride_vs, stride_vh,
+                         D, DP, DOT_DTYPE)
 
 
 @triton.jit(do_not_specialize=["T"])
