@@ -18,8 +18,11 @@ concurrency), on a checkpoint of the production attention geometry with random w
 For each prompt length and concurrency it sends that many streaming requests at once (random
 token prompts, greedy, ignore_eos, --output-tokens each; no prefix is shared) and records per
 request the time to the first token (TTFT) and the mean time per output token after it (TPOT),
-and the output tokens per second of the whole wave. One request of the shortest length warms
-each server first. Every wait is bounded; each server is stopped by its pid.
+and the output tokens per second of the whole wave, and the longest gap between two tokens of one
+request (a stall: a compile, a capture). One request of the shortest length warms each server
+first, and before each timed wave an untimed wave of the same prompt length and concurrency (4
+tokens each, other prompts) meets that shape's first-time costs; its wall time is recorded
+(`warm_wall_s`). Every wait is bounded; each server is stopped by its pid.
 
 DIR/serving.json holds every figure and is written after each wave; a rerun with the same DIR
 skips the waves already there (so one call per backend fills one table). DIR/serving.md has the
@@ -54,8 +57,9 @@ DRY = dict(prompt_lens="300,2200", concurrency="1,2", output_tokens=4)
 
 
 def post_stream(url: str, path: str, body: dict, timeout: float, tokens_of: Callable[[dict, int], int]) -> dict:
-    """POST a streaming request; {"ttft": s, "tpot": s, "tokens": n} from the arrival times of its
-    server-sent events (`tokens_of(event, tokens so far)`: the tokens generated once it arrived)."""
+    """POST a streaming request; {"ttft": s, "tpot": s, "tokens": n, "max_gap": s} from the arrival
+    times of its server-sent events (`tokens_of(event, tokens so far)`: the tokens generated once it
+    arrived; max_gap: the longest wait between two events that brought tokens)."""
     conn = http.client.HTTPConnection(url.split("//", 1)[1], timeout=timeout)
     start = time.monotonic()
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
@@ -64,6 +68,7 @@ def post_stream(url: str, path: str, body: dict, timeout: float, tokens_of: Call
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
     first = last = None
     count = first_count = 0
+    gap = 0.0
     for raw in response:
         line = raw.decode().strip()
         if not line.startswith("data:") or line == "data: [DONE]":
@@ -72,12 +77,14 @@ def post_stream(url: str, path: str, body: dict, timeout: float, tokens_of: Call
         if new > count:
             if first is None:
                 first, first_count = now, new
+            else:
+                gap = max(gap, now - last)
             last, count = now, new
     conn.close()
     if first is None:
         raise RuntimeError("the stream carried no token")
     tpot = (last - first) / (count - first_count) if count > first_count else 0.0
-    return {"ttft": first, "tpot": tpot, "tokens": count}
+    return {"ttft": first, "tpot": tpot, "tokens": count, "max_gap": gap}
 
 
 def vllm_stream(url: str, model: str, prompt: list[int], max_tokens: int, timeout: float) -> dict:
@@ -96,7 +103,8 @@ def sglang_stream(url: str, model: str, prompt: list[int], max_tokens: int, time
 
 def wave(stream: Callable, url: str, model: str, vocab: int, prompt_len: int, concurrency: int, output_tokens: int,
          seed: int) -> dict:
-    """`concurrency` requests at once; the medians and the wave's output tokens per second."""
+    """`concurrency` requests at once; the medians, the wave's output tokens per second and its
+    longest inter-token gap (max_gap_ms)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -108,7 +116,8 @@ def wave(stream: Callable, url: str, model: str, vocab: int, prompt_len: int, co
     return {"prompt_len": prompt_len, "concurrency": concurrency, "wall_s": wall,
             "output_tok_s": sum(d["tokens"] for d in done) / wall,
             "ttft_ms": 1e3 * statistics.median(d["ttft"] for d in done),
-            "tpot_ms": 1e3 * statistics.median(d["tpot"] for d in done), "requests": done}
+            "tpot_ms": 1e3 * statistics.median(d["tpot"] for d in done),
+            "max_gap_ms": 1e3 * max(d["max_gap"] for d in done), "requests": done}
 
 
 # -- the engines ---------------------------------------------------------------------------------
@@ -196,10 +205,11 @@ def tables(results: list[dict], engine: str) -> str:
     ours, theirs = BACKENDS[engine]
     key = lambda r: (r["prompt_len"], r["concurrency"], r.get("output_tokens") or 0)  # noqa: E731
     rows = [f"{engine}: medians over each wave's requests", "",
-            "| prompt | concurrency | output tokens | backend | TTFT ms | TPOT ms | output tok/s |",
-            "|---|---|---|---|---|---|---|"]
+            "| prompt | concurrency | output tokens | backend | TTFT ms | TPOT ms | output tok/s | longest gap ms |",
+            "|---|---|---|---|---|---|---|---|"]
+    gap = lambda r: f"{r['max_gap_ms']:.0f}" if "max_gap_ms" in r else "-"  # noqa: E731
     rows += [f"| {' | '.join(map(str, key(r)))} | {r['backend']} | {r['ttft_ms']:.0f} | {r['tpot_ms']:.2f} "
-             f"| {r['output_tok_s']:.1f} |" for r in sorted(results, key=lambda r: (*key(r), r["backend"]))]
+             f"| {r['output_tok_s']:.1f} | {gap(r)} |" for r in sorted(results, key=lambda r: (*key(r), r["backend"]))]
     by = {(r["backend"], *key(r)): r for r in results}
     pairs = [(by[(ours, *k)], by[(theirs, *k)]) for k in sorted({key(r) for r in results})
              if (ours, *k) in by and (theirs, *k) in by]
@@ -260,11 +270,14 @@ def main(argv: list[str] | None = None) -> int:
             with engine.server(backend) as url:
                 stream(url, engine.folder, [1, 2, 3, 4] * (min(lens) // 4), 4, timeout=600)
                 for n, c in todo:
+                    warm = wave(stream, url, engine.folder, vocab, n, c, 4, seed=(1 << 20) + n + c)
                     r = dict(wave(stream, url, engine.folder, vocab, n, c, args.output_tokens, seed=n + c),
-                             backend=backend, engine=args.engine, output_tokens=args.output_tokens)
+                             backend=backend, engine=args.engine, output_tokens=args.output_tokens,
+                             warm_wall_s=warm["wall_s"])
                     results.append(r)
                     print(f"{backend} {n} x {c}: TTFT {r['ttft_ms']:.0f} ms, TPOT {r['tpot_ms']:.2f} ms, "
-                          f"{r['output_tok_s']:.1f} tok/s", flush=True)
+                          f"{r['output_tok_s']:.1f} tok/s, longest gap {r['max_gap_ms']:.0f} ms "
+                          f"(untimed wave {r['warm_wall_s']:.2f} s)", flush=True)
                     path.write_text(json.dumps(others + results, indent=1))
                     (out / "serving.md").write_text(tables(results, args.engine))
         except (RuntimeError, TimeoutError, OSError) as e:  # this backend's server or a request failed: go on
