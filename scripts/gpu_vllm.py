@@ -2,7 +2,7 @@
 
     python3 scripts/gpu_vllm.py OUT_DIR [--models full,hybrid] [--modes eager,graphs]
                                 [--backends QSA_CORE,upstream] [--server]
-                                [--kv-cache-dtype auto|fp8|fp8_e5m2] [--lengths 40,700,...]
+                                [--kv-cache-dtype auto|fp8|fp8_e5m2] [--lengths 40,700,...] [--mtp N]
 
 Run where vLLM's GPU build and this repo's plugin are installed (the plugin registers QSA_CORE;
 `../shared/gpu-stage` stages vLLM 0.33 on the GPU host). For each model it writes a bf16
@@ -18,9 +18,13 @@ and reads the core's fp8 K/V in vLLM's uint8 pages, upstream its own; the checkp
 k_scale / v_scale, so both use 1.0 (upstream's layer never reads a checkpoint's scales into the
 floats its kernels take). Upstream serves fp8 only as e4m3: with `fp8_e5m2` run
 `--backends QSA_CORE` (eager against graphs). Run names and the summary carry the dtype.
+`--mtp N` also runs every (model, backend, mode) with MTP speculative decoding of N drafts
+(`{"method": "mtp", "num_speculative_tokens": N}`, the released recipe's 3) on the same
+checkpoint plus one MTP layer (`add_mtp_layer`: a drafter that is right some of the time), and
+reports each run's acceptance.
 
 Checks (exit 1 on any failure): QSA_CORE's tokens equal upstream's in each mode, eager equals
-CUDA graphs, the server equals `LLM.generate`; token for token, except where both runs stand at a
+CUDA graphs, the server equals `LLM.generate`, a run with MTP equals the one without; token for token, except where both runs stand at a
 bf16 tie of their two likeliest tokens (random weights make such ties common; the summary gives
 each margin). OUT_DIR gets every run's JSON and log and
 `summary.md` (`summary-fp8.md` with `--kv-cache-dtype fp8`).
@@ -66,11 +70,14 @@ def production_config(hybrid: bool):
         max_position_embeddings=32768, moe_intermediate_size=256, shared_expert_intermediate_size=256)
 
 
-def write(folder: str, hybrid: bool) -> None:
-    from qwen4_checkpoint import write_checkpoint
+def write(folder: str, hybrid: bool, mtp: bool) -> None:
+    """The model's checkpoint (the same target weights with or without the MTP layer)."""
+    from qwen4_checkpoint import add_mtp_layer, write_checkpoint
 
     if not os.path.exists(os.path.join(folder, "config.json")):
-        write_checkpoint(folder, production_config(hybrid), seed=7)
+        model = write_checkpoint(folder, production_config(hybrid), seed=7)
+        if mtp:
+            add_mtp_layer(folder, model, seed=3)
 
 
 def prompts(lengths: list[int]) -> list[list[int]]:
@@ -85,7 +92,7 @@ def prompts(lengths: list[int]) -> list[list[int]]:
 def run(out: str, name: str, llm: dict, env: dict, lengths: list[int]) -> dict:
     """One vllm_generate.py process; its JSON result (or {"error": ...})."""
     request = {"llm": llm, "prompts": prompts(lengths), "max_tokens": [MAX_TOKENS] * len(lengths), "repeat": 2,
-               "logprobs": 2}
+               "logprobs": 2, "spec_metrics": "speculative_config" in llm}
     req, res, log = (os.path.join(out, f"{name}{ext}") for ext in (".json", ".out.json", ".log"))
     with open(req, "w") as f:
         json.dump(request, f)
@@ -152,6 +159,7 @@ def main() -> int:
     ap.add_argument("--server", action="store_true")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths (tokens), comma-separated")
+    ap.add_argument("--mtp", type=int, default=0, help="also run with MTP speculative decoding of this many drafts")
     args = ap.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     if max(lengths) + MAX_TOKENS > ENGINE["max_model_len"]:
@@ -161,32 +169,39 @@ def main() -> int:
     suffix = "" if kv == "auto" else f"-{kv}"  # the runs of each dtype keep their own files
     os.makedirs(args.out, exist_ok=True)
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # flashinfer is not a dependency
-    results: dict[tuple[str, str, str], dict] = {}
+    results: dict[tuple[str, str, str, int], dict] = {}
     lines = [f"KV cache dtype: {kv}; prompt lengths {lengths}", "",
-             "| model | backend | mode | init s | generate s (cold, warm) | Triton JIT warnings while serving | result |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | backend | mode | MTP drafts | init s | generate s (cold, warm) | Triton JIT warnings while "
+             "serving | draft acceptance | result |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for model in args.models.split(","):
         hybrid = model == "hybrid"
-        folder = os.path.join(args.out, f"ckpt-{model}")
-        write(folder, hybrid)
-        for backend in args.backends.split(","):
-            for mode in args.modes.split(","):
-                llm = dict(ENGINE, model=folder, enable_prefix_caching=hybrid, kv_cache_dtype=kv,
-                           **(GRAPHS if mode == "graphs" else {}))
-                if backend != "upstream":
-                    llm["attention_backend"] = backend
-                if hybrid:
-                    llm["additional_config"] = {"gdn_prefill_backend": "triton"}
-                name = f"{model}-{backend}-{mode}{suffix}"
-                r = results[(model, backend, mode)] = run(args.out, name, llm, env, lengths)
-                if "error" in r:
-                    lines.append(f"| {model} | {backend} | {mode} | | | | {r['error']} |")
-                    print(f"{name}: {r['error']}\n{r['tail']}", flush=True)
-                else:
+        for spec in sorted({0, args.mtp}):
+            folder = os.path.join(args.out, f"ckpt-{model}" + ("-mtp" if spec else ""))
+            write(folder, hybrid, bool(spec))
+            for backend in args.backends.split(","):
+                for mode in args.modes.split(","):
+                    llm = dict(ENGINE, model=folder, enable_prefix_caching=hybrid, kv_cache_dtype=kv,
+                               **(GRAPHS if mode == "graphs" else {}))
+                    if backend != "upstream":
+                        llm["attention_backend"] = backend
+                    if hybrid:
+                        llm["additional_config"] = {"gdn_prefill_backend": "triton"}
+                    if spec:
+                        llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec}
+                    name = f"{model}-{backend}-{mode}{suffix}" + (f"-mtp{spec}" if spec else "")
+                    r = results[(model, backend, mode, spec)] = run(args.out, name, llm, env, lengths)
+                    if "error" in r:
+                        lines.append(f"| {model} | {backend} | {mode} | {spec} | | | | | {r['error']} |")
+                        print(f"{name}: {r['error']}\n{r['tail']}", flush=True)
+                        continue
                     cold, warm = r["generate_seconds"]
-                    lines.append(f"| {model} | {backend} | {mode} | {r['init_seconds']:.1f} | {cold:.2f}, {warm:.2f} "
-                                 f"| {r['jit']} | ok |")
-                    print(f"{name}: init {r['init_seconds']:.1f} s, generate {cold:.2f} / {warm:.2f} s", flush=True)
+                    d = r.get("spec_decode")
+                    accepted = f"{d['num_accepted_tokens']:.0f} of {d['num_draft_tokens']:.0f}" if d else "-"
+                    lines.append(f"| {model} | {backend} | {mode} | {spec} | {r['init_seconds']:.1f} | {cold:.2f}, "
+                                 f"{warm:.2f} | {r['jit']} | {accepted} | ok |")
+                    print(f"{name}: init {r['init_seconds']:.1f} s, generate {cold:.2f} / {warm:.2f} s, "
+                          f"accepted {accepted}", flush=True)
     failures = []
     lines += ["", "| comparison | equal prompts | where they part: top-2 log-prob margin in each run |", "|---|---|---|"]
 
@@ -213,18 +228,21 @@ def main() -> int:
         top = sorted(r["logprobs"][prompt][position].values(), reverse=True)
         return round(top[0] - top[1], 4) if len(top) > 1 else None
 
-    for (model, backend, mode), r in results.items():
+    for (model, backend, mode, spec), r in results.items():
+        tag = f" MTP {spec}" if spec else ""
         if backend != "upstream":
-            compare(f"{model} {mode}: {backend} vs upstream", r, results.get((model, "upstream", mode)))
+            compare(f"{model}{tag} {mode}: {backend} vs upstream", r, results.get((model, "upstream", mode, spec)))
         if mode == "graphs":
-            compare(f"{model} {backend}: graphs vs eager", r, results.get((model, backend, "eager")))
-    failures += [f"{m} {b} {mode}: {r['error']}" for (m, b, mode), r in results.items() if "error" in r]
+            compare(f"{model}{tag} {backend}: graphs vs eager", r, results.get((model, backend, "eager", spec)))
+        if spec:
+            compare(f"{model} {backend} {mode}: MTP {spec} vs none", r, results.get((model, backend, mode, 0)))
+    failures += [f"{m} {b} {mode} MTP {spec}: {r['error']}" for (m, b, mode, spec), r in results.items() if "error" in r]
     if args.server:
         served = serve_and_ask(args.out, os.path.join(args.out, "ckpt-full"), env, lengths, kv)
         if "error" in served:
             failures.append(f"server: {served['error']}")
         compare("full QSA_CORE: OpenAI server (graphs) vs LLM.generate (graphs)", served,
-                results.get(("full", "QSA_CORE", "graphs")))
+                results.get(("full", "QSA_CORE", "graphs", 0)))
     lines += ["", f"failures: {failures or 'none'}"]
     with open(os.path.join(args.out, f"summary{suffix}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
