@@ -189,10 +189,37 @@ class Launcher:
         self.fn = fn
         self.signature = inspect.signature(fn.fn)
         self.names = list(self.signature.parameters)
+        self._index = {n: i for i, n in enumerate(self.names)}
+        self._defaults = {n: p.default for n, p in self.signature.parameters.items() if p.default is not p.empty}
         self._constexpr = {n for n, p in self.signature.parameters.items() if "constexpr" in str(p.annotation)}
         # (specialize ints, specialize alignment) per parameter: a JITFunction's (not the interpreter's)
         flags = RUNTIME.spec_flags(fn) if RUNTIME is not None and isinstance(fn, RUNTIME.jit_type) else {}
         self._spec_flags = {n: flags.get(n, (True, True)) for n in self.names}
+        # per parameter: None for a constexpr (keyed by its repr), else its `spec_key` flags
+        self._key_flags = tuple(None if n in self._constexpr else self._spec_flags[n] for n in self.names)
+
+    def arguments(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list:
+        """Every parameter's value in order, as `inspect.Signature.bind` and `apply_defaults`
+        give them (kwargs: parameter names only); a missing, unknown or doubled argument raises
+        TypeError naming it."""
+        names, name = self.names, self.fn.__name__
+        if len(args) > len(names):
+            raise TypeError(f"{name}: {len(args)} positional arguments, the kernel takes {len(names)}")
+        missing = object()
+        values = [*args, *(missing,) * (len(names) - len(args))]
+        for key, value in kwargs.items():
+            i = self._index.get(key)
+            if i is None:
+                raise TypeError(f"{name}: no parameter {key!r}")
+            if i < len(args):
+                raise TypeError(f"{name}: multiple values for argument {key!r}")
+            values[i] = value
+        for i in range(len(args), len(names)):
+            if values[i] is missing:
+                if names[i] not in self._defaults:
+                    raise TypeError(f"{name}: missing argument {names[i]!r}")
+                values[i] = self._defaults[names[i]]
+        return values
 
     def bind(self, grid: Sequence[int], *args: Any, free: Sequence[str] = (), checked: Sequence[str] = (),
              options: KernelOptions = DEFAULT, **kwargs: Any) -> "BoundLaunch":
@@ -205,16 +232,15 @@ class Launcher:
         options: the kernels' options (PDL mode, fast path). Compiles now."""
         if "PDL" in self._constexpr and "PDL" not in kwargs and pdl_enabled(self.fn, options.pdl):
             kwargs = {**kwargs, "PDL": options.pdl, "launch_pdl": True}
-        launch_options = {k: v for k, v in kwargs.items() if k not in self.signature.parameters}
-        call = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.signature.parameters})
-        call.apply_defaults()
+        launch_options = {k: v for k, v in kwargs.items() if k not in self._index}
+        values = self.arguments(args, {k: v for k, v in kwargs.items() if k in self._index})
         for name in free:
-            if name not in call.arguments or name in self._constexpr:
+            if name not in self._index or name in self._constexpr:
                 raise ValueError(f"{self.fn.__name__}: free argument {name!r} must be a runtime parameter")
         for name in checked:
             if name not in free:
                 raise ValueError(f"{self.fn.__name__}: checked argument {name!r} must be a free argument")
-        return BoundLaunch(self, tuple(grid), list(call.arguments.values()), launch_options, tuple(free),
+        return BoundLaunch(self, tuple(grid), values, launch_options, tuple(free),
                            tuple(n in checked for n in free), fast_launch=options.fast_launch)
 
     def compiled(self, grid: Sequence[int], values: list, options: dict) -> Any:
@@ -357,8 +383,7 @@ def binding_key(launcher: Launcher, values: Sequence[Any], options: dict) -> tup
     Triton's own key): the kernel (its launcher, one per kernel: hashed by identity, unlike a
     JITFunction), its constexprs' values, `spec_key` of every runtime argument (as the kernel
     specializes it) and the launch options."""
-    const, flags = launcher._constexpr, launcher._spec_flags
-    args = tuple(repr(v) if n in const else spec_key(v, *flags[n]) for n, v in zip(launcher.names, values))
+    args = tuple(repr(v) if f is None else spec_key(v, *f) for f, v in zip(launcher._key_flags, values))
     return launcher, args, tuple(sorted((k, repr(v)) for k, v in options.items()))
 
 

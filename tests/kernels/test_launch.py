@@ -207,6 +207,33 @@ def test_free_arguments_must_be_runtime_parameters(fake_device):
         launcher.bind((4,), x, out, 64, 32, 2.0, free=("nope",), BLOCK=32)
 
 
+def _with_defaults(x_ptr, n, scale=2.0, BLOCK: tl.constexpr = 32):
+    """A kernel signature with defaults (never launched)."""
+    tl.store(x_ptr + tl.arange(0, BLOCK), scale, mask=tl.arange(0, BLOCK) < n)
+
+
+@pytest.mark.parametrize("args,kwargs", [((1, 2), {}), ((1,), {"n": 2}), ((1, 2, 3.0), {"BLOCK": 64}),
+                                         ((), {"BLOCK": 16, "n": 5, "x_ptr": 7, "scale": 0.5})])
+def test_arguments_are_what_the_signature_binds(args, kwargs):
+    """`Launcher.arguments` (a binding's parameter values in order) equals Python's own binding
+    of the kernel's signature with defaults applied; a missing, unknown or doubled argument
+    raises naming it."""
+    import inspect
+
+    launcher = Launcher(triton.jit(_with_defaults))
+    call = inspect.signature(_with_defaults).bind(*args, **kwargs)
+    call.apply_defaults()
+    assert launcher.arguments(args, kwargs) == list(call.arguments.values())
+    with pytest.raises(TypeError, match="missing argument 'n'"):
+        launcher.arguments((1,), {})
+    with pytest.raises(TypeError, match="no parameter 'stride'"):
+        launcher.arguments((1, 2), {"stride": 3})
+    with pytest.raises(TypeError, match="multiple values for argument 'x_ptr'"):
+        launcher.arguments((1, 2), {"x_ptr": 3})
+    with pytest.raises(TypeError, match="5 positional arguments, the kernel takes 4"):
+        launcher.arguments((1, 2, 3, 4, 5), {})
+
+
 def test_checked_arguments_skip_dtype_and_device_but_not_alignment(fake_device):
     """A `checked` free tensor (its dtype and device validated by the caller, as a planner
     does for an engine's step tensors) is checked only for its 16-byte alignment."""
