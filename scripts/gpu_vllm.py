@@ -1,6 +1,6 @@
 """vLLM on a GPU: `--attention-backend QSA_CORE` against vLLM's own QSA, eager and with CUDA graphs.
 
-    python3 scripts/gpu_vllm.py OUT_DIR [--models full,hybrid] [--modes eager,graphs]
+    python3 scripts/gpu_vllm.py OUT_DIR [--models full,hybrid,vl] [--modes eager,graphs]
                                 [--backends QSA_CORE,upstream] [--server]
                                 [--kv-cache-dtype auto|fp8|fp8_e5m2] [--lengths 40,700,...] [--mtp N]
 
@@ -8,7 +8,10 @@ Run where vLLM's GPU build and this repo's plugin are installed (the plugin regi
 `../shared/gpu-stage` stages vLLM 0.33 on the GPU host). For each model it writes a bf16
 checkpoint with the production attention geometry (24 query / 2 KV heads of 256, indexer
 4 x 128, budget 2048 tokens in groups of 4, partial rotary 0.25; a few layers, random weights):
-`full` is every decoder layer QSA, `hybrid` GDN, QSA, GDN, QSA with prefix caching on. Each
+`full` is every decoder layer QSA, `hybrid` GDN, QSA, GDN, QSA with prefix caching on (both
+`Qwen4ExpForCausalLM`), `vl` the released architecture `Qwen4ExpForConditionalGeneration`
+(vision tower, interleaved MRoPE) with the hybrid layers, served text-only
+(`language_model_only`; prompts avoid its vision token ids). Each
 (model, backend, mode) runs in its own process (`tests/vllm_adapter/vllm_generate.py`): six
 prompts of 40 to 8000 tokens at once (`--lengths` picks others), greedy, chunked prefill of
 2048 tokens, run twice (the second round is timed warm). `--server` also serves `full` with
@@ -59,34 +62,40 @@ TIE = 2**-6  # two bf16 steps of a logit in [1, 2)
 GRAPHS = dict(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]})
 
 
-def production_config(hybrid: bool):
-    """A few layers at the production attention geometry (tests' tiny config otherwise)."""
-    from qwen4_checkpoint import tiny_config
+def production_config(model: str):
+    """A few layers at the production attention geometry (tests' tiny config otherwise):
+    `Qwen4ExpForCausalLM` for full / hybrid, `Qwen4ExpForConditionalGeneration` (vision tower,
+    interleaved MRoPE (11, 11, 10) over the 32 rotary frequencies) with GDN, QSA, GDN, QSA for vl."""
+    from qwen4_checkpoint import tiny_config, tiny_vl_config
 
-    return tiny_config(
-        hybrid=hybrid, vocab_size=VOCAB, hidden_size=1024, num_attention_heads=24, num_key_value_heads=2,
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=1024, num_attention_heads=24, num_key_value_heads=2,
         head_dim=256, indexer_n_heads=4, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         max_position_embeddings=32768, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    if model == "vl":
+        return tiny_vl_config(hybrid=True, **fields)
+    return tiny_config(hybrid=model == "hybrid", **fields)
 
 
-def write(folder: str, hybrid: bool, mtp: bool) -> None:
+def write(folder: str, model: str, mtp: bool) -> None:
     """The model's checkpoint (the same target weights with or without the MTP layer)."""
     from qwen4_checkpoint import add_mtp_layer, write_checkpoint
 
     if not os.path.exists(os.path.join(folder, "config.json")):
-        model = write_checkpoint(folder, production_config(hybrid), seed=7)
+        model = write_checkpoint(folder, production_config(model), seed=7)
         if mtp:
             add_mtp_layer(folder, model, seed=3)
 
 
 def prompts(lengths: list[int]) -> list[list[int]]:
     """Random prompts of these lengths: one of LENGTHS gets the same tokens as in the default run,
-    other lengths are drawn after those."""
+    other lengths are drawn after those. No vision token ids (vl's top 4): those ids move down by 4."""
     g = torch.Generator().manual_seed(5)
     drawn = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
-    return [drawn[LENGTHS.index(n)] if n in LENGTHS else torch.randint(0, VOCAB, (n,), generator=g).tolist()
-            for n in lengths]
+    chosen = [drawn[LENGTHS.index(n)] if n in LENGTHS else torch.randint(0, VOCAB, (n,), generator=g).tolist()
+              for n in lengths]
+    return [[t - 4 if t >= VOCAB - 4 else t for t in p] for p in chosen]
 
 
 def run(out: str, name: str, llm: dict, env: dict, lengths: list[int]) -> dict:
@@ -153,7 +162,8 @@ def serve_and_ask(out: str, folder: str, env: dict, lengths: list[int], kv_cache
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out")
-    ap.add_argument("--models", default="full,hybrid")
+    ap.add_argument("--models", default="full,hybrid,vl", help="full, hybrid (Qwen4ExpForCausalLM), vl "
+                    "(Qwen4ExpForConditionalGeneration, text-only)")
     ap.add_argument("--modes", default="eager,graphs")
     ap.add_argument("--backends", default="QSA_CORE,upstream")
     ap.add_argument("--server", action="store_true")
@@ -175,10 +185,10 @@ def main() -> int:
              "serving | draft acceptance | result |",
              "|---|---|---|---|---|---|---|---|---|"]
     for model in args.models.split(","):
-        hybrid = model == "hybrid"
+        hybrid = model != "full"  # hybrid and vl: GDN, QSA, GDN, QSA
         for spec in sorted({0, args.mtp}):
             folder = os.path.join(args.out, f"ckpt-{model}" + ("-mtp" if spec else ""))
-            write(folder, hybrid, bool(spec))
+            write(folder, model, bool(spec))
             for backend in args.backends.split(","):
                 for mode in args.modes.split(","):
                     llm = dict(ENGINE, model=folder, enable_prefix_caching=hybrid, kv_cache_dtype=kv,
@@ -187,6 +197,8 @@ def main() -> int:
                         llm["attention_backend"] = backend
                     if hybrid:
                         llm["additional_config"] = {"gdn_prefill_backend": "triton"}
+                    if model == "vl":
+                        llm["language_model_only"] = True  # text prompts (images: the CPU suite's test_vllm_multimodal)
                     if spec:
                         llm["speculative_config"] = {"method": "mtp", "num_speculative_tokens": spec}
                     name = f"{model}-{backend}-{mode}{suffix}" + (f"-mtp{spec}" if spec else "")

@@ -62,15 +62,18 @@ def tiny_vl_config(**overrides: Any) -> Qwen4ExpConfig:
     """`Qwen4ExpForConditionalGeneration`: a one-block vision tower and the text model of
     `tiny_config` with the released model's interleaved MRoPE sections (11, 11, 10) (head_dim
     128 with partial rotary 0.5: 64 rotary dims, 32 frequencies). Vision token ids sit at the
-    top of the 512-token vocabulary."""
+    top of the vocabulary. overrides: the text model's (`rope_parameters` entries update the
+    MRoPE ones; keep 32 rotary frequencies)."""
     rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
             "mrope_section": [11, 11, 10], "mrope_interleaved": True}
-    text = tiny_config(head_dim=128, rope_parameters=rope, architectures=None, **overrides)
+    fields = {"head_dim": 128, **overrides, "rope_parameters": {**rope, **overrides.get("rope_parameters", {})}}
+    text = tiny_config(architectures=None, **fields)
+    vocab = text.vocab_size
     vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text.hidden_size,
                   patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                   deepstack_visual_indexes=[])  # vLLM reads it in multimodal mode (none: no deepstack)
-    return Qwen4ExpConfig(text_config=text.to_dict(), vision_config=vision, image_token_id=VOCAB - 4,
-                          video_token_id=VOCAB - 3, vision_start_token_id=VOCAB - 2, vision_end_token_id=VOCAB - 1,
+    return Qwen4ExpConfig(text_config=text.to_dict(), vision_config=vision, image_token_id=vocab - 4,
+                          video_token_id=vocab - 3, vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1,
                           architectures=["Qwen4ExpForConditionalGeneration"])
 
 
