@@ -240,6 +240,8 @@ class Launcher:
         for name in checked:
             if name not in free:
                 raise ValueError(f"{self.fn.__name__}: checked argument {name!r} must be a free argument")
+        if _DEFERRED:
+            return _DEFERRED[-1].add(self, grid, values, launch_options)
         return BoundLaunch(self, tuple(grid), values, launch_options, tuple(free),
                            tuple(n in checked for n in free), fast_launch=options.fast_launch)
 
@@ -390,10 +392,8 @@ def binding_key(launcher: Launcher, values: Sequence[Any], options: dict) -> tup
 class _Deferred:
     """What `Launcher.bind` returns under `deferred_binds`: never launched."""
 
-    def __init__(self, launcher: Launcher, grid: Sequence[int], values: list, options: dict,
-                 free: tuple[str, ...], checked: tuple[bool, ...] = (), *, fast_launch: bool = True) -> None:
-        _DEFERRED[-1].found.setdefault(binding_key(launcher, values, options), (launcher, tuple(grid), values, options))
-        self.name = launcher.fn.__name__
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def __call__(self, *free: Any) -> None:
         raise RuntimeError(f"{self.name}: bound under deferred_binds (warm-up), not launchable: bind it again")
@@ -408,16 +408,16 @@ class deferred_binds:
     def __init__(self, found: dict[tuple, tuple]) -> None:
         self.found = found
 
+    def add(self, launcher: Launcher, grid: Sequence[int], values: list, options: dict) -> _Deferred:
+        """Record one binding (`Launcher.bind` under this context)."""
+        self.found.setdefault(binding_key(launcher, values, options), (launcher, tuple(grid), values, options))
+        return _Deferred(launcher.fn.__name__)
+
     def __enter__(self) -> dict[tuple, tuple]:
-        global BoundLaunch
-        self._saved = BoundLaunch
         _DEFERRED.append(self)
-        BoundLaunch = _Deferred  # type: ignore[misc, assignment]
         return self.found
 
     def __exit__(self, *exc: Any) -> None:
-        global BoundLaunch
-        BoundLaunch = self._saved  # type: ignore[misc]
         _DEFERRED.pop()
 
 
