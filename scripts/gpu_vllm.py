@@ -27,9 +27,9 @@ checkpoint plus one MTP layer (`add_mtp_layer`: a drafter that is right some of 
 reports each run's acceptance.
 
 Checks (exit 1 on any failure): QSA_CORE's tokens equal upstream's in each mode, eager equals
-CUDA graphs, the server equals `LLM.generate`, a run with MTP equals the one without; token for token, except where both runs stand at a
-bf16 tie of their two likeliest tokens (random weights make such ties common; the summary gives
-each margin). OUT_DIR gets every run's JSON and log and
+CUDA graphs, the server equals `LLM.generate`, a run with MTP equals the one without; token for
+token, except where both runs stand at a bf16 tie of their two likeliest tokens (random weights
+make such ties common; the summary gives each margin). OUT_DIR gets every run's JSON and log and
 `summary.md` (`summary-fp8.md` with `--kv-cache-dtype fp8`).
 """
 
@@ -83,9 +83,9 @@ def write(folder: str, model: str, mtp: bool) -> None:
     from qwen4_checkpoint import add_mtp_layer, write_checkpoint
 
     if not os.path.exists(os.path.join(folder, "config.json")):
-        model = write_checkpoint(folder, production_config(model), seed=7)
+        hf = write_checkpoint(folder, production_config(model), seed=7)
         if mtp:
-            add_mtp_layer(folder, model, seed=3)
+            add_mtp_layer(folder, hf, seed=3)
 
 
 def prompts(lengths: list[int]) -> list[list[int]]:
@@ -248,7 +248,8 @@ def main() -> int:
             compare(f"{model}{tag} {backend}: graphs vs eager", r, results.get((model, backend, "eager", spec)))
         if spec:
             compare(f"{model} {backend} {mode}: MTP {spec} vs none", r, results.get((model, backend, mode, 0)))
-    failures += [f"{m} {b} {mode} MTP {spec}: {r['error']}" for (m, b, mode, spec), r in results.items() if "error" in r]
+    failures += [f"{m} {b} {mode} MTP {spec}: {r['error']}"
+                 for (m, b, mode, spec), r in results.items() if "error" in r]
     if args.server:
         served = serve_and_ask(args.out, os.path.join(args.out, "ckpt-full"), env, lengths, kv)
         if "error" in served:

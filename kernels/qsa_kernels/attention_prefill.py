@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import LOG2E, attend, dot_dtype, launch_config, normalized_store, online_update, store_row, tile_scores
+from .attention_common import (LOG2E, attend, dot_dtype, launch_config, normalized_store, online_update, store_row,
+                               tile_scores)
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 from .options import DEFAULT, KernelOptions
 

@@ -8,7 +8,8 @@ Served alone, the first prompt's first prefill chunk (CHUNK = 42 tokens) ends in
 inside a group: that group's key is rotated at the 3-axis position of its first token, an
 image token of the step before, which only the ring's stored positions have. The text after
 the image runs at MRoPE positions behind the logical ones. Then the first prompt is served
-while the second decodes (mixed prefill / decode steps of two image requests). The server is stopped by its pid at teardown.
+while the second decodes (mixed prefill / decode steps of two image requests). The server is
+stopped by its pid at teardown.
 
 Budget 16, not the production 2048: every row past 16 tokens selects, so the image's group
 keys decide selections all through these short prompts. At 2048 only rows past 2051 tokens
