@@ -203,15 +203,17 @@ def _decode_samples_scratch(max_rows: int, max_cols: int, block_topk: int, dev: 
     """Scratch of the per-row-samples decode route for every decode plan up to max_rows x
     max_cols (`planner.column_bucket`s): the largest need of any that takes it, a power of two
     c standing for the bounds in (c / 2, c] (their chunks up to that of c / 2 + 1 columns, their
-    rows' needs up to c's)."""
+    rows' needs up to c's), and n = min(2^k, that chunk) rows for the chunks of (2^(k-1), 2^k]
+    rows (`select_prefill.decode_seg`'s rows class: fewer rows may take more segments)."""
     need: dict[str, int] = {}
     bounds = {1 << i for i in range(block_topk.bit_length(), (max_cols - 1).bit_length() + 1)}
     for c in sorted(bounds):
         chunk = min(_scored_chunk(max_rows, c // 2 + 1, True), _DECODE_SAMPLES_MAX_ROWS)
-        tiles = _decode_samples_route(c, block_topk, chunk, True, options) if c > block_topk else None
-        if tiles is not None:
-            elems = select_prefill.prefill_scratch_elems(chunk, chunk, c, tiles, decode_block_g(options))
-            need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
+        for n in sorted({min(1 << k, chunk) for k in range(chunk.bit_length() + 1)}):
+            tiles = _decode_samples_route(c, block_topk, n, True, options) if c > block_topk else None
+            if tiles is not None:
+                elems = select_prefill.prefill_scratch_elems(n, n, c, tiles, decode_block_g(options))
+                need = {k: max(need.get(k, 1), v) for k, v in elems.items()}
     return select_prefill.prefill_scratch(need, dev) if need else None
 
 

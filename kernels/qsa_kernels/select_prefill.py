@@ -392,6 +392,34 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
 # Decode chunks of at least this many rows search each row's bound once, in a bound launch (tile
 # bound 3), and run their segment programs at 4 warps (`decode_tiles`).
 DECODE_BOUND_ROWS = 16
+# Segment programs a decode chunk's top-k launch aims at (`decode_seg`): about one per SM of the
+# H100 / H200 (132). A fixed count, not the device's: the plan reads nothing from the device.
+DECODE_TOPK_PROGRAMS = 128
+# The most segments (candidate lists) of a decode row: what 8192-column segments make at 1M
+# context, the most the resolve's gather was measured with.
+DECODE_MAX_SEGS = 32
+
+
+def decode_seg(num_cols: int, rows: int, base: int, min_seg: int, programs: int) -> int:
+    """Columns per segment program of the decode top-k for a chunk of `rows` rows of num_cols
+    columns: the largest of (a) num_cols * next_pow2(rows) / programs, so that a chunk of few long
+    rows still runs about `programs` programs; (b) num_cols / DECODE_MAX_SEGS, at most that many
+    lists for the resolve to gather; (c) min_seg (the score tile: a segment holds whole sample
+    runs of every row's stride); each rounded up to a power of two, and at most `base` (the
+    segment of chunks with enough rows, measured on the H200).
+
+    Why: a segment program is bound by latency, not throughput (one program per SM, its
+    dependent loads and block reductions), and at 128K B4 the base rule ran 4 x 8 programs on
+    132 SMs while the score launch ran 512. A program's bound search and the last arriver's
+    resolve do not depend on the segment; its run scan and compaction sweep do (a quarter of a
+    segment's runs reach the bound on random rows, more where the top groups cluster), so smaller
+    segments shorten every program and the last arriver's wait, and 4x more programs still fit one
+    per SM. rows enters as a power of two (thresholds at powers of two: `qsa_core.warmup`); the
+    choice changes no selected group (the resolve is exact whatever the segments: a row's result
+    does not depend on its chunk)."""
+    spread = triton.cdiv(num_cols * triton.next_power_of_2(max(rows, 1)), programs)
+    seg = max(spread, triton.cdiv(num_cols, DECODE_MAX_SEGS), min_seg)
+    return min(base, triton.next_power_of_2(seg))
 
 
 def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool, rows: int = 1,
@@ -402,32 +430,38 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     >= 4 Kb slots and rows of num_cols columns at most score_block_g (= 2^log_g) columns per
     sample. So every scored row has at least Kb samples, a row of at most 2^WBITS columns one
     per column (its bound is its Kb-th key) and a longer one more than 2 Kb: a short row of a
-    long plan keeps a tight bound. One launch per chunk (no deferred resolve). skip: rows of at
-    least 2^skip_shift columns per sample read only the runs whose sample reaches the bound
-    (`seg_runs`), others their whole segment. bound 2: each program's bracket search of its row's
-    samples; bound 3 (chunks of >= DECODE_BOUND_ROWS rows): a bound launch's; rsbits: the resolve's
-    bracket search (`_resolve_lists`). sample_launch (MTP rows, rows_per_request > 1): the samples
-    come from a launch of their own over the score scratch (`_row_samples_kernel`, sblock columns a
-    program), not from the score launch. The other fields as `prefill_tiles`'. rows: the chunk's.
-    small: the interpreter's tiles.
+    long plan keeps a tight bound. One launch per chunk (no deferred resolve). seg: `decode_seg`
+    (chunks of few rows take smaller segments than the base, and so more programs); block: the
+    compaction's sweep, at most a segment. skip: rows of at least 2^skip_shift columns per sample
+    read only the runs whose sample reaches the bound (`seg_runs`), others their whole segment.
+    bound 2: each program's bracket search of its row's samples; bound 3 (chunks of >=
+    DECODE_BOUND_ROWS rows): a bound launch's; rsbits: the resolve's bracket search
+    (`_resolve_lists`). sample_launch (MTP rows, rows_per_request > 1): the samples come from a
+    launch of their own over the score scratch (`_row_samples_kernel`, sblock columns a program),
+    not from the score launch. The other fields as `prefill_tiles`'. rows: the chunk's. small: the
+    interpreter's tiles (a 64-column base, 64 programs: the tests' chunks of 1-8 rows take 16- and
+    32-column segments).
 
     H200 choices: the bracket searches, the tile skip and 8192-column segments against the radix
     search and whole segments (128K B4 44.3 -> 35.5 us, 1M B4 131.9 -> 113.4, 128K B64 205.2 ->
-    193.6); 4096-column segments up to 32768 columns (at 1M they make 64 lists to gather); chunks
-    of >= DECODE_BOUND_ROWS rows search each row's bound once in a bound launch and run 4 warps
+    193.6); a base of 4096-column segments up to 32768 columns (at 1M they make 64 lists to gather);
+    chunks of >= DECODE_BOUND_ROWS rows search each row's bound once in a bound launch and run 4 warps
     (it pays only where a chunk runs in one wave: 1M B4 x 4 MTP 119.9 -> 112.8, chunks of 4 rows
     lose). Measure: `python benchmarks/bench_qsa.py --only decode-131072-4-1-bf16
-    decode-131072-64-1-bf16 decode-1048576-4-1-bf16 decode-1048576-4-4-bf16 --out DIR`."""
+    decode-131072-64-1-bf16 decode-1048576-4-1-bf16 decode-1048576-4-4-bf16 --out DIR`
+    (`benchmarks/ab_decode.sh` against main)."""
     log_g = score_block_g.bit_length() - 1
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,
              sample_launch=int(rows_per_request > 1))
     if small:
-        return SampleTiles(**t, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, skip=0, sbits=2,
-                           rsbits=2, bound=2, sblock=2 * score_block_g)
+        seg = decode_seg(num_cols, rows, 64, score_block_g, 64)
+        return SampleTiles(**t, seg=seg, cap=32, block=min(16, seg), rblock=16, bits=4, lbits=31, warps=4, skip=0,
+                           sbits=2, rsbits=2, bound=2, sblock=2 * score_block_g)
     many = rows >= DECODE_BOUND_ROWS
-    return SampleTiles(**t, seg=4096 if num_cols <= 32768 else 8192, cap=1024, block=2048, rblock=1024, bits=2,
-                       lbits=16, warps=4 if many else 8, skip=1, sbits=3, rsbits=3, bound=3 if many else 2,
+    seg = decode_seg(num_cols, rows, 4096 if num_cols <= 32768 else 8192, score_block_g, DECODE_TOPK_PROGRAMS)
+    return SampleTiles(**t, seg=seg, cap=1024, block=min(2048, seg), rblock=1024, bits=2, lbits=16,
+                       warps=4 if many else 8, skip=1, sbits=3, rsbits=3, bound=3 if many else 2,
                        sblock=max(2048, score_block_g))
 
 

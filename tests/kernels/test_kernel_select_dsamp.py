@@ -106,7 +106,10 @@ def test_mixed_batch_equals_main_route(nan_scratch, skip, mix, rpr, aligned, kin
     problem = make_problem(**mix, kind=kind, pad_rows=2, seed=1)
     got, s = select(problem, True, rpr, calls=2, aligned=aligned)  # twice: arrival counters left at zero
     assert s.decode_samples_tiles.row_s == 5 and s.num_cols == 250
-    assert sp.seg_runs(s.num_cols, s.decode_samples_tiles, ker.decode_block_g(OPTS)) == 8 * skip
+    # `select_prefill.decode_seg`: MIXED's 8 rows take 32-column segments, MIXED_MTP's 22 the 64-column base
+    seg = 32 if s.chunk <= 8 else 64
+    assert s.decode_samples_tiles.seg == seg
+    assert sp.seg_runs(s.num_cols, s.decode_samples_tiles, ker.decode_block_g(OPTS)) == seg // 8 * skip
     want, _ = select(problem, False, rpr)
     assert torch.equal(got, want)
     if kind == "int":
@@ -170,6 +173,28 @@ def test_per_row_samples_of_the_score_launch_or_the_sample_launch(nan_scratch, m
 
 
 @small_tiles
+def test_segments_by_chunk_rows_and_batch_invariance(nan_scratch, skip):
+    # `select_prefill.decode_seg` (the interpreter's 64 programs, 64-column base, 16-column score
+    # tiles): the first row of a 150-column plan alone and in chunks of 4, 8 and 64 rows takes 16-,
+    # 16-, 32- and 64-column segments (10, 10, 5 and 3 lists a row); each row selects the same groups
+    # whatever its chunk, the reference's (integer data: ties; most of the 64 rows are short, so
+    # that the interpreter runs few score programs).
+    g = torch.Generator().manual_seed(7)
+    seq_lens = [600, 440, 300, 20, 140, 600, 64, 599] + torch.randint(20, 201, (56,), generator=g).tolist()
+    problem = make_problem(seq_lens, [1] * 64, kind="int", seed=7)
+    q, comp, table, to_req, vis, max_seq = problem
+    want = reference(problem)
+    got = {}
+    for rows, seg in ((1, 16), (4, 16), (8, 32), (64, 64)):
+        sub = (q[:rows], comp, table, to_req[:rows], vis[:rows], max_seq)
+        got[rows], s = select(sub, True)
+        assert s.decode_samples_tiles.seg == seg and s.num_cols == 150, (rows, s.decode_samples_tiles)
+        assert torch.equal(got[rows].cpu(), want[:rows]), rows
+    for rows in (1, 4, 8):
+        assert torch.equal(got[rows], got[64][:rows]), rows
+
+
+@small_tiles
 def test_ties_zeros_and_overflow(nan_scratch, skip):
     # Integer data, one index head: crowds of equal scores and ReLU zeros; request 1's query is
     # zero (every score 0: bound 0, all columns candidates, the whole-row resolve).
@@ -210,7 +235,7 @@ def test_the_workspace_holds_every_decode_plan_of_this_route(nan_scratch):
     ws = ker.select_workspace(cap + 40, 1200 // R, KB, DEV, options=ON)
     assert ws.decode_samples is not None
     assert ker.select_workspace(cap + 40, 1200 // R, KB, DEV, options=OFF).decode_samples is None
-    for rows in (1, 4, 16, 64, 65, cap, cap + 1, cap + 40):
+    for rows in (1, 2, 3, 4, 8, 9, 16, 64, 65, cap, cap + 1, cap + 40):
         for cols in (16, 32, 64, 128, 256, 300):
             s = ker.plan_select(rows, cols, KB, decode=True, device=DEV, workspace=ws, options=ON)
             taken = s.decode_samples is not None
@@ -268,12 +293,39 @@ def test_the_route_takes_long_decode_chunks_by_default(monkeypatch):
         QSAOptions.from_env()
 
 
+def test_decode_segments_spread_chunks_of_few_rows():
+    # `select_prefill.decode_seg` on the H200's tiles (Kb 512, 128-column score tiles): chunks of few
+    # long rows take smaller segments, up to DECODE_TOPK_PROGRAMS programs and DECODE_MAX_SEGS lists
+    # a row; chunks with enough rows keep the base (4096 columns up to 32768, then 8192).
+    for cols, rows, seg in ((32768, 1, 1024), (32768, 4, 1024), (32768, 3, 1024), (32768, 8, 2048),
+                            (32768, 16, 4096), (32768, 64, 4096), (36864, 4, 2048), (131072, 4, 4096),
+                            (262144, 1, 8192), (262144, 4, 8192), (262144, 16, 8192), (8192, 16, 1024)):
+        t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
+        assert (t.seg, t.block) == (seg, min(2048, seg)), (cols, rows, t)
+    # Every plan: at most the base, at most DECODE_MAX_SEGS lists below it, and a segment holds
+    # whole sample runs of every row's stride (`sample_shift`: the kernel's run count SEG >> shift must not be 0).
+    for kb, block_g, small in ((512, 128, False), (8, 16, True)):
+        for cols in [1 << i for i in range(kb.bit_length(), 19)] + list(range(8192, 1 << 18, 4096)):
+            for rows in range(1, 257):
+                t = sp.decode_tiles(cols, kb, block_g, small=small, rows=rows)
+                base = 64 if small else 4096 if cols <= 32768 else 8192
+                assert t.seg <= base and (t.seg == base or -(-cols // t.seg) <= sp.DECODE_MAX_SEGS), (cols, rows)
+                assert t.seg >= 1 << sample_shift(cols, t.row_s, t.log_g), (cols, rows, t.seg)
+                # programs: at least half (powers of two) of the target, of the lists' cap, of the base's
+                programs = 2 * rows * -(-cols // t.seg)
+                assert programs >= min(64 if small else sp.DECODE_TOPK_PROGRAMS, rows * sp.DECODE_MAX_SEGS,
+                                       rows * -(-cols // base)), (cols, rows, t.seg)
+
+
 SM90_COMPILE = """
 from qsa_kernels import select_prefill as sp
 from sm90 import compile_decode_topk, compile_sm90, int_divisions
 
-for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M context; 64 rows: the bound launch
+# 128K and 1M context; 64 rows: the bound launch; 32K x 16 rows: 1024-column segments (`decode_seg`) of
+# the bound launch's chunks, 128K x 4 rows those of chunks without it
+for cols, rows in ((32768, 4), (262144, 4), (262144, 64), (8192, 16)):
     t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
+    print("tiles", cols, rows, "seg", t.seg, "block", t.block)
     for packed, skip in ((False, 0), (True, 0), (True, 1)) if rows < 16 else ((True, 1),):
         # packed rows of few rows also warm the attention's bf16 K/V (warm.KV: 4 tokens x 2 heads x 2 x 256,
         # QSACacheLayout's paired pages)
@@ -294,17 +346,21 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64)):  # 128K and 1M contex
 
 def test_route_compiles_for_sm90():
     """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M
-    columns), the bound launch of chunks of many rows and MTP rows' sample launch compile for
-    sm_90 here without a GPU (its score kernels: test_kernel_select_score); the K/V warm
-    (`warm.KV`) issues bulk L2 prefetches, and only where bound; the top-k and the bound launch
-    divide by no runtime value (a row's sample stride is a power of two: shifts)."""
+    context, segments of 1024 and 8192 columns), the bound launch of chunks of many rows and MTP
+    rows' sample launch compile for sm_90 here without a GPU (its score kernels:
+    test_kernel_select_score); the K/V warm (`warm.KV`) issues bulk L2 prefetches, and only where
+    bound; the top-k and the bound launch divide by no runtime value (a row's sample stride is a
+    power of two: shifts)."""
     from sm90 import run as run_script
 
     run = run_script(SM90_COMPILE, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
+    segs = [x.split()[1:] for x in run.stdout.splitlines() if x.startswith("tiles")]
+    assert segs == [["32768", "4", "seg", "1024", "block", "1024"], ["262144", "4", "seg", "8192", "block", "2048"],
+                    ["262144", "64", "seg", "8192", "block", "2048"], ["8192", "16", "seg", "1024", "block", "1024"]], segs
     lines = [x for x in run.stdout.splitlines() if x.startswith("compiled")]
-    assert len(lines) == 15, run.stdout
+    assert len(lines) == 18, run.stdout
     warms = [x.split()[-3:] for x in lines if " warm " in x]
-    assert len(warms) == 11 and all((w == "0") == (n == "0") for _, w, n in warms), run.stdout
+    assert len(warms) == 12 and all((w == "0") == (n == "0") for _, w, n in warms), run.stdout
     divisions = [x.split()[x.split().index("divisions") + 1] for x in lines if "divisions" in x]
-    assert len(divisions) == 12 and set(divisions) == {"0"}, run.stdout
+    assert len(divisions) == 14 and set(divisions) == {"0"}, run.stdout
