@@ -346,12 +346,14 @@ def test_gpu_decode_1m_and_batch_invariance(nan_scratch, route):
 
 @pytest.mark.gpu
 @routes("dsamp")
-def test_gpu_decode_128k_segments_by_rows_batch_invariant(nan_scratch, route):
+@pytest.mark.parametrize("kind", ["int", "bf16"])
+def test_gpu_decode_128k_segments_by_rows_batch_invariant(nan_scratch, route, kind):
     # `select_prefill.decode_seg`: at 128K a chunk of 1 or 4 rows takes 1024-column segments (32
     # a row, 128 programs at 4 rows), one of 64 rows the 4096-column base; the same rows select
-    # the same groups in each, and the reference's (integer data: bitwise).
+    # the same groups in each (bitwise), and the reference's (integer data, crowded ties: bitwise;
+    # bf16: the candidate lists, the same scores).
     seq_lens = [131072, 100_000, 65536, 40_000] + [2048 + 1000 * i for i in range(60)]
-    problem = _prod_problem(seq_lens, [1] * len(seq_lens), "int", seed=6)
+    problem = _prod_problem(seq_lens, [1] * len(seq_lens), kind, seed=6)
     q, comp, table, to_req, vis, ms = problem
     kw = dict(page_size=64, compress_ratio=4, block_topk=512)
     outs = {}
@@ -363,7 +365,8 @@ def test_gpu_decode_128k_segments_by_rows_batch_invariant(nan_scratch, route):
                                          **kw)
     assert torch.equal(outs[1], outs[4][:1]) and torch.equal(outs[4], outs[64][:4])
     _, expect = run_both(problem, decode=True, route=route, **PROD)
-    assert torch.equal(outs[64], expect)
+    check_valid(outs[64].cpu(), vis.cpu(), 512)
+    assert_same_selection(problem, outs[64], expect, kind)
 
 
 @pytest.mark.gpu
