@@ -164,20 +164,22 @@ def _bracket_step(key, t, lo, hi, c_lo, c_hi, KB: tl.constexpr):
 
 
 @triton.jit
-def kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
+def kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr, SLACK: tl.constexpr = 0):
     """(thr, keys > thr) for `emit_above` of keys [N] (int32 in [0, 2^31), -1 masked;
     vis > KB valid): thr = the KB-th largest key, or one with exactly KB keys > thr. A
     bracket [lo, hi) with >= KB keys >= lo and < KB keys >= hi narrows by 2^BITS counts per
     step (`_bracket_step`) until hi = lo + 1 (thr = lo) or exactly KB keys are >= lo (thr =
     lo - 1): the first step's candidates are spread linearly in value below the largest key,
     later ones linearly in key bits over the bracket; candidate lo + 1 ends a search whose
-    KB-th key is lo (ties)."""
+    KB-th key is lo (ties). SLACK > 0 (`samples_bound` only: a lower bound, not the KB-th key):
+    the search also ends once at most KB + SLACK keys are >= lo (thr = lo)."""
     j = tl.arange(0, 1 << BITS)
     top = tl.max(key, 0)
     frac = j.to(tl.float32) * (1.0 / (1 << BITS))
     t = tl.where(j == 0, 1, (top.to(tl.float32, bitcast=True) * frac).to(tl.int32, bitcast=True) & 0x7FFFFFFF)
     lo, hi, c_lo, c_hi = _bracket_step(key, t, vis * 0, top.to(tl.int64) + 1, vis, vis * 0, KB)
-    while (lo + 1 < hi) & (c_lo != KB):  # the same trip count in every thread of the program
+    # (the same trip count in every thread of the program)
+    while (lo + 1 < hi) & (c_lo != KB) & ((SLACK == 0) | (c_lo > KB + SLACK)):
         t = tl.where(j == 0, lo + 1, lo + ((hi - lo) * j >> BITS)).to(tl.int32)
         lo, hi, c_lo, c_hi = _bracket_step(key, t, lo, hi, c_lo, c_hi, KB)
     exact = c_lo == KB
@@ -185,13 +187,14 @@ def kth_bound(key, vis, KB: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def samples_bound(samples, KB: tl.constexpr, SBITS: tl.constexpr):
+def samples_bound(samples, KB: tl.constexpr, SBITS: tl.constexpr, SLACK: tl.constexpr = 0):
     """A lower bound of a row's KB-th largest key from its samples int32 [N] (each a real key
     of the row, the largest of a subset of its columns; -1: an empty subset) by the bracket
     search (`kth_bound`, 2^SBITS counts a step): its bracket's low end, the KB-th largest
-    sample or a value >= 0 below it that exactly KB samples reach; 0 with fewer than KB
-    samples. Either way >= KB of the row's keys reach it."""
-    thr, n_above = kth_bound(samples, tl.sum((samples >= 0).to(tl.int32), 0), KB, SBITS)
+    sample or a value >= 0 below it that exactly KB samples reach (SLACK > 0: or that KB + 1 to
+    KB + SLACK samples reach, a looser bound in fewer steps); 0 with fewer than KB samples.
+    Either way >= KB of the row's keys reach it."""
+    thr, n_above = kth_bound(samples, tl.sum((samples >= 0).to(tl.int32), 0), KB, SBITS, SLACK)
     return thr + (n_above == KB).to(tl.int32)  # (thr: one below the low end where KB samples reach it)
 
 

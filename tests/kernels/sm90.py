@@ -130,7 +130,7 @@ def compile_decode_topk(cols: int, rows: int, packed: bool, skip: int, warm_k: i
                  RBLOCK=t.rblock, DEFER=0, PACKED=packed, R=4 if packed else 1, W=2051 if packed else 1,
                  BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t.row_s,
                  LOG_G=t.log_g, BOUND_IN=t.bound & 1, SBITS=t.sbits, RSBITS=t.rsbits, WARM_K=warm_k,
-                 WARM_V=0, PAGE=64, PDL=2)
+                 WARM_V=0, PAGE=64, BSLACK=t.bslack, PDL=2)
     types = dict(s_ptr="*fp32", pos_ptr="*i64", kc_ptr="*bf16", vc_ptr="*bf16")
     return compile_sm90(sp._topk_prefill_kernel, const, types, num_warps=t.warps, launch_pdl=True)
 

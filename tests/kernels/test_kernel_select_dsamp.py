@@ -29,6 +29,9 @@ from qsa_kernels import select as ker  # noqa: E402
 from qsa_kernels import select_prefill as sp  # noqa: E402
 from qsa_kernels.select_score import ScoreLaunch  # noqa: E402
 from kernel_options import OPTS  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from qsa_kernels.select_common import samples_bound  # noqa: E402
 
 ON, OFF = replace(OPTS, decode_samples=True), replace(OPTS, decode_samples=False)
 
@@ -317,6 +320,48 @@ def test_decode_segments_spread_chunks_of_few_rows():
                                        rows * -(-cols // base)), (cols, rows, t.seg)
 
 
+@triton.jit
+def _samples_bound_kernel(samp_ptr, out_ptr, KB: tl.constexpr, SBITS: tl.constexpr, SLACK: tl.constexpr,
+                          N: tl.constexpr):
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, samples_bound(tl.load(samp_ptr + row * N + tl.arange(0, N)), KB, SBITS, SLACK))
+
+
+@small_tiles
+@pytest.mark.parametrize("kind", ["random", "ties", "few"])
+def test_samples_bound_slack(kind):
+    # `select_common.samples_bound` with the decode tiles' slack (`decode_tiles` bslack): a lower
+    # bound that at least KB samples reach and at most KB + SLACK do (or the exact one: the KB-th
+    # largest sample, where ties put more above it), never above the KB-th largest sample; 0 for
+    # rows of fewer than KB samples. SLACK 0 gives the KB-th largest sample itself.
+    N, KB, SLACK = 256, 32, 8
+    g = torch.Generator().manual_seed(11)
+    if kind == "random":
+        samp = torch.randint(0, 1 << 30, (16, N), generator=g, dtype=torch.int32)
+    elif kind == "ties":
+        samp = torch.randint(0, 40, (16, N), generator=g, dtype=torch.int32) * 1000
+    else:  # fewer than KB samples (-1: empty subsets), and exactly KB
+        samp = torch.full((16, N), -1, dtype=torch.int32)
+        for r in range(16):
+            samp[r, : 2 * r + 2] = torch.randint(0, 100, (2 * r + 2,), generator=g, dtype=torch.int32)
+    bounds = {}
+    for slack in (0, SLACK):
+        out = torch.empty(16, dtype=torch.int32)
+        _samples_bound_kernel[(16,)](samp, out, KB=KB, SBITS=2, SLACK=slack, N=N)
+        bounds[slack] = out
+    for r in range(16):
+        row, exact, loose = samp[r], int(bounds[0][r]), int(bounds[SLACK][r])
+        if int((row >= 0).sum()) < KB:
+            assert exact == loose == 0, (r, exact, loose)
+            continue
+        kth = int(row.sort(descending=True).values[KB - 1])
+        assert exact <= kth and int((row >= exact).sum()) == int((row >= kth).sum()), (r, exact, kth)
+        reach = int((row >= loose).sum())
+        assert loose <= exact and KB <= reach and (reach <= KB + SLACK or loose == exact), (r, loose, reach)
+    if kind == "random":  # distinct samples: the search ends early on most rows
+        assert int((bounds[SLACK] < bounds[0]).sum()) >= 8, (bounds[SLACK], bounds[0])
+
+
 SM90_COMPILE = """
 from qsa_kernels import select_prefill as sp
 from sm90 import compile_decode_topk, compile_sm90, int_divisions
@@ -335,7 +380,7 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64), (8192, 16)):
                   k.asm["ptx"].count("cp.async.bulk.prefetch"))
     if t.bound & 1:
         const = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=128, SAMPP=1 << t.row_s, SBITS=t.sbits,
-                     ROW_SAMPLES=t.row_s, LOG_G=t.log_g, PDL=2)
+                     ROW_SAMPLES=t.row_s, LOG_G=t.log_g, BSLACK=t.bslack, PDL=2)
         k = compile_sm90(sp._bound_prefill_kernel, const, num_warps=t.warps, launch_pdl=True)
         print("compiled bound", cols, "divisions", int_divisions(k))
     const = dict(KB=512, WBITS=t.row_s, BLOCK=t.sblock, LOG_G=t.log_g, PDL=2)  # MTP rows' sample launch
@@ -357,7 +402,8 @@ def test_route_compiles_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     segs = [x.split()[1:] for x in run.stdout.splitlines() if x.startswith("tiles")]
     assert segs == [["32768", "4", "seg", "1024", "block", "1024"], ["262144", "4", "seg", "8192", "block", "2048"],
-                    ["262144", "64", "seg", "8192", "block", "2048"], ["8192", "16", "seg", "1024", "block", "1024"]], segs
+                    ["262144", "64", "seg", "8192", "block", "2048"],
+                    ["8192", "16", "seg", "1024", "block", "1024"]], segs
     lines = [x for x in run.stdout.splitlines() if x.startswith("compiled")]
     assert len(lines) == 18, run.stdout
     warms = [x.split()[-3:] for x in lines if " warm " in x]

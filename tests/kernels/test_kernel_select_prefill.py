@@ -336,9 +336,9 @@ t = sp.prefill_tiles(32768, 512, 64, small=False)
 write = dict(KB=512, BITS=t.bits, SEG=t.seg, SEGP=8, CAP=t.cap, PACKED=True, R=4, W=2051, BLOCK_W=1024,
              stride_oc=1, PDL=2)
 topk = dict(KBP=512, LBITS=t.lbits, S=16, SAMPP=2048, BLOCK=t.block, RBLOCK=t.rblock, DEFER=t.defer,
-            ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0, RSBITS=0, WARM_K=0, WARM_V=0, PAGE=1)
+            ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0, RSBITS=0, WARM_K=0, WARM_V=0, PAGE=1, BSLACK=t.bslack)
 skip = dict(topk, RUNS=sp.seg_runs(32768, t, 64))
-bound = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, PDL=2)
+bound = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, BSLACK=t.bslack, PDL=2)
 for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns),
         # with the bound read (tile bound 1 / 3) or by the bracket search (2), the bound launch (1 / 3)
         (sp._topk_prefill_kernel, dict(topk, RUNS=0, **write), t.warps),
