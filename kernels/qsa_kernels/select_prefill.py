@@ -446,7 +446,7 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     its low end, a looser bound (still >= Kb samples reach it) in fewer steps, on every program's
     critical path (simulated on random rows at 128K and 1M, Kb 512, 2048 samples: 4.3 -> 1.6
     counting steps, 585 -> 646 candidates a row, at most 747 of the 1024 the lists hold; with
-    Kb / 2, 731 and at most 953; unmeasured on the GPU). sample_launch (MTP rows, rows_per_request
+    Kb / 2, 731 and at most 953). sample_launch (MTP rows, rows_per_request
     > 1): the samples come from a launch of their own over the score scratch
     (`_row_samples_kernel`, sblock columns a program), not from the score launch. The other
     fields as `prefill_tiles`'. rows: the chunk's. small: the interpreter's tiles (a 64-column
@@ -457,7 +457,9 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     193.6); a base of 4096-column segments up to 32768 columns (at 1M they make 64 lists to gather);
     chunks of >= DECODE_BOUND_ROWS rows search each row's bound once in a bound launch and run 4 warps
     (it pays only where a chunk runs in one wave: 1M B4 x 4 MTP 119.9 -> 112.8, chunks of 4 rows
-    lose). Measure: `python benchmarks/bench_qsa.py --only decode-131072-4-1-bf16
+    lose); decode_seg with bslack against the 4096 / 8192 base with the exact search (H100, whole
+    step): 128K B4 57.5 -> 56.2 us, 1M B4 142.3 -> 141.1, 128K B64 327.0 -> 324.8, 1M B4 x 4
+    182.1 -> 180.3. Measure: `python benchmarks/bench_qsa.py --only decode-131072-4-1-bf16
     decode-131072-64-1-bf16 decode-1048576-4-1-bf16 decode-1048576-4-4-bf16 --out DIR`
     (`benchmarks/ab_decode.sh` against main)."""
     log_g = score_block_g.bit_length() - 1
