@@ -4,7 +4,9 @@ Production geometry (bf16, Hq 24 / Hkv 2 / D 256, indexer 4 x 128, r 4, budget 2
 synthetic random data. Every configuration is checked against the PyTorch reference before it
 is timed. Each column is one CUDA graph (captured once) timed as the median of its replays, L2
 flushed before each replay (a layer's caches are cold in a served step); "whole step" is all of
-the layer's launches (prepare, select writing packed rows, attention) in one graph. bench_report.py holds
+the layer's launches (prepare, select writing packed rows, attention) in one graph, also timed
+replayed back to back ("warm L2") and after a 256 MB read instead of the write ("clean L2": no
+dirty lines for the step's misses to write back first, as in a served step). bench_report.py holds
 the byte/FLOP model, the issue's targets and the table writers.
 
     python benchmarks/bench_qsa.py --out DIR [--sglang-dir SITE] [--markdown BENCHMARKS.md --readme README.md]
@@ -45,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_report as rep  # noqa: E402
 from bench_report import (  # noqa: E402
-    DENSE, NO_PREP, SGL_ALL, SGL_ATTN, SGL_INDEXER, WHOLE, WHOLE_WARM, Case, Geometry, Result,
+    DENSE, NO_PREP, SGL_ALL, SGL_ATTN, SGL_INDEXER, WHOLE, WHOLE_CLEAN, WHOLE_WARM, Case, Geometry, Result,
 )
 
 from qsa_core import (  # noqa: E402
@@ -396,10 +398,14 @@ def sglang_check(step: Step, path, rows: int = 2) -> float:
 
 # -- one configuration -------------------------------------------------------------------------
 
-def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save, warm_timer=None,
-            prefill_data: str = "random", overlap_period: int = OVERLAP_PERIOD, step: Step | None = None) -> Result:
+def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save,
+            whole_timers: dict[str, GraphTimer] | None = None, prefill_data: str = "random", overlap_period: int = OVERLAP_PERIOD,
+            step: Step | None = None) -> Result:
     """Fill result column by column (save() after each, so a killed run keeps what it has);
-    `step`: measure on this one (a caller that times peers on the same caches) instead of a new one."""
+    `whole_timers`: further whole-step columns, each with its own timer ({WHOLE_WARM: no flush,
+    WHOLE_CLEAN: read flush}); `step`: measure on this one (a caller that times peers on the same
+    caches) instead of a new one."""
+    whole_timers = whole_timers or {}
     if step is None:
         step = Step(case, device, prefill_data=prefill_data, overlap_period=overlap_period)
     step.select()
@@ -415,13 +421,12 @@ def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result:
         WHOLE: step.full,
     }
     step.select()
-    if warm_timer is not None:
-        ours[WHOLE_WARM] = step.full
+    ours |= {name: step.full for name in whole_timers}
     for name, fn in ours.items():
         if name in result.us or any(n.startswith(f"{name}:") for n in result.notes):
             continue
         try:
-            result.us[name] = (warm_timer if name == WHOLE_WARM else timer)(fn)
+            result.us[name] = whole_timers.get(name, timer)(fn)
         except Exception as e:  # noqa: BLE001 - one column's failure (e.g. an API it relies on moved) is reported
             result.notes.append(f"{name}: {type(e).__name__}: {e}"[:300])
         save()
@@ -604,7 +609,14 @@ def main(argv: list[str] | None = None) -> None:
                 versions=versions(), when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), method=method)
     sg, why = load_peer(args, device)
     timer = WallTimer() if args.dry_run else GraphTimer(flush_l2=not args.warm_l2, flush=args.flush)
-    warm_timer = None if args.dry_run or args.warm_l2 else GraphTimer(flush_l2=False)
+    if args.dry_run:  # the columns' logic, no timing
+        whole_timers = {WHOLE_WARM: timer, WHOLE_CLEAN: timer}
+    elif args.warm_l2:
+        whole_timers = {}
+    else:
+        whole_timers = {WHOLE_WARM: GraphTimer(flush_l2=False)}
+        if args.flush == "write":
+            whole_timers[WHOLE_CLEAN] = GraphTimer(flush="read")
     results = [by_key.get(c.key) or Result(c) for c in cases]
 
     failed: list[str] = []
@@ -637,7 +649,7 @@ def main(argv: list[str] | None = None) -> None:
             watchdog.start()
         try:
             measure(r.case, device, timer, sg, dense=not args.no_dense and not args.dry_run, result=r, save=save,
-                    warm_timer=warm_timer, prefill_data=args.prefill_data, overlap_period=args.overlap_period)
+                    whole_timers=whole_timers, prefill_data=args.prefill_data, overlap_period=args.overlap_period)
         except Exception as e:  # noqa: BLE001 - a failed check stops this configuration only
             r.notes.append(f"FAILED: {type(e).__name__}: {e}"[:300])
             failed.append(r.case.key)

@@ -65,7 +65,8 @@ def test_targets_are_held_only_when_the_whole_step_meets_them():
 
 def test_results_round_trip_and_render_into_the_marked_sections(tmp_path):
     r = Result(Case("decode", 131072, 4, 1, "fp8_e4m3"), us={"prepare": 5.0, "select+expand": 10.0, "attention": 8.0,
-                                                             rep.WHOLE: 21.0, rep.DENSE: 250.0, rep.SGL_ALL: 150.0},
+                                                             rep.WHOLE: 21.0, rep.WHOLE_CLEAN: 17.5, rep.DENSE: 250.0,
+                                                             rep.SGL_ALL: 150.0},
                model=decode_model(131072, 4, "fp8_e4m3"), check="ok", agreement={"rows": 4, "gapped": 3, "agree": 3})
     rep.save(tmp_path / "results.json", {"device": "H200"}, [r])
     assert json.loads((tmp_path / "results.json").read_text())["schema"] == rep.SCHEMA
@@ -78,11 +79,11 @@ def test_results_round_trip_and_render_into_the_marked_sections(tmp_path):
     assert text.startswith("intro\n") and text.endswith(f"{rep.MARK_END}\nafter\n") and "old" not in text
     row = next(line for line in text.splitlines() if line.startswith("| decode 128K, B4 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "fp8_e4m3" and cells[5] == "23.0" and cells[6] == "21.0"  # sum of ops, whole step
-    assert cells[13:15] == ["<= 20", "no"] and cells[-1] == "3/3"
+    assert cells[1] == "fp8_e4m3" and cells[5:8] == ["23.0", "21.0", "17.5"]  # sum of ops, whole step, clean L2
+    assert cells[14:16] == ["<= 20", "no"] and cells[-1] == "3/3"
     assert "- decode 128K, B4 (fp8_e4m3): whole step 21.0 us, target <= 20 (dense 250.0 us): not held" in text
     assert "the largest part is select+expand: 10.0 of 23.0 us" in text
-    gbs = float(cells[16].split()[0])
+    gbs = float(cells[17].split()[0])
     assert gbs == pytest.approx(r.model["bytes"] / 21e-6 / 1e9, rel=1e-2)
     with pytest.raises(ValueError, match="markers"):
         rep.replace_section(tmp_path / "table.md", "x")  # table.md has no markers
@@ -96,7 +97,7 @@ def test_dry_run_checks_and_writes_one_configuration(tmp_path):
     _, results = rep.load(tmp_path / "results.json")
     (r,) = results
     assert r.case.key == key and r.check.startswith("ok")
-    assert {"prepare", "select+expand", "attention", rep.NO_PREP, rep.WHOLE} <= set(r.us)
+    assert {"prepare", "select+expand", "attention", rep.NO_PREP, rep.WHOLE, rep.WHOLE_WARM, rep.WHOLE_CLEAN} <= set(r.us)
     # the model's inputs come from the step's own selection: one row at position 4095 sees 1024
     # complete groups and no open tail, so it selects exactly the budget
     assert r.model["selected_tokens"] == r.model["kv_tokens"] == G.token_topk
