@@ -399,8 +399,8 @@ def sglang_check(step: Step, path, rows: int = 2) -> float:
 # -- one configuration -------------------------------------------------------------------------
 
 def measure(case: Case, device: torch.device, timer, sg, *, dense: bool, result: Result, save,
-            whole_timers: dict[str, GraphTimer] | None = None, prefill_data: str = "random", overlap_period: int = OVERLAP_PERIOD,
-            step: Step | None = None) -> Result:
+            whole_timers: dict[str, GraphTimer | WallTimer] | None = None, prefill_data: str = "random",
+            overlap_period: int = OVERLAP_PERIOD, step: Step | None = None) -> Result:
     """Fill result column by column (save() after each, so a killed run keeps what it has);
     `whole_timers`: further whole-step columns, each with its own timer ({WHOLE_WARM: no flush,
     WHOLE_CLEAN: read flush}); `step`: measure on this one (a caller that times peers on the same
