@@ -25,9 +25,8 @@ from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 from .options import DEFAULT, KernelOptions
 
 _MAX_SPLITS = 64
-# Programs per SM the decode split count aims at: on the H200 3 against 2 cut 128K B64 from 91.1
-# to 86.3 us and 1M B4 with 4 rows per request from 40.6 to 37.6 (L2 flushed); 4 was slower at B64
-# (105 us); rows <= 4 stay at the 33-split cap either way. Measure: `python benchmarks/bench_qsa.py
+# Programs per SM the decode split count aims at: 3 was fastest on the H200 at 128K B64 and 1M B4
+# with 4 rows per request, see NOTES.md (Kernels). Measure: `python benchmarks/bench_qsa.py
 # --only decode-131072-64-1-bf16 decode-1048576-4-4-bf16 --out DIR`.
 _PROGRAMS_PER_SM = 3
 # Rows above which the one-pass kernel already fills the GPU.

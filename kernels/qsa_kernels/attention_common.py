@@ -35,8 +35,7 @@ def tile_scores(q, page, off, load, kvh, k_ptr, qk_scale, stride_kp, stride_ks, 
     head kvh at page / off int64 [N], loaded where `load` [N] (0 elsewhere)."""
     d = tl.arange(0, DP)
     # K gathered as its transpose [DP, N], the dot's operand as loaded, not [N, DP] and
-    # tl.trans (H200, 16K prefill rows at 16K, ms: 32 columns / 1 warp / 2 stages 12.2 ->
-    # 8.0, 64 / 2 / 1 11.0 -> 10.6; decode splits ~1 us).
+    # tl.trans, which made the prefill one pass slower (H200, NOTES.md (Kernels)).
     k = tl.load(k_ptr + (page * stride_kp + off * stride_ks + kvh * stride_kh)[None, :] + d[:, None],
                 mask=(d < D)[:, None] & load[None, :], other=0.0).to(DOT_DTYPE)
     return tl.dot(q, k, input_precision="ieee") * qk_scale
@@ -166,13 +165,10 @@ def launch_config(dp: int, split: bool, context: int, small_tiles: bool = False)
     flash-decoding) or one pass, requests of at most `context` tokens (0: unknown); small_tiles:
     `KernelOptions.small_tiles`.
 
-    D 256 on the H200: decode splits hold 1-8 blocks, 64 columns / 2 warps / no pipelining (the
-    first speed pass's sweep: 4 rows 10.4 vs 11.2 us for 8 warps / 2 stages); their shape does not
-    depend on the context. The one pass (prefill), 16K rows, ms (main's 64 / 2 / 1 ->
-    32 / 1 / 2 -> 64 / 2 / 2): at 16K context 11.02 -> 7.96 -> 8.61, 128K 12.45 -> 12.03 -> 11.80,
-    1M 15.53 -> 15.70 -> 15.32; so 32 / 1 / 2 up to SHORT_CONTEXT tokens. Decode batches of > 128
-    rows (the one pass too), us: 8K B256 276.8 -> 325.8 -> 279.8, 32K B256 310.0 -> 330.5 -> 284.2,
-    128K B160 217.0 -> 179.8 -> 232.7. Measure: `python benchmarks/bench_qsa.py --only
+    D 256 (the H200 sweeps are in NOTES.md (Kernels)): decode splits hold 1-8 blocks, so 64
+    columns / 2 warps / no pipelining, whatever the context. The one pass (prefill, and decode
+    batches of > 128 rows): 32 / 1 / 2 up to SHORT_CONTEXT tokens, where the 16K-row prefill runs
+    fastest with it, 64 / 2 / 2 beyond. Measure: `python benchmarks/bench_qsa.py --only
     prefill-16384-1-16384-bf16 prefill-131072-1-16384-bf16 decode-131072-4-1-bf16 --out DIR`."""
     if small_tiles:
         return 32, 4, 1

@@ -44,14 +44,11 @@ from .attention_common import (LOG2E, attend, dot_dtype, launch_config, normaliz
 from .launch import BoundLaunch, Launcher, pdl_end, pdl_start
 from .options import DEFAULT, KernelOptions
 
-# Blocks whose runs number at most this fraction of their rows' groups run shared. H200, 16K rows:
-# the shared kernel (5 rows x 12 heads on M = 64) costs 2.8-3.9x the per-row kernel per gathered
-# token. With the first look of `_min_share` (ms, per-row /
-# 0.25 / 0.3): neighbour overlap 0.90 at 16K 7.99 / 7.84 / 7.21, 0.98 at 16K 7.99 / 5.59 / 5.44, 0.95
-# at 128K 9.27 / 6.54 / 6.44; the indexer's own scores on random data at 16K 8.00 / 7.98 / 8.02 and
-# at 128K 11.68 / 11.59 / 11.67, overlap 0.81 at 128K 9.66 / 9.68 / 9.70. Blocks of 2 rows (M = 32)
-# lost to 5 everywhere; 10 (M = 128, 16 groups / 8 warps) won only at 16K with overlap 0.98 (5.54
-# against 5.80 ms) and lost at 0.90-0.95 (16K 7.60 against 7.01, 128K 7.71 against 6.86). Measure:
+# Blocks whose runs number at most this fraction of their rows' groups run shared: the shared
+# kernel costs several times the per-row kernel per gathered token, so only blocks whose rows
+# share most of their groups gain. 0.3 beat 0.25 where neighbours overlap 0.90-0.98 and matched
+# the per-row kernel elsewhere; blocks of 5 rows (`default_block_rows`) beat 2 everywhere and 10
+# at all but the highest overlap (H200, see NOTES.md (Kernels)). Measure:
 # `python benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16 --prefill-data overlap --out DIR`.
 MAX_UNION_RATIO = 0.3
 
@@ -340,11 +337,9 @@ class PrefillSchedule:
 
 
 def _launch_config(dp: int, small_tiles: bool) -> tuple[int, int, int]:
-    """(BLOCK_G groups per shared tile, num_warps, num_stages) of the shared kernel. D 256, M 64
-    on the H200 (triton 3.6, every block shared, 16K rows at 16K with overlap 0.98, ms,
-    each with a trial union pass 0.72 ms slower than the kept one): 8 groups (32 tokens), 4 warps,
-    3 stages 6.54 (5.81 with the kept pass); 2 stages 6.55; 8 warps 10.13; 4 groups 7.89; 16
-    groups / 8 warps / 2 stages (the shape before K was gathered as its transpose) 8.71."""
+    """(BLOCK_G groups per shared tile, num_warps, num_stages) of the shared kernel. D 256, M 64:
+    8 groups (32 tokens), 4 warps, 3 stages, the fastest of the H200 sweep (2 stages tied; see
+    NOTES.md (Kernels))."""
     if small_tiles:
         return 8, 4, 1
     return (8, 4, 3) if dp >= 256 else (16, 4, 2)
@@ -448,8 +443,8 @@ def _min_share(block_rows: int, max_ratio: float) -> float:
     """Share of the first look's groups the last row must hold for the full pass. Where each row
     keeps a share o of the previous row's n groups, a block's union is about n (1 + (BR - 1)(1 - o))
     and its first and last rows share about o^(BR - 1): the share at which that union meets the
-    ratio (BR 5, ratio 0.3: 0.59). On the H200, taking 2 - BR x ratio less 0.15 instead (0.35)
-    let blocks of overlap 0.81 at 128K through to fail the full pass (attention 9.70 -> 9.87 ms)."""
+    ratio (BR 5, ratio 0.3: 0.59). A looser share (2 - BR x ratio less 0.15: 0.35) let through
+    blocks that then failed the full pass, which was slower (H200, NOTES.md (Kernels))."""
     if block_rows == 1:
         return 0.0
     keep = min(1.0, max(0.0, 1.0 - (block_rows * max_ratio - 1.0) / (block_rows - 1)))

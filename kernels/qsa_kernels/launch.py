@@ -1,15 +1,14 @@
 """A thin Triton launcher: bind a `@triton.jit` kernel once, relaunch it with the runtime args only.
 
-`JITFunction.run` costs 30-60 us of host time per launch: binding the arguments, the
+`JITFunction.run` costs tens of microseconds of host time per launch: binding the arguments, the
 specialization key, the compiled-kernel lookup, launch metadata and hooks, and in the
 compiled launcher a `data_ptr()` call and a driver query per pointer. A QSA layer launches
 the same kernels with the same workspace, caches and constexprs on every call, so a
 `BoundLaunch` does that work once and then calls Triton's own compiled-kernel handle, the
 `CompiledKernel.run` launcher that `JITFunction.run` ends with (triton 3.6 to 3.9), with the
 grid, the current stream and the argument list, pointers as raw ints, in which only the
-`free` arguments change. Calling the C launch under that launcher directly saves another
-0.24-0.5 us per launch on an H100 (triton 3.6, benchmarks/results/launch.json) but reaches
-one more internal per Triton version: not taken.
+`free` arguments change. Calling the C launch under that launcher directly would save a little
+more but reaches one more internal per Triton version: not taken (NOTES.md (Kernels)).
 
 Specialization is respected: Triton compiles a different kernel when a tensor's dtype or
 16-byte alignment, or an int's range (i32/i64/u64), its being 1 or its divisibility by 16

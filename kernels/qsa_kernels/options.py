@@ -29,9 +29,9 @@ class KernelOptions:
         and reach every route (its cost is per program, not per element). CPU tests only.
     select_prefill_min_rows: prefill select chunks of at least this many rows take the
         sample-bounded top-k (`select_prefill`): 64 on the GPU, where chunks of 64, 512 and 4096
-        rows measured faster than the radix passes (16K rows at 1M, 128K and 16K context; `python
-        benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16 --out DIR`); 1 in the
-        interpreter's tests so that small steps reach that route.
+        rows (at 1M, 128K and 16K context) were faster on it than on the radix passes (H200, see
+        NOTES.md (Kernels); `python benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16 --out
+        DIR`); 1 in the interpreter's tests so that small steps reach that route.
     fast_launch: bound launches call the compiled kernel's launcher directly (`launch.py`);
         False launches every kernel the ordinary way, `kernel[grid](...)`. Flipped by an engineer
         (QSA_FAST_LAUNCH=0) to time the launcher against Triton's path (`bench_qsa.py host`) or
@@ -45,11 +45,10 @@ class KernelOptions:
     shared_prefill: prefill attention steps of >= shared_prefill_min_rows rows run the
         shared-tile kernels (`attention_prefill.py`); False keeps the one-pass kernel. Flipped
         (QSA_SHARED_PREFILL=0) to time the shared tiles against the one pass.
-    shared_prefill_min_rows: 1024: where neighbouring rows' selections overlap 0.90-0.98 the
-        shared tiles cut 16K rows of attention from 7.99 to 7.21-5.45 ms at 16K context and from
-        9.27 to 6.41 at 128K, within 1 % of the one pass on random selections (H200; `python
-        benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16 --prefill-data overlap --out
-        DIR`); tests lower it to reach those kernels with few rows.
+    shared_prefill_min_rows: 1024: the shared tiles gain where neighbouring rows' selections
+        overlap and stay within noise of the one pass on random selections (H200, see NOTES.md
+        (Kernels); `python benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16
+        --prefill-data overlap --out DIR`); tests lower it to reach those kernels with few rows.
     l2_warm: the decode top-k hints the chosen groups' K/V into L2 (`warm.py`); it changes no
         value. Flipped (QSA_L2_WARM=0) by the GPU suite, which checks the bits are the same
         without it, and to time the hint.

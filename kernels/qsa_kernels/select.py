@@ -29,16 +29,16 @@ from .select_score import ScoreLaunch, score_tiles
 from . import select_prefill, select_topk
 from .warm import kv_warm
 
-# Route policy of a select call (`plan_select`), each bound with what it was measured against on
-# the H200; `python benchmarks/bench_qsa.py --only KEY --out DIR` times a table row's whole step
-# (KEY as in results.json, e.g. decode-131072-4-1-bf16).
+# Route policy of a select call (`plan_select`): each bound with the reason for it; the H200
+# figures behind them are in NOTES.md (Kernels). `python benchmarks/bench_qsa.py --only KEY --out
+# DIR` times a table row's whole step (KEY as in results.json, e.g. decode-131072-4-1-bf16).
 
 # Cap on the fp32 score scratch of one chunk of rows (bytes); never [rows, all columns].
 SCORE_SCRATCH_BYTES = 64 << 20
 # A prefill chunk scores at least this many rows (or all of them), past the cap where rows are
 # long (256 MiB at 1M context): the score kernel's per-chunk tail and the top-k launches amortise
-# (16K rows at 1M: select 40.9 ms in 64-row chunks, 35.7 in 256-row ones; --only
-# prefill-1048576-1-16384-bf16). Shorter contexts already chunk >= 256 rows under the cap.
+# (faster than 64-row chunks at 1M; --only prefill-1048576-1-16384-bf16). Shorter contexts
+# already chunk >= 256 rows under the cap.
 PREFILL_MIN_CHUNK_ROWS = 256
 # Fused per-row top-k only for few rows over few columns, where the radix passes' ten launches
 # dominate; one program per row is slower than the passes beyond ~4K columns or for many rows
@@ -48,8 +48,8 @@ _FUSED_MAX_COLS = 4096
 _BUCKET_STEP = 4096
 _FUSED_MAX_ROWS = 256
 # Decode chunks of up to this many rows whose rows fit `select_topk`'s short top-k take it: one
-# launch where the radix passes take seven (8K B1 select 29.3 -> 18.4 us, B256 75.7 -> 68.7;
-# --only decode-8192-1-1-bf16 decode-32768-4-1-bf16).
+# launch where the radix passes take seven, faster at 8K context with 1 and 256 rows (--only
+# decode-8192-1-1-bf16 decode-32768-4-1-bf16).
 _TOPK_SHORT_MAX_ROWS = 256
 # The per-row-samples decode route (the score launch also writes per-row samples, then one
 # `select_prefill` top-k launch, `select_prefill.decode_tiles`; MTP rows' samples come from a
@@ -109,8 +109,7 @@ def select_tiles(decode: bool, options: KernelOptions = DEFAULT) -> SelectTiles:
     """The tiles of a decode or prefill select call (`SelectTiles`). options.small_tiles: small
     column tiles (tests cross tile borders) and 8 rows per radix program (the interpreter's cost
     is per program). Else the H200's: 128-column decode score tiles and 64-column prefill ones
-    (`select_score.score_tiles` has the measurements), radix tiles of 4096 columns and one row a
-    program."""
+    (`select_score.score_tiles` says why), radix tiles of 4096 columns and one row a program."""
     if options.small_tiles:
         return SelectTiles(block_r=16, block_g=16, scan=32, rows=8)
     return SelectTiles(block_r=64, block_g=128 if decode else 64, scan=4096, rows=1)

@@ -321,7 +321,7 @@ _prefill_resolve = Launcher(_resolve_prefill_kernel)
 
 
 # Longest sample run (columns): 32 made the top-k launches of 16K rows at 1M fastest on the H200
-# (runs of 128: 7.57 ms, 64: 5.0, 32: 4.27, 16: 7.18; --only prefill-1048576-1-16384-bf16).
+# of runs from 16 to 128, see NOTES.md (Kernels) (--only prefill-1048576-1-16384-bf16).
 SAMPLE_COLS = 32
 # Cap on the candidate lists kept for a deferred resolve (bytes): rows of several chunks.
 CAND_BYTES = 64 << 20
@@ -375,13 +375,12 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     over num_cols and runs of at most SAMPLE_COLS, at most score_block_g / 4 (S = score_block_g /
     sub columns per sample). small (`KernelOptions.small_tiles`): tiles that tests cross with few
     columns. Else the H200's: the top-k is bound by latency, so 8 warps at 64 registers (4
-    programs an SM), 1024 candidates and the deferred resolve (select of 16K rows against the
-    radix passes: 1.59 -> 1.13 ms at 16K context, 14.95 -> 6.52 at 128K, 120.8 -> 58.4 at 1M);
-    skip from 32768 columns (it pays only where segments hold many runs: 128K 6.47 -> 4.87 ms, 1M
-    57.5 -> 40.7, 16K even); bound 1 for rows of several segments (one search in the bound
-    launch), 2 for rows of one segment (the bracket search in their program). Measure: `python
-    benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16 prefill-131072-1-16384-bf16
-    prefill-1048576-1-16384-bf16 --out DIR`."""
+    programs an SM), 1024 candidates and the deferred resolve (faster than the radix passes from
+    16K to 1M context); skip from 32768 columns (it pays only where segments hold many runs: at
+    128K and 1M, not at 16K); bound 1 for rows of several segments (one search in the bound
+    launch), 2 for rows of one segment (the bracket search in their program). Figures: NOTES.md
+    (Kernels). Measure: `python benchmarks/bench_qsa.py --only prefill-16384-1-16384-bf16
+    prefill-131072-1-16384-bf16 prefill-1048576-1-16384-bf16 --out DIR`."""
     sub = 1
     while 4 * sub < score_block_g and (num_cols * sub < 4 * block_topk * score_block_g
                                        or score_block_g > SAMPLE_COLS * sub):
@@ -444,24 +443,22 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     DECODE_BOUND_ROWS rows): a bound launch's; rsbits: the resolve's bracket search
     (`_resolve_lists`); bslack Kb / 4: that bound search ends once at most 1.25 Kb samples reach
     its low end, a looser bound (still >= Kb samples reach it) in fewer steps, on every program's
-    critical path (simulated on random rows at 128K and 1M, Kb 512, 2048 samples: 4.3 -> 1.6
-    counting steps, 585 -> 646 candidates a row, at most 747 of the 1024 the lists hold; with
-    Kb / 2, 731 and at most 953). sample_launch (MTP rows, rows_per_request
-    > 1): the samples come from a launch of their own over the score scratch
-    (`_row_samples_kernel`, sblock columns a program), not from the score launch. The other
-    fields as `prefill_tiles`'. rows: the chunk's. small: the interpreter's tiles (a 64-column
-    base, 64 programs: the tests' chunks of 1-8 rows take 16- and 32-column segments).
+    critical path, with candidates well inside the lists (simulated on random rows, NOTES.md
+    (Kernels)). sample_launch (MTP rows, rows_per_request > 1): the samples come from a launch of
+    their own over the score scratch (`_row_samples_kernel`, sblock columns a program), not from
+    the score launch. The other fields as `prefill_tiles`'. rows: the chunk's. small: the
+    interpreter's tiles (a 64-column base, 64 programs: the tests' chunks of 1-8 rows take 16- and
+    32-column segments).
 
-    H200 choices: the bracket searches, the tile skip and 8192-column segments against the radix
-    search and whole segments (128K B4 44.3 -> 35.5 us, 1M B4 131.9 -> 113.4, 128K B64 205.2 ->
-    193.6); a base of 4096-column segments up to 32768 columns (at 1M they make 64 lists to gather);
-    chunks of >= DECODE_BOUND_ROWS rows search each row's bound once in a bound launch and run 4 warps
-    (it pays only where a chunk runs in one wave: 1M B4 x 4 MTP 119.9 -> 112.8, chunks of 4 rows
-    lose); decode_seg with bslack against the 4096 / 8192 base with the exact search (H100, whole
-    step): 128K B4 57.5 -> 56.2 us, 1M B4 142.3 -> 141.1, 128K B64 327.0 -> 324.8, 1M B4 x 4
-    182.1 -> 180.3. Measure: `python benchmarks/bench_qsa.py --only decode-131072-4-1-bf16
-    decode-131072-64-1-bf16 decode-1048576-4-1-bf16 decode-1048576-4-4-bf16 --out DIR`
-    (`benchmarks/ab_decode.sh` against main)."""
+    Choices, each faster than what it replaced (H200; decode_seg with bslack on the H100; figures
+    in NOTES.md (Kernels)): the bracket searches, the tile skip and 8192-column segments against
+    the radix search and whole segments; a base of 4096-column segments up to 32768 columns (at 1M
+    they make 64 lists to gather); chunks of >= DECODE_BOUND_ROWS rows search each row's bound once
+    in a bound launch and run 4 warps (it pays only where a chunk runs in one wave; chunks of 4
+    rows lose); decode_seg with bslack against the 4096 / 8192 base with the exact search. Measure:
+    `python benchmarks/bench_qsa.py --only decode-131072-4-1-bf16 decode-131072-64-1-bf16
+    decode-1048576-4-1-bf16 decode-1048576-4-4-bf16 --out DIR` (`benchmarks/ab_decode.sh` against
+    main)."""
     log_g = score_block_g.bit_length() - 1
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,

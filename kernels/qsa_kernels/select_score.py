@@ -4,7 +4,7 @@ Contract: `qsa_core.reference.select.group_scores`. Scores go to a chunk's scrat
 [chunk rows, num_cols], only for rows with visible > Kb and columns g < visible; nothing
 else of the scratch is written. A program owns a span of `span` columns that it streams in
 BLOCK_G tiles (a software-pipelined loop: the next tiles' keys load while this one's dots
-run). Three kernels (`score_tiles` says which for which shape, with the H200 figures):
+run). Three kernels (`score_tiles` says which for which shape, and why):
 - `_scores_decode_kernel` (grid: rows x spans): one row, its heads padded to HM >= 16 on the
   dot's M.
 - `_scores_mtp_kernel` (grid: requests x spans): the decode rows of one request (MTP rows of a
@@ -22,7 +22,7 @@ and the chunk's first row.
 Bits: each score is one fp32 dot per head over all of Di (no tile splits Di), the heads'
 ReLUs summed in head order, then the IEEE division by sqrt(Di) (`_finish`, or `_finish_fast`:
 the same quotient wherever it is normal), so a score depends on its row's q and its key
-only, never on the tile or span. On the H200: every route's scores bit-equal to main's.
+only, never on the tile or span: every route gives the same score bits (checked on the H200).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def _scores_decode_kernel(
         s_row = s_ptr + lr.to(tl.int64) * stride_sr
         samp_row = samp_ptr + lr.to(tl.int64) * stride_pr
         # Rows of one sample a tile (the longest) take its maximum in the tile loop; shorter runs
-        # are read back after it (a multi-width reduction in the loop costs ~40 registers).
+        # are read back after it (a multi-width reduction in the loop spills at the register cap).
         tile_samples = sample_shift(vis, ROW_SAMPLES, LOG_G) == LOG_G  # (unread without ROW_SAMPLES)
         for off in tl.range(0 if SPAN_TILES else col0, SPAN_TILES * BLOCK_G if SPAN_TILES else g_end, BLOCK_G,
                             num_stages=STAGES):
@@ -223,7 +223,7 @@ def _scores_mtp_kernel(
     row's heads sum over its slots as the one-row kernel sums its heads. q [T, HI, DI] -> s fp32
     [chunk rows, n_cols]; SPAN_TILES as `_scores_decode_kernel`; samp_ptr, stride_pr unread (the
     rows' samples come from `select_prefill`'s sample launch); KEEP as `_scores_decode_kernel`. (A
-    loop over the requests of a program, as the prefill kernel's, costs 80 -> 168 registers.)"""
+    loop over the requests of a program, as the prefill kernel's, would double its registers.)"""
     pdl_start(PDL)
     HR: tl.constexpr = HM // RP  # slots per row (>= HI)
     slot = tl.arange(0, RP)
@@ -456,47 +456,34 @@ class ScoreTiles:
     min_programs: int = 1024
 
 
-# Prefill rows of at least this many columns (1M context) score in 128-column tiles (H200,
-# select of 16K rows at 1M: 35.9 -> 32.7 ms, its scores 24.7 -> 23.5 and its
-# candidate launches 10.6 -> 8.4 from the longer samples); at 128K they were slower (4.9 -> 5.8).
+# Prefill rows of at least this many columns (1M context) score in 128-column tiles: faster
+# select at 1M (the scores, and the candidate launches from the longer samples), slower at 128K
+# (H200, see NOTES.md (Kernels)).
 PREFILL_WIDE_COLS = 1 << 18
 # The request-rows kernel's tiles (MTP rows of a decode-only step).
 MTP_TILES = ScoreTiles(block_r=1, block_g=128, span=256, stages=2, num_warps=4, fast_div=True, request_rows=True)
-# Registers per thread of the decode kernel with per-row samples. H200, the score
-# launch alone, us (none / samples / samples at 64 registers): 1M B4 80.6 / 91.1 / 86.0, 128K B64
-# 149.0 / 170.1 / 161.0, 128K B4 19.2 / 20.5 / 19.9. On sm_90 (cuobjdump): the
-# multi-width samples in the tile loop took ~40 registers (fp8 / bf16 keys: 110 / 106 by the
-# compiler's choice, spilling 56 / 24 bytes at 64); with only the tile maximum there (88 / 96,
-# none spilled at 64) the whole step went fp8 1M B4 92.5 -> 88.7 us, 1M B4 121.2 -> 119.4, 128K
-# B64 255.8 -> 252.8; 80 or 96 registers were no faster (launch alone, fp8 1M B4 48.8 / 50.6 / 52.8).
+# Registers per thread of the decode kernel with per-row samples: its time follows occupancy,
+# and with only the tile maximum in the tile loop it fits 64 without spilling; the compiler's
+# own count, 80 or 96 were slower (H200, see NOTES.md (Kernels)).
 SAMPLES_MAX_REGS = 64
 
 
 def score_tiles(decode: bool, tiles: Any, small: bool, key_bytes: int = 2, num_cols: int = 0) -> ScoreTiles:
     """The score tiles of a call whose `select.SelectTiles` are `tiles`: with small
     (`KernelOptions.small_tiles`) the schedule's small tiles (tests cross tile and span borders),
-    else the H200's, measured (L2 flushed; main = the one-tile-per-program kernels before this
-    sweep; `python benchmarks/bench_qsa.py --only decode-1048576-4-1-bf16 decode-1048576-4-4-bf16
+    else the H200's, each the fastest (or tied) of its sweep (figures: NOTES.md (Kernels); `python
+    benchmarks/bench_qsa.py --only decode-1048576-4-1-bf16 decode-1048576-4-4-bf16
     prefill-131072-1-16384-bf16 --out DIR`):
     - decode, one row per request: one row per program, 128-column tiles; spans of up to two
-      tiles for bf16 keys, four for fp8, while >= 512 programs remain (with the
-      per-row samples, us, one tile / two / four: bf16 1M B4 83.5 / 82.8 / 84.3, 128K B64 157.2 /
-      150.3 / 153.0, 128K B4 19.8 / 19.2 / 21.2; fp8 1M B4 59.2 / 54.9 / 52.9, 128K B64 109.8 /
-      96.9 / 92.0, 128K B4 15.0 / 14.2 / 16.9); 2 stages (bf16 two tiles, 3 -> 2 stages: 1M B4
-      82.8 -> 81.6, 128K B64 150.2 -> 148.3, 128K B4 19.6 -> 19.1; fp8 within 0.6 either way);
+      tiles for bf16 keys, four for fp8, while >= 512 programs remain; 2 stages;
     - decode with tiles.rows_per_request > 1 (MTP): 4 rows x 4 heads on one dot, so a
-      request's rows read each key once (1M B4 x 4 rows 224 -> 111 us); in a decode-only step
-      (tiles.rows_aligned) the request-rows kernel (`_scores_mtp_kernel`: the rows x heads on
-      the mma's M, the Markstein division, 256-column spans, 2 stages), else the packed kernel
-      with the keys on the wgmma's M and the Markstein division (prefill's body). The
-      launch alone at 1M B4 x 4 / 128K B16 x 4, us: packed with rows x heads on the mma's M (before)
-      106.6 / 61.0, keys on M 87.7 / 53.1, request rows 81.4 / 48.7 (with the IEEE division
-      100.8 / 57.2; all bit-equal);
-    - prefill: keys on the wgmma's M, 32 rows x 4 heads on its N, the Markstein division
-      (16K rows at 128K 7.5 -> 2.96 ms, at 1M 66.8 -> 25.3 ms, at 16K 512 -> 227 us); 128-column
-      tiles from PREFILL_WIDE_COLS num_cols; whole tiles unmasked (scores of 16K
-      rows, ms: 1M 22.8 -> 18.2, 128K 3.18 -> 2.94, 16K 0.251 -> 0.225); 64-column tiles at 168
-      registers, 3 programs an SM (128K 2.94 -> 2.62; 128-column ones spill there)."""
+      request's rows read each key once; in a decode-only step (tiles.rows_aligned) the
+      request-rows kernel (`_scores_mtp_kernel`: the rows x heads on the mma's M, the Markstein
+      division, 256-column spans, 2 stages), else the packed kernel with the keys on the wgmma's
+      M and the Markstein division (prefill's body); all bit-equal;
+    - prefill: keys on the wgmma's M, 32 rows x 4 heads on its N, the Markstein division;
+      128-column tiles from PREFILL_WIDE_COLS num_cols; whole tiles unmasked; 64-column tiles at
+      168 registers, 3 programs an SM (128-column ones spill there)."""
     rows_tiles = decode and tiles.rows_per_request > 1
     if rows_tiles and tiles.rows_aligned:
         return ScoreTiles(block_r=1, block_g=tiles.block_g, span=2 * tiles.block_g, stages=1, num_warps=4,
@@ -535,11 +522,10 @@ _FREE = ("q_ptr", "bt_ptr", "row0", "stride_qt", "stride_qh", "stride_qd", "stri
 
 # Decode and MTP score launches whose chunk's scores take at most this many bytes store them with
 # an L2 evict_last hint: the top-k launch reads them next, and the index keys streaming through L2
-# behind them evicted them at 1M context (H200, whole step, bit-equal: 1M B4 118.3 ->
-# 113.1 us, its top-k 20.1 -> 17.7; 128K B64 251.1 -> 245.0; smaller steps unchanged). A quarter of
-# the H200's 60 MB L2 (every measured chunk, 16 MiB at 1M x 16 rows): larger chunks would hold most
-# of L2 at high priority until the next layer overwrites them. Per-row samples always (2 MiB at
-# 256 rows up to 1M context).
+# behind them evicted them at 1M context (bit-equal either way; H200 figures in NOTES.md (Kernels)).
+# A quarter of the H200's 60 MB L2 (16 MiB: a 1M x 16-row chunk; every measured chunk fits):
+# larger chunks would hold most of L2 at high priority until the next layer overwrites them.
+# Per-row samples always (2 MiB at 256 rows up to 1M context).
 SCORES_L2_BYTES = 16 << 20
 
 
@@ -551,9 +537,9 @@ def _fp32(x: float) -> float:
 
 def dot_dtype(q_idx: torch.Tensor, compressed: torch.Tensor, interpret: bool) -> tl.dtype:
     """The score dots' operand dtype, one that holds both sides' values exactly: fp16 where both
-    are fp8 (every e4m3 / e5m2 value is an fp16 one, and sm_90 converts a pair in one
-    instruction, bf16 in several; H200: fp8 1M B4's score launch 59.2 -> 47.4 us,
-    its scores bit-equal), bf16 where each is bf16 or fp8, else (and in the interpreter) fp32."""
+    are fp8 (every e4m3 / e5m2 value is an fp16 one, so the scores keep their bits, and sm_90
+    converts a pair in one instruction, bf16 in several), bf16 where each is bf16 or fp8, else
+    (and in the interpreter) fp32."""
     dtypes = (q_idx.dtype, compressed.dtype)
     if interpret or not all(d == torch.bfloat16 or d in _FP8 for d in dtypes):
         return tl.float32

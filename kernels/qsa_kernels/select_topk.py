@@ -85,11 +85,10 @@ def topk_tiles(num_cols: int, small: bool, rows: int = 1) -> TopkTiles:
     (`KernelOptions.small_tiles`): rows of up to 32 columns, so that tests reach both sides of
     the bound with few columns.
 
-    short: 8192 columns for chunks of fewer than 16 rows, else 4096: up to there one program
-    per row beats the radix passes' launches on the H200 (32K B4 decode select: 40.6 us on the
-    radix passes, 26.0 short); chunks of more rows or longer rows take the per-row-samples
-    route or the radix passes (`select.plan_select`). Measure: `python benchmarks/bench_qsa.py
-    --only decode-32768-4-1-bf16 decode-8192-1-1-bf16 --out DIR`.
+    short: 8192 columns for chunks of fewer than 16 rows, else 4096: up to there one program per
+    row beats the radix passes' launches on the H200 (NOTES.md (Kernels)); chunks of more rows or
+    longer rows take the per-row-samples route or the radix passes (`select.plan_select`). Measure:
+    `python benchmarks/bench_qsa.py --only decode-32768-4-1-bf16 decode-8192-1-1-bf16 --out DIR`.
     sbits: 3 (8 counts a step) up to 4096 columns, 2 at 8192: the search's compare [row, 2^sbits]
     then holds at most 64 keys a thread at 16 warps (no spill), and 3 measured fastest up to
     4096 columns on the H200 (8K B1 / B4 / B64, 16K B4); same command."""

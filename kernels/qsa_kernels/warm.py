@@ -6,16 +6,15 @@ route (`select_prefill`, tile `row_s`), a row's segment programs compact their c
 superset of the row's choice) and only the last to arrive resolves the row; the others then
 issue `cp.async.bulk.prefetch.L2` (sm_90's bulk copy engine: one instruction a contiguous run,
 no registers, no value, no wait) for their candidates' K and V rows, off the step's critical
-path, so those DRAM reads overlap the resolve and the attention's launch (H200,
-whole step, us: 128K B4 53.4 -> 51.7, fp8 1M B4 85.1 -> 84.0; the attention kernel 9.3 -> 8.1
-and 9.7 -> 8.6).
+path, so those DRAM reads overlap the resolve and the attention's launch (a faster attention
+and step on the H200, see NOTES.md (Kernels)).
 
 A hint changes no value anywhere: outputs are bit-equal with it on or off
 (`KernelOptions.l2_warm`, read at binding). Only compiled kernels on sm_90+ issue it.
-Tried and dropped (the same runs, NOTES.md): prepare warming the score launch's first keys (its
-extra tasks lengthen prepare by ~1.2 us, the score launch gains ~1 us: no consistent gain on top
-of this warm), and the decode attention warming its V rows before loading K and the combine's
-gate rows (slower everywhere: fp8 1M B4 +1.3 us, 128K B64 +8.2).
+Tried and dropped (NOTES.md (Kernels), Tried and not landed): prepare warming the score
+launch's first keys (prepare grew by about what the score launch gained: no consistent gain on
+top of this warm), and the decode attention warming its V rows before loading K and the
+combine's gate rows (slower everywhere).
 """
 
 from __future__ import annotations
