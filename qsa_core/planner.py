@@ -365,7 +365,7 @@ class QSAPlanner:
 
     def warm(self, caches: Iterable[QSALayerCache], *, decode_query_lens: Sequence[int] = (1,),
              static: bool = False, max_num_reqs: int | None = None, workers: int | None = None,
-             block_table_strides: Sequence[int] = ()) -> list:
+             block_table_strides: Sequence[int] = (), mixed: bool = True) -> list:
         """Compile every kernel specialization this engine's steps can choose, before serving
         (`warmup.warm`: plans each step shape of `warmup.warm_steps`, binds the layer launches
         on each distinct cache layout with compiling deferred, launching none of them, then
@@ -373,12 +373,14 @@ class QSAPlanner:
         planner's workspace). Call once the real caches are bound, before CUDA graph capture.
         decode_query_lens: the decode rows per request the engine runs (1, and
         1 + num_speculative_tokens with MTP); static: as the engine's `plan(static=...)`;
-        block_table_strides: without static, the row strides the engine's block tables can have.
-        Returns the step shapes planned: none on the reference backend (nothing compiles)."""
+        block_table_strides: without static, the row strides the engine's block tables can have;
+        mixed=False: no mixed decode + prefill shapes, for engines whose steps are decode-only or
+        prefill-only (SGLang). Returns the step shapes planned: none on the reference backend
+        (nothing compiles)."""
         from .warmup import warm
 
         return warm(self, caches, decode_query_lens=decode_query_lens, static=static, max_num_reqs=max_num_reqs,
-                    workers=workers, block_table_strides=block_table_strides)
+                    workers=workers, block_table_strides=block_table_strides, mixed=mixed)
 
     @property
     def request_flags(self) -> torch.Tensor:

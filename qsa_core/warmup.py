@@ -7,8 +7,8 @@ alignment of what it binds. `warm_steps` lists step shapes that reach every vari
 planner can choose within an engine's sizes: every column bucket up to max_model_len; row
 counts 1, 2 and 2^k - 1, 2^k, 2^k + 1 up to the bound (every threshold of the routes and
 tiles is a power of two, and a runtime int specializes on == 1 and % 16 only); decode-only
-steps for each decode query length, one prefill request alone, and mixed steps of both.
-`warm` plans each (the metadata build runs on the planner's own workspace) and binds the
+steps for each decode query length, one prefill request alone, and mixed steps of both
+(left out with mixed=False, for an engine whose steps never mix: SGLang's). `warm` plans each (the metadata build runs on the planner's own workspace) and binds the
 layer launches for each distinct cache layout without launching them (`layer.bind_layer`):
 on a GPU binding compiles; on the interpreter it only binds; on the reference backend there
 is nothing to compile. tests/kernels/test_compile_sm90.py compiles for sm_90 exactly what
@@ -60,9 +60,11 @@ def column_buckets(max_model_len: int, compress_ratio: int) -> list[int]:
 
 
 def warm_steps(compress_ratio: int, *, max_num_tokens: int, max_model_len: int, max_num_reqs: int | None,
-               decode_query_lens: Sequence[int] = (1,)) -> list[WarmStep]:
+               decode_query_lens: Sequence[int] = (1,), mixed: bool = True) -> list[WarmStep]:
     """The step shapes `warm` plans (module docstring) for an engine's sizes: rows per step
-    <= max_num_tokens, requests <= max_num_reqs (None: unbounded), seq_len <= max_model_len."""
+    <= max_num_tokens, requests <= max_num_reqs (None: unbounded), seq_len <= max_model_len.
+    mixed=False leaves out the mixed decode + prefill shapes, for engines whose steps are
+    decode-only or prefill-only (SGLang)."""
     reqs = max_num_reqs or max_num_tokens
     steps: list[WarmStep] = []
     for cols in column_buckets(max_model_len, compress_ratio):
@@ -72,7 +74,8 @@ def warm_steps(compress_ratio: int, *, max_num_tokens: int, max_model_len: int, 
                 continue
             decodes = row_counts(min(reqs, max_num_tokens // dql))
             steps += [WarmStep(n, dql, 0, seq) for n in decodes]
-            if reqs > 1 and max_num_tokens > dql:  # mixed: each decode count with one prefill row, and the converse
+            # mixed: each decode count with one prefill row, and the converse
+            if mixed and reqs > 1 and max_num_tokens > dql:
                 steps += [WarmStep(n, dql, 1, seq) for n in decodes if n < reqs and n * dql < max_num_tokens]
                 steps += [WarmStep(1, dql, n, seq) for n in row_counts(min(max_num_tokens - dql, seq)) if n > 1]
         steps += [WarmStep(0, 1, n, seq) for n in row_counts(min(max_num_tokens, seq))]
@@ -128,7 +131,7 @@ def warm_block_table(rows: int, pages: int, row_stride: int, device: torch.devic
 
 def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query_lens: Sequence[int] = (1,),
          static: bool = False, max_num_reqs: int | None = None, workers: int | None = None,
-         block_table_strides: Sequence[int] = ()) -> list[WarmStep]:
+         block_table_strides: Sequence[int] = (), mixed: bool = True) -> list[WarmStep]:
     """Plan every `warm_steps` shape, bind the layer launches on one cache of each distinct
     layout with compiling deferred (`launch.deferred_binds`: each binding's specialization key
     computed, none compiled), then compile the distinct variants, `workers` at a time (default
@@ -140,7 +143,8 @@ def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query
     on: each `stride_class` is warmed, one plan and bind a shape each; default
     ceil(max_model_len / page_size), tables sized for max_model_len; a table sized per step
     can have any: pass (1, 16, 17)); max_num_reqs: the engine's request bound (default the
-    planner's).
+    planner's); mixed=False: no mixed decode + prefill shapes (`warm_steps`), for engines
+    whose steps are decode-only or prefill-only (SGLang).
     The planner's schedules are as before (warm plans on a fresh set and drops it); its
     workspace is left as the last warm step's metadata build wrote it (no cache is written)."""
     if not planner.backend.compiles:
@@ -159,7 +163,7 @@ def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query
     if planner.num_ring_rows is not None:  # a valid step's requests each hold a ring row
         max_num_reqs = min(max_num_reqs or T, planner.num_ring_rows)
     steps = warm_steps(cfg.compress_ratio, max_num_tokens=T, max_model_len=L, max_num_reqs=max_num_reqs,
-                       decode_query_lens=decode_query_lens)
+                       decode_query_lens=decode_query_lens, mixed=mixed)
     Hi, Di, Hq, Hkv, D = cfg.index_n_heads, cfg.index_head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # The projections as an engine passes them, contiguous rows (one row, expanded: bound, never read).
     proj = {n: torch.empty(1, w, dtype=dtype, device=dev) for n, w in
@@ -204,20 +208,21 @@ def _compiled_kernels() -> int:
 
 
 def start_up_warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query_lens: Sequence[int],
-                  static: bool = True, block_table_strides: Sequence[int] = ()) -> str | None:
+                  static: bool = True, block_table_strides: Sequence[int] = (), mixed: bool = True) -> str | None:
     """An engine's start-up warm-up: `planner.warm(caches, decode_query_lens, static,
-    block_table_strides)` with the engine's planning (static steps, or eager steps on its own
-    block tables of those row strides); returns the line to log, "QSA: warmed N kernel variants
-    over M step shapes in S s" (N: kernels Triton compiled meanwhile). None where nothing
-    compiles: the reference backend, or the interpreter (`planner.options.kernel.interpreter`,
-    TRITON_INTERPRET=1; skipped: binding every shape in the interpreter would cost the CPU
-    engine suites minutes for nothing)."""
+    block_table_strides, mixed)` with the engine's planning (static steps, or eager steps on
+    its own block tables of those row strides; mixed=False: no mixed decode + prefill shapes,
+    for engines whose steps are decode-only or prefill-only, SGLang); returns the line to log,
+    "QSA: warmed N kernel variants over M step shapes in S s" (N: kernels Triton compiled
+    meanwhile). None where nothing compiles: the reference backend, or the interpreter
+    (`planner.options.kernel.interpreter`, TRITON_INTERPRET=1; skipped: binding every shape in
+    the interpreter would cost the CPU engine suites minutes for nothing)."""
     import time
 
     if not planner.backend.compiles or planner.options.kernel.interpreter:
         return None
     before, t0 = _compiled_kernels(), time.perf_counter()
     steps = planner.warm(caches, decode_query_lens=tuple(sorted(set(decode_query_lens))), static=static,
-                         block_table_strides=block_table_strides)
+                         block_table_strides=block_table_strides, mixed=mixed)
     return (f"QSA: warmed {_compiled_kernels() - before} kernel variants over {len(steps)} step shapes "
             f"in {time.perf_counter() - t0:.1f} s")

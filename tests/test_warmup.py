@@ -45,6 +45,36 @@ def test_warm_steps_fit_the_engine():
     assert kinds == {(True, False), (False, True), (True, True)}
 
 
+@pytest.mark.parametrize("sizes", [
+    dict(max_num_tokens=64, max_model_len=1000, max_num_reqs=8, decode_query_lens=(1, 3)),
+    # a typical SGLang eager planner: 128K context, 8192 rows, 32 request slots, MTP of 3 drafts
+    dict(max_num_tokens=8192, max_model_len=131072, max_num_reqs=32, decode_query_lens=(1, 4)),
+    dict(max_num_tokens=12, max_model_len=160, max_num_reqs=None, decode_query_lens=(2,)),
+])
+def test_warm_steps_without_mixed_drop_exactly_the_mixed_shapes(sizes):
+    """mixed=False (SGLang: its steps are decode-only or prefill-only) is the default list, in
+    its order, without the shapes of decodes and a prefill together, and there were some."""
+    both = warm_steps(4, **sizes)
+    apart = warm_steps(4, mixed=False, **sizes)
+    mixed = [s for s in both if s.num_decodes > 0 and s.prefill_rows > 0]
+    assert mixed and apart == [s for s in both if not (s.num_decodes > 0 and s.prefill_rows > 0)]
+    assert len(apart) == len(both) - len(mixed)
+    assert {(s.num_decodes > 0, s.prefill_rows > 0) for s in apart} == {(True, False), (False, True)}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the triton backend on the CPU needs the interpreter")
+def test_planner_warm_passes_mixed_to_warm_steps(monkeypatch):
+    from qsa_core import warmup
+
+    planner, caches = _planner("triton")
+    seen = []
+    monkeypatch.setattr(warmup, "warm_steps", lambda *a, **k: seen.append(k["mixed"]) or [])
+    monkeypatch.setattr("qsa_kernels.launch.compile_bindings", lambda b, workers: 0)
+    assert planner.warm(caches, decode_query_lens=(1, 2), static=True) == []
+    assert planner.warm(caches, decode_query_lens=(1, 2), static=True, mixed=False) == []
+    assert seen == [True, False]
+
+
 def _planner(backend: str, **kw) -> tuple[QSAPlanner, list]:
     cfg = QSAConfig(**CFG)
     layout = QSACacheLayout(num_layers=2, page_size=16, num_pages=8, ring_rows=4, num_speculative_tokens=1)
@@ -136,8 +166,10 @@ def test_start_up_warm_compiles_nothing_where_nothing_compiles(monkeypatch):
     monkeypatch.setattr(planner, "options", dataclasses.replace(planner.options, kernel=no_interpreter))
     monkeypatch.setattr(planner, "warm", lambda c, **k: called.append(k) or [None] * 3)
     line = start_up_warm(planner, caches, decode_query_lens=(2, 1, 2))
-    assert called == [dict(decode_query_lens=(1, 2), static=True, block_table_strides=())]
+    assert called == [dict(decode_query_lens=(1, 2), static=True, block_table_strides=(), mixed=True)]
     assert line.startswith("QSA: warmed 0 kernel variants over 3 step shapes in ") and line.endswith(" s")
+    start_up_warm(planner, caches, decode_query_lens=(1,), static=False, block_table_strides=(1, 16, 17), mixed=False)
+    assert called[1] == dict(decode_query_lens=(1,), static=False, block_table_strides=(1, 16, 17), mixed=False)
 
 
 def test_warm_block_table_specializes_as_the_engines_row_stride():

@@ -11,7 +11,11 @@ attention calls with every binding and every call recorded; each one's Triton ke
 / 2048 rows and 128K / 8192 rows, 256 requests, static steps (CUDA graphs); and eager steps
 (`plan(static=False)`) at 8K on the engine's own block tables, sized per step as SGLang's are
 (ceil(max_seq_len / page_size) pages: any row stride, 1 included), with the warm-up told so
-(`block_table_strides=(1, 16, 17)`). Each process
+(`block_table_strides=(1, 16, 17)`). SGLang's steps never mix decodes and prefills, so its
+warm-ups leave the mixed shapes out (`mixed=False`): the "sglang" configurations warm so and
+plan only SGLang-shaped random steps, eager (decode-only DECODE / TARGET_VERIFY, or
+prefill-only EXTEND / MIXED with the running decodes' 1-row requests among the prefills) and
+of its decode CUDA graphs (static, decode-only, padded requests last with no rows). Each process
 prints `<name> warm=<variants> seen=<keys> missed=<n>` and a `MISSED <kernel> ...` line per
 key the warm-up did not compile.
 """
@@ -23,9 +27,11 @@ import random
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# name: (max_model_len, max_num_tokens, max_num_reqs, random steps, static: else eager on tables sized per step)
-CONFIGS = {"8k": (8192, 2048, 256, 80, True), "128k": (131072, 8192, 256, 50, True),
-           "8k-eager": (8192, 2048, 256, 80, False)}
+# name: (max_model_len, max_num_tokens, max_num_reqs, random steps, static: else eager on tables sized per
+# step, sglang: warm with mixed=False and plan SGLang-shaped steps only)
+CONFIGS = {"8k": (8192, 2048, 256, 80, True, False), "128k": (131072, 8192, 256, 50, True, False),
+           "8k-eager": (8192, 2048, 256, 80, False, False), "8k-sglang-eager": (8192, 2048, 256, 80, False, True),
+           "8k-sglang-graph": (8192, 512, 128, 40, True, True)}
 
 
 def check(name: str) -> None:
@@ -36,11 +42,12 @@ def check(name: str) -> None:
     from qsa_kernels import launch
     from test_compile_sm90 import _config, _norms, _planner, _random_step
 
-    L, N, R, count, static = CONFIGS[name]
+    L, N, R, count, static, sglang = CONFIGS[name]
     cfg = _config("bf16", "bf16")
     with sm90.recording() as found:
         planner, caches = _planner(cfg, 2, N, L, R)
-        planner.warm(caches, decode_query_lens=(1, 4), static=static, block_table_strides=() if static else (1, 16, 17))
+        planner.warm(caches, decode_query_lens=(1, 4), static=static, block_table_strides=() if static else (1, 16, 17),
+                     mixed=not sglang)
         warmed = {sm90.spec_key(b) for b in found.bindings.values()}
         seen = sm90.Recording()
 
@@ -62,7 +69,10 @@ def check(name: str) -> None:
         rng, norms = random.Random(1), _norms(cfg)
         table = torch.zeros(R, -(-L // 64), dtype=torch.int32)
         for _ in range(count):
-            step = _random_step(rng, planner, table, rng.choice([1, 4]))
+            if sglang:
+                step = _sglang_step(rng, planner, table, rng.choice([1, 4]), static)
+            else:
+                step = _random_step(rng, planner, table, rng.choice([1, 4]))
             if not static:  # the engine's table of this step: ceil(max_seq_len / page_size) pages
                 step = _with_table(step, torch.zeros(R, -(-step.max_seq_len // 64), dtype=torch.int32))
             plan = planner.plan(step, static=static)
@@ -80,6 +90,40 @@ def check(name: str) -> None:
     for b in missed:
         print(f"MISSED {b.fn.__name__}: a random step bound or called a variant the warm-up did not compile")
     print(f"{name} warm={len(warmed)} seen={len(keys)} missed={len(missed)}")
+
+
+def _sglang_step(rng: random.Random, planner, block_table, dql: int, graph: bool):
+    """A random step as SGLang's adapter maps one (`batch_map.step_inputs`): never decodes and
+    prefills together. graph: a decode CUDA graph's (DECODE / TARGET_VERIFY of dql rows a
+    request, the padded requests last with no rows, seq_len 1, max_seq_len the context bound);
+    else eager, half decode-only and half prefill-only (EXTEND, or MIXED: the running decodes'
+    1-row requests after the extends; decode_query_len 1)."""
+    import torch
+
+    from qsa_core.inputs import QSAStepInputs
+
+    N, L = planner.max_num_tokens, planner.max_model_len
+    reqs = block_table.shape[0]
+    long = rng.choice([64, 4096, L])
+    pad_reqs = 0
+    if graph or rng.random() < 0.5:
+        nd = min(rng.choice([rng.randint(1, 8), rng.randint(1, reqs)]), N // dql, reqs)
+        if graph:
+            pad_reqs = rng.choice([0, rng.randint(0, nd - 1)])
+        lens = [dql] * (nd - pad_reqs) + [0] * pad_reqs
+    else:
+        nd, dql, lens = 0, 1, []
+        while not lens or (rng.random() < 0.5 and sum(lens) < N and len(lens) < reqs):
+            lens.append(rng.randint(1, min(N - sum(lens), rng.choice([8, 512, N]))))
+        lens += [1] * rng.randint(0, min(N - sum(lens), reqs - len(lens), rng.choice([4, reqs])))
+    seq = [rng.randint(max(q, 1), max(q, 1, min(L, long))) if q else 1 for q in lens]
+    qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    T = sum(lens) + pad_reqs * dql
+    return QSAStepInputs(query_start_loc=qsl, seq_lens=torch.tensor(seq, dtype=torch.int32),
+                         block_table=block_table[: len(lens)], slot_mapping=torch.full((T,), -1, dtype=torch.int64),
+                         ring_index=torch.arange(len(lens), dtype=torch.int32), num_decodes=nd,
+                         max_query_len=max(lens), max_seq_len=L if graph else max(seq), decode_query_len=dql,
+                         num_padding_rows=pad_reqs * dql)
 
 
 def _with_table(step, table):

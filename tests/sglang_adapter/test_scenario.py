@@ -236,29 +236,30 @@ def test_mrope_requests_match_hf():
 
 def test_cuda_graph_state_warms_the_graph_planner(layer, monkeypatch):
     """init_cuda_graph_state warms the graph planner before capture, on every QSA layer's
-    caches of the pool, with decode query lengths 1 and max_num_tokens / max_bs; on the CPU's
-    reference backend the warm-up compiles nothing and logs nothing."""
+    caches of the pool, with decode query lengths 1 and max_num_tokens / max_bs and no mixed
+    shapes (the graphs are decode-only); on the CPU's reference backend the warm-up compiles
+    nothing and logs nothing."""
     from qsa_adapters.sglang import backend
 
     calls, real = [], backend.start_up_warm
 
     env = Env(layer)  # warms its eager planner (test_eager_planner.py)
 
-    def spy(planner, caches, *, decode_query_lens):
+    def spy(planner, caches, *, decode_query_lens, mixed):
         caches = list(caches)
-        calls.append((planner, caches, tuple(decode_query_lens)))
-        out = real(planner, caches, decode_query_lens=decode_query_lens)
+        calls.append((planner, caches, tuple(decode_query_lens), mixed))
+        out = real(planner, caches, decode_query_lens=decode_query_lens, mixed=mixed)
         assert out is None and planner.backend.name == "reference"
         return out
 
     monkeypatch.setattr(backend, "start_up_warm", spy)
     env.backend.init_cuda_graph_state(max_bs=4, max_num_tokens=12)
-    (planner, caches, lens), = calls
+    (planner, caches, lens, mixed), = calls
     assert planner is env.backend.graph.planner
     ids = list(env.pool.full_attention_layer_id_mapping)
     assert env.layer_id in ids
     assert [c.k.data_ptr() for c in caches] == [env.pool.get_key_buffer(i).data_ptr() for i in ids]
-    assert lens == (1, 3)
+    assert lens == (1, 3) and mixed is False
     # Where Triton compiles (a GPU) the warm-up plans static steps, which need the graph
     # planner's request bound (seen on an H100: without it every launch with graphs failed).
     from qsa_adapters.sglang.batch_map import step_inputs

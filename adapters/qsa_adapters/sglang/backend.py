@@ -146,7 +146,10 @@ class QSACoreBackend(AttentionBackend):
     def _warm_eager(self, drafts: int, chunk: int | None, max_prefill: int) -> None:
         """Compile the eager planner's kernel variants at start-up: decode steps of 1 row (and
         1 + drafts with speculation), prefills, on block tables of every row-stride class
-        (eager tables are ceil(step max_seq_len / page) pages wide)."""
+        (eager tables are ceil(step max_seq_len / page) pages wide); no mixed decode + prefill
+        shapes (`mixed=False`): an eager step is decode-only (DECODE, TARGET_VERIFY) or
+        prefill-only (EXTEND, and MIXED, whose running decodes run as 1-row prefills:
+        `batch_map`)."""
         logger.info(
             "qsa_core: eager planner for %d rows a step (chunked_prefill_size %s, max_prefill_tokens %d, "
             "%d request slots, %d draft tokens)",
@@ -154,7 +157,7 @@ class QSACoreBackend(AttentionBackend):
         )
         lens = (1, 1 + drafts) if drafts else (1,)
         line = start_up_warm(self.planner, self._caches(), decode_query_lens=lens, static=False,
-                             block_table_strides=(1, 16, 17))
+                             block_table_strides=(1, 16, 17), mixed=False)
         if line is not None:
             logger.info("%s (eager planner)", line)
 
@@ -193,9 +196,10 @@ class QSACoreBackend(AttentionBackend):
             device=self.device,
         )
         # Compile the graphs' kernel variants before capture: decode steps of 1 row per
-        # request, or max_num_tokens / max_bs with speculative verification.
+        # request, or max_num_tokens / max_bs with speculative verification; decode-only (the
+        # graphs capture DECODE and TARGET_VERIFY only), so no mixed shapes.
         line = start_up_warm(self.graph.planner, self._caches(),
-                             decode_query_lens=(1, max(1, max_num_tokens // max_bs)))
+                             decode_query_lens=(1, max(1, max_num_tokens // max_bs)), mixed=False)
         if line is not None:
             logger.info(line)
 
