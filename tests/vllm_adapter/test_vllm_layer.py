@@ -520,3 +520,47 @@ def test_a_request_the_device_guards_flag_is_logged_a_step_later(stack, monkeypa
     (report,) = logged
     assert "ring_index entry was another request's with rows too" in report
     assert "request '#0 of step" in report and "request '#1 of step" in report
+
+
+def test_a_draft_only_builder_plans_build_as_a_draft_step_on_the_target_steps_rings(stack, monkeypatch):
+    """vLLM 0.33's GPU runner builds the speculator's draft steps with `build` on builders of
+    the draft layers alone (vLLM 0.32 calls `build_for_drafting`): such a builder plans a
+    draft step on the last target step's ring blocks, and a draft step padded to more
+    requests than that step reads the extra rows from the block table the target rows are a
+    view of; rings it cannot find are refused by name."""
+    from qsa_adapters.vllm.backend import QSAStepPairing
+
+    g = torch.Generator().manual_seed(17)
+    hid = stack.hf.hidden_size
+    scratch = Runner(stack.runner.layers, page_size=PAGE, num_pages=NUM_PAGES, max_requests=4)  # metadata only
+    scratch.step({"x": torch.randn(3, hid, generator=g), "y": torch.randn(5, hid, generator=g)})
+    common, ring = common_metadata(scratch.last_metadata, block_offset=1, ring_offset=RING_BLOCKS)
+    scratch.step({"x": torch.randn(1, hid, generator=g), "y": torch.randn(1, hid, generator=g)})
+    decode, decode_ring = common_metadata(scratch.last_metadata, block_offset=1, ring_offset=RING_BLOCKS)
+    assert torch.equal(decode_ring, ring)
+    pairing = QSAStepPairing.of(stack.vllm_config, torch.device("cpu"))
+
+    (main_names, main_builder), = [(n, b) for n, b in stack.groups if not b.is_ring]
+    assert not main_builder.is_draft
+    context = stack.vllm_config.compilation_config.static_forward_context
+    for name in main_names:
+        monkeypatch.setattr(context[name], "is_draft_layer", True, raising=False)
+    draft = QSAStepMetadataBuilder(main_builder.kv_cache_spec, main_names, stack.vllm_config, torch.device("cpu"))
+    assert draft.is_draft
+
+    def ring_rows(record, n):
+        (plan,) = record.step.records.values()
+        return plan.meta.ring_index[:n].tolist()
+
+    target = stack.attn_metadata(decode, ring)[main_names[0]]  # a target step on these rings
+    expected = ring_rows(target, 2)
+    stack.attn_metadata(common, ring)
+    assert ring_rows(draft.build(0, decode.replace(query_start_loc=decode.query_start_loc.clone())), 2) == expected
+
+    table = torch.cat((ring, torch.zeros(2, 1, dtype=torch.int32)))  # a persistent table of 4 rows
+    pairing.last_ring_block_table = table[:1]  # the last target step held request x only
+    assert ring_rows(draft.build(0, decode.replace(query_start_loc=decode.query_start_loc.clone())), 2) == expected
+    pairing.last_ring_block_table = ring[:1].clone()
+    with pytest.raises(RuntimeError, match="draft step of 2 requests after a target step of 1"):
+        draft.build(0, decode.replace(query_start_loc=decode.query_start_loc.clone()))
+    stack.attn_metadata(common, ring)  # leave the pairing on a target step

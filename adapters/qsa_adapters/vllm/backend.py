@@ -190,10 +190,23 @@ class QSAStepPairing:
         """Plan a draft step of speculative decoding (vLLM's proposer builds only the draft
         layers' main group): its requests are the last target step's, in the same order, so
         their rings are that step's ring blocks. Rope positions are the logical ones: the
-        proposer advances `seq_lens` and the slots between draft steps, not `positions`."""
-        if self.last_ring_block_table is None:
+        proposer advances `seq_lens` and the slots between draft steps, not `positions`.
+
+        A draft step padded to more requests than that step (vLLM 0.33's GPU runner pads
+        each to its own CUDA-graph size) reads the extra rows from the same persistent block
+        table the target step's rows are a view of (its rows 0..R-1)."""
+        ring = self.last_ring_block_table
+        if ring is None:
             raise RuntimeError("QSA draft step before any target step: no ring blocks to draft on")
-        step = QSAStep(main=replace(common, positions=None), ring_block_table=self.last_ring_block_table)
+        if ring.shape[0] < common.num_reqs:
+            base = ring._base
+            if base is None or base.dim() != 2 or base.shape[0] < common.num_reqs or base.data_ptr() != ring.data_ptr():
+                raise RuntimeError(
+                    f"QSA draft step of {common.num_reqs} requests after a target step of {ring.shape[0]}: "
+                    "its ring blocks are not rows of a block table that holds them"
+                )
+            ring = base[: common.num_reqs]
+        step = QSAStep(main=replace(common, positions=None), ring_block_table=ring)
         self._plan(step)
         return step
 
@@ -231,12 +244,20 @@ class QSAStepMetadataBuilder(AttentionMetadataBuilder[QSAStepMetadata]):
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         specs = getattr(kv_cache_spec, "kv_cache_specs", {"": kv_cache_spec})  # UniformTypeKVCacheSpecs
         self.is_ring = all(isinstance(spec, CircularBufferSpec) for spec in specs.values())
+        # A builder of draft layers only (vLLM marks them `is_draft_layer` before it makes the
+        # speculator's builders): vLLM 0.33's GPU runner builds its draft steps with `build`.
+        context = vllm_config.compilation_config.static_forward_context
+        self.is_draft = bool(layer_names) and all(
+            getattr(context.get(name), "is_draft_layer", False) for name in layer_names
+        )
         self.pairing = QSAStepPairing.of(vllm_config, device)
         self.pairing.decode_threshold = self.reorder_batch_threshold
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> QSAStepMetadata:
+        if self.is_draft:
+            return self.build_for_drafting(common_attn_metadata, 0)
         return QSAStepMetadata(step=self.pairing.add(common_attn_metadata, is_ring=self.is_ring))
 
     def build_for_drafting(self, common_attn_metadata: CommonAttentionMetadata, draft_index: int) -> QSAStepMetadata:
