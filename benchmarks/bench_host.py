@@ -2,7 +2,8 @@
 
 - one eager decode layer with the step already planned: the layer halves `qsa_indexer` +
   `qsa_attention` from the projections, and a whole `QSAAttention.forward`;
-- planning a step of 64 decode requests: `QSAStepInputs(...)` + `QSAPlanner.plan`.
+- planning the step: `QSAStepInputs(...)` + `QSAPlanner.plan`;
+- for each step shape: decode requests, or prefill chunks (`--shapes` BATCHxCONTEXTxROWS).
 
 Host time: `time.perf_counter` around many calls with no synchronisation per call (after a
 sync, in batches short enough that the launch queue never fills, the garbage collector off and
@@ -109,12 +110,14 @@ def launches(fn: Callable[[], object]) -> int | str:
         return f"n/a ({type(exc).__name__})"
 
 
-class DecodeStep:
-    """`batch` decode requests at `context` tokens over random paged caches, planned once."""
+class Step:
+    """`batch` requests of `rows` rows each (1: decodes; more: prefill chunks) ending at
+    `context` tokens, over random paged caches, planned once."""
 
-    def __init__(self, batch: int, context: int, seed: int = 0) -> None:
+    def __init__(self, batch: int, context: int, rows: int = 1, seed: int = 0) -> None:
         torch.manual_seed(seed)
-        self.batch, self.context = batch, context
+        self.batch, self.context, self.rows = batch, context, rows
+        T = batch * rows
         pages_per_req = -(-context // PAGE)
         layout = QSACacheLayout(num_layers=1, page_size=PAGE, num_pages=batch * pages_per_req + 1, ring_rows=batch)
         self.cache = layout.allocate(CONFIG, BF16, DEV)[0]
@@ -122,18 +125,18 @@ class DecodeStep:
             t = getattr(self.cache, name)
             t.copy_(torch.randn(t.shape, device=DEV).to(t.dtype))
         pages = torch.randperm(batch * pages_per_req, device=DEV).view(batch, pages_per_req) + 1
-        pos = torch.full((batch,), context - 1, device=DEV)
-        rows = torch.arange(batch, device=DEV)
+        req = torch.arange(batch, device=DEV).repeat_interleave(rows)
+        pos = (context - rows + torch.arange(rows, device=DEV)).repeat(batch)
         self.tensors = dict(
-            query_start_loc=torch.arange(batch + 1, device=DEV, dtype=torch.int32),
+            query_start_loc=torch.arange(batch + 1, device=DEV, dtype=torch.int32) * rows,
             seq_lens=torch.full((batch,), context, device=DEV, dtype=torch.int32),
             block_table=pages.to(torch.int32),
-            slot_mapping=pages[rows, pos // PAGE] * PAGE + pos % PAGE,
+            slot_mapping=pages[req, pos // PAGE] * PAGE + pos % PAGE,
             ring_index=torch.arange(batch, device=DEV, dtype=torch.int32),
         )
         options = QSAOptions.from_env()
         self.planners = {mode: QSAPlanner(
-            CONFIG, dtype=BF16, page_size=PAGE, ring_capacity=layout.ring_capacity(CONFIG), max_num_tokens=batch,
+            CONFIG, dtype=BF16, page_size=PAGE, ring_capacity=layout.ring_capacity(CONFIG), max_num_tokens=T,
             max_model_len=pages_per_req * PAGE, max_num_reqs=batch, device=DEV,
             options=replace(options, kernel=replace(options.kernel, fast_launch=mode == "launcher")),
         ) for mode in ("ordinary", "launcher")}
@@ -142,19 +145,20 @@ class DecodeStep:
         self.layer = QSAAttention(CONFIG).to(DEV, BF16)
         for p in self.layer.parameters():
             p.data.normal_(0, 0.02 if p.dim() == 2 else 0.3)
-        self.hidden = torch.randn(batch, CONFIG.hidden_size, device=DEV, dtype=BF16)
+        self.hidden = torch.randn(T, CONFIG.hidden_size, device=DEV, dtype=BF16)
         with torch.no_grad():
             x, layer = self.hidden, self.layer
             self.projections = (layer.indexer.index_qk_proj(x), layer.q_proj(x), layer.k_proj(x), layer.v_proj(x))
         self.norms = self.layer.norm_weights()
-        self.out = torch.empty(batch, CONFIG.num_heads * CONFIG.head_dim, device=DEV, dtype=BF16)
+        self.out = torch.empty(T, CONFIG.num_heads * CONFIG.head_dim, device=DEV, dtype=BF16)
 
     def use(self, mode: str) -> None:
         """Run the cases with the planner (and its plan) of launch path `mode`."""
         self.mode, self.planner, self.plan = mode, self.planners[mode], self.plans[mode]
 
     def step_inputs(self) -> QSAStepInputs:
-        return QSAStepInputs(**self.tensors, num_decodes=self.batch, max_query_len=1, max_seq_len=self.context)
+        return QSAStepInputs(**self.tensors, num_decodes=self.batch if self.rows == 1 else 0, max_query_len=self.rows,
+                             max_seq_len=self.context)
 
     def make_plan(self, static: bool = False):
         """What an adapter does per step: describe it, plan it."""
@@ -204,7 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calls", type=int, default=25, help="calls per timed round")
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per pass (their median)")
     parser.add_argument("--passes", type=int, default=3, help="interleaved passes over all cases (their median)")
-    parser.add_argument("--shapes", default="4x8192,64x8192,64x131072", help="BATCHxCONTEXT decode steps, comma separated")
+    parser.add_argument("--shapes", default="4x8192,64x8192,64x131072",
+                        help="BATCHxCONTEXT decode steps, or BATCHxCONTEXTxROWS steps of prefill chunks of ROWS rows "
+                             "(e.g. 1x131072x8192: vLLM's server step on an H100 at the end of a 128K prompt), "
+                             "comma separated")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (torch.cuda.is_available() is False): it times kernel launches")
@@ -212,8 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     modes = ("ordinary", "launcher") if args.launch == "both" else (args.launch,)
     rows, same = [], []
     timed: list[tuple[dict, Callable[[], object], str]] = []
-    for batch, context in shapes:
-        step = DecodeStep(batch, context)
+    for batch, context, *rows in shapes:
+        step = Step(batch, context, *rows)
         if len(modes) == 2:  # the two paths write the same bits
             try:
                 step.use("ordinary")
@@ -227,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
                  ("plan", step.make_plan), ("plan static", lambda step=step: step.make_plan(static=True))]
         for name, fn in cases:
             for mode in modes:
-                row = dict(case=name, launch=mode, batch=batch, context=context, host_passes=[], cpu_passes=[],
-                           gpu_passes=[])
+                row = dict(case=name, launch=mode, batch=batch, context=context, rows=step.rows, host_passes=[],
+                           cpu_passes=[], gpu_passes=[])
                 rows.append(row)
                 timed.append((row, fn, mode, step))
     for p in range(args.passes + 1):  # pass 0 warms up
@@ -256,10 +263,10 @@ def main(argv: list[str] | None = None) -> None:
             row.update({f"{k}_us": sorted(row[f"{k}_passes"])[mid] for k in ("host", "cpu", "gpu")}, launches=count)
         print(row, flush=True)
     floor = launch_floor()
-    head = (f"{'case':<22}{'launch':>10}{'batch':>6}{'context':>9}{'host us':>10}{'cpu us':>10}{'gpu us':>10}"
-            f"{'launches':>10}")
-    lines = [head] + [f"{r['case']:<22}{r['launch']:>10}{r['batch']:>6}{r['context']:>9}{r['host_us']:>10}"
-                      f"{r['cpu_us']:>10}{r['gpu_us']:>10}{str(r['launches']):>10}" for r in rows]
+    head = (f"{'case':<22}{'launch':>10}{'batch':>6}{'context':>9}{'rows':>6}{'host us':>10}{'cpu us':>10}"
+            f"{'gpu us':>10}{'launches':>10}")
+    lines = [head] + [f"{r['case']:<22}{r['launch']:>10}{r['batch']:>6}{r['context']:>9}{r['rows']:>6}"
+                      f"{r['host_us']:>10}{r['cpu_us']:>10}{r['gpu_us']:>10}{str(r['launches']):>10}" for r in rows]
     if same:
         lines.append("launcher outputs == ordinary outputs (bitwise): " + "; ".join(same))
     lines.append("host us of one empty-kernel launch: " + ", ".join(f"{k} {v}" for k, v in floor.items()))
