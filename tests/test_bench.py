@@ -571,3 +571,16 @@ def test_vllm_prepare_refuses_a_step_whose_ring_history_our_prepare_replaced():
     step = bench_qsa.Step(Case("prefill", 4096, 2, 6), torch.device("cpu"))
     with pytest.raises(ValueError, match=r"^rows=6 at context 4096: the step starts inside a group"):
         VLLMPrepare(types.SimpleNamespace(), step, ratio=G.compress_ratio, page_size=G.page_size)
+
+
+def test_select_overflow_counts_the_served_checkpoints_candidates_against_shuffled_columns(capsys):
+    """benchmarks/select_overflow.py at 16K: the served checkpoint's scores (a recency bias)
+    give more sample-bound candidates than the same scores shuffled, with the kernel's tiles."""
+    import select_overflow
+
+    select_overflow.main(["--contexts", "16384", "--rows", "4"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    by_data = {cells[4].strip(): cells for cells in rows}
+    assert set(by_data) == {"served", "shuffled"} and all(c[1].strip() == "sample-bounded" for c in rows)
+    served, shuffled = (int(by_data[d][5]) for d in ("served", "shuffled"))
+    assert served > shuffled > 0

@@ -1,0 +1,110 @@
+"""How often the prefill top-k's candidate lists overflow on served scores (CPU, no GPU needed).
+
+The sample-bounded prefill top-k (`qsa_kernels.select_prefill`) bounds a row's Kb-th largest
+score from below by the Kb-th largest of its samples (maxima of S-column subsets, to `lbits`
+high key bits), compacts the columns at or above the bound, and sends a row with more than
+`cap` candidates to the exact whole-row resolve (one program a row, about 18 sweeps of its
+scores): exact, much slower. Random scores, the benchmark's data, rarely overflow; scores whose
+top groups cluster, as a recency bias makes them, do.
+
+This scores the last `--rows` rows of a random prompt with layer 0's indexer of the checkpoint
+`scripts/gpu_vllm.py` serves (`full`: production attention geometry, `qwen4_checkpoint.randomize`
+weights, fp32, transformers' modules), applies the kernel's own tiles for that context
+(`select.score_block_g`, `select_prefill.prefill_tiles`), and prints the candidate counts of
+the scores as they are and with their visible columns shuffled (the benchmark's case).
+
+    python benchmarks/select_overflow.py [--contexts 16384,131072] [--rows 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests"), str(ROOT / "tests" / "vllm_adapter")]
+
+
+def layer0_index_inputs(context: int, rows: int, seed: int = 1234) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_idx fp32 [rows, Hi, Di] of the prompt's last rows, group keys fp32 [context / r, Di]),
+    rotated as the indexer rotates them, for a random prompt of `context` tokens."""
+    from gpu_vllm import VOCAB, production_config
+    from qwen4_checkpoint import randomize
+    from transformers import Qwen4ExpForCausalLM
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
+
+    cfg = production_config("full")
+    cfg.max_position_embeddings = context + 128
+    torch.manual_seed(7)
+    model = Qwen4ExpForCausalLM(cfg).float().eval()
+    randomize(model, 7)  # the served checkpoint's weights (gpu_vllm.write: seed 7)
+    text = model.model
+    ids = torch.randint(0, VOCAB, (1, context), generator=torch.Generator().manual_seed(seed))
+    emb = text.embed_tokens(ids)
+    cos, sin = text.rotary_emb(emb, torch.arange(context).view(1, 1, -1).expand(3, 1, -1))
+    x, _, _ = text.layers[0].attn_hyper_connection(emb.repeat(1, 1, cfg.hc_count))
+    ix = text.layers[0].self_attn.indexer
+    Hi, Di, r = ix.index_n_heads, ix.index_head_dim, ix.compress_ratio
+    qk = ix.index_qk_proj(x[:, :])[0]
+    q = ix.q_layernorm(qk[-rows:, : Hi * Di].reshape(rows, Hi, Di))
+    q = apply_rotary_pos_emb(q[None], cos=cos[:, -rows:], sin=sin[:, -rows:], unsqueeze_dim=2)[0]
+    G = context // r
+    pooled = ix.k_layernorm(qk[: G * r, Hi * Di :].reshape(G, r, Di).mean(1))
+    starts = torch.arange(G) * r
+    keys = apply_rotary_pos_emb(pooled[:, None], cos=cos[0, starts], sin=sin[0, starts])[:, 0]
+    return q, keys
+
+
+def candidates(scores: torch.Tensor, visible: int, samples_of: int, block_topk: int, lbits: int) -> int:
+    """Columns of one row's fp32 scores [>= visible] at or above the sample bound."""
+    keys = scores[:visible].contiguous().view(torch.int32)  # scores >= 0: the bits order like the values
+    n = -(-visible // samples_of)
+    padded = torch.full((n * samples_of,), -1, dtype=torch.int32)
+    padded[:visible] = keys
+    samples = padded.view(n, samples_of).amax(1)
+    bound = int(samples.topk(block_topk).values[-1]) & ~((1 << (32 - lbits)) - 1)
+    return int((keys >= bound).sum())
+
+
+def main(argv: list[str] | None = None) -> None:
+    from qsa_core.planner import column_bucket
+    from qsa_core.reference.select import group_scores
+    from qsa_kernels import select, select_prefill
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="16384,131072", help="prompt lengths, comma separated")
+    ap.add_argument("--rows", type=int, default=64, help="last rows of the prompt scored")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    Kb = 512
+    print("| context | route | S | cap | data | candidates median | p90 | max | rows over cap |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for context in (int(c) for c in args.contexts.split(",")):
+        q, keys = layer0_index_inputs(context, args.rows)
+        r = context // keys.shape[0]
+        n_cols = column_bucket(context // r)
+        block_g = select.score_block_g(n_cols)
+        tiles = select_prefill.prefill_tiles(n_cols, Kb, block_g, small=False)
+        route = select_prefill.prefill_route(n_cols, Kb, tiles, block_g)
+        S = select_prefill.sample_cols(tiles, block_g)
+        scores = group_scores(q, keys)
+        shuffle = torch.Generator().manual_seed(0)
+        for data in ("served", "shuffled"):
+            counts = []
+            for i in range(args.rows):
+                visible = (context - args.rows + i + 1) // r
+                row = scores[i, :visible]
+                if data == "shuffled":
+                    row = row[torch.randperm(visible, generator=shuffle)]
+                counts.append(candidates(row, visible, S, Kb, tiles.lbits))
+            c = torch.tensor(counts, dtype=torch.float32)
+            over = int((c > tiles.cap).sum())
+            print(f"| {context} | {'sample-bounded' if route else 'radix'} | {S} | {tiles.cap} | {data} | "
+                  f"{c.median():.0f} | {c.quantile(0.9):.0f} | {c.max():.0f} | {over} of {args.rows} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
