@@ -1,13 +1,14 @@
 """One QSA layer step on the GPU against dense FlashInfer and SGLang 0.5.23's whole QSA path.
 
 Production geometry (bf16, Hq 24 / Hkv 2 / D 256, indexer 4 x 128, r 4, budget 2048, page 64),
-synthetic random data. Every configuration is checked against the PyTorch reference before it
-is timed. Each column is one CUDA graph (captured once) timed as the median of its replays, L2
-flushed before each replay (a layer's caches are cold in a served step); "whole step" is all of
-the layer's launches (prepare, select writing packed rows, attention) in one graph, also timed
-replayed back to back ("warm L2") and after a 256 MB read instead of the write ("clean L2": no
-dirty lines for the step's misses to write back first, as in a served step). bench_report.py holds
-the byte/FLOP model, the issue's targets and the table writers.
+synthetic data (random; --prefill-data overlap or recency: `Step`). Every configuration is checked
+against the PyTorch reference before it is timed. Each column is one CUDA graph (captured once)
+timed as the median of its replays, L2 flushed before each replay (a layer's caches are cold in a
+served step); "whole step" is all of the layer's launches (prepare, select writing packed rows,
+attention) in one graph, also timed replayed back to back ("warm L2") and after a 256 MB read
+instead of the write ("clean L2": no dirty lines for the step's misses to write back first, as in
+a served step). bench_report.py holds the byte/FLOP model, the issue's targets and the table
+writers.
 
     python benchmarks/bench_qsa.py --out DIR [--sglang-dir SITE] [--markdown BENCHMARKS.md --readme README.md]
     python benchmarks/bench_qsa.py --smoke --out DIR ...     # two small configurations
@@ -55,12 +56,21 @@ from qsa_core import (  # noqa: E402
     qsa_indexer, qsa_prepare, qsa_select, ring_capacity,
 )
 from qsa_core.reference import qsa_select_decode as ref_select, qsa_sparse_attention as ref_attention  # noqa: E402
+from qsa_core.reference.common import apply_rope, gemma_rms_norm, rope_cos_sin  # noqa: E402
+from qsa_core.reference.prepare import qsa_store_rows  # noqa: E402
 from qsa_core.reference.select import compressed_rows, group_scores, paged_rows  # noqa: E402
 
 GEOM = Geometry()
 BF16 = torch.bfloat16
 SGLANG_MARK = Path("sglang/srt/layers/attention/qsa/sparse_attn.py")
 OVERLAP_PERIOD = 8  # default rows between the anchors of `correlated_rows` (--overlap-period)
+PREFILL_DATA = ("random", "overlap", "recency")  # --prefill-data: what the indexer scores (Step)
+# --prefill-data recency (`Step.add_recency`): weights of the shared unit direction u in the indexer's raw keys
+# and queries (before the norms; noise N(0, 1)), calibrated on the CPU so that prefill rows at 16K overflow the
+# sample-bounded top-k's candidate lists (cap 1024) as the served checkpoint's do (select_overflow.py: median
+# 1376 candidates, 32 of 32 rows over; here 1360, 32 of 32; random data 650, 0).
+RECENCY_KEY = 16.0
+RECENCY_QUERY = 16.0
 # The benchmark's other commands: `bench_qsa.py NAME ARGS` runs that module's main(ARGS).
 TOOLS = {"host": "bench_host", "launch": "bench_launch", "tp": "bench_tp", "report": "bench_report",
          "serving": "bench_serving", "peers": "bench_peers"}
@@ -167,12 +177,18 @@ class WallTimer:
 
 class Step:
     """Caches, plan and projections of one step of `case` (random data, seeded). prefill_data
-    "overlap": the prefill rows' indexer queries are correlated along positions
-    (`correlated_rows` with anchors overlap_period rows apart), so neighbouring rows choose mostly
-    the same groups. backend: the ops backend (default: Triton on CUDA, else the reference)."""
+    (PREFILL_DATA): "random": every tensor iid N(0, 1). "overlap": the prefill rows' indexer queries
+    are correlated along positions (`correlated_rows` with anchors overlap_period rows apart), so
+    neighbouring rows choose mostly the same groups. "recency" (prefill and decode): the indexer
+    scores carry a recency bias like the served checkpoint's (`add_recency`), so the top groups
+    cluster near each row and the prefill top-k's candidate lists overflow
+    (benchmarks/select_overflow.py). backend: the ops backend (default: Triton on CUDA, else the
+    reference)."""
 
     def __init__(self, case: Case, device: torch.device, seed: int = 0, prefill_data: str = "random",
                  overlap_period: int = OVERLAP_PERIOD, backend: str | None = None) -> None:
+        if prefill_data not in PREFILL_DATA:
+            raise ValueError(f"prefill_data must be one of {PREFILL_DATA}, got {prefill_data!r}")
         torch.manual_seed(seed)
         cfg = self.cfg = qsa_config(case.index_dtype)
         self.case = case
@@ -220,8 +236,38 @@ class Step:
         self.k = torch.randn(T, Hkv * D, device=dev, dtype=BF16)
         self.v = torch.randn(T, Hkv * D, device=dev, dtype=BF16)
         self.norms = QSANormWeights(*(torch.randn(n, device=dev) * 0.1 for n in (Di, Di, D, D)))
+        if prefill_data == "recency":
+            self.add_recency(seed)
         self.selection = torch.empty(T, cfg.packed_width, dtype=torch.int32, device=dev)
         self.q_idx, self.q, self.gate = self.prepare()
+
+    def add_recency(self, seed: int) -> None:
+        """Give the indexer scores a recency bias, as RoPE and a direction shared by queries and keys
+        give the served checkpoint's. A unit direction u [Di] (seeded) is added, before the norms, as
+        RECENCY_QUERY * u to each query head and RECENCY_KEY * u to the key part of the step's index_qk
+        rows [T, (Hi + 1) * Di] bf16 and to the ring's raw keys [B, C, Di] bf16; every cached group key
+        of each request (all context / r groups, [pages, P / r, Di] bf16 or fp8) becomes what prepare
+        writes for 4 such raw keys: RoPE(GemmaRMSNorm(noise / 2 + RECENCY_KEY * u), the group's first
+        position), noise the cache's own N(0, 1) values (the mean of 4 rows' noise is N(0, 1/4)). The
+        norms' Gemma weights 1 + w (w ~ 0.1 N(0, 1)) keep u. q . k then carries RoPE(u, p) . RoPE(u, p'),
+        smooth along groups and largest near the row: neighbouring groups score alike, so the top
+        groups cluster and a row's samples bound its Kb-th score loosely."""
+        cfg, r, P, Di = self.cfg, self.cfg.compress_ratio, GEOM.page_size, self.cfg.index_head_dim
+        dev = self.index_qk.device
+        u = torch.randn(Di, generator=torch.Generator().manual_seed(seed))
+        u = (u / u.norm()).to(dev)
+        qk = self.index_qk.view(self.index_qk.shape[0], -1, Di)
+        qk[:, :-1] += (RECENCY_QUERY * u).to(BF16)
+        qk[:, -1] += (RECENCY_KEY * u).to(BF16)
+        self.cache.ring += (RECENCY_KEY * u).to(BF16)
+        G = self.context // r
+        cos, sin = rope_cos_sin(torch.arange(G, device=dev) * r, self.plan.inv_freq, self.plan.rope_axes)
+        comp = self.cache.compressed
+        for req in range(self.batch):
+            rows = compressed_rows(self.block_table, req, G, P, r)
+            pooled = (paged_rows(comp, rows).float() / 2 + RECENCY_KEY * u).to(BF16)
+            normed = gemma_rms_norm(pooled, self.norms.index_k, cfg.rms_norm_eps)
+            qsa_store_rows(comp, rows, apply_rope(normed[:, None], cos, sin)[:, 0])
 
     def prepare(self):
         return qsa_prepare(self.plan, self.norms, self.index_qk, self.q_gate, self.k, self.v, self.cache)
@@ -529,8 +575,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "(its site-packages, or a copy of just those files): SGLang's QSA path becomes the peer columns. "
                     "Needs tilelang 0.1.15 and FlashInfer with its top-k module prebuilt; without this option the "
                     "peer columns are left out")
-    ap.add_argument("--prefill-data", choices=("random", "overlap"), default="random",
-                    help="prefill indexer queries: iid (random) or correlated along positions (Step, correlated_rows)")
+    ap.add_argument("--prefill-data", choices=PREFILL_DATA, default="random",
+                    help="the indexer's data (Step): iid (random); prefill queries correlated along positions "
+                    "(overlap, correlated_rows); or, prefill and decode, scores with a recency bias like the served "
+                    "checkpoint's, whose prefill rows overflow the sample-bounded top-k's candidate lists "
+                    "(recency, Step.add_recency)")
     ap.add_argument("--overlap-period", type=int, default=OVERLAP_PERIOD, metavar="L",
                     help="with --prefill-data overlap: rows between the anchors of correlated_rows "
                     "(default %(default)s; larger: neighbouring rows' queries closer)")

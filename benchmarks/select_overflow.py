@@ -4,8 +4,9 @@ The sample-bounded prefill top-k (`qsa_kernels.select_prefill`) bounds a row's K
 score from below by the Kb-th largest of its samples (maxima of S-column subsets, to `lbits`
 high key bits), compacts the columns at or above the bound, and sends a row with more than
 `cap` candidates to the exact whole-row resolve (one program a row, about 18 sweeps of its
-scores): exact, much slower. Random scores, the benchmark's data, rarely overflow; scores whose
-top groups cluster, as a recency bias makes them, do.
+scores): exact, much slower. Random scores, the benchmark's default data, rarely overflow; scores
+whose top groups cluster, as a recency bias makes them, do (`bench_qsa.py --prefill-data recency`
+makes such data).
 
 This scores the last `--rows` rows of a random prompt with layer 0's indexer of the checkpoint
 `scripts/gpu_vllm.py` serves (`full`: production attention geometry, `qwen4_checkpoint.randomize`

@@ -140,6 +140,51 @@ def test_overlap_data_and_its_period_belong_to_the_run(tmp_path, capsys):
     assert rep.load(tmp_path / "results.json")[0]["prefill_data"] == "overlap period 8"
 
 
+def sample_bound_candidates(step) -> tuple[torch.Tensor, int]:
+    """Each row's sample-bound candidate count over its reference scores, with the tiles the kernel
+    takes for the step's context (as select_overflow.main): (int64 [rows], cap)."""
+    import select_overflow
+    from qsa_core.planner import column_bucket
+    from qsa_kernels import select, select_prefill
+
+    Kb, n_cols = step.cfg.block_topk, column_bucket(step.context // G.compress_ratio)
+    block_g = select.score_block_g(n_cols)
+    tiles = select_prefill.prefill_tiles(n_cols, Kb, block_g, small=False)
+    assert select_prefill.prefill_route(n_cols, Kb, tiles, block_g)  # the sample-bounded route
+    S = select_prefill.sample_cols(tiles, block_g)
+    rows = range(step.batch * step.rows)
+    return torch.tensor([select_overflow.candidates(step.ref_scores(t), int(step.meta.visible_blocks[t]), S, Kb,
+                                                    tiles.lbits) for t in rows]), tiles.cap
+
+
+def test_recency_data_overflows_the_sample_bound_where_random_data_does_not():
+    """`--prefill-data recency` at 16K (the kernel's sample-bounded route, S = 4): every row has more
+    candidates than the cap (1024), as the served checkpoint's rows (select_overflow: median 1376,
+    32/32 over), while random data stays below it (about 650)."""
+    import bench_qsa
+
+    case = Case("prefill", 16384, 1, 8)
+    random, cap = sample_bound_candidates(bench_qsa.Step(case, torch.device("cpu")))
+    recency, _ = sample_bound_candidates(bench_qsa.Step(case, torch.device("cpu"), prefill_data="recency"))
+    assert int(random.max()) < cap < int(recency.min())
+    assert float(recency.float().median()) > 1.2 * cap
+
+
+def test_recency_data_runs_end_to_end_and_belongs_to_the_run(tmp_path, capsys):
+    """The dry run checks one configuration on `--prefill-data recency` (decode too) and records
+    it; a rerun on random data starts over instead of resuming it."""
+    import bench_qsa
+
+    key = Case("decode", 4096, 1, 1).key
+    args = ["--dry-run", "--no-plot", "--out", str(tmp_path), "--only", key]
+    bench_qsa.main(args + ["--prefill-data", "recency"])
+    meta, (r,) = rep.load(tmp_path / "results.json")
+    assert meta["prefill_data"] == "recency" and r.check.startswith("ok") and rep.WHOLE in r.us
+    bench_qsa.main(args)
+    assert "starting over" in capsys.readouterr().out
+    assert rep.load(tmp_path / "results.json")[0]["prefill_data"] == "random"
+
+
 def test_results_timed_another_way_are_not_resumed(tmp_path, capsys):
     """A results.json whose timing method differs (another L2 flush, `--flush`) starts over
     instead of mixing figures of two methods in one table; an unknown flush is refused."""
