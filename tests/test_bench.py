@@ -629,3 +629,33 @@ def test_select_overflow_counts_the_served_checkpoints_candidates_against_shuffl
     assert set(by_data) == {"served", "shuffled"} and all(c[1].strip() == "sample-bounded" for c in rows)
     served, shuffled = (int(by_data[d][5]) for d in ("served", "shuffled"))
     assert served > shuffled > 0
+
+
+@pytest.mark.interpreter
+def test_production_tiles_select_the_reference_groups_where_recency_data_overflows_the_lists(monkeypatch):
+    """The sample-bounded prefill top-k with the GPU's tiles (cap 1024), in the interpreter, on
+    --prefill-data recency at 16K: every row has more candidates than the cap (the whole-row
+    resolve runs) and the selection still equals the reference's (Step.check)."""
+    import functools
+
+    import bench_qsa
+    import select_overflow
+    from qsa_core import QSAOptions
+    from qsa_kernels import select, select_prefill
+    from qsa_kernels.options import KernelOptions
+
+    options = QSAOptions(backend="triton",
+                         kernel=KernelOptions(interpreter=True, small_tiles=False, select_prefill_min_rows=1))
+    monkeypatch.setattr(bench_qsa, "QSAPlanner", functools.partial(bench_qsa.QSAPlanner, options=options))
+    rows, context = 4, 16384
+    step = bench_qsa.Step(Case("prefill", context, 1, rows, "bf16"), torch.device("cpu"), prefill_data="recency",
+                          backend="triton")
+    n_cols = context // 4
+    block_g = select.score_block_g(n_cols)
+    tiles = select_prefill.prefill_tiles(n_cols, 512, block_g, small=False)
+    assert select_prefill.prefill_route(n_cols, 512, tiles, block_g)
+    S = select_prefill.sample_cols(tiles, block_g)
+    for r in range(rows):
+        scores = step.ref_scores(r)
+        assert select_overflow.candidates(scores, scores.shape[0], S, 512, tiles.lbits) > tiles.cap, r
+    assert step.check(rows).startswith("ok")
