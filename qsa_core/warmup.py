@@ -8,8 +8,9 @@ planner can choose within an engine's sizes: every column bucket up to max_model
 counts 1, 2 and 2^k - 1, 2^k, 2^k + 1 up to the bound (every threshold of the routes and
 tiles is a power of two, and a runtime int specializes on == 1 and % 16 only); decode-only
 steps for each decode query length, one prefill request alone, and mixed steps of both
-(left out with mixed=False, for an engine whose steps never mix: SGLang's). `warm` plans each (the metadata build runs on the planner's own workspace) and binds the
-layer launches for each distinct cache layout without launching them (`layer.bind_layer`):
+(left out with mixed=False, for an engine whose steps never mix: SGLang's). `warm` plans each
+(the metadata build runs on the planner's own workspace) and binds the layer launches for each
+distinct cache layout without launching them (`layer.bind_layer`):
 on a GPU binding compiles; on the interpreter it only binds; on the reference backend there
 is nothing to compile. tests/kernels/test_compile_sm90.py compiles for sm_90 exactly what
 `warm` binds (a kernel that cannot compile fails CI), and checks that random steps choose

@@ -21,8 +21,8 @@ PACKAGE_DIRS = {"qsa_core": "qsa_core", "qsa_kernels": "kernels/qsa_kernels", "q
 def test_wheel_holds_every_module(tmp_path: Path) -> None:
     # Built from a copy: setuptools would reuse a checkout's build/ folder from an earlier build.
     src = tmp_path / "src"
+    src.mkdir()
     for name in ("pyproject.toml", "README.md"):
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, src / name)
     for folder in PACKAGE_DIRS.values():
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))

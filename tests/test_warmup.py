@@ -8,7 +8,6 @@ steps and their calls need nothing it missed: tests/kernels/test_warmup_complete
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -62,7 +61,7 @@ def test_warm_steps_without_mixed_drop_exactly_the_mixed_shapes(sizes):
     assert {(s.num_decodes > 0, s.prefill_rows > 0) for s in apart} == {(True, False), (False, True)}
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the triton backend on the CPU needs the interpreter")
+@pytest.mark.interpreter  # the triton backend on the CPU
 def test_planner_warm_passes_mixed_to_warm_steps(monkeypatch):
     from qsa_core import warmup
 
@@ -90,7 +89,7 @@ def test_reference_backend_warms_nothing():
     assert planner._schedules == {}
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the triton backend on the CPU needs the interpreter")
+@pytest.mark.interpreter  # the triton backend on the CPU
 def test_warm_binds_every_step_compiles_each_variant_once_and_writes_nothing(monkeypatch):
     from qsa_core.layer import QSANormWeights, bind_layer
     from qsa_core.warmup import step_inputs
