@@ -115,6 +115,7 @@ class QSAStepPairing:
         self.device = device
         self.current = QSAStep()
         self.last_ring_block_table: torch.Tensor | None = None  # the last target step's
+        self._draft_ring: torch.Tensor | None = None  # `_draft_rings`' table
         self._geometries: dict[PagedGeometry, BoundLayers] = {}
         self._layers: list | None = None  # the engine's QSA layers, found at the first step
         self._key_caches: tuple | None = None  # `_bound_key` of the caches the geometries were derived from
@@ -192,23 +193,30 @@ class QSAStepPairing:
         their rings are that step's ring blocks. Rope positions are the logical ones: the
         proposer advances `seq_lens` and the slots between draft steps, not `positions`.
 
-        A draft step padded to more requests than that step (vLLM 0.33's GPU runner pads
-        each to its own CUDA-graph size) reads the extra rows from the same persistent block
-        table the target step's rows are a view of (its rows 0..R-1)."""
+        A draft step of more requests than that step (vLLM 0.33's GPU runner pads each draft
+        step to a CUDA-graph size of its own, and captures its draft graphs after the target's
+        smallest) has padding requests past them: they take ring block 0, as vLLM's dummy
+        requests do, from a persistent table (`_draft_rings`, no allocation a step)."""
         ring = self.last_ring_block_table
         if ring is None:
             raise RuntimeError("QSA draft step before any target step: no ring blocks to draft on")
         if ring.shape[0] < common.num_reqs:
-            base = ring._base
-            if base is None or base.dim() != 2 or base.shape[0] < common.num_reqs or base.data_ptr() != ring.data_ptr():
-                raise RuntimeError(
-                    f"QSA draft step of {common.num_reqs} requests after a target step of {ring.shape[0]}: "
-                    "its ring blocks are not rows of a block table that holds them"
-                )
-            ring = base[: common.num_reqs]
+            ring = self._draft_rings(ring, common.num_reqs)
         step = QSAStep(main=replace(common, positions=None), ring_block_table=ring)
         self._plan(step)
         return step
+
+    def _draft_rings(self, ring: torch.Tensor, num_reqs: int) -> torch.Tensor:
+        """int32 [num_reqs, blocks]: ring's rows, then block 0 for the padding requests past them."""
+        if num_reqs > self.max_num_reqs:
+            raise RuntimeError(f"QSA draft step of {num_reqs} requests: expected at most max_num_seqs = "
+                               f"{self.max_num_reqs}")
+        if self._draft_ring is None or self._draft_ring.shape[1] != ring.shape[1]:
+            self._draft_ring = torch.zeros(self.max_num_reqs, ring.shape[1], dtype=ring.dtype, device=ring.device)
+        table = self._draft_ring[:num_reqs]
+        table[: ring.shape[0]].copy_(ring, non_blocking=True)
+        table[ring.shape[0]:].zero_()
+        return table
 
     def _plan(self, step: QSAStep) -> None:
         """Plan a step whose two halves are in, once per geometry."""
