@@ -94,7 +94,8 @@ def full_cases() -> list[Case]:
         Case("decode", 8192, 1, 1), Case("decode", 32768, 4, 1),
         Case("decode", 131072, 4, 1), Case("decode", 131072, 4, 1, "fp8_e4m3"), Case("decode", 131072, 64, 1),
         Case("decode", M, 4, 1), Case("decode", M, 4, 1, "fp8_e4m3"), Case("decode", M, 4, 4),
-        Case("prefill", 16384, 1, 16384), Case("prefill", 131072, 1, 16384), Case("prefill", M, 1, 16384),
+        Case("prefill", 16384, 1, 16384), Case("prefill", 32768, 1, 16384), Case("prefill", 131072, 1, 16384),
+        Case("prefill", M, 1, 16384),
     ]
 
 

@@ -2,9 +2,10 @@
 
 The sample-bounded prefill top-k (`qsa_kernels.select_prefill`) bounds a row's Kb-th largest
 score from below by the Kb-th largest of its samples (maxima of S-column subsets, to `lbits`
-high key bits), compacts the columns at or above the bound, and sends a row with more than
-`cap` candidates to the exact whole-row resolve (one program a row, about 18 sweeps of its
-scores): exact, much slower. Random scores, the benchmark's default data, rarely overflow; scores
+high key bits), compacts the columns at or above the bound, resolves a row of more than `cap`
+candidates in a wider second tier (`lists` entries, rows from 8192 columns) and a row of more than
+`lists` in the exact whole-row resolve (one program a row, 16 sweeps of its scores): exact, much
+slower. Random scores, the benchmark's default data, rarely overflow; scores
 whose top groups cluster, as a recency bias makes them, do (`bench_qsa.py --prefill-data recency`
 makes such data).
 
@@ -81,8 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     Kb = 512
-    print("| context | route | S | cap | data | candidates median | p90 | max | rows over cap |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| context | route | S | cap | lists | data | candidates median | p90 | max | rows over cap | "
+          "rows over lists (whole-row resolve) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for context in (int(c) for c in args.contexts.split(",")):
         q, keys = layer0_index_inputs(context, args.rows)
         r = context // keys.shape[0]
@@ -102,9 +104,10 @@ def main(argv: list[str] | None = None) -> None:
                     row = row[torch.randperm(visible, generator=shuffle)]
                 counts.append(candidates(row, visible, S, Kb, tiles.lbits))
             c = torch.tensor(counts, dtype=torch.float32)
-            over = int((c > tiles.cap).sum())
-            print(f"| {context} | {'sample-bounded' if route else 'radix'} | {S} | {tiles.cap} | {data} | "
-                  f"{c.median():.0f} | {c.quantile(0.9):.0f} | {c.max():.0f} | {over} of {args.rows} |", flush=True)
+            over, whole = int((c > tiles.cap).sum()), int((c > tiles.lists).sum())
+            print(f"| {context} | {'sample-bounded' if route else 'radix'} | {S} | {tiles.cap} | {tiles.lists} | "
+                  f"{data} | {c.median():.0f} | {c.quantile(0.9):.0f} | {c.max():.0f} | {over} of {args.rows} | "
+                  f"{whole} of {args.rows} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -625,17 +625,19 @@ def test_select_overflow_counts_the_served_checkpoints_candidates_against_shuffl
 
     select_overflow.main(["--contexts", "16384", "--rows", "4"])
     rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
-    by_data = {cells[4].strip(): cells for cells in rows}
+    by_data = {cells[5].strip(): cells for cells in rows}
     assert set(by_data) == {"served", "shuffled"} and all(c[1].strip() == "sample-bounded" for c in rows)
-    served, shuffled = (int(by_data[d][5]) for d in ("served", "shuffled"))
+    served, shuffled = (int(by_data[d][6]) for d in ("served", "shuffled"))
     assert served > shuffled > 0
 
 
 @pytest.mark.interpreter
-def test_production_tiles_select_the_reference_groups_where_recency_data_overflows_the_lists(monkeypatch):
-    """The sample-bounded prefill top-k with the GPU's tiles (cap 1024), in the interpreter, on
-    --prefill-data recency at 16K: every row has more candidates than the cap (the whole-row
-    resolve runs) and the selection still equals the reference's (Step.check)."""
+@pytest.mark.parametrize("context", [16384, 32768])
+def test_production_tiles_select_the_reference_groups_where_recency_data_overflows_the_lists(monkeypatch, context):
+    """The sample-bounded prefill top-k with the GPU's tiles, in the interpreter, on
+    --prefill-data recency: every row has more candidates than the cap, and the selection still
+    equals the reference's (Step.check). At 16K (4096 columns, one tier) the whole-row resolve
+    runs; at 32K the second tier's lists hold them (cap 1024 < candidates <= cap2 4096)."""
     import functools
 
     import bench_qsa
@@ -647,15 +649,17 @@ def test_production_tiles_select_the_reference_groups_where_recency_data_overflo
     options = QSAOptions(backend="triton",
                          kernel=KernelOptions(interpreter=True, small_tiles=False, select_prefill_min_rows=1))
     monkeypatch.setattr(bench_qsa, "QSAPlanner", functools.partial(bench_qsa.QSAPlanner, options=options))
-    rows, context = 4, 16384
+    rows = 4
     step = bench_qsa.Step(Case("prefill", context, 1, rows, "bf16"), torch.device("cpu"), prefill_data="recency",
                           backend="triton")
     n_cols = context // 4
     block_g = select.score_block_g(n_cols)
     tiles = select_prefill.prefill_tiles(n_cols, 512, block_g, small=False)
     assert select_prefill.prefill_route(n_cols, 512, tiles, block_g)
+    assert (tiles.cap2, tiles.lists) == ((0, tiles.cap) if context == 16384 else (4 * tiles.cap, 4 * tiles.cap))
     S = select_prefill.sample_cols(tiles, block_g)
     for r in range(rows):
         scores = step.ref_scores(r)
-        assert select_overflow.candidates(scores, scores.shape[0], S, 512, tiles.lbits) > tiles.cap, r
+        n = select_overflow.candidates(scores, scores.shape[0], S, 512, tiles.lbits)
+        assert n > tiles.cap and (tiles.cap2 == 0 or n <= tiles.lists), (r, n)
     assert step.check(rows).startswith("ok")

@@ -47,9 +47,9 @@ from .select_score import sample_shift, store_row_samples
 
 @triton.jit
 def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr,
-                   SEGP: tl.constexpr, CAP: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr,
+                   SEGP: tl.constexpr, CAP: tl.constexpr, LIST: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr,
                    RSBITS: tl.constexpr = 0):
-    """Exact top-k of a row's candidate lists (list s at s * CAP of c_idx / c_key, its length
+    """Exact top-k of a row's candidate lists (list s at s * LIST of c_idx / c_key, its length
     at cnt_row[s], n_seg lists, KB to CAP candidates in all): gathered in segment order
     (ascending columns), the KB-th key found in registers (RSBITS 0: `kth_key`, 31 / BITS
     steps; else the bracket search `kth_bound`, 2^RSBITS counts a step until isolated), the
@@ -66,7 +66,7 @@ def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.cons
     for b in tl.static_range(SEGP.bit_length() - 1):
         step = SEGP >> (b + 1)
         sj = tl.where(tl.gather(first, sj + step, 0) <= j, sj + step, sj)
-    src = sj * CAP + j - tl.gather(first, sj, 0)
+    src = sj * LIST + j - tl.gather(first, sj, 0)
     m = j < total
     key = tl.load(c_key + src, mask=m, other=-1, cache_modifier=".cg")
     idx = tl.load(c_idx + src, mask=m, other=0, cache_modifier=".cg")
@@ -249,7 +249,7 @@ def _topk_prefill_kernel(
             if _row_total(cnt_row, n_seg, SEGP) <= CAP:
                 if not DEFER:
                     write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R,
+                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, CAP, PACKED, R,
                                    RSBITS)
             else:
                 write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
@@ -267,12 +267,13 @@ def _topk_prefill_kernel(
 def _resolve_prefill_kernel(
     vis_ptr, cidx_ptr, ckey_ptr, cnt_ptr, out_ptr, pos_ptr, row0, n_rows, n_cols, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr,
-    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, LIST: tl.constexpr = 0,
+    LO: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     """The deferred resolve of rows [row0, row0 + n_rows) (grid: >= n_rows programs) from the
-    candidate lists `_topk_prefill_kernel` (DEFER) left at their local row: rows with visible
-    > KB and at most CAP candidates (the others are written)."""
+    candidate lists `_topk_prefill_kernel` (DEFER) left at their local row (LIST entries a list;
+    0: CAP): rows with visible > KB and LO < candidates <= CAP, resolved in a CAP-wide tile (the
+    others are written, or another tier's)."""
     pdl_start(PDL)
     lr = tl.program_id(0)
     if lr < n_rows:
@@ -281,11 +282,12 @@ def _resolve_prefill_kernel(
         n_seg = tl.cdiv(vis, SEG)
         cnt_row = cnt_ptr + lr.to(tl.int64) * SEGP
         if vis > KB:
-            if _row_total(cnt_row, n_seg, SEGP) <= CAP:
+            total = _row_total(cnt_row, n_seg, SEGP)
+            if (total > LO) & (total <= CAP):
                 out_row = out_ptr + row.to(tl.int64) * stride_or
                 write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_lists(cidx_ptr + lr.to(tl.int64) * stride_cr, ckey_ptr + lr.to(tl.int64) * stride_cr,
-                               cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, PACKED, R)
+                               cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, LIST or CAP, PACKED, R)
     pdl_end(PDL)
 
 
@@ -325,6 +327,12 @@ _prefill_resolve = Launcher(_resolve_prefill_kernel)
 SAMPLE_COLS = 32
 # Cap on the candidate lists kept for a deferred resolve (bytes): rows of several chunks.
 CAND_BYTES = 64 << 20
+# The second resolve tier's lists (`SampleTiles.cap2`) hold this many times cap, for prefill rows
+# of at least twice as many columns (narrower rows resolve as fast from the whole row). Rows whose
+# top keys cluster (recent keys scoring high, as served rows do) crowd the sample bound's
+# candidates past cap; the whole-row resolve of a 128K row sweeps it 16 times. Figures: NOTES.md
+# (Kernels); `benchmarks/select_overflow.py` counts the candidates.
+PREFILL_TIER2 = 4
 
 
 @dataclass(frozen=True)
@@ -332,7 +340,10 @@ class SampleTiles:
     """Launch shapes of the sample-bounded top-k (`prefill_tiles`, `decode_tiles`).
 
     sub: samples per score tile; seg: columns per segment program; cap: candidates of a row (and
-    of one list); block / rblock: columns per sweep step (compaction / the whole-row resolve);
+    of one list) the resolve takes in registers; cap2 (deferred resolve only; 0: none): a second
+    tier, lists of up to cap2 entries, whose rows of more than cap candidates a second resolve
+    launch takes in a cap2-wide tile with r2warps warps (rows of more than `lists` candidates
+    take the whole-row resolve); block / rblock: columns per sweep step (compaction / the whole-row resolve);
     bits: key bits per radix search step; lbits: high key bits of the bound; warps: per program;
     regs: registers per thread the compiler may use (0: its choice); defer: resolve the rows of
     several chunks in one later launch (`defer_rows`) with rwarps / rregs; bound: where a row's
@@ -367,6 +378,13 @@ class SampleTiles:
     sample_launch: int = 0
     sblock: int = 0
     bslack: int = 0
+    cap2: int = 0
+    r2warps: int = 0
+
+    @property
+    def lists(self) -> int:
+        """Entries a candidate list holds: more candidates send the row to the whole-row resolve."""
+        return self.cap2 or self.cap
 
 
 def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> SampleTiles:
@@ -385,13 +403,15 @@ def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: boo
     while 4 * sub < score_block_g and (num_cols * sub < 4 * block_topk * score_block_g
                                        or score_block_g > SAMPLE_COLS * sub):
         sub *= 2
+    cap = 32 if small else 1024
+    tier2 = dict(cap2=PREFILL_TIER2 * cap, r2warps=8) if num_cols >= 2 * PREFILL_TIER2 * cap else {}
     if small:
-        return SampleTiles(sub=sub, seg=64, cap=32, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
-                           rwarps=4, rregs=0, bound=0, sbits=2)
+        return SampleTiles(sub=sub, seg=64, cap=cap, block=16, rblock=16, bits=4, lbits=31, warps=4, regs=0, defer=1,
+                           rwarps=4, rregs=0, bound=0, sbits=2, **tier2)
     seg = 32768
-    return SampleTiles(sub=sub, seg=seg, cap=1024, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64,
+    return SampleTiles(sub=sub, seg=seg, cap=cap, block=2048, rblock=1024, bits=2, lbits=16, warps=8, regs=64,
                        defer=1, rwarps=4, rregs=0, skip=int(num_cols >= 32768), bound=1 if num_cols > seg else 2,
-                       sbits=2)
+                       sbits=2, **tier2)
 
 
 # Decode chunks of at least this many rows search each row's bound once, in a bound launch (tile
@@ -509,7 +529,7 @@ def defer_rows(chunk: int, num_rows: int, num_cols: int, tiles: SampleTiles) -> 
     if not tiles.defer:
         return chunk
     segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles.seg))
-    per_chunk = chunk * segp * tiles.cap * 8
+    per_chunk = chunk * segp * tiles.lists * 8
     return chunk * max(1, min(triton.cdiv(num_rows, chunk), CAND_BYTES // per_chunk))
 
 
@@ -535,7 +555,7 @@ def prefill_scratch_elems(chunk: int, num_rows: int, num_cols: int, tiles: Sampl
     segp = triton.next_power_of_2(triton.cdiv(num_cols, tiles.seg))
     group = defer_rows(chunk, num_rows, num_cols, tiles)
     return dict(samples=chunk * samples_per_row(num_cols, tiles, score_block_g),
-                cand_idx=group * segp * tiles.cap, cand_key=group * segp * tiles.cap, counts=group * segp,
+                cand_idx=group * segp * tiles.lists, cand_key=group * segp * tiles.lists, counts=group * segp,
                 arrive=chunk, runs=max(chunk * segp * seg_runs(num_cols, tiles, score_block_g), 1),
                 bound=chunk if tiles.bound & 1 else 1)
 
@@ -577,7 +597,7 @@ class PrefillTopkLaunch(ChunkLaunches):
         self.rows, self.first, self.end = rows, first_row, first_row + num_rows
         self.group = defer_rows(chunk, num_rows, num_cols, t)
         cidx, ckey = (x[: n["cand_idx"]].view(self.group, -1) for x in (scratch.cand_idx, scratch.cand_key))
-        common = dict(KB=Kb, BITS=t.bits, SEG=t.seg, SEGP=segp, CAP=t.cap, **write)
+        common = dict(KB=Kb, BITS=t.bits, SEG=t.seg, SEGP=segp, **write)
         runs = seg_runs(num_cols, t, score_block_g)
         row_s = t.row_s
         if row_s and (t.defer or samples.shape[1] != 1 << row_s) or t.sample_launch and not row_s:
@@ -609,15 +629,16 @@ class PrefillTopkLaunch(ChunkLaunches):
             PAGE=self.kv.k.shape[1] if self.kv else 1,
             KBP=triton.next_power_of_2(Kb), LBITS=t.lbits, S=S, SAMPP=SAMPP, BLOCK=t.block, RBLOCK=t.rblock,
             DEFER=bool(t.defer), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.log_g,
-            BOUND_IN=bool(t.bound & 1), SBITS=sbits, RSBITS=t.rsbits, BSLACK=t.bslack, **common,
+            BOUND_IN=bool(t.bound & 1), SBITS=sbits, RSBITS=t.rsbits, BSLACK=t.bslack, CAP=t.lists, **common,
             num_warps=t.warps,
             **({"maxnreg": t.regs} if t.regs else {}),
         )
-        self._resolve = _prefill_resolve.bind(
+        resolve = ((t.cap, 0, t.rwarps, t.rregs),) + (((t.cap2, t.cap, t.r2warps, 0),) if t.cap2 else ())
+        self._resolve = [_prefill_resolve.bind(
             (self.group,), visible_blocks, cidx, ckey, scratch.counts, out, pos, row0, rows, num_cols,
             cidx.stride(0), out.stride(0), out.stride(1), free=("row0", "n_rows", "out_ptr", "stride_or"), options=options,
-            **common, num_warps=t.rwarps, **({"maxnreg": t.rregs} if t.rregs else {}),
-        ) if t.defer else None
+            CAP=cap, LIST=t.lists, LO=lo, **common, num_warps=warps, **({"maxnreg": regs} if regs else {}),
+        ) for cap, lo, warps, regs in resolve] if t.defer else []
 
     def __call__(self, row0: int, out: torch.Tensor, out_row_stride: int,
                  block_table: torch.Tensor | None = None) -> None:
@@ -633,5 +654,6 @@ class PrefillTopkLaunch(ChunkLaunches):
         else:
             self._topk(row0, crow0, out, out_row_stride)
         done = crow0 + self.rows
-        if self._resolve is not None and (done >= self.group or row0 + self.rows >= self.end):
-            self._resolve(row0 - crow0, done, out, out_row_stride)
+        if done >= self.group or row0 + self.rows >= self.end:
+            for resolve in self._resolve:
+                resolve(row0 - crow0, done, out, out_row_stride)

@@ -311,7 +311,7 @@ def test_prefill_chunks_under_the_memory_cap_and_a_workspace(nan_scratch, monkey
     tiles = sp.prefill_tiles
     monkeypatch.setattr(sp, "prefill_tiles", lambda *a, **k: replace(tiles(*a, **k), defer=defer))
     t = sp.prefill_tiles(128, 8, ker.score_block_g(128, OPTS), small=DEV == "cpu")
-    monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t.seg) * t.cap * 8)
+    monkeypatch.setattr(sp, "CAND_BYTES", 2 * 7 * -(-128 // t.seg) * t.lists * 8)
     problem = make_problem([512, 300], [25, 12], kind="int", seed=2)
     q, comp, table, to_req, vis, max_seq = problem
     T = q.shape[0]
@@ -333,8 +333,9 @@ import triton.language as tl
 from qsa_kernels import select as sel, select_prefill as sp, select_score as ss
 from sm90 import compile_sm90
 t = sp.prefill_tiles(32768, 512, 64, small=False)
-write = dict(KB=512, BITS=t.bits, SEG=t.seg, SEGP=8, CAP=t.cap, PACKED=True, R=4, W=2051, BLOCK_W=1024,
+write = dict(KB=512, BITS=t.bits, SEG=t.seg, SEGP=8, CAP=t.lists, PACKED=True, R=4, W=2051, BLOCK_W=1024,
              stride_oc=1, PDL=2)
+assert t.cap2 > t.cap
 topk = dict(KBP=512, LBITS=t.lbits, S=16, SAMPP=2048, BLOCK=t.block, RBLOCK=t.rblock, DEFER=t.defer,
             ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0, RSBITS=0, WARM_K=0, WARM_V=0, PAGE=1, BSLACK=t.bslack)
 skip = dict(topk, RUNS=sp.seg_runs(32768, t, 64))
@@ -345,11 +346,13 @@ for fn, const, warps in (  # the candidate launch without and with tile skip (ro
         (sp._topk_prefill_kernel, dict(skip, **write), t.warps),
         (sp._topk_prefill_kernel, dict(skip, **write, BOUND_IN=1), t.warps),
         (sp._topk_prefill_kernel, dict(skip, **write, SBITS=t.sbits), t.warps),
-        (sp._resolve_prefill_kernel, dict(write), t.rwarps),
+        # the deferred resolve's two tiers
+        (sp._resolve_prefill_kernel, dict(write, CAP=t.cap, LIST=t.lists, LO=0), t.rwarps),
+        (sp._resolve_prefill_kernel, dict(write, CAP=t.cap2, LIST=t.lists, LO=t.cap), t.r2warps),
         (sp._bound_prefill_kernel, dict(bound, SBITS=0), t.warps),
         (sp._bound_prefill_kernel, dict(bound, SBITS=t.sbits), t.warps)):
-    k = compile_sm90(fn, const, dict(pos_ptr="*i64", s_ptr="*fp32"), num_warps=warps, maxnreg=t.regs or None,
-                     launch_pdl=True)
+    k = compile_sm90(fn, const, dict(pos_ptr="*i64", s_ptr="*fp32"), num_warps=warps,
+                     maxnreg=(t.regs if fn is sp._topk_prefill_kernel else 0) or None, launch_pdl=True)
     print("topk", k.metadata.shared)
 fn = ss._scores_prefill_kernel
 for st, sub in [(ss.score_tiles(False, sel.select_tiles(False), False, num_cols=c), sub) for c in (1 << 15, 1 << 18) for sub in (1, 4, 16)]:
@@ -373,7 +376,7 @@ def test_production_tiles_compile_for_sm90():
     run = run_script(SM90_COMPILE, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line.split() for line in run.stdout.strip().splitlines()]
-    assert len(lines) == 13 and all(line[0] == "topk" for line in lines[:7]), run.stdout
-    assert all(int(line[1]) <= 227 * 1024 for line in lines[:7])
-    for _, _, wgmma, shared in lines[7:]:
+    assert len(lines) == 14 and all(line[0] == "topk" for line in lines[:8]), run.stdout
+    assert all(int(line[1]) <= 227 * 1024 for line in lines[:8])
+    for _, _, wgmma, shared in lines[8:]:
         assert int(wgmma) > 0 and int(shared) <= 227 * 1024, lines
