@@ -432,7 +432,7 @@ def test_samples_bound_slack(kind):
 
 SM90_COMPILE = """
 from qsa_kernels import select_prefill as sp
-from sm90 import compile_decode_topk, compile_sm90, int_divisions
+from sm90 import compile_decode_topk, compile_sm90, int_divisions, usage
 
 # 128K and 1M context; 64 rows: the bound launch; 32K x 16 rows: 1024-column segments (`decode_seg`) of
 # the bound launch's chunks, 128K x 4 rows those of chunks without it
@@ -446,6 +446,9 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64), (8192, 16)):
             k = compile_decode_topk(cols, rows, packed, skip, warm)
             print("compiled topk", cols, packed, skip, "divisions", int_divisions(k), "warm", warm,
                   k.asm["ptx"].count("cp.async.bulk.prefetch"))
+    # registers and spill stack bytes with the second resolve tier (t.cap2) and without (-1: no cuobjdump)
+    u = [usage(compile_decode_topk(cols, rows, True, 1, **change)) or (-1, -1) for change in ({}, dict(cap2=0))]
+    print("usage", cols, rows, t.warps, t.cap2, *u[0], *u[1])
     if t.bound & 1:
         const = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=128, SAMPP=1 << t.row_s, SBITS=t.sbits,
                      ROW_SAMPLES=t.row_s, LOG_G=t.log_g, BSLACK=t.bslack, PDL=2)
@@ -458,12 +461,12 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64), (8192, 16)):
 
 
 def test_route_compiles_for_sm90():
-    """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M
-    context, segments of 1024 and 8192 columns), the bound launch of chunks of many rows and MTP
-    rows' sample launch compile for sm_90 here without a GPU (its score kernels:
-    test_kernel_select_score); the K/V warm (`warm.KV`) issues bulk L2 prefetches, and only where
-    bound; the top-k and the bound launch divide by no runtime value (a row's sample stride is a
-    power of two: shifts)."""
+    """The route's H200 top-k (per-row strides, groups and packed rows, tile skip, the second
+    resolve tier; 128K and 1M context, segments of 1024 and 8192 columns), the bound launch of
+    chunks of many rows and MTP rows' sample launch compile for sm_90 here without a GPU (its
+    score kernels: test_kernel_select_score); the K/V warm (`warm.KV`) issues bulk L2
+    prefetches, and only where bound; the top-k and the bound launch divide by no runtime value
+    (a row's sample stride is a power of two: shifts)."""
     from sm90 import run as run_script
 
     run = run_script(SM90_COMPILE, timeout=900)
@@ -478,3 +481,10 @@ def test_route_compiles_for_sm90():
     assert len(warms) == 12 and all((w == "0") == (n == "0") for _, w, n in warms), run.stdout
     divisions = [x.split()[x.split().index("divisions") + 1] for x in lines if "divisions" in x]
     assert len(divisions) == 14 and set(divisions) == {"0"}, run.stdout
+    # The second tier's cap2-wide resolve (16 candidates a thread) keeps the program's registers
+    # (at most 128, or what it takes without) and spills at most a few words.
+    usage = [[int(v) for v in x.split()[1:]] for x in run.stdout.splitlines() if x.startswith("usage")]
+    assert [u[:4] for u in usage] == [[32768, 4, 8, 4096], [262144, 4, 8, 4096], [262144, 64, 4, 2048],
+                                      [8192, 16, 4, 2048]], run.stdout
+    for *_, regs, stack, regs0, _ in usage:
+        assert regs <= max(regs0, 128) and stack <= 32, run.stdout
