@@ -323,6 +323,33 @@ def test_plugin_registers_backend_and_model_idempotently():
     assert AttentionBackendEnum["QSA_CORE"].get_class() is QSACoreBackend
 
 
+def test_our_log_lines_reach_vllms_handlers():
+    """The warm-up's INFO line and the guard's errors go through vLLM's `vllm` handlers at its
+    level (vLLM configures no other logger), also when vLLM configures them after the plugin
+    registered; each line once."""
+    import logging
+
+    from qsa_adapters.vllm.plugin import register
+
+    register()
+    records: list[logging.LogRecord] = []
+    capture = logging.Handler(logging.DEBUG)
+    capture.emit = records.append
+    engine = logging.getLogger("vllm")
+    level = engine.level
+    engine.addHandler(capture)
+    engine.setLevel(logging.INFO)
+    try:
+        logging.getLogger("qsa_adapters.vllm.backend").info("QSA: warmed 3 kernel variants")
+        logging.getLogger("qsa_core.guard").error("guard line")
+        logging.getLogger("qsa_kernels.launch").debug("below vLLM's level")
+    finally:
+        engine.removeHandler(capture)
+        engine.setLevel(level)
+    assert [(r.name, r.levelname, r.getMessage()) for r in records] == [
+        ("qsa_adapters.vllm.backend", "INFO", "QSA: warmed 3 kernel variants"), ("qsa_core.guard", "ERROR", "guard line")]
+
+
 @pytest.mark.parametrize("setting, error, match", [
     ({"cache_dtype": "int8_per_token_head"}, ValueError,
      "QSA_CORE does not serve --kv-cache-dtype int8_per_token_head with a torch.float32 model"),

@@ -7,9 +7,11 @@ and load when vLLM first asks for them.
 from __future__ import annotations
 
 import copyreg
+import logging
 
 MODEL_MODULE = "qsa_adapters.vllm.qwen4_exp"
 ARCHITECTURES = ("Qwen4ExpForCausalLM", "Qwen4ExpForConditionalGeneration", "Qwen4ExpMTP")
+OUR_LOGGERS = ("qsa_core", "qsa_kernels", "qsa_adapters")
 
 
 def _reduce_backend(member):
@@ -30,9 +32,35 @@ def _qsa_core_backend():
     return AttentionBackendEnum[BACKEND_NAME]
 
 
+class ToEngineLog(logging.Handler):
+    """Hands our packages' records to vLLM's `vllm` logger where vLLM configured it (its
+    handlers, format and level), else to the root logger as Python would."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        engine = logging.getLogger("vllm")
+        target = engine if engine.handlers else logging.getLogger()
+        if record.levelno >= target.getEffectiveLevel():
+            target.handle(record)
+
+
+def route_logs() -> None:
+    """Our packages' log lines (the warm-up's "QSA: warmed ..." line, guard errors) go where
+    vLLM's go (`ToEngineLog`). vLLM configures only its `vllm` logger, in each process when it
+    starts (possibly after plugins load), so the hand-over is decided per record; without it
+    ours reached Python's last-resort handler, warnings and errors only, and a server never
+    showed how long the warm-up took."""
+    for name in OUR_LOGGERS:
+        ours = logging.getLogger(name)
+        if not any(isinstance(h, ToEngineLog) for h in ours.handlers):
+            ours.addHandler(ToEngineLog())
+            ours.setLevel(logging.DEBUG)
+            ours.propagate = False
+
+
 def register() -> None:
     """Register the QSA_CORE attention backend, the core-backed Qwen4-Exp architectures,
-    their config checks (`config_hooks`) and the V1 proposer's MTP width (`spec_decode`).
+    their config checks (`config_hooks`) and the V1 proposer's MTP width (`spec_decode`), and
+    route our log lines through vLLM's (`route_logs`).
 
     The architectures replace upstream's under the same names; they are upstream's models
     unless QSA_CORE is chosen or the platform is the CPU (`config_hooks.uses_qsa_core`).
@@ -54,3 +82,4 @@ def register() -> None:
     config_hooks.install()
     spec_decode.install()
     vocab_guard.install()
+    route_logs()
