@@ -267,12 +267,12 @@ def _topk_prefill_kernel(
 def _resolve_prefill_kernel(
     vis_ptr, cidx_ptr, ckey_ptr, cnt_ptr, out_ptr, pos_ptr, row0, n_rows, n_cols, stride_cr, stride_or, stride_oc,
     KB: tl.constexpr, BITS: tl.constexpr, SEG: tl.constexpr, SEGP: tl.constexpr, CAP: tl.constexpr,
-    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, LIST: tl.constexpr = 0,
-    LO: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, LIST: tl.constexpr,
+    LO: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """The deferred resolve of rows [row0, row0 + n_rows) (grid: >= n_rows programs) from the
-    candidate lists `_topk_prefill_kernel` (DEFER) left at their local row (LIST entries a list;
-    0: CAP): rows with visible > KB and LO < candidates <= CAP, resolved in a CAP-wide tile (the
+    candidate lists `_topk_prefill_kernel` (DEFER) left at their local row (LIST entries a
+    list): rows with visible > KB and LO < candidates <= CAP, resolved in a CAP-wide tile (the
     others are written, or another tier's)."""
     pdl_start(PDL)
     lr = tl.program_id(0)
@@ -287,7 +287,7 @@ def _resolve_prefill_kernel(
                 out_row = out_ptr + row.to(tl.int64) * stride_or
                 write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                 _resolve_lists(cidx_ptr + lr.to(tl.int64) * stride_cr, ckey_ptr + lr.to(tl.int64) * stride_cr,
-                               cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, LIST or CAP, PACKED, R)
+                               cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, LIST, PACKED, R)
     pdl_end(PDL)
 
 
