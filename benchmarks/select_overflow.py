@@ -15,7 +15,10 @@ weights, fp32, transformers' modules), applies the kernel's own tiles for that c
 (`select.score_block_g`, `select_prefill.prefill_tiles`), and prints the candidate counts of
 the scores as they are and with their visible columns shuffled (the benchmark's case).
 
-    python benchmarks/select_overflow.py [--contexts 16384,131072] [--rows 64]
+    python benchmarks/select_overflow.py [--contexts 16384,131072] [--rows 64] [--decode [--batch 4]]
+
+--decode adds the decode route's counts for the same rows (`decode_tiles`: per-row samples of
+one per 2^shift columns, a 16-bit bound, a list per `seg` columns of at most `cap`).
 """
 
 from __future__ import annotations
@@ -71,6 +74,26 @@ def candidates(scores: torch.Tensor, visible: int, samples_of: int, block_topk: 
     return int((keys >= bound).sum())
 
 
+def decode_candidates(scores: torch.Tensor, visible: int, tiles, block_topk: int) -> tuple[int, int]:
+    """(candidates in all, the most in one segment) of one decode row's fp32 scores [>= visible]:
+    per-row samples of one per 2^`sample_shift` columns (`decode_tiles`' row_s, log_g), the
+    bound their block_topk-th largest to `lbits` high bits, lists per `seg` columns."""
+    shift = 0
+    while shift < tiles.log_g and visible > 1 << (tiles.row_s + shift):
+        shift += 1
+    keys = scores[:visible].contiguous().view(torch.int32)
+    n = -(-visible // (1 << shift))
+    padded = torch.full((n << shift,), -1, dtype=torch.int32)
+    padded[:visible] = keys
+    samples = padded.view(n, 1 << shift).amax(1)
+    bound = int(samples.topk(block_topk).values[-1]) & ~((1 << (32 - tiles.lbits)) - 1)
+    over = keys >= bound
+    segs = -(-visible // tiles.seg)
+    per_seg = torch.zeros(segs * tiles.seg, dtype=torch.int32)
+    per_seg[:visible] = over.to(torch.int32)
+    return int(over.sum()), int(per_seg.view(segs, tiles.seg).sum(1).max())
+
+
 def main(argv: list[str] | None = None) -> None:
     from qsa_core.planner import column_bucket
     from qsa_core.reference.select import group_scores
@@ -79,7 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="16384,131072", help="prompt lengths, comma separated")
     ap.add_argument("--rows", type=int, default=64, help="last rows of the prompt scored")
+    ap.add_argument("--decode", action="store_true", help="also the decode route's counts for the same rows")
+    ap.add_argument("--batch", type=int, default=4, help="decode rows a chunk (decode_tiles' rows)")
     args = ap.parse_args(argv)
+    decode = []
     torch.set_grad_enabled(False)
     Kb = 512
     print("| context | route | S | cap | lists | data | candidates median | p90 | max | rows over cap | "
@@ -108,6 +134,32 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {context} | {'sample-bounded' if route else 'radix'} | {S} | {tiles.cap} | {tiles.lists} | "
                   f"{data} | {c.median():.0f} | {c.quantile(0.9):.0f} | {c.max():.0f} | {over} of {args.rows} | "
                   f"{whole} of {args.rows} |", flush=True)
+        decode.append((context, r, scores))
+    if not args.decode:
+        return
+    print("\nDecode rows (the same rows as decode steps of --batch requests, `decode_tiles`):\n")
+    print("| context | seg | cap | data | candidates median | p90 | max | most in one list (max) | rows over cap | "
+          "rows with a list over cap |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    block_g = select.decode_block_g()
+    for context, r, scores in decode:
+        n_cols = column_bucket(context // r)
+        tiles = select_prefill.decode_tiles(n_cols, Kb, block_g, False, args.batch)
+        shuffle = torch.Generator().manual_seed(0)
+        for data in ("served", "shuffled"):
+            counts, most = [], []
+            for i in range(args.rows):
+                visible = (context - args.rows + i + 1) // r
+                row = scores[i, :visible]
+                if data == "shuffled":
+                    row = row[torch.randperm(visible, generator=shuffle)]
+                total, seg_most = decode_candidates(row, visible, tiles, Kb)
+                counts.append(total)
+                most.append(seg_most)
+            c, m = torch.tensor(counts, dtype=torch.float32), torch.tensor(most)
+            print(f"| {context} | {tiles.seg} | {tiles.cap} | {data} | {c.median():.0f} | {c.quantile(0.9):.0f} | "
+                  f"{c.max():.0f} | {int(m.max())} | {int((c > tiles.cap).sum())} of {args.rows} | "
+                  f"{int((m > tiles.cap).sum())} of {args.rows} |", flush=True)
 
 
 if __name__ == "__main__":
