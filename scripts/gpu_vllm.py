@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -123,12 +124,20 @@ def run(out: str, name: str, llm: dict, env: dict, lengths: list[int]) -> dict:
     return finished(res, log, wall)
 
 
+WARMED = re.compile(r"QSA: warmed (\d+) kernel variants over \d+ step shapes in ([\d.]+) s")
+
+
 def finished(res: str, log: str, wall: float) -> dict:
-    """A finished run's JSON result, its wall seconds and its count of vLLM's JIT warnings."""
+    """A finished run's JSON result, its wall seconds, its count of vLLM's JIT warnings and
+    QSA_CORE's start-up warm-up (the "QSA: warmed" lines of its log: variants, seconds; part of
+    vLLM's init; the first run on a machine also compiles the model's other Triton kernels cold)."""
     with open(log) as f:
-        jit = sum("JIT compilation during inference" in line for line in f)
+        text = f.read()
+    jit = text.count("JIT compilation during inference")
+    warmed = [(int(n), float(sec)) for n, sec in WARMED.findall(text)]
     with open(res) as f:
-        return {**json.load(f), "wall": wall, "jit": jit}
+        return {**json.load(f), "wall": wall, "jit": jit,
+                "warmup": [sum(n for n, _ in warmed), sum(sec for _, sec in warmed)] if warmed else None}
 
 
 @contextlib.contextmanager
@@ -192,9 +201,9 @@ def main() -> int:
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}  # flashinfer is not a dependency
     results: dict[tuple[str, str, str, int], dict] = {}
     lines = [f"KV cache dtype: {kv}; prompt lengths {lengths}", "",
-             "| model | backend | mode | MTP drafts | init s | generate s (cold, warm) | Triton JIT warnings while "
-             "serving | draft acceptance | result |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | backend | mode | MTP drafts | init s | QSA warm-up s (variants) | generate s (cold, warm) | "
+             "Triton JIT warnings while serving | draft acceptance | result |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for model in args.models.split(","):
         hybrid = model != "full"  # hybrid and vl: GDN, QSA, GDN, QSA
         for spec in sorted({0, args.mtp}):
@@ -215,16 +224,18 @@ def main() -> int:
                     name = f"{model}-{backend}-{mode}{suffix}" + (f"-mtp{spec}" if spec else "")
                     r = results[(model, backend, mode, spec)] = run(args.out, name, llm, env, lengths)
                     if "error" in r:
-                        lines.append(f"| {model} | {backend} | {mode} | {spec} | | | | | {r['error']} |")
+                        lines.append(f"| {model} | {backend} | {mode} | {spec} | | | | | | {r['error']} |")
                         print(f"{name}: {r['error']}\n{r['tail']}", flush=True)
                         continue
                     cold, warm = r["generate_seconds"]
                     d = r.get("spec_decode")
                     accepted = f"{d['num_accepted_tokens']:.0f} of {d['num_draft_tokens']:.0f}" if d else "-"
-                    lines.append(f"| {model} | {backend} | {mode} | {spec} | {r['init_seconds']:.1f} | {cold:.2f}, "
-                                 f"{warm:.2f} | {r['jit']} | {accepted} | ok |")
-                    print(f"{name}: init {r['init_seconds']:.1f} s, generate {cold:.2f} / {warm:.2f} s, "
-                          f"accepted {accepted}", flush=True)
+                    w = r.get("warmup")
+                    warmup = f"{w[1]:.1f} ({w[0]})" if w else "-"
+                    lines.append(f"| {model} | {backend} | {mode} | {spec} | {r['init_seconds']:.1f} | {warmup} | "
+                                 f"{cold:.2f}, {warm:.2f} | {r['jit']} | {accepted} | ok |")
+                    print(f"{name}: init {r['init_seconds']:.1f} s (QSA warm-up {warmup}), generate {cold:.2f} / "
+                          f"{warm:.2f} s, accepted {accepted}", flush=True)
     failures = []
     lines += ["", "| comparison | equal prompts | where they part: top-2 log-prob margin in each run |", "|---|---|---|"]
 
