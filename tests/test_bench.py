@@ -620,15 +620,24 @@ def test_vllm_prepare_refuses_a_step_whose_ring_history_our_prepare_replaced():
 
 def test_select_overflow_counts_the_served_checkpoints_candidates_against_shuffled_columns(capsys):
     """benchmarks/select_overflow.py at 16K: the served checkpoint's scores (a recency bias)
-    give more sample-bound candidates than the same scores shuffled, with the kernel's tiles."""
+    give more sample-bound candidates than the same scores shuffled, with the kernel's tiles,
+    on the prefill route and (--decode) the decode route."""
     import select_overflow
 
-    select_overflow.main(["--contexts", "16384", "--rows", "4"])
-    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    select_overflow.main(["--contexts", "16384", "--rows", "4", "--decode"])
+    prefill, decode = capsys.readouterr().out.split("\nDecode rows")
+    rows = [line.split("|")[1:-1] for line in prefill.splitlines()[2:]]
     by_data = {cells[5].strip(): cells for cells in rows}
     assert set(by_data) == {"served", "shuffled"} and all(c[1].strip() == "sample-bounded" for c in rows)
     served, shuffled = (int(by_data[d][6]) for d in ("served", "shuffled"))
     assert served > shuffled > 0
+    # the decode route's counts of the same rows: at least Kb each (the bound is the Kb-th
+    # largest sample), the served rows crowding past the shuffled ones
+    rows = [line.split("|")[1:-1] for line in decode.splitlines() if line.startswith("| 16384")]
+    by_data = {cells[3].strip(): cells for cells in rows}
+    assert set(by_data) == {"served", "shuffled"}
+    served, shuffled = (int(by_data[d][4]) for d in ("served", "shuffled"))
+    assert served > shuffled >= 512
 
 
 @pytest.mark.interpreter
