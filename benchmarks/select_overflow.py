@@ -16,9 +16,12 @@ weights, fp32, transformers' modules), applies the kernel's own tiles for that c
 the scores as they are and with their visible columns shuffled (the benchmark's case).
 
     python benchmarks/select_overflow.py [--contexts 16384,131072] [--rows 64] [--decode [--batch 4]]
+                                         [--top-m M] [--narrow N]
 
 --decode adds the decode route's counts for the same rows (`decode_tiles`: per-row samples of
-one per 2^shift columns, a 16-bit bound, a list per `seg` columns of at most `cap`).
+one per 2^shift columns, a 16-bit bound, a list per `seg` columns of at most `cap`). What-ifs
+the kernels do not implement: `--top-m M` samples the M largest of each window, `--narrow N`
+takes windows N times narrower (both N or M times the samples).
 """
 
 from __future__ import annotations
@@ -63,31 +66,36 @@ def layer0_index_inputs(context: int, rows: int, seed: int = 1234) -> tuple[torc
     return q, keys
 
 
-def candidates(scores: torch.Tensor, visible: int, samples_of: int, block_topk: int, lbits: int) -> int:
-    """Columns of one row's fp32 scores [>= visible] at or above the sample bound."""
+def sample_bound(keys: torch.Tensor, window: int, block_topk: int, lbits: int, top_m: int = 1) -> int:
+    """The sample bound of one row's int32 score keys: the block_topk-th largest of the samples
+    (the top_m largest keys of each `window` consecutive columns: distinct columns, so at least
+    block_topk columns reach it), to `lbits` high bits."""
+    n = -(-keys.shape[0] // window)
+    padded = torch.full((n * window,), -1, dtype=torch.int32)
+    padded[: keys.shape[0]] = keys
+    samples = padded.view(n, window).topk(min(top_m, window), dim=1).values.flatten()
+    return int(samples.topk(block_topk).values[-1]) & ~((1 << (32 - lbits)) - 1)
+
+
+def candidates(scores: torch.Tensor, visible: int, samples_of: int, block_topk: int, lbits: int,
+               top_m: int = 1) -> int:
+    """Columns of one row's fp32 scores [>= visible] at or above the sample bound (`sample_bound`:
+    one sample per samples_of columns, the kernel's; top_m > 1: that many a window)."""
     keys = scores[:visible].contiguous().view(torch.int32)  # scores >= 0: the bits order like the values
-    n = -(-visible // samples_of)
-    padded = torch.full((n * samples_of,), -1, dtype=torch.int32)
-    padded[:visible] = keys
-    samples = padded.view(n, samples_of).amax(1)
-    bound = int(samples.topk(block_topk).values[-1]) & ~((1 << (32 - lbits)) - 1)
-    return int((keys >= bound).sum())
+    return int((keys >= sample_bound(keys, samples_of, block_topk, lbits, top_m)).sum())
 
 
-def decode_candidates(scores: torch.Tensor, visible: int, tiles, block_topk: int) -> tuple[int, int]:
+def decode_candidates(scores: torch.Tensor, visible: int, tiles, block_topk: int, top_m: int = 1,
+                      narrow: int = 1) -> tuple[int, int]:
     """(candidates in all, the most in one segment) of one decode row's fp32 scores [>= visible]:
-    per-row samples of one per 2^`sample_shift` columns (`decode_tiles`' row_s, log_g), the
-    bound their block_topk-th largest to `lbits` high bits, lists per `seg` columns."""
+    per-row samples of one per 2^`sample_shift` columns (`decode_tiles`' row_s, log_g; narrow:
+    windows that many times narrower; top_m: that many samples a window), the bound their
+    block_topk-th largest to `lbits` high bits, lists per `seg` columns."""
     shift = 0
     while shift < tiles.log_g and visible > 1 << (tiles.row_s + shift):
         shift += 1
     keys = scores[:visible].contiguous().view(torch.int32)
-    n = -(-visible // (1 << shift))
-    padded = torch.full((n << shift,), -1, dtype=torch.int32)
-    padded[:visible] = keys
-    samples = padded.view(n, 1 << shift).amax(1)
-    bound = int(samples.topk(block_topk).values[-1]) & ~((1 << (32 - tiles.lbits)) - 1)
-    over = keys >= bound
+    over = keys >= sample_bound(keys, max(1, (1 << shift) // narrow), block_topk, tiles.lbits, top_m)
     segs = -(-visible // tiles.seg)
     per_seg = torch.zeros(segs * tiles.seg, dtype=torch.int32)
     per_seg[:visible] = over.to(torch.int32)
@@ -104,6 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rows", type=int, default=64, help="last rows of the prompt scored")
     ap.add_argument("--decode", action="store_true", help="also the decode route's counts for the same rows")
     ap.add_argument("--batch", type=int, default=4, help="decode rows a chunk (decode_tiles' rows)")
+    ap.add_argument("--top-m", type=int, default=1, help="what-if: the m largest of each sample window (the "
+                    "kernels take 1)")
+    ap.add_argument("--narrow", type=int, default=1, help="what-if: sample windows this many times narrower "
+                    "(as many samples as --top-m of the same factor)")
     args = ap.parse_args(argv)
     decode = []
     torch.set_grad_enabled(False)
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = scores[i, :visible]
                 if data == "shuffled":
                     row = row[torch.randperm(visible, generator=shuffle)]
-                counts.append(candidates(row, visible, S, Kb, tiles.lbits))
+                counts.append(candidates(row, visible, max(1, S // args.narrow), Kb, tiles.lbits, args.top_m))
             c = torch.tensor(counts, dtype=torch.float32)
             over, whole = int((c > tiles.cap).sum()), int((c > tiles.lists).sum())
             print(f"| {context} | {'sample-bounded' if route else 'radix'} | {S} | {tiles.cap} | {tiles.lists} | "
@@ -153,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = scores[i, :visible]
                 if data == "shuffled":
                     row = row[torch.randperm(visible, generator=shuffle)]
-                total, seg_most = decode_candidates(row, visible, tiles, Kb)
+                total, seg_most = decode_candidates(row, visible, tiles, Kb, args.top_m, args.narrow)
                 counts.append(total)
                 most.append(seg_most)
             c, m = torch.tensor(counts, dtype=torch.float32), torch.tensor(most)

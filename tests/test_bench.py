@@ -640,6 +640,22 @@ def test_select_overflow_counts_the_served_checkpoints_candidates_against_shuffl
     assert served > shuffled >= 512
 
 
+def test_select_overflow_what_if_more_samples_a_window_tightens_the_bound():
+    """select_overflow's --top-m: the m largest of each window are distinct columns, so the bound
+    stays a lower bound of the Kb-th largest score (every count >= Kb) and, on clustered rows, sits
+    higher than one sample a window (fewer candidates); --top-m 1 is the kernel's own count."""
+    import select_overflow
+
+    g = torch.Generator().manual_seed(3)
+    # a row whose high scores cluster in runs of 8 columns, as a recency bias makes them
+    base = torch.rand(4096, generator=g)
+    base[2048:3072] += 2 * torch.rand(128, generator=g).repeat_interleave(8)
+    kb, window = 64, 16
+    one, two, four = (select_overflow.candidates(base, 4096, window, kb, 31, m) for m in (1, 2, 4))
+    keys = base.view(torch.int32)
+    assert one == int((keys >= keys.view(-1, window).amax(1).topk(kb).values[-1]).sum())
+    assert one > two > four >= kb
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("context", [16384, 32768])
 def test_production_tiles_select_the_reference_groups_where_recency_data_overflows_the_lists(monkeypatch, context):
