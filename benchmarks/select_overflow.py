@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -102,6 +103,17 @@ def decode_candidates(scores: torch.Tensor, visible: int, tiles, block_topk: int
     return int(over.sum()), int(per_seg.view(segs, tiles.seg).sum(1).max())
 
 
+def prompt_rows(scores: torch.Tensor, context: int, r: int, data: str) -> Iterator[tuple[int, torch.Tensor]]:
+    """(visible columns, fp32 scores [visible]) of each scored row (the prompt's last
+    scores.shape[0] rows); data "shuffled": each row's visible columns permuted (seed 0 a pass)."""
+    rows = scores.shape[0]
+    shuffle = torch.Generator().manual_seed(0)
+    for i in range(rows):
+        visible = (context - rows + i + 1) // r
+        row = scores[i, :visible]
+        yield visible, row[torch.randperm(visible, generator=shuffle)] if data == "shuffled" else row
+
+
 def main(argv: list[str] | None = None) -> None:
     from qsa_core.planner import column_bucket
     from qsa_core.reference.select import group_scores
@@ -132,21 +144,14 @@ def main(argv: list[str] | None = None) -> None:
         route = select_prefill.prefill_route(n_cols, Kb, tiles, block_g)
         S = select_prefill.sample_cols(tiles, block_g)
         scores = group_scores(q, keys)
-        shuffle = torch.Generator().manual_seed(0)
         for data in ("served", "shuffled"):
-            counts = []
-            for i in range(args.rows):
-                visible = (context - args.rows + i + 1) // r
-                row = scores[i, :visible]
-                if data == "shuffled":
-                    row = row[torch.randperm(visible, generator=shuffle)]
-                counts.append(candidates(row, visible, max(1, S // args.narrow), Kb, tiles.lbits, args.top_m))
-            c = torch.tensor(counts, dtype=torch.float32)
+            c = torch.tensor([candidates(row, visible, max(1, S // args.narrow), Kb, tiles.lbits, args.top_m)
+                              for visible, row in prompt_rows(scores, context, r, data)], dtype=torch.float32)
             over, whole = int((c > tiles.cap).sum()), int((c > tiles.lists).sum())
             print(f"| {context} | {'sample-bounded' if route else 'radix'} | {S} | {tiles.cap} | {tiles.lists} | "
                   f"{data} | {c.median():.0f} | {c.quantile(0.9):.0f} | {c.max():.0f} | {over} of {args.rows} | "
                   f"{whole} of {args.rows} |", flush=True)
-        decode.append((context, r, scores))
+        decode.append((context, n_cols, r, scores))
     if not args.decode:
         return
     print("\nDecode rows (the same rows as decode steps of --batch requests, `decode_tiles`):\n")
@@ -154,21 +159,12 @@ def main(argv: list[str] | None = None) -> None:
           "rows with a list over cap |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     block_g = select.decode_block_g()
-    for context, r, scores in decode:
-        n_cols = column_bucket(context // r)
+    for context, n_cols, r, scores in decode:
         tiles = select_prefill.decode_tiles(n_cols, Kb, block_g, False, args.batch)
-        shuffle = torch.Generator().manual_seed(0)
         for data in ("served", "shuffled"):
-            counts, most = [], []
-            for i in range(args.rows):
-                visible = (context - args.rows + i + 1) // r
-                row = scores[i, :visible]
-                if data == "shuffled":
-                    row = row[torch.randperm(visible, generator=shuffle)]
-                total, seg_most = decode_candidates(row, visible, tiles, Kb, args.top_m, args.narrow)
-                counts.append(total)
-                most.append(seg_most)
-            c, m = torch.tensor(counts, dtype=torch.float32), torch.tensor(most)
+            counts = torch.tensor([decode_candidates(row, visible, tiles, Kb, args.top_m, args.narrow)
+                                   for visible, row in prompt_rows(scores, context, r, data)])
+            c, m = counts[:, 0].float(), counts[:, 1]
             print(f"| {context} | {tiles.seg} | {tiles.cap} | {data} | {c.median():.0f} | {c.quantile(0.9):.0f} | "
                   f"{c.max():.0f} | {int(m.max())} | {int((c > tiles.cap).sum())} of {args.rows} | "
                   f"{int((m > tiles.cap).sum())} of {args.rows} |", flush=True)

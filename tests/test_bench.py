@@ -656,6 +656,7 @@ def test_select_overflow_what_if_more_samples_a_window_tightens_the_bound():
     assert one == int((keys >= keys.view(-1, window).amax(1).topk(kb).values[-1]).sum())
     assert one > two > four >= kb
 
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("context", [16384, 32768])
 def test_production_tiles_select_the_reference_groups_where_recency_data_overflows_the_lists(monkeypatch, context):
