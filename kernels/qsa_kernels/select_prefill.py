@@ -17,10 +17,11 @@ that completes the row (its only one, or the last to arrive at the row's counter
 gathers the lists in column order and resolves them exactly in registers
 (`select_topk._kth_key`, `emit`). More than CAP candidates (keys crowded near the threshold,
 or rows too short to have Kb samples) send the row to the exact whole-row resolve
-(`select_topk._resolve_row`): slower, same result. With `defer`, the lists of several chunks'
-rows stay (under CAND_BYTES) and one `_resolve_prefill_kernel` launch after the group's last
-chunk resolves them, many rows at once (a chunk has few rows at long contexts); only
-overflowing rows resolve in the chunk's launch, while their scores are there. The scores make
+(`select_topk._resolve_row`): slower, same result; a second tier (`SampleTiles.cap2`) first
+takes rows of up to cap2 candidates from their lists in a wider tile. With `defer`, the lists of
+several chunks' rows stay (under CAND_BYTES) and one `_resolve_prefill_kernel` launch (a tier)
+after the group's last chunk resolves them, many rows at once (a chunk has few rows at long
+contexts); only overflowing rows resolve in the chunk's launch, while their scores are there. The scores make
 one trip through memory after the score launch; no histogram.
 
 Deterministic and batch-invariant: samples, counts and positions depend on the row's scores
@@ -78,10 +79,11 @@ def _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB: tl.cons
 
 
 @triton.jit
-def _row_total(cnt_row, n_seg, SEGP: tl.constexpr):
-    """Candidates of a row in all (its n_seg list lengths)."""
+def _row_counts(cnt_row, n_seg, SEGP: tl.constexpr):
+    """(candidates of a row in all, the most of one list) from its n_seg list lengths."""
     segs = tl.arange(0, SEGP)
-    return tl.sum(tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg"), 0)
+    cnt = tl.load(cnt_row + segs, mask=segs < n_seg, other=0, cache_modifier=".cg")
+    return tl.sum(cnt, 0), tl.max(cnt, 0)
 
 
 @triton.jit
@@ -180,25 +182,29 @@ def _topk_prefill_kernel(
     RBLOCK: tl.constexpr, DEFER: tl.constexpr, PACKED: tl.constexpr, R: tl.constexpr, W: tl.constexpr,
     BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
     BOUND_IN: tl.constexpr = 0, SBITS: tl.constexpr = 0, RSBITS: tl.constexpr = 0, WARM_K: tl.constexpr = 0,
-    WARM_V: tl.constexpr = 0, PAGE: tl.constexpr = 1, BSLACK: tl.constexpr = 0, PDL: tl.constexpr = 0,
+    WARM_V: tl.constexpr = 0, PAGE: tl.constexpr = 1, BSLACK: tl.constexpr = 0, CAP2: tl.constexpr = 0,
+    PDL: tl.constexpr = 0,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
     CAP] (the chunk's at crow0; list s at s * CAP, at most CAP entries stored), their lengths
     cnt int32 [rows, SEGP]; arrive int32 [chunk rows] zero between calls (the last arriver
-    resets it). The last arriver resolves the row from its lists, or (more than CAP
-    candidates) from its scores; DEFER: only the latter, `_resolve_prefill_kernel` does the
-    rest after the chunk's scores are gone. ROW_SAMPLES = WBITS > 0 (decode; no DEFER): a row's
-    samples are one per 2^`sample_shift(vis, WBITS, LOG_G)` columns (the decode score launch's or,
-    MTP rows, `_row_samples_kernel`'s), not per S; with RUNS, rows of at most RUNS runs per segment
-    read only their live runs, others the segment. The row's bound: BOUND_IN, read from bound int32
-    [chunk rows] (`_bound_prefill_kernel`, before this launch), else each program's own
-    `_chunk_row_bound` (SBITS: the bracket search; BSLACK: its early end). RSBITS: the last
-    arriver's resolve by the bracket search (`_resolve_lists`; 0: `kth_key`). WARM_K > 0
-    (`warm.KV`): a program that does not resolve its row then hints its candidates' K and V
-    rows into L2 (req, bt: token_to_req and the block table; kc / vc: the K / V caches, PAGE
-    tokens a page; WARM_K / WARM_V: `warm.warm_kv_groups`' K_BYTES / V_BYTES)."""
+    resets it). The last arriver resolves the row from its lists in a CAP-wide tile or, more
+    than CAP candidates, from its scores (`resolve_row`); CAP2 > CAP (no DEFER): rows of at most
+    CAP2 candidates, no list past CAP, from their lists in a CAP2-wide tile instead. DEFER: only
+    the rows past CAP, `_resolve_prefill_kernel` does the rest after the chunk's scores are gone.
+    ROW_SAMPLES = WBITS > 0 (decode; no DEFER): a row's samples are one per 2^`sample_shift(vis,
+    WBITS, LOG_G)` columns (the decode score launch's or, MTP rows, `_row_samples_kernel`'s), not
+    per S; with RUNS, rows of at most RUNS runs per segment read only their live runs, others the
+    segment. The row's bound: BOUND_IN, read from bound int32 [chunk rows] (`_bound_prefill_kernel`,
+    before this launch), else each program's own `_chunk_row_bound` (SBITS: the bracket search;
+    BSLACK: its early end). RSBITS: the last arriver's CAP-wide resolve by the bracket search
+    (`_resolve_lists`; 0: `kth_key`, as the CAP2-wide one). WARM_K > 0 (`warm.KV`): a program
+    that does not resolve its row then hints its candidates' K and V rows into L2 (req, bt:
+    token_to_req and the block table; kc / vc: the K / V caches, PAGE tokens a page; WARM_K /
+    WARM_V: `warm.warm_kv_groups`' K_BYTES / V_BYTES)."""
     tl.static_assert((S & (S - 1)) == 0, "S: a power of two")
+    tl.static_assert(not (DEFER and CAP2), "CAP2: the second tier of the chunk's own resolve (DEFER: LO)")
     pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
@@ -246,14 +252,22 @@ def _topk_prefill_kernel(
         if last:
             if SEGP > 1:
                 tl.store(arrive_ptr + lr, 0)  # clean for the next call
-            if _row_total(cnt_row, n_seg, SEGP) <= CAP:
+            total, most = _row_counts(cnt_row, n_seg, SEGP)
+            if total <= CAP:
                 if not DEFER:
                     write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
                     _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, CAP, PACKED, R,
                                    RSBITS)
             else:
                 write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-                resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+                # CAP2 0 (a constexpr) compiles no second tier; most <= CAP: every list whole (a
+                # segment of more than CAP columns may have dropped some)
+                if CAP2 and total <= CAP2 and most <= CAP:
+                    # `kth_key`: RSBITS' 2^RSBITS counts a step over CAP2 keys would double the registers
+                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP2, CAP, PACKED,
+                                   R)
+                else:
+                    resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
         elif WARM_K:
             j = tl.arange(0, CAP)
             m = j < n
@@ -282,7 +296,7 @@ def _resolve_prefill_kernel(
         n_seg = tl.cdiv(vis, SEG)
         cnt_row = cnt_ptr + lr.to(tl.int64) * SEGP
         if vis > KB:
-            total = _row_total(cnt_row, n_seg, SEGP)
+            total = _row_counts(cnt_row, n_seg, SEGP)[0]
             if (total > LO) & (total <= CAP):
                 out_row = out_ptr + row.to(tl.int64) * stride_or
                 write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
@@ -340,10 +354,12 @@ class SampleTiles:
     """Launch shapes of the sample-bounded top-k (`prefill_tiles`, `decode_tiles`).
 
     sub: samples per score tile; seg: columns per segment program; cap: candidates of a row (and
-    of one list) the resolve takes in registers; cap2 (deferred resolve only; 0: none): a second
-    tier, lists of up to cap2 entries, whose rows of more than cap candidates a second resolve
-    launch takes in a cap2-wide tile with r2warps warps (rows of more than `lists` candidates
-    take the whole-row resolve); block / rblock: columns per sweep step (compaction / the whole-row resolve);
+    of one list) the resolve takes in registers; cap2 (0: none): a second tier, rows of more than
+    cap and at most cap2 candidates resolve from their lists in a cap2-wide tile, others by the
+    whole-row resolve; with defer the lists hold cap2 entries (`lists`) and a second resolve
+    launch (r2warps warps) takes those rows, without it the last arriver does, from lists of cap
+    entries none of which lost any (a segment of more than cap columns may); block / rblock:
+    columns per sweep step (compaction / the whole-row resolve);
     bits: key bits per radix search step; lbits: high key bits of the bound; warps: per program;
     regs: registers per thread the compiler may use (0: its choice); defer: resolve the rows of
     several chunks in one later launch (`defer_rows`) with rwarps / rregs; bound: where a row's
@@ -383,8 +399,10 @@ class SampleTiles:
 
     @property
     def lists(self) -> int:
-        """Entries a candidate list holds: more candidates send the row to the whole-row resolve."""
-        return self.cap2 or self.cap
+        """Entries a candidate list holds: cap2 (else cap) for the deferred resolve, whose lists
+        wait for a later launch; cap for the chunk's own, whose second tier gathers them from
+        several lists (a decode chunk has many rows: its scratch stays at cap a list)."""
+        return self.cap2 if self.defer and self.cap2 else self.cap
 
 
 def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> SampleTiles:
@@ -423,6 +441,20 @@ DECODE_TOPK_PROGRAMS = 128
 # The most segments (candidate lists) of a decode row: what 8192-column segments make at 1M
 # context, the most the resolve's gather was measured with.
 DECODE_MAX_SEGS = 32
+# The decode route's second resolve tier (`SampleTiles.cap2`): up to this many times cap
+# candidates, at most DECODE_TIER2_PER_THREAD a thread of the segment program, for rows of at
+# least twice as many columns (as PREFILL_TIER2), in chunks of fewer than DECODE_BOUND_ROWS rows.
+# Decode rows whose top keys cluster (recent keys scoring high, as served rows do) crowd the
+# bound's candidates past cap too, and the whole-row resolve sweeps a row 16 times. Its lists stay
+# cap entries (a chunk has up to 256 rows): the last arriver gathers them into a cap2-wide tile in
+# its registers, by `kth_key` (the bracket search's counts over 4096 keys took 254 registers at 8
+# warps). Timed on the H100 against no tier (select+expand, us; NOTES.md (Kernels)): 128K B4 318 ->
+# 60 on recency rows, 37.2 -> 37.7 on random ones (the program takes 176 registers under triton
+# 3.6 against 125); 1M B4 unchanged (4598 -> 4565: those recency rows pass 4096) at +0.5 % on
+# random rows. Chunks of many rows run 4 warps, a 2048-wide tier, which did not take the 128K B64
+# recency rows (924 -> 930) and cost 1.5 % on random ones: they have none.
+DECODE_TIER2 = 4
+DECODE_TIER2_PER_THREAD = 16
 
 
 def decode_seg(num_cols: int, rows: int, base: int, min_seg: int, programs: int) -> int:
@@ -466,9 +498,12 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     critical path, with candidates well inside the lists (simulated on random rows, NOTES.md
     (Kernels)). sample_launch (MTP rows, rows_per_request > 1): the samples come from a launch of
     their own over the score scratch (`_row_samples_kernel`, sblock columns a program), not from
-    the score launch. The other fields as `prefill_tiles`'. rows: the chunk's. small: the
-    interpreter's tiles (a 64-column base, 64 programs: the tests' chunks of 1-8 rows take 16- and
-    32-column segments).
+    the score launch. cap2 (`DECODE_TIER2`: 4 cap, at most 16 a thread; rows of at least 2 cap2
+    columns; chunks of fewer than DECODE_BOUND_ROWS rows): the last arriver resolves a row of more than cap candidates, at most cap2, none
+    dropped from a list, from its lists in a cap2-wide tile (`kth_key`; else from its scores). The
+    other fields as `prefill_tiles`'. rows: the chunk's. small: the interpreter's tiles (a
+    64-column base, 64 programs: the tests' chunks of 1-8 rows take 16- and 32-column segments;
+    cap 32, cap2 128 from 256 columns).
 
     Choices, each faster than what it replaced (H200; decode_seg with bslack on the H100; figures
     in NOTES.md (Kernels)): the bracket searches, the tile skip and 8192-column segments against
@@ -483,15 +518,17 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,
              sample_launch=int(rows_per_request > 1), bslack=block_topk // 4)
+    many = rows >= DECODE_BOUND_ROWS
+    cap, warps = (32, 4) if small else (1024, 4 if many else 8)
+    cap2 = 0 if many else min(DECODE_TIER2 * cap, DECODE_TIER2_PER_THREAD * 32 * warps)
+    t.update(cap=cap, warps=warps, cap2=cap2 if num_cols >= 2 * cap2 else 0)
     if small:
         seg = decode_seg(num_cols, rows, 64, score_block_g, 64)
-        return SampleTiles(**t, seg=seg, cap=32, block=min(16, seg), rblock=16, bits=4, lbits=31, warps=4, skip=0,
-                           sbits=2, rsbits=2, bound=2, sblock=2 * score_block_g)
-    many = rows >= DECODE_BOUND_ROWS
+        return SampleTiles(**t, seg=seg, block=min(16, seg), rblock=16, bits=4, lbits=31, skip=0, sbits=2, rsbits=2,
+                           bound=2, sblock=2 * score_block_g)
     seg = decode_seg(num_cols, rows, 4096 if num_cols <= 32768 else 8192, score_block_g, DECODE_TOPK_PROGRAMS)
-    return SampleTiles(**t, seg=seg, cap=1024, block=min(2048, seg), rblock=1024, bits=2, lbits=16,
-                       warps=4 if many else 8, skip=1, sbits=3, rsbits=3, bound=3 if many else 2,
-                       sblock=max(2048, score_block_g))
+    return SampleTiles(**t, seg=seg, block=min(2048, seg), rblock=1024, bits=2, lbits=16, skip=1, sbits=3, rsbits=3,
+                       bound=3 if many else 2, sblock=max(2048, score_block_g))
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: SampleTiles, score_block_g: int) -> bool:
@@ -629,8 +666,8 @@ class PrefillTopkLaunch(ChunkLaunches):
             PAGE=self.kv.k.shape[1] if self.kv else 1,
             KBP=triton.next_power_of_2(Kb), LBITS=t.lbits, S=S, SAMPP=SAMPP, BLOCK=t.block, RBLOCK=t.rblock,
             DEFER=bool(t.defer), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.log_g,
-            BOUND_IN=bool(t.bound & 1), SBITS=sbits, RSBITS=t.rsbits, BSLACK=t.bslack, CAP=t.lists, **common,
-            num_warps=t.warps,
+            BOUND_IN=bool(t.bound & 1), SBITS=sbits, RSBITS=t.rsbits, BSLACK=t.bslack, CAP=t.lists,
+            CAP2=0 if t.defer else t.cap2, **common, num_warps=t.warps,
             **({"maxnreg": t.regs} if t.regs else {}),
         )
         resolve = ((t.cap, 0, t.rwarps, t.rregs),) + (((t.cap2, t.cap, t.r2warps, 0),) if t.cap2 else ())

@@ -115,18 +115,19 @@ def usage_text(kernel) -> str:
     return f"{u[0]} registers, {u[1]} B stack" if u else "resource usage unavailable"
 
 
-def compile_decode_topk(cols: int, rows: int, packed: bool, skip: int, warm_k: int = 0):
+def compile_decode_topk(cols: int, rows: int, packed: bool, skip: int, warm_k: int = 0, **tile_changes):
     """`select_prefill._topk_prefill_kernel` as the per-row-samples decode route binds it for a
     chunk of `rows` rows of `cols` columns (Kb 512, 128-column score tiles; packed rows of W
-    2051 at r 4, or groups), with the tile skip `skip` and the K/V warm of warm_k bytes a group
-    (bf16 caches, page 64; `warm.KV`); returns the compiled kernel."""
+    2051 at r 4, or groups), with the tile skip `skip`, the K/V warm of warm_k bytes a group
+    (bf16 caches, page 64; `warm.KV`) and tile_changes (`SampleTiles` fields: cap2=0 drops the
+    second resolve tier, warps=4 ...); returns the compiled kernel."""
     import triton
 
     from qsa_kernels import select_prefill as sp
 
-    t = replace(sp.decode_tiles(cols, 512, 128, small=False, rows=rows), skip=skip)
+    t = replace(sp.decode_tiles(cols, 512, 128, small=False, rows=rows), skip=skip, **tile_changes)
     const = dict(KB=512, KBP=512, BITS=t.bits, LBITS=t.lbits, S=128, SAMPP=1 << t.row_s, SEG=t.seg,
-                 SEGP=triton.next_power_of_2(triton.cdiv(cols, t.seg)), CAP=t.cap, BLOCK=t.block,
+                 SEGP=triton.next_power_of_2(triton.cdiv(cols, t.seg)), CAP=t.cap, CAP2=t.cap2, BLOCK=t.block,
                  RBLOCK=t.rblock, DEFER=0, PACKED=packed, R=4 if packed else 1, W=2051 if packed else 1,
                  BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t.row_s,
                  LOG_G=t.log_g, BOUND_IN=t.bound & 1, SBITS=t.sbits, RSBITS=t.rsbits, WARM_K=warm_k,

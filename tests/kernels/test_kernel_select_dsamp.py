@@ -3,12 +3,13 @@ main's decode route and the reference, bit for bit.
 
 Runs on the GPU when there is one, else in the Triton interpreter (small tiles: score tiles of
 16 columns, so per-row strides of 1..16 columns and 2^5 sample slots at Kb = 8; segments of 64
-columns, 32 candidates per row). The decode score launch writes each row's samples at a stride
-of its own (`select_score.sample_shift`), so the shapes mix in one batch: rows of several
-strides in one plan (a short row of a long plan keeps one sample per column), rows at or below
-Kb, padding rows, MTP rows (rows x heads packed on the dot's M), ties (integer data), ReLU
-zeros (a row whose every score is 0: bound 0, the exact whole-row resolve), overflowing
-candidate lists, the packed rows.
+columns, 32 candidates per row, 128 in the second resolve tier from 256 columns). The decode
+score launch writes each row's samples at a stride of its own (`select_score.sample_shift`), so
+the shapes mix in one batch: rows of several strides in one plan (a short row of a long plan
+keeps one sample per column), rows at or below Kb, padding rows, MTP rows (rows x heads packed
+on the dot's M), ties (integer data), ReLU zeros (a row whose every score is 0: bound 0, the
+exact whole-row resolve), overflowing candidate lists (the second tier, the whole-row resolve),
+the packed rows.
 """
 
 import os
@@ -22,6 +23,7 @@ if DEV == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from test_kernel_select import make_problem  # noqa: E402
+from test_negative_zero_ties import InjectedScores  # noqa: E402
 
 from qsa_core import QSAOptions  # noqa: E402
 from qsa_core.reference import select as ref  # noqa: E402
@@ -214,6 +216,57 @@ def test_ties_zeros_and_overflow(nan_scratch, skip):
 
 
 @small_tiles
+def test_clustered_rows_resolve_in_the_second_tier_or_the_whole_row(monkeypatch, skip):
+    """Rows whose top scores cluster at recent columns overflow the candidate lists (cap 32): with
+    at most cap2 (128) candidates, no list past cap, the last arriver resolves them from the lists
+    in its cap2-wide tile (`decode_tiles` cap2), else from the scores: more than cap2 candidates,
+    or one 64-column segment of more than cap (its list lost some, the top ones here). The scores
+    (NaN past visible) stand in for the score launch's; MTP rows (4 a request) take their samples
+    from the route's sample launch over them. Every row equals the reference."""
+    T, G = 8, 512
+    g = torch.Generator().manual_seed(3)
+    ramp = torch.arange(G, dtype=torch.float32) / G
+    even = torch.arange(G) % 2 == 0
+    s = torch.stack([
+        ramp + torch.rand(G, generator=g),  # lists
+        ramp + 0.7 * torch.rand(G, generator=g),  # tier 2
+        torch.where(even, ramp, 0.0) + 0.05 * torch.rand(G, generator=g),  # tier 2, lists of up to 32
+        torch.where(even & (ramp >= 200 / G), 1.0, 0.0),  # whole row: 156 tied candidates, lists of up to 32
+        ramp ** 4 + 0.3 * torch.rand(G, generator=g),  # whole row: the last segment's 64
+        torch.round((G / 300 * ramp + torch.rand(G, generator=g)) * 16) / 16,  # visible 300, ties: tier 2
+        torch.rand(G, generator=g),  # visible 5
+        torch.rand(G, generator=g),  # lists
+    ])
+    vis = torch.tensor([G, G, G, G, G, 300, 5, G], dtype=torch.int32)
+    s[torch.arange(G)[None, :] >= vis[:, None]] = float("nan")
+    monkeypatch.setattr(ker, "ScoreLaunch", InjectedScores(s))
+    sched = ker.plan_select(T, G, KB, decode=True, device=DEV, rows_per_request=4, options=ON)
+    t = sched.decode_samples_tiles
+    assert sched.route == "dsamp" and sched.chunk == T and (t.seg, t.cap, t.cap2, t.lists) == (64, 32, 128, 32)
+    pages = G * R // PAGE + 1
+    q, table = torch.zeros(T, 1, 16, device=DEV), torch.arange(pages, dtype=torch.int32, device=DEV)[None, :]
+    out = torch.full((T, KB), 7, dtype=torch.int32, device=DEV)
+    launch = ker.SelectLaunch(sched, q, torch.zeros(pages, PAGE // R, 16, device=DEV), table,
+                              torch.zeros(T, dtype=torch.int32, device=DEV), vis.to(DEV), out, **KW)
+    topk = launch._chunks[0][2]._topk  # the chunk's top-k launch, its second tier bound
+    assert topk.values[topk.launcher.names.index("CAP2")] == t.cap2
+    for _ in range(2):  # twice: arrival counters left at zero
+        out.fill_(7)
+        launch(q, table, out)
+    assert torch.equal(out.cpu(), ref.topk_groups(s, vis, KB))
+    # The tier each row took, from its list lengths (0: visible <= Kb; 1: the lists; 2: the second
+    # tier; 3: the whole row), and why rows 3 and 4 took the whole row.
+    segp = triton.next_power_of_2(-(-G // t.seg))
+    counts = sched.decode_samples.counts[: T * segp].view(T, segp).cpu()
+    lens = [counts[r, : -(-v // t.seg)] for r, v in enumerate(vis.tolist())]
+    tiers = [0 if v <= KB else 1 if c.sum() <= t.cap else 2 if c.sum() <= t.cap2 and c.max() <= t.cap else 3
+             for v, c in zip(vis.tolist(), lens)]
+    assert tiers == [1, 2, 2, 3, 3, 2, 0, 1], [c.tolist() for c in lens]
+    assert lens[3].sum() > t.cap2 and lens[3].max() <= t.cap
+    assert lens[4].sum() <= t.cap2 and lens[4][-1] > t.cap
+
+
+@small_tiles
 @pytest.mark.parametrize("bound", [1, 2, 3])
 def test_bound_launch_and_bracket_search_per_row_strides(nan_scratch, monkeypatch, bound):
     # Tile bound (`select_prefill.prefill_tiles`) on per-row sample strides: 1 / 3 the chunk's
@@ -320,6 +373,22 @@ def test_decode_segments_spread_chunks_of_few_rows():
                                        rows * -(-cols // base)), (cols, rows, t.seg)
 
 
+def test_decode_second_tier_tiles():
+    # `decode_tiles` cap2: 4 cap, at most 16 candidates a thread of the segment program (4096 at
+    # 8 warps), for rows of at least 2 cap2 columns in chunks of fewer than DECODE_BOUND_ROWS rows
+    # (4 warps: none); the lists, and so the scratch, stay cap entries a segment.
+    for cols, rows, small, warps, cap2 in ((32768, 4, False, 8, 4096), (262144, 4, False, 8, 4096),
+                                           (32768, 64, False, 4, 0), (262144, 64, False, 4, 0),
+                                           (8191, 4, False, 8, 0), (8192, 4, False, 8, 4096),
+                                           (262144, 15, False, 8, 4096), (262144, 16, False, 4, 0),
+                                           (512, 8, True, 4, 128), (255, 8, True, 4, 0), (512, 16, True, 4, 0)):
+        kb, block_g = (8, 16) if small else (512, 128)
+        t = sp.decode_tiles(cols, kb, block_g, small=small, rows=rows)
+        assert (t.warps, t.cap2, t.lists) == (warps, cap2, t.cap), (cols, rows, t)
+        segp = triton.next_power_of_2(-(-cols // t.seg))
+        assert sp.prefill_scratch_elems(rows, rows, cols, t, block_g)["cand_idx"] == rows * segp * t.cap
+
+
 @triton.jit
 def _samples_bound_kernel(samp_ptr, out_ptr, KB: tl.constexpr, SBITS: tl.constexpr, SLACK: tl.constexpr,
                           N: tl.constexpr):
@@ -363,7 +432,7 @@ def test_samples_bound_slack(kind):
 
 SM90_COMPILE = """
 from qsa_kernels import select_prefill as sp
-from sm90 import compile_decode_topk, compile_sm90, int_divisions
+from sm90 import compile_decode_topk, compile_sm90, int_divisions, usage
 
 # 128K and 1M context; 64 rows: the bound launch; 32K x 16 rows: 1024-column segments (`decode_seg`) of
 # the bound launch's chunks, 128K x 4 rows those of chunks without it
@@ -377,6 +446,9 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64), (8192, 16)):
             k = compile_decode_topk(cols, rows, packed, skip, warm)
             print("compiled topk", cols, packed, skip, "divisions", int_divisions(k), "warm", warm,
                   k.asm["ptx"].count("cp.async.bulk.prefetch"))
+    # registers and spill stack bytes with the second resolve tier (t.cap2) and without (-1: no cuobjdump)
+    u = [usage(compile_decode_topk(cols, rows, True, 1, **change)) or (-1, -1) for change in ({}, dict(cap2=0))]
+    print("usage", cols, rows, t.warps, t.cap2, *u[0], *u[1])
     if t.bound & 1:
         const = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=128, SAMPP=1 << t.row_s, SBITS=t.sbits,
                      ROW_SAMPLES=t.row_s, LOG_G=t.log_g, BSLACK=t.bslack, PDL=2)
@@ -389,12 +461,12 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64), (8192, 16)):
 
 
 def test_route_compiles_for_sm90():
-    """The route's H200 top-k (per-row strides, groups and packed rows, tile skip; 128K and 1M
-    context, segments of 1024 and 8192 columns), the bound launch of chunks of many rows and MTP
-    rows' sample launch compile for sm_90 here without a GPU (its score kernels:
-    test_kernel_select_score); the K/V warm (`warm.KV`) issues bulk L2 prefetches, and only where
-    bound; the top-k and the bound launch divide by no runtime value (a row's sample stride is a
-    power of two: shifts)."""
+    """The route's H200 top-k (per-row strides, groups and packed rows, tile skip, the second
+    resolve tier; 128K and 1M context, segments of 1024 and 8192 columns), the bound launch of
+    chunks of many rows and MTP rows' sample launch compile for sm_90 here without a GPU (its
+    score kernels: test_kernel_select_score); the K/V warm (`warm.KV`) issues bulk L2
+    prefetches, and only where bound; the top-k and the bound launch divide by no runtime value
+    (a row's sample stride is a power of two: shifts)."""
     from sm90 import run as run_script
 
     run = run_script(SM90_COMPILE, timeout=900)
@@ -409,3 +481,11 @@ def test_route_compiles_for_sm90():
     assert len(warms) == 12 and all((w == "0") == (n == "0") for _, w, n in warms), run.stdout
     divisions = [x.split()[x.split().index("divisions") + 1] for x in lines if "divisions" in x]
     assert len(divisions) == 14 and set(divisions) == {"0"}, run.stdout
+    usage = [[int(v) for v in x.split()[1:]] for x in run.stdout.splitlines() if x.startswith("usage")]
+    assert [u[:4] for u in usage] == [[32768, 4, 8, 4096], [262144, 4, 8, 4096], [262144, 64, 4, 0],
+                                      [8192, 16, 4, 0]], run.stdout
+    # Chunks of many rows compile no tier; the 8-warp programs with it stay within what was timed
+    # (triton 3.6: 176 registers, from 125; 3.9: 128) and spill at most a few words.
+    assert min(u[4] for u in usage) > 0, f"no resource usage: triton ships no cuobjdump here\n{run.stdout}"
+    for _, _, _, cap2, regs, stack, regs0, stack0 in usage:
+        assert (regs, stack) == (regs0, stack0) if not cap2 else regs <= max(regs0, 176) and stack <= 32, run.stdout
