@@ -6,11 +6,34 @@
 #
 # QSA_SECOND_TRITON: the second triton version (default: 3.6.0, the oldest supported, or
 # 3.9.0 when .venv already has 3.6); "none" skips that run.
+#
+# Two cores run it in CI: the interpreter suites keep both busy (pytest -n 2), while the
+# engine environments, mostly downloads, are built beside them, and the two engine suites,
+# one busy core each, run side by side. Each background job's log is printed when it ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/install.sh
 
 part() { echo; echo "== test.sh: $1 ($(date -u +%H:%M:%S))"; }
+
+# Background jobs run in sessions of their own (setsid), so an early exit stops each whole
+# job, its servers included. bg NAME CMD...: start one, its output to a log of that name.
+logs=$(mktemp -d)
+bg_groups=()
+trap 'for g in "${bg_groups[@]}"; do kill -- "-$g" 2>/dev/null || true; done; rm -rf "$logs"' EXIT
+bg() { local name=$1; shift; setsid "$@" > "$logs/$name" 2>&1 & bg_groups+=("$!"); }
+# finish NAME PID: wait for a background job and print its log; its exit status.
+finish() {
+    local rc=0
+    wait "$2" || rc=$?
+    part "$1 (log)"
+    cat "$logs/$1"
+    [ "$rc" = 0 ] || echo "test.sh: $1 failed (exit $rc)"
+    return "$rc"
+}
+
+bg "engine environments" bash -c 'bash scripts/env_sglang.sh .venv-sglang && bash scripts/env_vllm.sh .venv-vllm'
+envs=$!
 
 gpu=0
 .venv/bin/python -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' && gpu=1
@@ -31,10 +54,13 @@ if [ "$gpu" = 0 ] && [ "${QSA_SECOND_TRITON:-}" != none ]; then
     PYTHONPATH="$overlay" .venv/bin/python -m pytest -q -n 2 tests/kernels
 fi
 
-part "SGLang adapter"
-bash scripts/env_sglang.sh .venv-sglang
-.venv-sglang/bin/python -m pytest -q tests/sglang_adapter
-
-part "vLLM adapter"
-bash scripts/env_vllm.sh .venv-vllm
-.venv-vllm/bin/python -m pytest -q tests/vllm_adapter
+finish "engine environments" "$envs"
+part "SGLang and vLLM adapters, side by side"
+bg "SGLang adapter" .venv-sglang/bin/python -m pytest -q --durations=5 tests/sglang_adapter
+sglang=$!
+bg "vLLM adapter" .venv-vllm/bin/python -m pytest -q --durations=5 tests/vllm_adapter
+vllm=$!
+rc=0
+finish "SGLang adapter" "$sglang" || rc=1
+finish "vLLM adapter" "$vllm" || rc=1
+exit "$rc"
