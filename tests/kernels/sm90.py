@@ -51,13 +51,15 @@ def run_many(commands: list[list[str]], workers: int, timeout: int,
         time.sleep(0.2)
         for entry in [e for e in running if e[1].poll() is not None or time.monotonic() > deadline]:
             i, proc, out, err = entry
-            if proc.poll() is None:
+            killed = proc.poll() is None
+            if killed:
                 proc.kill()
                 proc.wait()
             running.remove(entry)
             out.seek(0)
             err.seek(0)
-            done[i] = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+            tail = f"\nrun_many: killed at the {timeout} s deadline\n" if killed else ""
+            done[i] = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read() + tail)
             out.close()
             err.close()
     return [done[i] for i in range(len(commands))]
