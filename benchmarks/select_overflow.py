@@ -16,12 +16,16 @@ weights, fp32, transformers' modules), applies the kernel's own tiles for that c
 the scores as they are and with their visible columns shuffled (the benchmark's case).
 
     python benchmarks/select_overflow.py [--contexts 16384,131072] [--rows 64] [--decode [--batch 4]]
-                                         [--top-m M] [--narrow N]
+                                         [--top-m M] [--narrow N] [--data served|recency]
 
 --decode adds the decode route's counts for the same rows (`decode_tiles`: per-row samples of
-one per 2^shift columns, a 16-bit bound, a list per `seg` columns of at most `cap`). What-ifs
+one per 2^shift columns, a 16-bit bound, a list per `seg` columns of at most `cap`; a row of
+more than cap candidates, at most cap2 and no list past cap resolves from its lists, any other
+in the whole-row resolve). What-ifs
 the kernels do not implement: `--top-m M` samples the M largest of each window, `--narrow N`
-takes windows N times narrower (both N or M times the samples).
+takes windows N times narrower (both N or M times the samples). `--data recency` scores the
+last rows of `bench_qsa.py --prefill-data recency`'s prefill step instead of the checkpoint's
+(`Step.add_recency`, one request; no model forward, so 1M contexts fit in a few GB).
 """
 
 from __future__ import annotations
@@ -65,6 +69,20 @@ def layer0_index_inputs(context: int, rows: int, seed: int = 1234) -> tuple[torc
     starts = torch.arange(G) * r
     keys = apply_rotary_pos_emb(pooled[:, None], cos=cos[0, starts], sin=sin[0, starts])[:, 0]
     return q, keys
+
+
+def recency_index_scores(context: int, rows: int) -> tuple[int, torch.Tensor]:
+    """(compress ratio r, fp32 scores [rows, context / r]: each row's reference scores over the
+    groups it sees, 0 past them) of the last rows of bench_qsa's recency prefill step."""
+    import bench_qsa
+
+    step = bench_qsa.Step(bench_qsa.Case("prefill", context, 1, rows), torch.device("cpu"), prefill_data="recency")
+    r = step.cfg.compress_ratio
+    scores = torch.zeros(rows, context // r)
+    for t in range(rows):
+        row = step.ref_scores(t)
+        scores[t, : row.shape[0]] = row
+    return r, scores
 
 
 def sample_bound(keys: torch.Tensor, window: int, block_topk: int, lbits: int, top_m: int = 1) -> int:
@@ -128,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
                     "kernels take 1)")
     ap.add_argument("--narrow", type=int, default=1, help="what-if: sample windows this many times narrower "
                     "(as many samples as --top-m of the same factor)")
+    ap.add_argument("--data", choices=("served", "recency"), default="served",
+                    help="whose scores: the served checkpoint's layer 0, or bench_qsa's recency data")
     args = ap.parse_args(argv)
     decode = []
     torch.set_grad_enabled(False)
@@ -136,15 +156,17 @@ def main(argv: list[str] | None = None) -> None:
           "rows over lists (whole-row resolve) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for context in (int(c) for c in args.contexts.split(",")):
-        q, keys = layer0_index_inputs(context, args.rows)
-        r = context // keys.shape[0]
+        if args.data == "served":
+            q, keys = layer0_index_inputs(context, args.rows)
+            r, scores = context // keys.shape[0], group_scores(q, keys)
+        else:
+            r, scores = recency_index_scores(context, args.rows)
         n_cols = column_bucket(context // r)
         block_g = select.score_block_g(n_cols)
         tiles = select_prefill.prefill_tiles(n_cols, Kb, block_g, small=False)
         route = select_prefill.prefill_route(n_cols, Kb, tiles, block_g)
         S = select_prefill.sample_cols(tiles, block_g)
-        scores = group_scores(q, keys)
-        for data in ("served", "shuffled"):
+        for data in (args.data, "shuffled"):
             c = torch.tensor([candidates(row, visible, max(1, S // args.narrow), Kb, tiles.lbits, args.top_m)
                               for visible, row in prompt_rows(scores, context, r, data)], dtype=torch.float32)
             over, whole = int((c > tiles.cap).sum()), int((c > tiles.lists).sum())
@@ -155,19 +177,20 @@ def main(argv: list[str] | None = None) -> None:
     if not args.decode:
         return
     print("\nDecode rows (the same rows as decode steps of --batch requests, `decode_tiles`):\n")
-    print("| context | seg | cap | data | candidates median | p90 | max | most in one list (max) | rows over cap | "
-          "rows with a list over cap |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| context | seg | cap | cap2 | data | candidates median | p90 | max | most in one list (max) | rows over cap | "
+          "rows with a list over cap | rows to the whole-row resolve |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     block_g = select.decode_block_g()
     for context, n_cols, r, scores in decode:
         tiles = select_prefill.decode_tiles(n_cols, Kb, block_g, False, args.batch)
-        for data in ("served", "shuffled"):
+        for data in (args.data, "shuffled"):
             counts = torch.tensor([decode_candidates(row, visible, tiles, Kb, args.top_m, args.narrow)
                                    for visible, row in prompt_rows(scores, context, r, data)])
             c, m = counts[:, 0].float(), counts[:, 1]
-            print(f"| {context} | {tiles.seg} | {tiles.cap} | {data} | {c.median():.0f} | {c.quantile(0.9):.0f} | "
-                  f"{c.max():.0f} | {int(m.max())} | {int((c > tiles.cap).sum())} of {args.rows} | "
-                  f"{int((m > tiles.cap).sum())} of {args.rows} |", flush=True)
+            whole = (c > max(tiles.cap, tiles.cap2)) | (m > tiles.cap)  # past the second tier, if any
+            print(f"| {context} | {tiles.seg} | {tiles.cap} | {tiles.cap2} | {data} | {c.median():.0f} | "
+                  f"{c.quantile(0.9):.0f} | {c.max():.0f} | {int(m.max())} | {int((c > tiles.cap).sum())} of {args.rows} | "
+                  f"{int((m > tiles.cap).sum())} of {args.rows} | {int(whole.sum())} of {args.rows} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -634,9 +634,9 @@ def test_select_overflow_counts_the_served_checkpoints_candidates_against_shuffl
     # the decode route's counts of the same rows: at least Kb each (the bound is the Kb-th
     # largest sample), the served rows crowding past the shuffled ones
     rows = [line.split("|")[1:-1] for line in decode.splitlines() if line.startswith("| 16384")]
-    by_data = {cells[3].strip(): cells for cells in rows}
+    by_data = {cells[4].strip(): cells for cells in rows}
     assert set(by_data) == {"served", "shuffled"}
-    served, shuffled = (int(by_data[d][4]) for d in ("served", "shuffled"))
+    served, shuffled = (int(by_data[d][5]) for d in ("served", "shuffled"))
     assert served > shuffled >= 512
 
 
@@ -655,6 +655,24 @@ def test_select_overflow_what_if_more_samples_a_window_tightens_the_bound():
     keys = base.view(torch.int32)
     assert one == int((keys >= keys.view(-1, window).amax(1).topk(kb).values[-1]).sum())
     assert one > two > four >= kb
+
+
+def test_select_overflow_on_recency_data_sends_no_32k_decode_row_past_the_second_tier(capsys):
+    """select_overflow --data recency at 32K (bench_qsa's recency step, no model): every row
+    crowds past the decode cap (1024), as the served rows do, and the decode tier (cap2 4096, no
+    list past cap) takes them all, so none goes to the whole-row resolve; shuffled, none passes
+    the cap."""
+    import select_overflow
+
+    select_overflow.main(["--contexts", "32768", "--rows", "4", "--decode", "--data", "recency"])
+    decode = capsys.readouterr().out.split("\nDecode rows")[1]
+    rows = [line.split("|")[1:-1] for line in decode.splitlines() if line.startswith("| 32768")]
+    by_data = {cells[4].strip(): [c.strip() for c in cells] for cells in rows}
+    assert set(by_data) == {"recency", "shuffled"}
+    recency, shuffled = by_data["recency"], by_data["shuffled"]
+    assert recency[2:4] == ["1024", "4096"] and 1024 < int(recency[5]) <= int(recency[7]) <= 4096
+    assert recency[9:] == ["4 of 4", "0 of 4", "0 of 4"], recency
+    assert shuffled[9:] == ["0 of 4", "0 of 4", "0 of 4"], shuffled
 
 
 @pytest.mark.interpreter
