@@ -131,7 +131,7 @@ _HF: dict[str, torch.nn.Module] = {}
 
 
 def hf_logprobs(folder: str, ids: list[int]) -> torch.Tensor:
-    """transformers' fp32 log-softmax fp32 [vocab] of the token after ids, by the checkpoint in
+    """transformers' log-softmax fp32 [vocab] of the token after ids, by the checkpoint in
     folder (its target model; on the GPU when there is one): the oracle where two runs part."""
     import transformers
 

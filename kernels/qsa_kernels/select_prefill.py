@@ -442,8 +442,8 @@ DECODE_TOPK_PROGRAMS = 128
 # context, the most the resolve's gather was measured with.
 DECODE_MAX_SEGS = 32
 # The decode route's second resolve tier (`SampleTiles.cap2`): up to this many times cap
-# candidates, at most DECODE_TIER2_PER_THREAD a thread of the segment program, for rows of at
-# least twice as many columns (as PREFILL_TIER2), in chunks of fewer than DECODE_BOUND_ROWS rows.
+# candidates (16 a thread of the 8-warp segment program), for rows of at least twice as many
+# columns (as PREFILL_TIER2), in chunks of fewer than DECODE_BOUND_ROWS rows.
 # Decode rows whose top keys cluster (recent keys scoring high, as served rows do) crowd the
 # bound's candidates past cap too, and the whole-row resolve sweeps a row 16 times. Its lists stay
 # cap entries (a chunk has up to 256 rows): the last arriver gathers them into a cap2-wide tile in
@@ -454,7 +454,6 @@ DECODE_MAX_SEGS = 32
 # random rows. Chunks of many rows run 4 warps, a 2048-wide tier, which did not take the 128K B64
 # recency rows (924 -> 930) and cost 1.5 % on random ones: they have none.
 DECODE_TIER2 = 4
-DECODE_TIER2_PER_THREAD = 16
 
 
 def decode_seg(num_cols: int, rows: int, base: int, min_seg: int, programs: int) -> int:
@@ -498,9 +497,10 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     critical path, with candidates well inside the lists (simulated on random rows, NOTES.md
     (Kernels)). sample_launch (MTP rows, rows_per_request > 1): the samples come from a launch of
     their own over the score scratch (`_row_samples_kernel`, sblock columns a program), not from
-    the score launch. cap2 (`DECODE_TIER2`: 4 cap, at most 16 a thread; rows of at least 2 cap2
-    columns; chunks of fewer than DECODE_BOUND_ROWS rows): the last arriver resolves a row of more than cap candidates, at most cap2, none
-    dropped from a list, from its lists in a cap2-wide tile (`kth_key`; else from its scores). The
+    the score launch. cap2 (`DECODE_TIER2`: 4 cap; rows of at least 2 cap2 columns, in chunks of
+    fewer than DECODE_BOUND_ROWS rows): the last arriver resolves a row of more than cap
+    candidates, at most cap2, none dropped from a list, from its lists in a cap2-wide tile
+    (`kth_key`; else from its scores). The
     other fields as `prefill_tiles`'. rows: the chunk's. small: the interpreter's tiles (a
     64-column base, 64 programs: the tests' chunks of 1-8 rows take 16- and 32-column segments;
     cap 32, cap2 128 from 256 columns).
@@ -520,7 +520,7 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
              sample_launch=int(rows_per_request > 1), bslack=block_topk // 4)
     many = rows >= DECODE_BOUND_ROWS
     cap, warps = (32, 4) if small else (1024, 4 if many else 8)
-    cap2 = 0 if many else min(DECODE_TIER2 * cap, DECODE_TIER2_PER_THREAD * 32 * warps)
+    cap2 = 0 if many else DECODE_TIER2 * cap
     t.update(cap=cap, warps=warps, cap2=cap2 if num_cols >= 2 * cap2 else 0)
     if small:
         seg = decode_seg(num_cols, rows, 64, score_block_g, 64)

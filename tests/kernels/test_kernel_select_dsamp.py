@@ -374,8 +374,8 @@ def test_decode_segments_spread_chunks_of_few_rows():
 
 
 def test_decode_second_tier_tiles():
-    # `decode_tiles` cap2: 4 cap, at most 16 candidates a thread of the segment program (4096 at
-    # 8 warps), for rows of at least 2 cap2 columns in chunks of fewer than DECODE_BOUND_ROWS rows
+    # `decode_tiles` cap2: 4 cap (4096: 16 candidates a thread of the 8-warp segment program),
+    # for rows of at least 2 cap2 columns in chunks of fewer than DECODE_BOUND_ROWS rows
     # (4 warps: none); the lists, and so the scratch, stay cap entries a segment.
     for cols, rows, small, warps, cap2 in ((32768, 4, False, 8, 4096), (262144, 4, False, 8, 4096),
                                            (32768, 64, False, 4, 0), (262144, 64, False, 4, 0),
