@@ -454,6 +454,15 @@ DECODE_MAX_SEGS = 32
 # random rows. Chunks of many rows run 4 warps, a 2048-wide tier, which did not take the 128K B64
 # recency rows (924 -> 930) and cost 1.5 % on random ones: they have none.
 DECODE_TIER2 = 4
+# Chunks with the second tier sample their rows at most this many columns apart (`decode_tiles`),
+# more than 4 Kb samples on rows past 128 Kb columns (1M context: 8192, from 2048 one per 128
+# columns). 1M recency rows crowded the sparser bound past 4 cap2 (median 8885 candidates on
+# bench_qsa's rows); samples 32 columns apart keep them within it. Timed on the H100 against 2048
+# samples (1M B4, select+expand / whole step, us): recency 4601 / 4613 -> 158 / 176, random 122.8 /
+# 143.6 -> 128.3 / 146.3; rows of up to 128 Kb columns (256K context) keep 4 Kb samples, the same
+# tiles as before. Chunks of many rows have no tier to take the tighter bound's candidates (the
+# same samples cost 1M MTP rows 10 % on random rows and changed nothing on recency ones).
+DECODE_TIER2_SAMPLE_COLS = 32
 
 
 def decode_seg(num_cols: int, rows: int, base: int, min_seg: int, programs: int) -> int:
@@ -484,14 +493,15 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     decode score launch writes each row's samples at a stride of its own (`ScoreLaunch`'s
     row_samples = row_s = WBITS, `sample_shift`): 2^WBITS slots per row, WBITS the least with
     >= 4 Kb slots and rows of num_cols columns at most score_block_g (= 2^log_g) columns per
-    sample. So every scored row has at least Kb samples, a row of at most 2^WBITS columns one
-    per column (its bound is its Kb-th key) and a longer one more than 2 Kb: a short row of a
-    long plan keeps a tight bound. One launch per chunk (no deferred resolve). seg: `decode_seg`
+    sample, in chunks with the second tier at most DECODE_TIER2_SAMPLE_COLS. So every scored row
+    has at least Kb samples, a row of at most 2^WBITS columns one per column (its bound is its
+    Kb-th key) and a longer one more than 2 Kb: a short row of a long plan keeps a tight bound. One launch per chunk (no deferred resolve). seg: `decode_seg`
     (chunks of few rows take smaller segments than the base, and so more programs); block: the
     compaction's sweep, at most a segment. skip: rows of at least 2^skip_shift columns per sample
     read only the runs whose sample reaches the bound (`seg_runs`), others their whole segment.
     bound 2: each program's bracket search of its row's samples; bound 3 (chunks of >=
-    DECODE_BOUND_ROWS rows): a bound launch's; rsbits: the resolve's bracket search
+    DECODE_BOUND_ROWS rows, and rows of more than 4 Kb samples, whose search in every program
+    spills on sm_90): a bound launch's; rsbits: the resolve's bracket search
     (`_resolve_lists`); bslack Kb / 4: that bound search ends once at most 1.25 Kb samples reach
     its low end, a looser bound (still >= Kb samples reach it) in fewer steps, on every program's
     critical path, with candidates well inside the lists (simulated on random rows, NOTES.md
@@ -515,10 +525,12 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     decode-1048576-4-1-bf16 decode-1048576-4-4-bf16 --out DIR` (`benchmarks/ab_decode.sh` against
     main)."""
     log_g = score_block_g.bit_length() - 1
-    wbits = max((4 * block_topk - 1).bit_length(), (max(num_cols, 1) - 1).bit_length() - log_g)
+    many = rows >= DECODE_BOUND_ROWS
+    floor = (4 * block_topk - 1).bit_length()
+    gap = log_g if many or small else min(log_g, DECODE_TIER2_SAMPLE_COLS.bit_length() - 1)
+    wbits = max(floor, (max(num_cols, 1) - 1).bit_length() - gap)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,
              sample_launch=int(rows_per_request > 1), bslack=block_topk // 4)
-    many = rows >= DECODE_BOUND_ROWS
     cap, warps = (32, 4) if small else (1024, 4 if many else 8)
     cap2 = 0 if many else DECODE_TIER2 * cap
     t.update(cap=cap, warps=warps, cap2=cap2 if num_cols >= 2 * cap2 else 0)
@@ -528,7 +540,7 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
                            bound=2, sblock=2 * score_block_g)
     seg = decode_seg(num_cols, rows, 4096 if num_cols <= 32768 else 8192, score_block_g, DECODE_TOPK_PROGRAMS)
     return SampleTiles(**t, seg=seg, block=min(2048, seg), rblock=1024, bits=2, lbits=16, skip=1, sbits=3, rsbits=3,
-                       bound=3 if many else 2, sblock=max(2048, score_block_g))
+                       bound=3 if many or wbits > floor else 2, sblock=max(2048, score_block_g))
 
 
 def prefill_route(num_cols: int, block_topk: int, tiles: SampleTiles, score_block_g: int) -> bool:

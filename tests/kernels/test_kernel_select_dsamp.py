@@ -389,6 +389,28 @@ def test_decode_second_tier_tiles():
         assert sp.prefill_scratch_elems(rows, rows, cols, t, block_g)["cand_idx"] == rows * segp * t.cap
 
 
+def test_decode_samples_density():
+    # `decode_tiles` row_s (2^row_s samples a row) on the H200's tiles: at least 4 Kb (2048), and
+    # samples at most one score tile (128 columns) apart, or DECODE_TIER2_SAMPLE_COLS (32) in chunks
+    # with the second tier; rows of more than 4 Kb samples take the bound launch (bound 3), as
+    # chunks of many rows do.
+    for cols, rows, row_s, bound in ((8192, 4, 11, 2), (65536, 4, 11, 2), (65537, 4, 12, 3), (131072, 4, 12, 3),
+                                     (262144, 1, 13, 3), (262144, 15, 13, 3), (262144, 16, 11, 3),
+                                     (262144, 64, 11, 3), (32768, 64, 11, 3), (32768, 8, 11, 2)):
+        t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
+        assert (t.row_s, t.bound) == (row_s, bound), (cols, rows, t)
+    for cols in [1 << i for i in range(9, 19)] + list(range(8192, 1 << 18, 4096)):
+        for rows in (1, 4, 15, 16, 64):
+            t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
+            gap = sp.DECODE_TIER2_SAMPLE_COLS if t.cap2 else 128
+            assert 1 << t.row_s >= 2048 and cols <= gap << t.row_s, (cols, rows, t)
+            assert t.row_s == 11 or cols > gap << (t.row_s - 1), (cols, rows, t)  # the least such
+            assert t.bound == (3 if rows >= sp.DECODE_BOUND_ROWS or t.row_s > 11 else 2), (cols, rows, t)
+    # The interpreter's tiles keep one sample a score tile at most.
+    t = sp.decode_tiles(1 << 14, 8, 16, small=True, rows=4)
+    assert (t.row_s, t.bound) == (10, 2), t
+
+
 @triton.jit
 def _samples_bound_kernel(samp_ptr, out_ptr, KB: tl.constexpr, SBITS: tl.constexpr, SLACK: tl.constexpr,
                           N: tl.constexpr):
@@ -438,7 +460,7 @@ from sm90 import compile_decode_topk, compile_sm90, int_divisions, usage
 # the bound launch's chunks, 128K x 4 rows those of chunks without it
 for cols, rows in ((32768, 4), (262144, 4), (262144, 64), (8192, 16)):
     t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
-    print("tiles", cols, rows, "seg", t.seg, "block", t.block)
+    print("tiles", cols, rows, "seg", t.seg, "block", t.block, "row_s", t.row_s, "bound", t.bound)
     for packed, skip in ((False, 0), (True, 0), (True, 1)) if rows < 16 else ((True, 1),):
         # packed rows of few rows also warm the attention's bf16 K/V (warm.KV: 4 tokens x 2 heads x 2 x 256,
         # QSACacheLayout's paired pages)
@@ -472,20 +494,23 @@ def test_route_compiles_for_sm90():
     run = run_script(SM90_COMPILE, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     segs = [x.split()[1:] for x in run.stdout.splitlines() if x.startswith("tiles")]
-    assert segs == [["32768", "4", "seg", "1024", "block", "1024"], ["262144", "4", "seg", "8192", "block", "2048"],
-                    ["262144", "64", "seg", "8192", "block", "2048"],
-                    ["8192", "16", "seg", "1024", "block", "1024"]], segs
+    # 1M x 4 rows: 8192 samples a row (`DECODE_TIER2_SAMPLE_COLS`), so a bound launch too
+    assert segs == [["32768", "4", "seg", "1024", "block", "1024", "row_s", "11", "bound", "2"],
+                    ["262144", "4", "seg", "8192", "block", "2048", "row_s", "13", "bound", "3"],
+                    ["262144", "64", "seg", "8192", "block", "2048", "row_s", "11", "bound", "3"],
+                    ["8192", "16", "seg", "1024", "block", "1024", "row_s", "11", "bound", "3"]], segs
     lines = [x for x in run.stdout.splitlines() if x.startswith("compiled")]
-    assert len(lines) == 18, run.stdout
+    assert len(lines) == 19, run.stdout
     warms = [x.split()[-3:] for x in lines if " warm " in x]
     assert len(warms) == 12 and all((w == "0") == (n == "0") for _, w, n in warms), run.stdout
     divisions = [x.split()[x.split().index("divisions") + 1] for x in lines if "divisions" in x]
-    assert len(divisions) == 14 and set(divisions) == {"0"}, run.stdout
+    assert len(divisions) == 15 and set(divisions) == {"0"}, run.stdout
     usage = [[int(v) for v in x.split()[1:]] for x in run.stdout.splitlines() if x.startswith("usage")]
     assert [u[:4] for u in usage] == [[32768, 4, 8, 4096], [262144, 4, 8, 4096], [262144, 64, 4, 0],
                                       [8192, 16, 4, 0]], run.stdout
     # Chunks of many rows compile no tier; the 8-warp programs with it stay within what was timed
-    # (triton 3.6: 176 registers, from 125; 3.9: 128) and spill at most a few words.
+    # (triton 3.6: 176 registers, from 125, and 179 at 1M, which reads its bound from the bound
+    # launch; 3.9: 128) and spill at most a few words.
     assert min(u[4] for u in usage) > 0, f"no resource usage: triton ships no cuobjdump here\n{run.stdout}"
     for _, _, _, cap2, regs, stack, regs0, stack0 in usage:
-        assert (regs, stack) == (regs0, stack0) if not cap2 else regs <= max(regs0, 176) and stack <= 32, run.stdout
+        assert (regs, stack) == (regs0, stack0) if not cap2 else regs <= max(regs0, 180) and stack <= 32, run.stdout
