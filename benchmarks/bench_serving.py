@@ -20,9 +20,13 @@ token prompts, greedy, ignore_eos, --output-tokens each; no prefix is shared) an
 request the time to the first token (TTFT) and the mean time per output token after it (TPOT),
 and the output tokens per second of the whole wave, and the longest gap between two tokens of one
 request (a stall: a compile, a capture). One request of the shortest length warms each server
-first, and before each timed wave an untimed wave of the same prompt length and concurrency (4
-tokens each, other prompts) meets that shape's first-time costs; its wall time is recorded
-(`warm_wall_s`). Every wait is bounded; each server is stopped by its pid.
+first, and before each timed wave an untimed wave of the same prompt length, concurrency and
+output tokens (other prompts) meets that shape's first-time costs; its wall time is recorded
+(`warm_wall_s`). The engine's own kernels may still compile in the timed wave, for a batch the
+untimed one did not form (vLLM 0.33's fused MoE did, for 920 ms, at 32K x 8 when the untimed
+wave ran 4 tokens a request): with vLLM, the kernels its JIT monitor saw compile during the timed
+wave are recorded (`engine_jit`) and counted in the table. Every wait is bounded; each server is
+stopped by its pid.
 
 DIR/serving.json holds every figure and is written after each wave; a rerun with the same DIR
 skips the waves already there (so one call per backend fills one table). DIR/serving.md has the
@@ -39,6 +43,7 @@ import argparse
 import dataclasses
 import http.client
 import json
+import re
 import signal
 import statistics
 import sys
@@ -120,6 +125,15 @@ def wave(stream: Callable, url: str, model: str, vocab: int, prompt_len: int, co
             "max_gap_ms": 1e3 * max(d["max_gap"] for d in done), "requests": done}
 
 
+JIT_LINE = re.compile(r"JIT compilation during inference: (\S+?)\.")
+
+
+def engine_jit(log: str) -> list[str]:
+    """The kernels vLLM's JIT monitor reports compiling while serving, in a piece of its log
+    ("... JIT compilation during inference: NAME. This causes a latency spike ...")."""
+    return JIT_LINE.findall(log)
+
+
 # -- the engines ---------------------------------------------------------------------------------
 
 class Engine:
@@ -128,6 +142,20 @@ class Engine:
     def __init__(self, name: str, args: argparse.Namespace, out: Path, lens: list[int], conc: list[int]):
         self.name, self.args, self.out, self.lens, self.conc = name, args, out, lens, conc
         self.context = max(lens) + args.output_tokens + 64
+
+    def log_path(self, backend: str) -> Path:
+        """The server log of `backend`."""
+        return self.out / (f"server-{backend}.log" if self.name == "vllm" else f"server-sglang-{backend}.log")
+
+    def log_size(self, backend: str) -> int:
+        """Bytes in `backend`'s server log so far."""
+        return self.log_path(backend).stat().st_size
+
+    def log_text(self, backend: str, offset: int) -> str:
+        """`backend`'s server log from byte `offset` on."""
+        with open(self.log_path(backend), "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
 
     def server(self, backend: str):
         """A context manager yielding the server's base URL."""
@@ -145,7 +173,7 @@ class Engine:
                 flags += ["--additional-config", json.dumps({"gdn_prefill_backend": "triton"})]
             flags += ["--attention-backend", backend] if backend != "upstream" else []
             return vllm_server(self.folder, flags, {"VLLM_USE_FLASHINFER_SAMPLER": "0"},
-                               str(self.out / f"server-{backend}.log"), timeout_s=900)
+                               str(self.log_path(backend)), timeout_s=900)
         from gpu_sglang import GPU_FLAGS, Run, server_env
 
         def command(port: int) -> list[str]:
@@ -163,7 +191,7 @@ class Engine:
         @contextlib.contextmanager
         def served():
             env = server_env(Run(backend, "eager"), smoke=self.args.dry_run)
-            s = ServerProcess.launch(command, str(self.out / f"server-sglang-{backend}.log"), env, timeout_s=900)
+            s = ServerProcess.launch(command, str(self.log_path(backend)), env, timeout_s=900)
             try:
                 yield s.url
             finally:
@@ -205,11 +233,14 @@ def tables(results: list[dict], engine: str) -> str:
     ours, theirs = BACKENDS[engine]
     key = lambda r: (r["prompt_len"], r["concurrency"], r.get("output_tokens") or 0)  # noqa: E731
     rows = [f"{engine}: medians over each wave's requests", "",
-            "| prompt | concurrency | output tokens | backend | TTFT ms | TPOT ms | output tok/s | longest gap ms |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| prompt | concurrency | output tokens | backend | TTFT ms | TPOT ms | output tok/s | longest gap ms "
+            "| engine JIT in wave |",
+            "|---|---|---|---|---|---|---|---|---|"]
     gap = lambda r: f"{r['max_gap_ms']:.0f}" if "max_gap_ms" in r else "-"  # noqa: E731
+    jit = lambda r: ", ".join(r["engine_jit"]) or "none" if "engine_jit" in r else "-"  # noqa: E731
     rows += [f"| {' | '.join(map(str, key(r)))} | {r['backend']} | {r['ttft_ms']:.0f} | {r['tpot_ms']:.2f} "
-             f"| {r['output_tok_s']:.1f} | {gap(r)} |" for r in sorted(results, key=lambda r: (*key(r), r["backend"]))]
+             f"| {r['output_tok_s']:.1f} | {gap(r)} | {jit(r)} |"
+             for r in sorted(results, key=lambda r: (*key(r), r["backend"]))]
     by = {(r["backend"], *key(r)): r for r in results}
     pairs = [(by[(ours, *k)], by[(theirs, *k)]) for k in sorted({key(r) for r in results})
              if (ours, *k) in by and (theirs, *k) in by]
@@ -270,10 +301,13 @@ def main(argv: list[str] | None = None) -> int:
             with engine.server(backend) as url:
                 stream(url, engine.folder, [1, 2, 3, 4] * (min(lens) // 4), 4, timeout=600)
                 for n, c in todo:
-                    warm = wave(stream, url, engine.folder, vocab, n, c, 4, seed=(1 << 20) + n + c)
+                    warm = wave(stream, url, engine.folder, vocab, n, c, args.output_tokens, seed=(1 << 20) + n + c)
+                    seen = engine.log_size(backend)
                     r = dict(wave(stream, url, engine.folder, vocab, n, c, args.output_tokens, seed=n + c),
                              backend=backend, engine=args.engine, output_tokens=args.output_tokens,
                              warm_wall_s=warm["wall_s"])
+                    if args.engine == "vllm":
+                        r["engine_jit"] = engine_jit(engine.log_text(backend, seen))
                     results.append(r)
                     print(f"{backend} {n} x {c}: TTFT {r['ttft_ms']:.0f} ms, TPOT {r['tpot_ms']:.2f} ms, "
                           f"{r['output_tok_s']:.1f} tok/s, longest gap {r['max_gap_ms']:.0f} ms "

@@ -78,3 +78,17 @@ def test_serving_table_compares_qsa_core_with_the_engine_own_qsa():
     text = bench_serving.tables(results, "sglang")
     assert "| 8192 | 8 | 128 | qsa_core | 50 | 4.00 | 2000.0 |" in text
     assert "| 8192 | 8 | 128 | 0.50 | - | 2.00 |" in text
+
+
+def test_serving_table_names_the_engine_kernels_compiled_in_a_timed_wave():
+    log = ("(EngineCore pid=1) INFO 12-07 11:20:29 [jit_monitor.py:84] Kernel JIT monitor activated\n"
+           "(EngineCore pid=1) WARNING 12-07 11:20:33 [jit_monitor.py:140] Triton kernel JIT compilation during "
+           "inference: fused_moe_kernel. This causes a latency spike; consider extending warmup\n")
+    assert bench_serving.engine_jit(log) == ["fused_moe_kernel"]
+    wave = dict(prompt_len=32768, concurrency=8, output_tokens=64, ttft_ms=410.0, tpot_ms=20.2, output_tok_s=296.0,
+                max_gap_ms=920.0)
+    results = [dict(wave, backend="QSA_CORE", engine_jit=bench_serving.engine_jit(log)),
+               dict(wave, backend="upstream", engine_jit=[])]
+    text = bench_serving.tables(results, "vllm")
+    assert "| 32768 | 8 | 64 | QSA_CORE | 410 | 20.20 | 296.0 | 920 | fused_moe_kernel |" in text
+    assert "| 32768 | 8 | 64 | upstream | 410 | 20.20 | 296.0 | 920 | none |" in text
