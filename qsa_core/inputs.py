@@ -46,7 +46,8 @@ class QSAStepInputs:
     seq_lens int32 [R]: context + this step's tokens per request.
     block_table int32 [>= R, P] (any strides): request page -> physical page, -1 = none.
     slot_mapping int64 [T]: main KV slot per row, -1 = do not write (padding).
-    ring_index int32 [R]: per-request base row of the raw-key ring.
+    ring_index int32 [R]: per-request base row of the raw-key ring (a planner's null_ring_row:
+    a padding request the engine added, its rows inert).
     num_decodes: leading requests that are decodes, each with decode_query_len rows (or 0
     rows: a CUDA-graph padding request). max_query_len / max_seq_len: bounds over the
     requests; max_seq_len is the column bound of selection (a request above it is made inert
@@ -188,6 +189,7 @@ class QSAStepInputs:
 
     def check_values(
         self, page_size: int, num_slots: int | None = None, num_ring_rows: int | None = None,
+        null_ring_row: int | None = None,
     ) -> None:
         """Value checks that read the tensors (free for CPU tensors; on a GPU a device sync,
         run only with `QSA_DEBUG=1`). Each error names the field, the entry and what was
@@ -196,7 +198,9 @@ class QSAStepInputs:
         ring_index. Live rows write distinct slots (-1 aside) and requests with rows have
         distinct ring_index (prefix caching shares read pages only). A live row's slot, unless
         -1, must be its position's slot through the block table (host only: the device guards
-        do not check it). Requests without rows in the step (CUDA-graph padding) are not checked.
+        do not check it). Requests without rows in the step (CUDA-graph padding) are not checked,
+        nor are the engine's padding requests on null_ring_row (`QSAPlanner`) for a ring row of
+        their own.
         """
         qsl = self.query_start_loc.cpu().long()
         seq = self.seq_lens.cpu().long()
@@ -257,9 +261,10 @@ class QSAStepInputs:
             raise ValueError(
                 f"ring_index[{i}] = {int(ring[i])} is outside the ring: expected a ring row in [0, {num_ring_rows})"
             )
-        live_ring = ring[runs]
+        owners = runs if null_ring_row is None else runs & (ring != null_ring_row)
+        live_ring = ring[owners]
         if live_ring.unique().numel() < live_ring.numel():
-            i, j = _first_pair(torch.nonzero(runs).flatten(), live_ring)
+            i, j = _first_pair(torch.nonzero(owners).flatten(), live_ring)
             raise ValueError(
                 f"ring_index[{i}] = ring_index[{j}] = {int(ring[i])}: requests {i} and {j} both have rows in this "
                 "step, expected a ring row of its own for each (only requests without rows may share one)"

@@ -164,7 +164,10 @@ class QSAPlanner:
     max_num_reqs: requests per step, needed only for `plan(..., static=True)`;
     num_slots / num_ring_rows: bounds of the value checks and device guards (num_slots also
     sizes the guard against two live rows writing one slot, a claim table of int64
-    [num_slots + 1] on Triton; without num_slots that guard is off); options: the core's
+    [num_slots + 1] on Triton; without num_slots that guard is off); null_ring_row: a ring
+    row no request owns, on which the engine puts requests it pads a step with (vLLM's null
+    block 0, which its dummy runs give every request): their rows are inert (output 0, no
+    cache write) and flag nothing, where other requests sharing a ring row are flagged; options: the core's
     switches (`QSAOptions`; default `QSAOptions.from_env()`, read here once): the ops
     backend (by device unless set; `backend` is the object made from it, `backend.name`
     "reference" or "triton"), value_checks (read the step's values in `plan` and raise on
@@ -188,6 +191,7 @@ class QSAPlanner:
         device: torch.device | str = "cpu",
         num_slots: int | None = None,
         num_ring_rows: int | None = None,
+        null_ring_row: int | None = None,
         options: QSAOptions | None = None,
         backend: str | None = None,
         value_checks: bool | None = None,
@@ -212,7 +216,10 @@ class QSAPlanner:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
+        if null_ring_row is not None and not 0 <= null_ring_row < (num_ring_rows or 1 << 31):
+            raise ValueError(f"null_ring_row must be a ring row in [0, num_ring_rows = {num_ring_rows}), got "
+                             f"{null_ring_row}")
+        self.num_slots, self.num_ring_rows, self.null_ring_row = num_slots, num_ring_rows, null_ring_row
         options = QSAOptions.from_env() if options is None else options
         if backend is not None or value_checks is not None:
             options = replace(options, backend=backend or options.backend,
@@ -338,7 +345,7 @@ class QSAPlanner:
         self._check_capacity(inputs)
         T, max_seq_len = inputs.num_tokens, inputs.max_seq_len
         if self._read_values:
-            inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows)
+            inputs.check_values(self.page_size, self.num_slots, self.num_ring_rows, self.null_ring_row)
         cfg = self.config
         schedule = self._schedule(T, inputs.num_decode_tokens, column_bucket(max_seq_len // cfg.compress_ratio),
                                   inputs.decode_query_len,

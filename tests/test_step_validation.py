@@ -119,7 +119,9 @@ def test_qsa_debug_checks_every_step(monkeypatch, field):
         planner(value_checks=False).plan(step(**change))
 
 
-def run_step(inputs, p):
+def run_step(inputs, p, rows=None):
+    """(output, caches before, caches after, plan) of one layer on `inputs`; hidden rows: 12
+    fixed ones, or those of `rows` (int64 [T]) among them."""
     layer = QSAAttention.from_hf(random_hf_attention(tiny_config(), 0)).to(DEVICE)
     cache = QSACacheLayout(num_layers=1, page_size=PAGE, num_pages=NUM_PAGES, ring_rows=RING_ROWS).allocate(
         CONFIG, torch.float32, DEVICE)[0]
@@ -127,6 +129,8 @@ def run_step(inputs, p):
         t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(5)).to(t.dtype))
     before = [t.clone() for t in (cache.k, cache.v, cache.compressed, cache.ring)]
     hidden = torch.randn(12, CONFIG.hidden_size, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    if rows is not None:
+        hidden = hidden[rows.to(DEVICE)]
     plan = p.plan(inputs)
     with torch.no_grad():
         out = layer(hidden, plan, cache)
@@ -313,6 +317,34 @@ def test_a_request_without_rows_may_share_a_ring_row(backend):
     out, _, _, _ = run_step(step(**padded), p)
     assert torch.equal(out, want)
     p.check_guard()  # nothing flagged
+
+
+def test_requests_on_the_null_ring_row_are_the_engines_padding(backend):
+    """An engine's padding requests with rows on the planner's null_ring_row (vLLM's dummy runs
+    give every request its null block): their rows are inert (output 0, no cache write, though
+    they carry slots) and flag nothing, and the other requests run as without them, on CPU
+    (value checks) and with the device guards alone. Without a null ring row the step is refused."""
+    null = 1
+    dummies = dict(query_start_loc=torch.tensor([0, 4, 5, 6, 12], dtype=I32),
+                   seq_lens=torch.tensor([4, 1, 1, 6], dtype=I32),
+                   block_table=torch.tensor([[4, -1], [7, -1], [8, -1], [2, -1]], dtype=I32),
+                   slot_mapping=torch.tensor(A_SLOTS + [7 * PAGE, 8 * PAGE] + B_SLOTS, dtype=I64),
+                   ring_index=torch.tensor([0, null, null, 2], dtype=I32), num_padding_rows=0)
+    with pytest.raises(ValueError, match=r"ring_index\[1\] = ring_index\[2\] = 1: requests 1 and 2 both have rows"):
+        planner("cpu", backend="reference").plan(step("cpu", **dummies))
+    planner("cpu", backend="reference", null_ring_row=null).plan(step("cpu", **dummies))  # the value checks
+    want, _, want_after, _ = run_step(step(), planner(value_checks=False))
+    p = planner(value_checks=False, null_ring_row=null)
+    rows = torch.tensor([0, 1, 2, 3, 10, 11, 4, 5, 6, 7, 8, 9])  # a, the dummies (2 more rows), b
+    out, _, after, plan = run_step(step(**dummies), p, rows)
+    assert torch.equal(out[:4], want[:4]) and torch.equal(out[6:], want[4:10])
+    assert torch.equal(out[4:6], torch.zeros_like(out[4:6]))
+    assert (plan.meta.positions[4:6] == -1).all() and (plan.meta.slot_mapping[4:6] == -1).all()
+    for name, got, expected in zip(("k", "v", "compressed", "ring"), after, want_after):
+        assert torch.equal(got, expected), name
+    p.check_guard()  # nothing flagged
+    with pytest.raises(ValueError, match=r"null_ring_row must be a ring row in \[0, num_ring_rows = 3\), got 3"):
+        planner(null_ring_row=RING_ROWS)
 
 
 def test_requests_sharing_a_prefix_page_they_only_read_run(backend):

@@ -8,7 +8,9 @@ from T and R only, no host reads, batch-varying ints not specialized), no memset
    the other requests with rows) into request_flags[p], and marks the step as having a
    flagged request;
 2. (p < row blocks) derives the fields of rows [p * BLOCK, (p + 1) * BLOCK): each row finds
-   its request by a binary search of `query_start_loc`; live rows no request owns are flagged.
+   its request by a binary search of `query_start_loc`; live rows no request owns are flagged;
+   rows of a request on the null ring row (NULL_RING >= 0: the engine's padding requests, such
+   as vLLM's dummy runs on its null block) are inert and flag nothing.
    With a slot-claim table each live row writing a slot exchanges its claim (step counter,
    row) into the slot's entry; an entry already claimed in this step calls for the check below
    (the counter only keeps that check out of well-formed steps: the check alone decides).
@@ -47,6 +49,7 @@ def _request_flag(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
     SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr, SHARED_RING: tl.constexpr,
+    NULL_RING: tl.constexpr,
 ):
     """Request i's guard bits (int32 scalar)."""
     seq = tl.load(seq_ptr + i).to(tl.int64)
@@ -61,9 +64,10 @@ def _request_flag(
     flag = flag | ((i < num_decodes) & (((n_rows != decode_query_len) & (n_rows != 0))
                                         | (start % decode_query_len != 0))).to(tl.int32) * DEC
     flag = flag | ((ring < 0) | (ring >= num_ring_rows)).to(tl.int32) * RING
-    # Another request with rows on the same ring row (requests without rows may share one).
+    # Another request with rows on the same ring row (requests without rows may share one, and
+    # the engine's padding requests the null ring row).
     shared = tl.zeros([BLOCK_S], dtype=tl.int32)
-    others = tl.where(n_rows > 0, R, 0)
+    others = tl.where((n_rows > 0) & ((NULL_RING < 0) | (ring != NULL_RING)), R, 0)
     j0 = i * 0
     while j0 < others:
         js = j0 + tl.arange(0, BLOCK_S)
@@ -105,11 +109,11 @@ def _derive_rows(
     to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr, claims_ptr, arrive_ptr,
     R, T, num_live, stray_end, num_slots, epoch,
     r: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr, SEARCH_STEPS: tl.constexpr, QSL: tl.constexpr,
-    CLAIMS: tl.constexpr, ROW_BITS: tl.constexpr,
+    CLAIMS: tl.constexpr, ROW_BITS: tl.constexpr, NULL_RING: tl.constexpr,
 ):
-    """The derived fields of rows int64 [BLOCK] (request flags not applied yet); with CLAIMS
-    each live row's slot in [0, num_slots) is claimed for (epoch, row), a slot claimed before
-    in this step raising arrive[1]."""
+    """The derived fields of rows int64 [BLOCK] (request flags not applied yet; rows of a
+    request on the null ring row inert); with CLAIMS each live row's slot in [0, num_slots) is
+    claimed for (epoch, row), a slot claimed before in this step raising arrive[1]."""
     in_range = rows < T
     owned = tl.load(qsl_ptr + R).to(tl.int64)
     # tl.where, not `& (R > 0)`: triton 3.9's interpreter refuses a block mask & a scalar.
@@ -128,6 +132,10 @@ def _derive_rows(
         lo = tl.where(go_right, mid + 1, lo)
         hi = tl.where(active & ~go_right, mid, hi)
     req = tl.where(live, lo, 0)
+    ring_req = tl.load(ring_index_ptr + req, mask=live, other=0).to(tl.int64)
+    if NULL_RING >= 0:  # the engine's padding requests (on the null ring row): inert, unflagged
+        live = live & (ring_req != NULL_RING)
+        req = tl.where(live, req, 0)
     seq = tl.load(seq_ptr + req, mask=live, other=0).to(tl.int64)
     start = tl.load(qsl_ptr + req, mask=live, other=0).to(tl.int64)
     end = tl.load(qsl_ptr + req + 1, mask=live, other=0).to(tl.int64)
@@ -136,8 +144,7 @@ def _derive_rows(
     vis = tl.maximum(tl.minimum((pos + 1) // r, seq // r), 0)
     ring_mod = pos % C
     ring_mod = tl.where(ring_mod < 0, ring_mod + C, ring_mod)  # Python-style remainder
-    base = tl.load(ring_index_ptr + req, mask=live, other=0).to(tl.int64) * C
-    ring = tl.where(live & (rows >= end - C), base + ring_mod, -1)
+    ring = tl.where(live & (rows >= end - C), ring_req * C + ring_mod, -1)
     slot = tl.where(live, tl.load(slot_ptr + rows, mask=in_range, other=-1), -1)
     closes = live & ((pos + 1) % r == 0) & (slot >= 0)
     comp = tl.where(closes, slot // r, -1)
@@ -227,7 +234,7 @@ def _metadata_kernel(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
     SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr, SHARED_RING: tl.constexpr,
-    SHARED_SLOT: tl.constexpr, CLAIMS: tl.constexpr, ROW_BITS: tl.constexpr,
+    SHARED_SLOT: tl.constexpr, CLAIMS: tl.constexpr, ROW_BITS: tl.constexpr, NULL_RING: tl.constexpr,
     PDL: tl.constexpr = 0,
 ):
     """arrive int32 [2], zero between launches: [arrived programs, a request was flagged].
@@ -242,7 +249,7 @@ def _metadata_kernel(
         flag = _request_flag(p, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
                              R, T, P, max_seq_len, max_query_len, num_live, num_pages, num_slots, num_ring_rows,
                              page_size, num_decodes, decode_query_len, BLOCK_P, BLOCK_S, MAX_SEQ, SEQ, QSL, RING,
-                             PAGE, SLOT, MAX_QUERY, DEC, SHARED_RING)
+                             PAGE, SLOT, MAX_QUERY, DEC, SHARED_RING, NULL_RING)
         tl.store(flags_ptr + p, flag)
         if flag != 0:
             tl.atomic_or(arrive_ptr + 1, 1, sem="relaxed")
@@ -250,7 +257,7 @@ def _metadata_kernel(
         _derive_rows(p * BLOCK + tl.arange(0, BLOCK), qsl_ptr, seq_ptr, slot_ptr, ring_index_ptr,
                      to_req_ptr, pos_ptr, vis_ptr, ring_slot_ptr, comp_slot_ptr, kv_slot_ptr, guard_ptr,
                      claims_ptr, arrive_ptr, R, T, num_live, stray_end, num_slots, epoch, r, C, BLOCK, SEARCH_STEPS,
-                     QSL, CLAIMS, ROW_BITS)
+                     QSL, CLAIMS, ROW_BITS, NULL_RING)
     tl.debug_barrier()  # this program's stores before its arrival
     if tl.atomic_add(arrive_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.store(arrive_ptr, 0)  # zero for the next step
@@ -305,7 +312,8 @@ class MetadataBuild:
     ring_slot int64, compressed_slot int64, kv_slot int64; request_flags int32 [>= R]
     scratch; arrive int32 [2] scratch, zero (the launch leaves it zero); guard int32 [1]
     (sticky). Geometry: compress_ratio r, ring_capacity C, page_size, num_slots and
-    num_ring_rows (the bounds of the guards). slot_claims int64 [num_slots + 1], zero when
+    num_ring_rows (the bounds of the guards); null_ring_row >= 0: the ring row of the engine's
+    padding requests (their rows inert, unflagged; -1: none). slot_claims int64 [num_slots + 1], zero when
     first used (then owned by the build): the shared-slot guard's table; None: no such guard.
     guards: the bits the build writes. inputs_checked: the caller guarantees the five input
     tensors' dtypes and device (a planner validated them), so a launch checks only their
@@ -318,7 +326,7 @@ class MetadataBuild:
         request_flags: torch.Tensor, arrive: torch.Tensor, guard: torch.Tensor,
         compress_ratio: int, ring_capacity: int, page_size: int, num_slots: int, num_ring_rows: int,
         guards: GuardBits, slot_claims: torch.Tensor | None = None, inputs_checked: bool = False,
-        options: KernelOptions = DEFAULT,
+        null_ring_row: int = -1, options: KernelOptions = DEFAULT,
     ) -> None:
         if slot_claims is not None and (slot_claims.dtype != torch.int64 or slot_claims.numel() != num_slots + 1):
             raise ValueError(f"slot_claims must be int64 [num_slots + 1 = {num_slots + 1}], got "
@@ -328,7 +336,7 @@ class MetadataBuild:
         self._checked = _BUILD_INPUTS if inputs_checked else ()
         self.request_flags, self.arrive, self.guard = request_flags, arrive, guard
         self.r, self.C, self.page_size = compress_ratio, ring_capacity, page_size
-        self.num_slots, self.num_ring_rows = num_slots, num_ring_rows
+        self.num_slots, self.num_ring_rows, self.null_ring_row = num_slots, num_ring_rows, null_ring_row
         self._bound: dict[tuple[int, int], BoundLaunch] = {}
 
     def __call__(
@@ -362,7 +370,7 @@ class MetadataBuild:
             r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS,
             MAX_SEQ=g.max_seq_len, SEQ=g.seq_len, QSL=g.query_start_loc, RING=g.ring_index, PAGE=g.page, SLOT=g.slot,
             MAX_QUERY=g.max_query_len, DEC=g.decode_rows, SHARED_RING=g.shared_ring, SHARED_SLOT=g.shared_slot,
-            CLAIMS=int(self.slot_claims is not None), ROW_BITS=g.claim_row_bits,
+            CLAIMS=int(self.slot_claims is not None), ROW_BITS=g.claim_row_bits, NULL_RING=self.null_ring_row,
         )
         if len(self._bound) >= _CACHE:
             self._bound.clear()

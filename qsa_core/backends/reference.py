@@ -29,7 +29,8 @@ class ReferenceBackend(QSABackend):
         self._geometry = dict(compress_ratio=p.config.compress_ratio, ring_capacity=p.ring_capacity,
                               page_size=p.page_size,
                               num_slots=NO_BOUND if p.num_slots is None else p.num_slots,
-                              num_ring_rows=NO_BOUND if p.num_ring_rows is None else p.num_ring_rows)
+                              num_ring_rows=NO_BOUND if p.num_ring_rows is None else p.num_ring_rows,
+                              null_ring_row=-1 if p.null_ring_row is None else p.null_ring_row)
         self._request_flags, self._guard = p.request_flags, p.guard
         self._slot_claims = None if p.num_slots is None else torch.zeros(1, dtype=torch.int64, device=p.device)
 

@@ -64,6 +64,7 @@ class TritonBackend(QSABackend):
             compress_ratio=cfg.compress_ratio, ring_capacity=p.ring_capacity, page_size=p.page_size,
             num_slots=NO_BOUND if p.num_slots is None else p.num_slots,
             num_ring_rows=NO_BOUND if p.num_ring_rows is None else p.num_ring_rows,
+            null_ring_row=-1 if p.null_ring_row is None else p.null_ring_row,
             slot_claims=slot_claims, inputs_checked=True,  # plan validates them first
             guards=GuardBits(**GUARD_BITS), options=ko,
         )

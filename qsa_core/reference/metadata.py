@@ -62,6 +62,7 @@ def qsa_build_metadata(
     num_decodes: int = 0,
     decode_query_len: int = 1,
     slot_claims: torch.Tensor | None = None,
+    null_ring_row: int = -1,
 ) -> None:
     """Fill the derived per-row fields in place (no host reads, no Python loop over rows).
 
@@ -83,6 +84,9 @@ def qsa_build_metadata(
     bit is OR-ed into guard int32 [1] (sticky; never cleared here).
     request_flags int32 [>= R] gets each request's bits. slot_claims int64 [num_slots + 1]:
     the Triton build's scratch for the shared-slot guard (unread here); None: no such guard.
+    null_ring_row >= 0: a ring row no request owns (vLLM's null block): a request on it is
+    padding the engine added (a dummy run's): its rows are inert, and it shares that row with
+    other such requests unflagged; -1: none.
     """
     T = slot_mapping.shape[0]
     R = seq_lens.shape[0]
@@ -125,7 +129,10 @@ def qsa_build_metadata(
     req = torch.where(live, req, 0).clamp_(max=R - 1)
     bad_slot = live & ((slot_mapping < -1) | (slot_mapping >= num_slots))
     flags = flags | _rows_to_requests(req, bad_slot, R, GUARD_SLOT)
-    runs = ends > starts  # requests with rows (a CUDA-graph padding request has none and may share a ring row)
+    pad = ring == null_ring_row if null_ring_row >= 0 else torch.zeros_like(ring, dtype=torch.bool)
+    # requests with rows (a CUDA-graph padding request has none and may share a ring row), but
+    # for the engine's padding requests on the null ring row
+    runs = (ends > starts) & ~pad
     shared_ring = runs[:, None] & runs[None, :] & (ring[:, None] == ring[None, :])
     flags = flags | torch.where(shared_ring.sum(1) > 1, GUARD_SHARED_RING, 0)
     if slot_claims is not None:
@@ -148,7 +155,7 @@ def qsa_build_metadata(
     bits_any = bits_any | torch.where(stray.any(), GUARD_QUERY_START_LOC, 0)
     guard.copy_(guard | bits_any.to(guard.dtype).view(1))
     request_flags[:R].copy_(flags.to(request_flags.dtype))
-    live = live & (bits == 0)
+    live = live & (bits == 0) & ~pad[req]
     req = torch.where(live, req, 0)
     start = starts[req]
     end = ends[req]

@@ -35,7 +35,8 @@ def build_metadata(
     page_size: int, num_live_rows: int, num_slots: int, num_ring_rows: int, token_to_req: torch.Tensor,
     positions: torch.Tensor, visible_blocks: torch.Tensor, ring_slot: torch.Tensor, compressed_slot: torch.Tensor,
     kv_slot: torch.Tensor, request_flags: torch.Tensor, guard: torch.Tensor, num_decodes: int = 0,
-    decode_query_len: int = 1, slot_claims: torch.Tensor | None = None, options: KernelOptions = OPTS,
+    decode_query_len: int = 1, slot_claims: torch.Tensor | None = None, null_ring_row: int = -1,
+    options: KernelOptions = OPTS,
 ) -> None:
     """`reference.qsa_build_metadata` by a `MetadataBuild` (its own arrival counter; the
     reference's guard bits)."""
@@ -44,7 +45,8 @@ def build_metadata(
         compressed_slot=compressed_slot, kv_slot=kv_slot, request_flags=request_flags,
         arrive=torch.zeros(2, dtype=torch.int32, device=slot_mapping.device), guard=guard,
         compress_ratio=compress_ratio, ring_capacity=ring_capacity, page_size=page_size, num_slots=num_slots,
-        num_ring_rows=num_ring_rows, guards=GuardBits(**GUARD_BITS), slot_claims=slot_claims, options=options,
+        num_ring_rows=num_ring_rows, guards=GuardBits(**GUARD_BITS), slot_claims=slot_claims,
+        null_ring_row=null_ring_row, options=options,
     )(query_start_loc, seq_lens, slot_mapping, ring_index, block_table, max_seq_len, max_query_len, num_live_rows,
       num_decodes, decode_query_len)
 

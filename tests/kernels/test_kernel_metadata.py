@@ -210,6 +210,51 @@ def test_shared_slot_and_ring_guards_over_steps():
         assert (positions[: T - pad][inert] == -1).all() and (positions[: T - pad][~inert] >= 0).all()
 
 
+# (query lengths, ring_index, null_ring_row, flagged requests, guard): requests 1 and 3 on ring
+# row 0, vLLM's null block, as its dummy runs put every request.
+NULL_RING_STEPS = [
+    ([2, 3, 1, 2], [4, 0, 5, 0], 0, [], 0),  # padding requests: inert, unflagged
+    ([2, 3, 1, 2], [4, 0, 5, 0], -1, [1, 3], SHARED_RING),  # without a null ring row: flagged
+    ([2, 3, 1, 2], [0, 0, 0, 0], 0, [], 0),  # a dummy run: every request on it
+    ([2, 3, 1, 2], [4, 0, 4, 0], 0, [0, 2], SHARED_RING),  # others still may not share a ring row
+    ([2, 3, 1, 2], [4, 0, 70, 0], 0, [2], 16),  # nor leave the ring (16: GUARD_RING_INDEX)
+]
+
+
+@interp
+@pytest.mark.parametrize("qlens,rings,null,flagged,bits", NULL_RING_STEPS)
+def test_null_ring_row_requests_are_inert_and_unflagged(qlens, rings, null, flagged, bits):
+    """A request on the planner's null_ring_row (an engine's padding request) is inert: every
+    field of its rows as a padding row's (to_req 0, position -1, nothing visible, no ring,
+    compressed or K/V slot) and no flag; kernel as reference, request flags included."""
+    R, pad = len(qlens), 2
+    qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
+    seq = torch.tensor([q + 9 for q in qlens], dtype=torch.int32)
+    T = int(qsl[-1]) + pad
+    slots = torch.arange(T, dtype=torch.int64) * 4 + 3  # every live row closes a group
+    slots[-pad:] = -1
+    ring = torch.tensor(rings, dtype=torch.int32)
+    outs = {}
+    for name, fn in (("kernel", qsa_build_metadata), ("reference", reference_build)):
+        bufs = [torch.full((T,), 7, dtype=dt) for dt in (torch.int32, torch.int64, torch.int32, torch.int64,
+                                                         torch.int64, torch.int64)]
+        extra = dict(guard_args(qsl, seq, slots), num_ring_rows=64, null_ring_row=null, num_live_rows=T - pad)
+        guard = build(fn, qsl, seq, slots, ring, 4, 8, bufs, **extra)
+        outs[name] = bufs + [guard, extra["request_flags"][:R].clone()]
+    assert_same(outs["kernel"][:7], outs["reference"][:7])
+    assert torch.equal(outs["kernel"][7], outs["reference"][7]), (outs["kernel"][7], outs["reference"][7])
+    to_req, positions, visible, ring_slot, comp_slot, kv_slot, guard, flags = outs["kernel"]
+    assert guard.item() == bits
+    assert [i for i in range(R) if flags[i] != 0] == flagged
+    req = torch.repeat_interleave(torch.tensor(qlens))
+    inert = torch.isin(req, torch.tensor(flagged, dtype=torch.long)) | (ring[req] == null)
+    live = T - pad
+    for field, empty in ((to_req, 0), (positions, -1), (visible, 0), (ring_slot, -1), (comp_slot, -1),
+                         (kv_slot, -1)):
+        assert (field[:live][inert] == empty).all(), field
+    assert (positions[:live][~inert] >= 0).all() and (kv_slot[:live][~inert] >= 0).all()
+
+
 @interp
 def test_planner_persistent_buffers(monkeypatch):
     """The planner path (ops dispatch to Triton) fills its persistent buffers in place."""
@@ -335,8 +380,10 @@ consts = dict(r=4, C=8, BLOCK=m.BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=m.BLOCK_PAG
               PAGE=g.GUARD_PAGE, SLOT=g.GUARD_SLOT, MAX_QUERY=g.GUARD_MAX_QUERY_LEN, DEC=g.GUARD_DECODE_ROWS,
               SHARED_RING=g.GUARD_SHARED_RING, SHARED_SLOT=g.GUARD_SHARED_SLOT, ROW_BITS=g.CLAIM_ROW_BITS, PDL=2)
 i64 = ("slot_ptr", "pos_ptr", "ring_slot_ptr", "comp_slot_ptr", "kv_slot_ptr", "claims_ptr")
-for claims in (0, 1):  # without and with the shared-slot claim table
-    k = compile_sm90(m._metadata_kernel, dict(consts, CLAIMS=claims), dict.fromkeys(i64, "*i64"), launch_pdl=True)
+# without and with the shared-slot claim table; with vLLM's null ring row
+for claims, null in ((0, -1), (1, -1), (1, 0)):
+    k = compile_sm90(m._metadata_kernel, dict(consts, CLAIMS=claims, NULL_RING=null), dict.fromkeys(i64, "*i64"),
+                     launch_pdl=True)
     print(k.asm["ptx"].count("atom.global"))
 """
 
@@ -348,5 +395,5 @@ def test_metadata_kernel_compiles_for_sm90():
 
     run = run_script(SM90_COMPILE, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    plain, claims = (int(n) for n in run.stdout.split()[-2:])
-    assert 0 < plain < claims  # the arrival counter and the guard's atomics; then the slot claims
+    plain, claims, null = (int(n) for n in run.stdout.split()[-3:])
+    assert 0 < plain < claims == null  # the arrival counter and the guard's atomics; then the slot claims

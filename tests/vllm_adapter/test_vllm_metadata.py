@@ -27,6 +27,9 @@ CONFIG = QSAConfig(
 PAGE = 16
 FIELDS = ("query_start_loc", "seq_lens", "block_table", "slot_mapping", "ring_index", "rope_positions",
           "token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot")
+# Ring blocks are the Runner's ring rows + 1: vLLM allocates no request its null block 0, on
+# which the mapper's planner takes requests for padding (`NULL_BLOCK`).
+RING_OFFSET = 1
 INTS = ("num_tokens", "num_padding_rows", "num_reqs", "num_decodes", "decode_query_len", "max_query_len",
         "max_seq_len", "page_size", "ring_capacity", "compress_ratio")
 
@@ -62,6 +65,10 @@ def assert_same(mapped, ref, num_reqs=None):
             got, want = got[:R], want[:R]
         if name == "block_table":  # pages past a request's length: -1 here, the null block in vLLM
             got = torch.where(want >= 0, got, -1)
+        if name == "ring_index":
+            got = got - RING_OFFSET
+        if name == "ring_slot":
+            got = torch.where(got >= 0, got - RING_OFFSET * mapped.ring_capacity, got)
         assert got.dtype == want.dtype and torch.equal(got, want), name
 
 
@@ -78,7 +85,7 @@ def test_steps_map_to_the_runner_metadata(name):
     runner, m = make_runner(), mapper()
     for step in SCHEDULES[name]:
         ref = run(runner, step)
-        common, ring = common_metadata(ref)
+        common, ring = common_metadata(ref, ring_offset=RING_OFFSET)
         assert_same(m.map(common, ring).meta, ref)
 
 
@@ -88,7 +95,7 @@ def test_padded_uniform_decode_batch(pad_reqs, pad_tokens):
     runner, m = make_runner(), mapper()
     run(runner, {"a": 21, "b": 9, "c": 40})
     ref = run(runner, {"a": 1, "b": 1, "c": 1}, padding=pad_tokens)
-    common, ring = common_metadata(ref, pad_reqs=pad_reqs)
+    common, ring = common_metadata(ref, ring_offset=RING_OFFSET, pad_reqs=pad_reqs)
     mapped = m.map(common, ring).meta
     assert_same(mapped, ref, num_reqs=3)
     assert mapped.num_reqs == 3 + pad_reqs and mapped.num_decodes == 3
@@ -105,7 +112,7 @@ def test_padded_mixed_batch_and_spec_decode_length():
     run(runner, {"a": 22, "b": 13})
     ref = run(runner, {"a": 3, "b": 3, "c": 17}, padding=4)
     assert (ref.num_decodes, ref.decode_query_len) == (2, 3)
-    common, ring = common_metadata(ref, pad_reqs=2)
+    common, ring = common_metadata(ref, ring_offset=RING_OFFSET, pad_reqs=2)
     assert_same(m.map(common, ring, decode_threshold=3).meta, ref, num_reqs=3)
 
 
@@ -132,10 +139,24 @@ def test_builders_pair_the_main_and_ring_groups_of_a_step():
     assert isinstance(main_builder, QSAStepMetadataBuilder) and main_builder.reorder_batch_threshold == 1
     runner = make_runner()
     run(runner, {"a": 21, "b": 9})
-    common, ring = common_metadata(run(runner, {"a": 1, "b": 5}))
+    common, ring = common_metadata(run(runner, {"a": 1, "b": 5}), ring_offset=RING_OFFSET)
     ring_half = ring_builder.build(0, common.replace(block_table_tensor=ring))
     main_half = main_builder.build(0, common)
     assert isinstance(main_half, QSAStepMetadata) and main_half.step is ring_half.step
     assert main_half.step.main is common and main_half.step.ring_block_table is ring
-    common2, ring2 = common_metadata(run(runner, {"a": 1, "b": 1}))
+    common2, ring2 = common_metadata(run(runner, {"a": 1, "b": 1}), ring_offset=RING_OFFSET)
     assert main_builder.build(0, common2).step is not main_half.step
+
+
+def test_dummy_run_on_the_null_block_is_inert_and_unflagged():
+    """vLLM's dummy runs (memory profiling, graph capture) give every request its null block 0,
+    in the ring group too: the mapper plans them (the CPU value checks pass) with every row inert
+    (no position, no cache write) and nothing flagged."""
+    runner, m = make_runner(), mapper()
+    ref = run(runner, {"a": 5, "b": 3, "c": 1})
+    common, ring = common_metadata(ref, ring_offset=RING_OFFSET)
+    plan = m.map(common, torch.zeros_like(ring))
+    assert m.planner.null_ring_row == 0
+    assert (plan.meta.positions == -1).all() and (plan.meta.slot_mapping == -1).all()
+    assert (plan.meta.ring_slot == -1).all() and (plan.meta.compressed_slot == -1).all()
+    m.planner.check_guard()  # nothing flagged

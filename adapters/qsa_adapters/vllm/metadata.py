@@ -51,6 +51,13 @@ def uniform_decode_split(query_start_loc_cpu: torch.Tensor, decode_threshold: in
     return (int(other[0, 0]) if other.numel() else qlens.numel()), q
 
 
+# vLLM's null block: its block pool's first block, never allocated to a request; its dummy runs
+# (memory profiling, CUDA-graph capture) give every request this block, in the ring group too, and
+# so do the draft steps' padding requests (`QSAStep.add_draft`). The planner makes their rows inert
+# without flagging them (`QSAPlanner` null_ring_row).
+NULL_BLOCK = 0
+
+
 def core_ring_index(ring_block_table: torch.Tensor, num_reqs: int) -> torch.Tensor:
     """int32 [R] ring row per request: the ring group's block (one per request)."""
     if ring_block_table.dim() != 2 or ring_block_table.shape[0] < num_reqs:
@@ -90,6 +97,7 @@ class QSAMetadataMapper:
             self.config, dtype=self.dtype, page_size=g.page_size, ring_capacity=g.ring_capacity,
             max_num_tokens=max_num_tokens, max_model_len=max_model_len, device=self.device,
             max_num_reqs=self.max_num_reqs, num_slots=self.num_slots, num_ring_rows=self.num_ring_rows,
+            null_ring_row=NULL_BLOCK,
         )
 
     def step_inputs(
