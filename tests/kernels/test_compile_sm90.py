@@ -27,6 +27,8 @@ import random
 import sys
 import time
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROUTES = {"prefill", "dsamp", "topk-short", "fused", "radix"}
 # name: (index dtype, KV dtype, max_model_len, max_num_tokens, max_num_reqs, QSA_DECODE_SAMPLES)
@@ -185,6 +187,7 @@ def compile_main(path: str, worker: int, workers: int) -> None:
     print("compiled " + " ".join(f"{k}={v}" for k, v in sorted(compiled.items())))
 
 
+@pytest.mark.sm90
 def test_every_planned_variant_compiles_for_sm90(tmp_path):
     import collections
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # Runtime ints as a served step passes them (Hq 24, Hkv 2, D 256, page 64, 2048 pages a request, W
 # 2051): `sm90.compile_sm90` turns those of 1 into constants and marks those divisible by 16.
 VALUES = dict(stride_qt=6144, stride_qh=256, stride_gt=6144, stride_gh=256, stride_ot=6144, stride_kp=32768,
@@ -45,6 +47,7 @@ def compile_all() -> list[str]:
             for name, fn, types, consts, options in variants]
 
 
+@pytest.mark.sm90
 def test_kernels_compile_for_sm90():
     from sm90 import run
 

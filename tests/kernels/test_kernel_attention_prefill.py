@@ -380,6 +380,7 @@ for name, fn, consts, options in variants:
 """
 
 
+@pytest.mark.sm90
 def test_kernels_compile_for_sm90():
     from sm90 import run
 

@@ -388,6 +388,7 @@ for claims, null in ((0, -1), (1, -1), (1, 0)):
 """
 
 
+@pytest.mark.sm90
 def test_metadata_kernel_compiles_for_sm90():
     """The build compiles for the H200 here, without a GPU: the interpreter accepts what the
     compiler rejects (a loop variable that changes type, a constexpr without a value)."""

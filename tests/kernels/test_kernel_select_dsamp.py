@@ -482,6 +482,7 @@ for cols, rows in ((32768, 4), (262144, 4), (262144, 64), (8192, 16)):
 """
 
 
+@pytest.mark.sm90
 def test_route_compiles_for_sm90():
     """The route's H200 top-k (per-row strides, groups and packed rows, tile skip, the second
     resolve tier; 128K and 1M context, segments of 1024 and 8192 columns), the bound launch of

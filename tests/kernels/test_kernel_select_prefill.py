@@ -367,6 +367,7 @@ for st, sub in [(ss.score_tiles(False, sel.select_tiles(False), False, num_cols=
 """
 
 
+@pytest.mark.sm90
 def test_production_tiles_compile_for_sm90():
     """The H200 shapes of the top-k and of the sampling score kernel compile here without a GPU
     (what the interpreter accepts and the compiler rejects shows in CI); the score kernel keeps

@@ -390,6 +390,7 @@ def test_prefill_tiles_widen_from_1m_context():
     assert ss.score_tiles(True, decode, False, num_cols=1 << 18).block_g == 128  # decode: its own 128
 
 
+@pytest.mark.sm90
 def test_production_tiles_compile_for_sm90_on_tensor_cores():
     """The H200 tiles compile here without a GPU (what the interpreter accepts and the compiler
     rejects shows in CI), with the launcher's specialization; dots of 64+ on M (rows x heads, or

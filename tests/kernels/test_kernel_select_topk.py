@@ -216,6 +216,7 @@ for cols, rows, early, packed in ((2048, 1, 0, True), (2048, 1, 1, False), (4096
 """
 
 
+@pytest.mark.sm90
 def test_the_short_top_k_compiles_for_sm90_without_spills():
     """The short top-k's H200 tiles (up to 4096 columns, and 8192 for chunks of few rows; early
     loads at 2048 columns) compile here without a GPU; the bracket search's sbits keep its

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 
 def compile_combine() -> str:
     """PTX of the attention combine kernel for sm_90 in each PDL mode, one line each:
@@ -28,6 +30,7 @@ def compile_combine() -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.sm90
 def test_pdl_instructions_wait_first_and_signal_in_their_mode():
     from sm90 import run
 

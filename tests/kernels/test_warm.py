@@ -70,6 +70,7 @@ def compile_topk() -> list[str]:
     return lines
 
 
+@pytest.mark.sm90
 def test_warm_issues_guarded_prefetches_after_the_wait():
     from sm90 import run
 

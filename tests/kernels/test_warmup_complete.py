@@ -26,6 +26,8 @@ import os
 import random
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 # name: (max_model_len, max_num_tokens, max_num_reqs, random steps, static: else eager on tables sized per
 # step, sglang: warm with mixed=False and plan SGLang-shaped steps only)
@@ -136,6 +138,7 @@ def _with_table(step, table):
                          decode_query_len=step.decode_query_len, num_padding_rows=step.num_padding_rows)
 
 
+@pytest.mark.sm90
 def test_random_steps_and_their_calls_compile_nothing_after_warm():
     from sm90 import run_many
 
