@@ -495,8 +495,9 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     >= 4 Kb slots and rows of num_cols columns at most score_block_g (= 2^log_g) columns per
     sample, in chunks with the second tier at most DECODE_TIER2_SAMPLE_COLS. So every scored row
     has at least Kb samples, a row of at most 2^WBITS columns one per column (its bound is its
-    Kb-th key) and a longer one more than 2 Kb: a short row of a long plan keeps a tight bound. One launch per chunk (no deferred resolve). seg: `decode_seg`
-    (chunks of few rows take smaller segments than the base, and so more programs); block: the
+    Kb-th key) and a longer one more than 2 Kb: a short row of a long plan keeps a tight bound.
+    One launch per chunk (no deferred resolve). seg: `decode_seg` (chunks of few rows take
+    smaller segments than the base, and so more programs); block: the
     compaction's sweep, at most a segment. skip: rows of at least 2^skip_shift columns per sample
     read only the runs whose sample reaches the bound (`seg_runs`), others their whole segment.
     bound 2: each program's bracket search of its row's samples; bound 3 (chunks of >=

@@ -30,7 +30,7 @@ from qsa_core import QSAConfig, QSAPlan
 from qsa_core.guard import GuardWatch
 from qsa_core.warmup import start_up_warm
 
-from .metadata import PagedGeometry, QSAMetadataMapper
+from .metadata import NULL_BLOCK, PagedGeometry, QSAMetadataMapper
 
 BACKEND_NAME = "QSA_CORE"
 logger = logging.getLogger(__name__)
@@ -195,8 +195,8 @@ class QSAStepPairing:
 
         A draft step of more requests than that step (vLLM 0.33's GPU runner pads each draft
         step to a CUDA-graph size of its own, and captures its draft graphs after the target's
-        smallest) has padding requests past them: they take ring block 0, as vLLM's dummy
-        requests do, from a persistent table (`_draft_rings`, no allocation a step)."""
+        smallest) has padding requests past them: they take vLLM's null block (`NULL_BLOCK`), as
+        its dummy requests do, from a persistent table (`_draft_rings`, no allocation a step)."""
         ring = self.last_ring_block_table
         if ring is None:
             raise RuntimeError("QSA draft step before any target step: no ring blocks to draft on")
@@ -207,15 +207,16 @@ class QSAStepPairing:
         return step
 
     def _draft_rings(self, ring: torch.Tensor, num_reqs: int) -> torch.Tensor:
-        """int32 [num_reqs, blocks]: ring's rows, then block 0 for the padding requests past them."""
+        """int32 [num_reqs, blocks]: ring's rows, then NULL_BLOCK for the padding requests past them."""
         if num_reqs > self.max_num_reqs:
             raise RuntimeError(f"QSA draft step of {num_reqs} requests: expected at most max_num_seqs = "
                                f"{self.max_num_reqs}")
         if self._draft_ring is None or self._draft_ring.shape[1] != ring.shape[1]:
-            self._draft_ring = torch.zeros(self.max_num_reqs, ring.shape[1], dtype=ring.dtype, device=ring.device)
+            self._draft_ring = torch.full((self.max_num_reqs, ring.shape[1]), NULL_BLOCK, dtype=ring.dtype,
+                                          device=ring.device)
         table = self._draft_ring[:num_reqs]
         table[: ring.shape[0]].copy_(ring, non_blocking=True)
-        table[ring.shape[0]:].zero_()
+        table[ring.shape[0]:].fill_(NULL_BLOCK)
         return table
 
     def _plan(self, step: QSAStep) -> None:
