@@ -19,13 +19,14 @@ in this order:
 |---|---|---|---|
 | qsa_core-eager | qsa_core | off | - |
 | qsa_core-graphs | qsa_core | SGLang's default: decode (batch <= 8), breakable prefill | - |
-| qsa_core-eager-nextn3 | qsa_core | off (see below) | NEXTN, 3 drafts (C = 8 raw-key ring rows) |
+| qsa_core-graphs-nextn3 | qsa_core | as qsa_core-graphs, and draft graphs | NEXTN, 3 drafts (C = 8 raw-key ring rows) |
 | qsa-eager, qsa-graphs | SGLang's qsa | off / default | - |
-| qsa-eager-nextn3 | SGLang's qsa | off | NEXTN, 3 drafts (SGLang's ring of r = 4 rows) |
+| qsa-graphs-nextn3 | SGLang's qsa | as qsa-graphs, and draft graphs | NEXTN, 3 drafts (SGLang's ring of r = 4 rows) |
 
-NEXTN runs eagerly: SGLang 0.5.23's EAGLE draft worker imports `flash_mla` when it captures
-draft graphs on CUDA (for any attention backend), and the staged GPU set has no flash_mla (seen
-on an H100). `--modes decodegraphs` adds decode graphs with prefill eager (a fallback should the breakable
+NEXTN runs as the released model is served, with CUDA graphs, where the call runs graphs (else in
+its first mode). SGLang 0.5.23's EAGLE draft worker imports `flash_mla` (the `sgl-flash-mla`
+wheel) when it captures draft graphs on CUDA, for any attention backend: the host needs it
+(`--modes eager` runs NEXTN eagerly without it). `--modes decodegraphs` adds decode graphs with prefill eager (a fallback should the breakable
 prefill graphs fail). A graphs run must log a captured decode graph, an eager run none.
 
 Each server gets six prompts of 40 to 8000 tokens at once (`input_ids` on /generate, chunked
@@ -161,9 +162,9 @@ def plan(backends: list[str], modes: list[str], spec: bool,
 
 
 def spec_mode(modes: list[str]) -> str:
-    """NEXTN runs eagerly where the call runs eager: SGLang 0.5.23's draft worker imports
-    flash_mla whenever it captures draft graphs on CUDA, and the staged GPU set carries none."""
-    return "eager" if "eager" in modes else modes[0]
+    """NEXTN runs with CUDA graphs where the call runs them (the released model's serving), else
+    in the call's first mode."""
+    return "graphs" if "graphs" in modes else modes[0]
 
 
 # -- the checkpoint --------------------------------------------------------------------------
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                     "decode graphs with prefill eager")
     ap.add_argument("--backends", default="qsa_core,qsa", help="qsa_core and/or qsa (SGLang's own QSA)")
     ap.add_argument("--spec", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run each backend with NEXTN (3 drafts), eager (else in the first mode)")
+                    help="also run each backend with NEXTN (3 drafts), with graphs (else in the first mode)")
     ap.add_argument("--redo", action="store_true", help="run again the runs whose JSON is already in OUT")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU through SGLang's CPU build")
     args = ap.parse_args(argv)

@@ -37,10 +37,10 @@ def test_compare_passes_equal_runs_and_bf16_ties_only():
     assert not g.compare(result([[1, 2]], [[1.0, 1.0]]), result([[1]], [[1.0]]))[0]
 
 
-def test_plan_puts_qsa_core_first_and_nextn_after_the_eager_run():
+def test_plan_puts_qsa_core_first_and_nextn_after_the_graphs_run():
     names = [r.name for r in g.plan(["qsa", "qsa_core"], ["eager", "graphs"], spec=True)]
-    assert names == ["qsa_core-eager", "qsa_core-eager-nextn3", "qsa_core-graphs", "qsa-eager", "qsa-eager-nextn3",
-                     "qsa-graphs"]
+    assert names == ["qsa_core-eager", "qsa_core-graphs", "qsa_core-graphs-nextn3", "qsa-eager", "qsa-graphs",
+                     "qsa-graphs-nextn3"]
     names = [r.name for r in g.plan(["qsa_core"], ["graphs"], spec=True)]
     assert names == ["qsa_core-graphs", "qsa_core-graphs-nextn3"]
     assert [r.name for r in g.plan(["qsa_core"], ["eager"], spec=True)] == ["qsa_core-eager", "qsa_core-eager-nextn3"]
@@ -62,12 +62,12 @@ def test_summary_checks_what_ran_and_leaves_the_rest_pending(tmp_path):
     other = [[1, 9, 9]] + tokens[1:]
     write("qsa_core-graphs", result(other, margins))
     write("qsa-graphs", result(other, margins))
-    write("qsa_core-eager-nextn3", result(tokens, None, spec=[{"spec_verify_ct": 0}] * 6))
-    write("qsa-eager-nextn3", result(other, None, spec=[{"spec_verify_ct": 2}] * 6))
+    write("qsa_core-graphs-nextn3", result(other, None, spec=[{"spec_verify_ct": 0}] * 6))
+    write("qsa-graphs-nextn3", result(tokens, None, spec=[{"spec_verify_ct": 2}] * 6))
     failures = g.summarize(str(tmp_path), runs, g.GPU)
     assert "qsa_core: graphs vs eager" in failures and "qsa: graphs vs eager (reported)" not in failures
-    assert "qsa_core-eager-nextn3: no verify step: speculation did not run" in failures
-    assert not any(f.startswith("qsa eager: NEXTN") or f.startswith("qsa-eager-nextn3") for f in failures)
+    assert "qsa_core-graphs-nextn3: no verify step: speculation did not run" in failures
+    assert not any(f.startswith("qsa graphs: NEXTN") or f.startswith("qsa-graphs-nextn3") for f in failures)
     assert "differs (reported)" in (tmp_path / "summary.md").read_text()
 
 
