@@ -6,20 +6,24 @@
 # (bench_qsa.py); then a table of the best and every run per column, each tree against main. Fails
 # on the first run that fails or fails its check.
 #
-#   bash benchmarks/ab_decode.sh [--tree DIR]... MAIN_TREE OUT [KEY ...]
+#   bash benchmarks/ab_decode.sh [--prefill-data random|recency] [--tree DIR]... MAIN_TREE OUT [KEY ...]
 #
 # MAIN_TREE: a checkout or export of main (its benchmarks/bench_qsa.py runs with its own packages);
 # OUT: a folder for the runs' results.json (created); --tree DIR: another tree to time beside this
 # checkout (an export of one of its commits, say); paths absolute or relative to the folder this is
-# run from; KEYs: results.json keys (default: the five decode rows of issue 43's targets).
+# run from; KEYs: results.json keys (default: the five decode rows of issue 43's targets);
+# --prefill-data: bench_qsa.py's (recency: scores whose top groups cluster, as served rows' do;
+# default random).
 set -euo pipefail
 PY="${PYTHON:-python3}"
 TREES=()
-while [ "${1:-}" = --tree ]; do
-    TREES+=("$(cd "$2" && pwd)")
+DATA=random
+while [ "${1:-}" = --tree ] || [ "${1:-}" = --prefill-data ]; do
+    if [ "$1" = --tree ]; then TREES+=("$(cd "$2" && pwd)"); else DATA="$2"; fi
     shift 2
 done
-[ $# -ge 2 ] || { echo "usage: ab_decode.sh [--tree DIR]... MAIN_TREE OUT [KEY ...]" >&2; exit 2; }
+[ $# -ge 2 ] || { echo "usage: ab_decode.sh [--prefill-data random|recency] [--tree DIR]... MAIN_TREE OUT [KEY ...]" >&2
+                  exit 2; }
 MAIN="$(cd "$1" && pwd)"
 OUT="$(mkdir -p "$2" && cd "$2" && pwd)"
 shift 2
@@ -37,7 +41,7 @@ run() {  # run TREE NAME: every key on one tree, into OUT/NAME
     local tree="$1" dir="$OUT/$2"
     echo "== $2: $tree" >&2
     (cd "$tree" && PYTHONPATH="$tree:$tree/kernels:$tree/adapters" "$PY" benchmarks/bench_qsa.py \
-        --only "${KEYS[@]}" --no-dense --no-plot --config-timeout 240 --out "$dir")
+        --only "${KEYS[@]}" --no-dense --no-plot --config-timeout 240 --prefill-data "$DATA" --out "$dir")
 }
 
 for round in 1 2; do
