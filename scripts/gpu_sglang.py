@@ -26,8 +26,9 @@ in this order:
 NEXTN runs as the released model is served, with CUDA graphs, where the call runs graphs (else in
 its first mode). SGLang 0.5.23's EAGLE draft worker imports `flash_mla` (the `sgl-flash-mla`
 wheel) when it captures draft graphs on CUDA, for any attention backend: the host needs it
-(`--modes eager` runs NEXTN eagerly without it). `--modes decodegraphs` adds decode graphs with prefill eager (a fallback should the breakable
-prefill graphs fail). A graphs run must log a captured decode graph, an eager run none.
+(`--modes eager` runs NEXTN eagerly without it). `--modes decodegraphs` adds decode graphs with
+prefill eager (a fallback should the breakable prefill graphs fail). A graphs run must log a
+captured decode graph, an eager run none.
 
 Each server gets six prompts of 40 to 8000 tokens at once (`input_ids` on /generate, chunked
 prefill of 2048 tokens, so long prompts prefill beside decodes), greedy, 16 tokens, ignore_eos,
