@@ -183,15 +183,15 @@ def _topk_prefill_kernel(
     BLOCK_W: tl.constexpr, RUNS: tl.constexpr = 0, ROW_SAMPLES: tl.constexpr = 0, LOG_G: tl.constexpr = 0,
     BOUND_IN: tl.constexpr = 0, SBITS: tl.constexpr = 0, RSBITS: tl.constexpr = 0, WARM_K: tl.constexpr = 0,
     WARM_V: tl.constexpr = 0, PAGE: tl.constexpr = 1, BSLACK: tl.constexpr = 0, CAP2: tl.constexpr = 0,
-    PDL: tl.constexpr = 0,
+    LIST: tl.constexpr = 0, PDL: tl.constexpr = 0,
 ):
     """One segment of a row (grid: chunk rows x segments). samp int32 [chunk rows, >= cdiv(n_cols,
     S)] (SAMPP >= its width, a power of two); candidate lists cidx / ckey int32 [rows, SEGP *
-    CAP] (the chunk's at crow0; list s at s * CAP, at most CAP entries stored), their lengths
+    LS] (LS = LIST, 0: CAP; the chunk's at crow0; list s at s * LS, at most LS entries stored), their lengths
     cnt int32 [rows, SEGP]; arrive int32 [chunk rows] zero between calls (the last arriver
     resets it). The last arriver resolves the row from its lists in a CAP-wide tile or, more
     than CAP candidates, from its scores (`resolve_row`); CAP2 > CAP (no DEFER): rows of at most
-    CAP2 candidates, no list past CAP, from their lists in a CAP2-wide tile instead. DEFER: only
+    CAP2 candidates, no list past LS, from their lists in a CAP2-wide tile instead. DEFER: only
     the rows past CAP, `_resolve_prefill_kernel` does the rest after the chunk's scores are gone.
     ROW_SAMPLES = WBITS > 0 (decode; no DEFER): a row's samples are one per 2^`sample_shift(vis,
     WBITS, LOG_G)` columns (the decode score launch's or, MTP rows, `_row_samples_kernel`'s), not
@@ -205,6 +205,7 @@ def _topk_prefill_kernel(
     WARM_V: `warm.warm_kv_groups`' K_BYTES / V_BYTES)."""
     tl.static_assert((S & (S - 1)) == 0, "S: a power of two")
     tl.static_assert(not (DEFER and CAP2), "CAP2: the second tier of the chunk's own resolve (DEFER: LO)")
+    LS: tl.constexpr = LIST if LIST else CAP
     pdl_start(PDL)
     lr = tl.program_id(0)
     seg = tl.program_id(1)
@@ -234,16 +235,16 @@ def _topk_prefill_kernel(
                 shift = sample_shift(vis, ROW_SAMPLES, LOG_G)
                 n_runs = SEG >> shift
                 if n_runs <= RUNS:
-                    n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound,
+                    n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * LS, c_key + seg * LS, bound,
                                       seg * n_runs, hi, tl.minimum(_cdiv_pow2(vis, shift), (seg + 1) * n_runs),
-                                      shift, RUNS, CAP, BLOCK)
+                                      shift, RUNS, LS, BLOCK)
                 else:
-                    n = compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
+                    n = compact_segment(s_row, lo, hi, bound, c_idx + seg * LS, c_key + seg * LS, LS, BLOCK)
             else:
-                n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * CAP, c_key + seg * CAP, bound, seg * RUNS,
-                                  hi, tl.cdiv(vis, S), S.bit_length() - 1, RUNS, CAP, BLOCK)
+                n = _compact_runs(s_row, samp_row, runs_row, c_idx + seg * LS, c_key + seg * LS, bound, seg * RUNS,
+                                  hi, tl.cdiv(vis, S), S.bit_length() - 1, RUNS, LS, BLOCK)
         else:
-            n = compact_segment(s_row, lo, hi, bound, c_idx + seg * CAP, c_key + seg * CAP, CAP, BLOCK)
+            n = compact_segment(s_row, lo, hi, bound, c_idx + seg * LS, c_key + seg * LS, LS, BLOCK)
         tl.store(cnt_row + seg, n)
         tl.debug_barrier()  # this program's list and count before its arrival / its resolve
         last = n_seg == 1
@@ -256,22 +257,22 @@ def _topk_prefill_kernel(
             if total <= CAP:
                 if not DEFER:
                     write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, CAP, PACKED, R,
+                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP, LS, PACKED, R,
                                    RSBITS)
             else:
                 write_tail(out_row, pos_ptr, row, vis, KB, PACKED, R, W, BLOCK_W)
-                # CAP2 0 (a constexpr) compiles no second tier; most <= CAP: every list whole (a
-                # segment of more than CAP columns may have dropped some)
-                if CAP2 and total <= CAP2 and most <= CAP:
+                # CAP2 0 (a constexpr) compiles no second tier; most <= LS: every list whole (a
+                # segment of more than LS columns may have dropped some)
+                if CAP2 and total <= CAP2 and most <= LS:
                     # `kth_key`: RSBITS' 2^RSBITS counts a step over CAP2 keys would double the registers
-                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP2, CAP, PACKED,
+                    _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP2, LS, PACKED,
                                    R)
                 else:
                     resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
         elif WARM_K:
-            j = tl.arange(0, CAP)
+            j = tl.arange(0, CAP)  # the list's first CAP
             m = j < n
-            groups = tl.load(c_idx + seg * CAP + j, mask=m, other=0)
+            groups = tl.load(c_idx + seg * LS + j, mask=m, other=0)
             warm_kv_groups(groups, m, tl.load(req_ptr + row), bt_ptr, stride_btr, stride_btp, kc_ptr, vc_ptr,
                            stride_kp, stride_ks, stride_vp, stride_vs, PAGE, R, WARM_K, WARM_V)
     pdl_end(PDL)
@@ -370,7 +371,8 @@ class SampleTiles:
     (2^row_s sample slots a row), log_g (log2 of the score tile's columns), skip_shift,
     rsbits (the resolve's bracket search), sample_launch (MTP rows: samples from a launch of
     their own, sblock columns a program), bslack (the bound's bracket search ends once at most
-    Kb + bslack samples reach its low end)."""
+    Kb + bslack samples reach its low end), list_cap (0: cap; the chunk's own resolve with a
+    second tier: entries a list keeps, so a list of more than cap candidates still reaches it)."""
 
     sub: int
     seg: int
@@ -396,13 +398,14 @@ class SampleTiles:
     bslack: int = 0
     cap2: int = 0
     r2warps: int = 0
+    list_cap: int = 0
 
     @property
     def lists(self) -> int:
         """Entries a candidate list holds: cap2 (else cap) for the deferred resolve, whose lists
-        wait for a later launch; cap for the chunk's own, whose second tier gathers them from
-        several lists (a decode chunk has many rows: its scratch stays at cap a list)."""
-        return self.cap2 if self.defer and self.cap2 else self.cap
+        wait for a later launch; list_cap (else cap) for the chunk's own, whose second tier gathers
+        them from several lists (a decode chunk has many rows: its scratch stays a few cap a list)."""
+        return self.cap2 if self.defer and self.cap2 else self.list_cap or self.cap
 
 
 def prefill_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool) -> SampleTiles:
@@ -442,8 +445,8 @@ DECODE_TOPK_PROGRAMS = 128
 # context, the most the resolve's gather was measured with.
 DECODE_MAX_SEGS = 32
 # The decode route's second resolve tier (`SampleTiles.cap2`): up to this many times cap
-# candidates (16 a thread of the 8-warp segment program), for rows of at least twice as many
-# columns (as PREFILL_TIER2), in chunks of fewer than DECODE_BOUND_ROWS rows.
+# candidates (16 a thread of the 8-warp segment program, 32 of the 4-warp one of many rows), for
+# rows of at least twice as many columns (as PREFILL_TIER2).
 # Decode rows whose top keys cluster (recent keys scoring high, as served rows do) crowd the
 # bound's candidates past cap too, and the whole-row resolve sweeps a row 16 times. Its lists stay
 # cap entries (a chunk has up to 256 rows): the last arriver gathers them into a cap2-wide tile in
@@ -451,8 +454,10 @@ DECODE_MAX_SEGS = 32
 # warps). Timed on the H100 against no tier (select+expand, us; NOTES.md (Kernels)): 128K B4 318 ->
 # 60 on recency rows, 37.2 -> 37.7 on random ones (the program takes 176 registers under triton
 # 3.6 against 125); 1M B4 unchanged (4598 -> 4565: those recency rows pass 4096) at +0.5 % on
-# random rows. Chunks of many rows run 4 warps, a 2048-wide tier, which did not take the 128K B64
-# recency rows (924 -> 930) and cost 1.5 % on random ones: they have none.
+# random rows. Chunks of many rows at 4 warps with a 2048-wide tier and lists of cap did not take
+# the 128K B64 recency rows (924 -> 930; 1.5 % on random ones): up to 3099 candidates, a list of
+# up to 1111. With lists of DECODE_MANY_LISTS cap and a 4096 tier they would (CPU counts; not yet
+# timed: the 4-warp program then takes 248-255 registers, from 128).
 DECODE_TIER2 = 4
 # Chunks with the second tier sample their rows at most this many columns apart (`decode_tiles`),
 # more than 4 Kb samples on rows past 128 Kb columns (1M context: 8192, from 2048 one per 128
@@ -460,9 +465,15 @@ DECODE_TIER2 = 4
 # bench_qsa's rows); samples 32 columns apart keep them within it. Timed on the H100 against 2048
 # samples (1M B4, select+expand / whole step, us): recency 4601 / 4613 -> 158 / 176, random 122.8 /
 # 143.6 -> 128.3 / 146.3; rows of up to 128 Kb columns (256K context) keep 4 Kb samples, the same
-# tiles as before. Chunks of many rows have no tier to take the tighter bound's candidates (the
-# same samples cost 1M MTP rows 10 % on random rows and changed nothing on recency ones).
+# tiles as before. Chunks of many rows take them too (1M MTP rows: up to 10980 candidates on
+# recency rows with 2048 samples, 3090 with 8192; without a tier those samples cost 10 % on
+# random rows).
 DECODE_TIER2_SAMPLE_COLS = 32
+# Candidate lists of decode chunks of many rows (>= DECODE_BOUND_ROWS) keep this many times cap
+# entries: their segments are the base's (4096 / 8192 columns), and on clustered scores the
+# newest segment alone holds more than cap candidates (`select_overflow.py --decode --data
+# recency`: 128K up to 1111, 1M up to 1274 with samples DECODE_TIER2_SAMPLE_COLS apart).
+DECODE_MANY_LISTS = 2
 
 
 def decode_seg(num_cols: int, rows: int, base: int, min_seg: int, programs: int) -> int:
@@ -508,10 +519,10 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     critical path, with candidates well inside the lists (simulated on random rows, NOTES.md
     (Kernels)). sample_launch (MTP rows, rows_per_request > 1): the samples come from a launch of
     their own over the score scratch (`_row_samples_kernel`, sblock columns a program), not from
-    the score launch. cap2 (`DECODE_TIER2`: 4 cap; rows of at least 2 cap2 columns, in chunks of
-    fewer than DECODE_BOUND_ROWS rows): the last arriver resolves a row of more than cap
-    candidates, at most cap2, none dropped from a list, from its lists in a cap2-wide tile
-    (`kth_key`; else from its scores). The
+    the score launch. cap2 (`DECODE_TIER2`: 4 cap; rows of at least 2 cap2 columns): the last
+    arriver resolves a row of more than cap candidates, at most cap2, none dropped from a list,
+    from its lists in a cap2-wide tile (`kth_key`; else from its scores); list_cap: lists of
+    DECODE_MANY_LISTS cap in chunks of many rows (their segments are the base's). The
     other fields as `prefill_tiles`'. rows: the chunk's. small: the interpreter's tiles (a
     64-column base, 64 programs: the tests' chunks of 1-8 rows take 16- and 32-column segments;
     cap 32, cap2 128 from 256 columns).
@@ -528,13 +539,13 @@ def decode_tiles(num_cols: int, block_topk: int, score_block_g: int, small: bool
     log_g = score_block_g.bit_length() - 1
     many = rows >= DECODE_BOUND_ROWS
     floor = (4 * block_topk - 1).bit_length()
-    gap = log_g if many or small else min(log_g, DECODE_TIER2_SAMPLE_COLS.bit_length() - 1)
+    gap = log_g if small else min(log_g, DECODE_TIER2_SAMPLE_COLS.bit_length() - 1)
     wbits = max(floor, (max(num_cols, 1) - 1).bit_length() - gap)
     t = dict(sub=1, row_s=wbits, log_g=log_g, defer=0, skip_shift=min(3, log_g), regs=0, rwarps=4, rregs=0,
              sample_launch=int(rows_per_request > 1), bslack=block_topk // 4)
     cap, warps = (32, 4) if small else (1024, 4 if many else 8)
-    cap2 = 0 if many else DECODE_TIER2 * cap
-    t.update(cap=cap, warps=warps, cap2=cap2 if num_cols >= 2 * cap2 else 0)
+    cap2 = DECODE_TIER2 * cap if num_cols >= 2 * DECODE_TIER2 * cap else 0
+    t.update(cap=cap, warps=warps, cap2=cap2, list_cap=DECODE_MANY_LISTS * cap if many and cap2 else 0)
     if small:
         seg = decode_seg(num_cols, rows, 64, score_block_g, 64)
         return SampleTiles(**t, seg=seg, block=min(16, seg), rblock=16, bits=4, lbits=31, skip=0, sbits=2, rsbits=2,
@@ -679,7 +690,8 @@ class PrefillTopkLaunch(ChunkLaunches):
             PAGE=self.kv.k.shape[1] if self.kv else 1,
             KBP=triton.next_power_of_2(Kb), LBITS=t.lbits, S=S, SAMPP=SAMPP, BLOCK=t.block, RBLOCK=t.rblock,
             DEFER=bool(t.defer), RUNS=runs, ROW_SAMPLES=row_s, LOG_G=t.log_g,
-            BOUND_IN=bool(t.bound & 1), SBITS=sbits, RSBITS=t.rsbits, BSLACK=t.bslack, CAP=t.lists,
+            BOUND_IN=bool(t.bound & 1), SBITS=sbits, RSBITS=t.rsbits, BSLACK=t.bslack,
+            CAP=t.lists if t.defer else t.cap, LIST=t.list_cap,
             CAP2=0 if t.defer else t.cap2, **common, num_warps=t.warps,
             **({"maxnreg": t.regs} if t.regs else {}),
         )

@@ -129,7 +129,7 @@ def compile_decode_topk(cols: int, rows: int, packed: bool, skip: int, warm_k: i
 
     t = replace(sp.decode_tiles(cols, 512, 128, small=False, rows=rows), skip=skip, **tile_changes)
     const = dict(KB=512, KBP=512, BITS=t.bits, LBITS=t.lbits, S=128, SAMPP=1 << t.row_s, SEG=t.seg,
-                 SEGP=triton.next_power_of_2(triton.cdiv(cols, t.seg)), CAP=t.cap, CAP2=t.cap2, BLOCK=t.block,
+                 SEGP=triton.next_power_of_2(triton.cdiv(cols, t.seg)), CAP=t.cap, CAP2=t.cap2, LIST=t.list_cap, BLOCK=t.block,
                  RBLOCK=t.rblock, DEFER=0, PACKED=packed, R=4 if packed else 1, W=2051 if packed else 1,
                  BLOCK_W=1024 if packed else 1, RUNS=sp.seg_runs(cols, t, 128), ROW_SAMPLES=t.row_s,
                  LOG_G=t.log_g, BOUND_IN=t.bound & 1, SBITS=t.sbits, RSBITS=t.rsbits, WARM_K=warm_k,

@@ -216,14 +216,17 @@ def test_ties_zeros_and_overflow(nan_scratch, skip):
 
 
 @small_tiles
-def test_clustered_rows_resolve_in_the_second_tier_or_the_whole_row(monkeypatch, skip):
+@pytest.mark.parametrize("copies", [1, 2])
+def test_clustered_rows_resolve_in_the_second_tier_or_the_whole_row(monkeypatch, skip, copies):
     """Rows whose top scores cluster at recent columns overflow the candidate lists (cap 32): with
-    at most cap2 (128) candidates, no list past cap, the last arriver resolves them from the lists
-    in its cap2-wide tile (`decode_tiles` cap2), else from the scores: more than cap2 candidates,
-    or one 64-column segment of more than cap (its list lost some, the top ones here). The scores
-    (NaN past visible) stand in for the score launch's; MTP rows (4 a request) take their samples
-    from the route's sample launch over them. Every row equals the reference."""
-    T, G = 8, 512
+    at most cap2 (128) candidates, no list past its length, the last arriver resolves them from the
+    lists in its cap2-wide tile (`decode_tiles` cap2), else from the scores: more than cap2
+    candidates, or one 64-column segment of more candidates than its list keeps (it lost some, the
+    top ones here): cap in a chunk of few rows (8), 2 cap in one of many (16: the 8 rows twice,
+    `DECODE_MANY_LISTS`). The scores (NaN past visible) stand in for the score launch's; MTP rows
+    (4 a request) take their samples from the route's sample launch over them. Every row equals
+    the reference."""
+    T, G = 8 * copies, 512
     g = torch.Generator().manual_seed(3)
     ramp = torch.arange(G, dtype=torch.float32) / G
     even = torch.arange(G) % 2 == 0
@@ -236,13 +239,13 @@ def test_clustered_rows_resolve_in_the_second_tier_or_the_whole_row(monkeypatch,
         torch.round((G / 300 * ramp + torch.rand(G, generator=g)) * 16) / 16,  # visible 300, ties: tier 2
         torch.rand(G, generator=g),  # visible 5
         torch.rand(G, generator=g),  # lists
-    ])
-    vis = torch.tensor([G, G, G, G, G, 300, 5, G], dtype=torch.int32)
+    ]).repeat(copies, 1)
+    vis = torch.tensor([G, G, G, G, G, 300, 5, G] * copies, dtype=torch.int32)
     s[torch.arange(G)[None, :] >= vis[:, None]] = float("nan")
     monkeypatch.setattr(ker, "ScoreLaunch", InjectedScores(s))
     sched = ker.plan_select(T, G, KB, decode=True, device=DEV, rows_per_request=4, options=ON)
     t = sched.decode_samples_tiles
-    assert sched.route == "dsamp" and sched.chunk == T and (t.seg, t.cap, t.cap2, t.lists) == (64, 32, 128, 32)
+    assert sched.route == "dsamp" and sched.chunk == T and (t.seg, t.cap, t.cap2, t.lists) == (64, 32, 128, 32 * copies)
     pages = G * R // PAGE + 1
     q, table = torch.zeros(T, 1, 16, device=DEV), torch.arange(pages, dtype=torch.int32, device=DEV)[None, :]
     out = torch.full((T, KB), 7, dtype=torch.int32, device=DEV)
@@ -259,11 +262,11 @@ def test_clustered_rows_resolve_in_the_second_tier_or_the_whole_row(monkeypatch,
     segp = triton.next_power_of_2(-(-G // t.seg))
     counts = sched.decode_samples.counts[: T * segp].view(T, segp).cpu()
     lens = [counts[r, : -(-v // t.seg)] for r, v in enumerate(vis.tolist())]
-    tiers = [0 if v <= KB else 1 if c.sum() <= t.cap else 2 if c.sum() <= t.cap2 and c.max() <= t.cap else 3
+    tiers = [0 if v <= KB else 1 if c.sum() <= t.cap else 2 if c.sum() <= t.cap2 and c.max() <= t.lists else 3
              for v, c in zip(vis.tolist(), lens)]
-    assert tiers == [1, 2, 2, 3, 3, 2, 0, 1], [c.tolist() for c in lens]
+    assert tiers == [1, 2, 2, 3, 3 if copies == 1 else 2, 2, 0, 1] * copies, [c.tolist() for c in lens]
     assert lens[3].sum() > t.cap2 and lens[3].max() <= t.cap
-    assert lens[4].sum() <= t.cap2 and lens[4][-1] > t.cap
+    assert lens[4].sum() <= t.cap2 and t.cap < lens[4][-1] <= 2 * t.cap
 
 
 @small_tiles
@@ -374,19 +377,19 @@ def test_decode_segments_spread_chunks_of_few_rows():
 
 
 def test_decode_second_tier_tiles():
-    # `decode_tiles` cap2: 4 cap (4096: 16 candidates a thread of the 8-warp segment program),
-    # for rows of at least 2 cap2 columns in chunks of fewer than DECODE_BOUND_ROWS rows
-    # (4 warps: none); the lists, and so the scratch, stay cap entries a segment.
-    for cols, rows, small, warps, cap2 in ((32768, 4, False, 8, 4096), (262144, 4, False, 8, 4096),
-                                           (32768, 64, False, 4, 0), (262144, 64, False, 4, 0),
-                                           (8191, 4, False, 8, 0), (8192, 4, False, 8, 4096),
-                                           (262144, 15, False, 8, 4096), (262144, 16, False, 4, 0),
-                                           (512, 8, True, 4, 128), (255, 8, True, 4, 0), (512, 16, True, 4, 0)):
+    # `decode_tiles` cap2: 4 cap (4096), for rows of at least 2 cap2 columns; the lists, and so
+    # the scratch, keep cap entries a segment in chunks of fewer than DECODE_BOUND_ROWS rows (8
+    # warps, segments of `decode_seg`), 2 cap in chunks of more (4 warps, the base's segments).
+    for cols, rows, small, warps, cap2, lists in (
+            (32768, 4, False, 8, 4096, 1024), (262144, 4, False, 8, 4096, 1024), (32768, 64, False, 4, 4096, 2048),
+            (262144, 64, False, 4, 4096, 2048), (8191, 4, False, 8, 0, 1024), (8192, 4, False, 8, 4096, 1024),
+            (8191, 64, False, 4, 0, 1024), (262144, 15, False, 8, 4096, 1024), (262144, 16, False, 4, 4096, 2048),
+            (512, 8, True, 4, 128, 32), (255, 8, True, 4, 0, 32), (512, 16, True, 4, 128, 64)):
         kb, block_g = (8, 16) if small else (512, 128)
         t = sp.decode_tiles(cols, kb, block_g, small=small, rows=rows)
-        assert (t.warps, t.cap2, t.lists) == (warps, cap2, t.cap), (cols, rows, t)
+        assert (t.warps, t.cap2, t.lists) == (warps, cap2, lists), (cols, rows, t)
         segp = triton.next_power_of_2(-(-cols // t.seg))
-        assert sp.prefill_scratch_elems(rows, rows, cols, t, block_g)["cand_idx"] == rows * segp * t.cap
+        assert sp.prefill_scratch_elems(rows, rows, cols, t, block_g)["cand_idx"] == rows * segp * lists
 
 
 def test_decode_samples_density():
@@ -395,8 +398,8 @@ def test_decode_samples_density():
     # with the second tier; rows of more than 4 Kb samples take the bound launch (bound 3), as
     # chunks of many rows do.
     for cols, rows, row_s, bound in ((8192, 4, 11, 2), (65536, 4, 11, 2), (65537, 4, 12, 3), (131072, 4, 12, 3),
-                                     (262144, 1, 13, 3), (262144, 15, 13, 3), (262144, 16, 11, 3),
-                                     (262144, 64, 11, 3), (32768, 64, 11, 3), (32768, 8, 11, 2)):
+                                     (262144, 1, 13, 3), (262144, 15, 13, 3), (262144, 16, 13, 3),
+                                     (262144, 64, 13, 3), (32768, 64, 11, 3), (32768, 8, 11, 2)):
         t = sp.decode_tiles(cols, 512, 128, small=False, rows=rows)
         assert (t.row_s, t.bound) == (row_s, bound), (cols, rows, t)
     for cols in [1 << i for i in range(9, 19)] + list(range(8192, 1 << 18, 4096)):
@@ -498,7 +501,7 @@ def test_route_compiles_for_sm90():
     # 1M x 4 rows: 8192 samples a row (`DECODE_TIER2_SAMPLE_COLS`), so a bound launch too
     assert segs == [["32768", "4", "seg", "1024", "block", "1024", "row_s", "11", "bound", "2"],
                     ["262144", "4", "seg", "8192", "block", "2048", "row_s", "13", "bound", "3"],
-                    ["262144", "64", "seg", "8192", "block", "2048", "row_s", "11", "bound", "3"],
+                    ["262144", "64", "seg", "8192", "block", "2048", "row_s", "13", "bound", "3"],
                     ["8192", "16", "seg", "1024", "block", "1024", "row_s", "11", "bound", "3"]], segs
     lines = [x for x in run.stdout.splitlines() if x.startswith("compiled")]
     assert len(lines) == 19, run.stdout
@@ -507,11 +510,12 @@ def test_route_compiles_for_sm90():
     divisions = [x.split()[x.split().index("divisions") + 1] for x in lines if "divisions" in x]
     assert len(divisions) == 15 and set(divisions) == {"0"}, run.stdout
     usage = [[int(v) for v in x.split()[1:]] for x in run.stdout.splitlines() if x.startswith("usage")]
-    assert [u[:4] for u in usage] == [[32768, 4, 8, 4096], [262144, 4, 8, 4096], [262144, 64, 4, 0],
-                                      [8192, 16, 4, 0]], run.stdout
-    # Chunks of many rows compile no tier; the 8-warp programs with it stay within what was timed
-    # (triton 3.6: 176 registers, from 125, and 179 at 1M, which reads its bound from the bound
-    # launch; 3.9: 128) and spill at most a few words.
+    assert [u[:4] for u in usage] == [[32768, 4, 8, 4096], [262144, 4, 8, 4096], [262144, 64, 4, 4096],
+                                      [8192, 16, 4, 4096]], run.stdout
+    # The 8-warp programs with the tier stay within what was timed (triton 3.6: 176 registers, from
+    # 125, and 179 at 1M, which reads its bound from the bound launch; 3.9: 128); the 4-warp ones of
+    # many rows take up to all 255 (3.6; 3.9: 248, from 128), two programs an SM; none spills more
+    # than a few words.
     assert min(u[4] for u in usage) > 0, f"no resource usage: triton ships no cuobjdump here\n{run.stdout}"
-    for _, _, _, cap2, regs, stack, regs0, stack0 in usage:
-        assert (regs, stack) == (regs0, stack0) if not cap2 else regs <= max(regs0, 180) and stack <= 32, run.stdout
+    for _, _, warps, cap2, regs, stack, regs0, stack0 in usage:
+        assert regs <= (max(regs0, 180) if warps == 8 else 255) and stack <= 32, run.stdout

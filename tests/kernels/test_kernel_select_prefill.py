@@ -338,7 +338,7 @@ write = dict(KB=512, BITS=t.bits, SEG=t.seg, SEGP=8, CAP=t.lists, PACKED=True, R
 assert t.cap2 > t.cap
 topk = dict(KBP=512, LBITS=t.lbits, S=16, SAMPP=2048, BLOCK=t.block, RBLOCK=t.rblock, DEFER=t.defer,
             ROW_SAMPLES=0, LOG_G=0, BOUND_IN=0, SBITS=0, RSBITS=0, WARM_K=0, WARM_V=0, PAGE=1, BSLACK=t.bslack,
-            CAP2=0)
+            CAP2=0, LIST=t.list_cap)
 skip = dict(topk, RUNS=sp.seg_runs(32768, t, 64))
 bound = dict(KB=512, BITS=t.bits, LBITS=t.lbits, S=16, SAMPP=2048, ROW_SAMPLES=0, LOG_G=0, BSLACK=t.bslack, PDL=2)
 for fn, const, warps in (  # the candidate launch without and with tile skip (routed from 32768 columns),
