@@ -20,7 +20,7 @@ the scores as they are and with their visible columns shuffled (the benchmark's 
 
 --decode adds the decode route's counts for the same rows (`decode_tiles`: per-row samples of
 one per 2^shift columns, a 16-bit bound, a list per `seg` columns of at most `cap`; a row of
-more than cap candidates, at most cap2 and no list past cap resolves from its lists, any other
+more than cap candidates, at most cap2 and no list past its length resolves from its lists, any other
 in the whole-row resolve). What-ifs
 the kernels do not implement: `--top-m M` samples the M largest of each window, `--narrow N`
 takes windows N times narrower (both N or M times the samples). `--data recency` scores the
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             counts = torch.tensor([decode_candidates(row, visible, tiles, Kb, args.top_m, args.narrow)
                                    for visible, row in prompt_rows(scores, context, r, data)])
             c, m = counts[:, 0].float(), counts[:, 1]
-            whole = (c > max(tiles.cap, tiles.cap2)) | (m > tiles.cap)  # past the second tier, if any
+            whole = (c > max(tiles.cap, tiles.cap2)) | (m > tiles.lists)  # past the second tier, if any
             print(f"| {context} | {tiles.seg} | {tiles.cap} | {tiles.cap2} | {data} | {c.median():.0f} | "
                   f"{c.quantile(0.9):.0f} | {c.max():.0f} | {int(m.max())} | {int((c > tiles.cap).sum())} of {args.rows} | "
                   f"{int((m > tiles.cap).sum())} of {args.rows} | {int(whole.sum())} of {args.rows} |", flush=True)
