@@ -198,9 +198,9 @@ class QSAStepInputs:
         ring_index. Live rows write distinct slots (-1 aside) and requests with rows have
         distinct ring_index (prefix caching shares read pages only). A live row's slot, unless
         -1, must be its position's slot through the block table (host only: the device guards
-        do not check it). Requests without rows in the step (CUDA-graph padding) are not checked,
-        nor are the engine's padding requests on null_ring_row (`QSAPlanner`) for a ring row of
-        their own.
+        do not check it). Requests without rows in the step (CUDA-graph padding) are not checked
+        for a ring row of their own, and the engine's padding requests on null_ring_row
+        (`QSAPlanner`) not at all: their rows are inert whatever their values.
         """
         qsl = self.query_start_loc.cpu().long()
         seq = self.seq_lens.cpu().long()
@@ -210,6 +210,9 @@ class QSAStepInputs:
 
         def first(bad: torch.Tensor) -> int:
             return int(bad.nonzero()[0, 0])
+
+        ring = self.ring_index.cpu()
+        own = torch.ones(R, dtype=torch.bool) if null_ring_row is None else ring != null_ring_row  # checked
 
         if int(qsl[0]) != 0:
             raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
@@ -224,23 +227,25 @@ class QSAStepInputs:
                 f"query_start_loc[-1] must equal the number of rows T - num_padding_rows = {T} - "
                 f"{self.num_padding_rows} = {live}, got {int(qsl[-1])}"
             )
-        if bool((seq < qlen).any()):
-            i = first(seq < qlen)
+        if bool((own & (seq < qlen)).any()):
+            i = first(own & (seq < qlen))
             raise ValueError(
                 f"seq_lens[{i}] = {int(seq[i])} is below request {i}'s query length {int(qlen[i])}: expected "
                 f"seq_lens[{i}] >= {int(qlen[i])} (context + this step's rows)"
             )
         dq = qlen[: self.num_decodes]
-        if self.num_decodes and bool(((dq != self.decode_query_len) & (dq != 0)).any()):
-            i = first((dq != self.decode_query_len) & (dq != 0))
+        bad_dq = own[: self.num_decodes] & (dq != self.decode_query_len) & (dq != 0)
+        if self.num_decodes and bool(bad_dq.any()):
+            i = first(bad_dq)
             raise ValueError(
                 f"decode request {i} has {int(dq[i])} rows: the first num_decodes = {self.num_decodes} requests "
                 f"must each have decode_query_len = {self.decode_query_len} rows (or 0: a CUDA-graph padding request)"
             )
-        if R and int(qlen.max()) > self.max_query_len:
-            raise ValueError(f"max_query_len must be >= every query length ({int(qlen.max())}), got {self.max_query_len}")
-        if R and int(seq.max()) > self.max_seq_len:
-            raise ValueError(f"max_seq_len must be >= every seq_len ({int(seq.max())}), got {self.max_seq_len}")
+        if bool(own.any()) and int(qlen[own].max()) > self.max_query_len:
+            raise ValueError(f"max_query_len must be >= every query length ({int(qlen[own].max())}), got "
+                             f"{self.max_query_len}")
+        if bool(own.any()) and int(seq[own].max()) > self.max_seq_len:
+            raise ValueError(f"max_seq_len must be >= every seq_len ({int(seq[own].max())}), got {self.max_seq_len}")
         host = self.seq_lens_cpu
         if host is not None and not torch.equal(host.long(), seq):
             i = first(host.long() != seq)
@@ -249,19 +254,20 @@ class QSAStepInputs:
                 "of seq_lens"
             )
         slots = self.slot_mapping.cpu()[:live]  # padding rows never write (their slot is ignored)
-        if num_slots is not None and bool(((slots < -1) | (slots >= num_slots)).any()):
-            t = first((slots < -1) | (slots >= num_slots))
+        req = torch.repeat_interleave(torch.arange(R), qlen)  # each live row's request
+        rows_checked = own[req]
+        if num_slots is not None and bool((rows_checked & ((slots < -1) | (slots >= num_slots))).any()):
+            t = first(rows_checked & ((slots < -1) | (slots >= num_slots)))
             raise ValueError(
                 f"slot_mapping[{t}] = {int(slots[t])} is outside the cache: expected -1 or a slot in [0, {num_slots})"
             )
-        ring = self.ring_index.cpu()
         runs = qlen > 0  # requests with rows in this step (a CUDA-graph padding request has none)
         if num_ring_rows is not None and bool((runs & ((ring < 0) | (ring >= num_ring_rows))).any()):
             i = first(runs & ((ring < 0) | (ring >= num_ring_rows)))
             raise ValueError(
                 f"ring_index[{i}] = {int(ring[i])} is outside the ring: expected a ring row in [0, {num_ring_rows})"
             )
-        owners = runs if null_ring_row is None else runs & (ring != null_ring_row)
+        owners = runs & own
         live_ring = ring[owners]
         if live_ring.unique().numel() < live_ring.numel():
             i, j = _first_pair(torch.nonzero(owners).flatten(), live_ring)
@@ -270,7 +276,7 @@ class QSAStepInputs:
                 "step, expected a ring row of its own for each (only requests without rows may share one)"
             )
         if R:
-            need = torch.where(runs, (seq + page_size - 1) // page_size, 0)
+            need = torch.where(owners, (seq + page_size - 1) // page_size, 0)
             P = self.block_table.shape[1]
             if int(need.max()) > P:
                 i = first(need > P)
@@ -291,11 +297,10 @@ class QSAStepInputs:
                     )
             # A live row's slot must be where the attention reads it back, through the block
             # table: else the step writes K/V that no read sees, or over another request's.
-            req = torch.repeat_interleave(torch.arange(R), qlen)
-            pos = (seq - qlen - qsl[:-1])[req] + torch.arange(live)
+            pos = torch.where(rows_checked, (seq - qlen - qsl[:-1])[req] + torch.arange(live), 0)
             page = table[req, pos // page_size]
             want = page * page_size + pos % page_size
-            bad = (slots >= 0) & (slots != want)
+            bad = rows_checked & (slots >= 0) & (slots != want)
             if bool(bad.any()):
                 t = first(bad)
                 q, p, j = int(req[t]), int(pos[t]), int(pos[t]) // page_size
@@ -306,7 +311,7 @@ class QSAStepInputs:
                 )
         # Live rows write distinct slots: two requests whose tables share a page would write
         # each other's K/V (prefix caching shares pages a step reads, never those it writes).
-        writes = torch.nonzero(slots >= 0).flatten()
+        writes = torch.nonzero(rows_checked & (slots >= 0)).flatten()
         if slots[writes].unique().numel() < writes.numel():
             t, u = _first_pair(writes, slots[writes])
             req = torch.searchsorted(qsl[1:], torch.tensor([t, u]), right=True).tolist()

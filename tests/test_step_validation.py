@@ -319,16 +319,22 @@ def test_a_request_without_rows_may_share_a_ring_row(backend):
     p.check_guard()  # nothing flagged
 
 
-def test_requests_on_the_null_ring_row_are_the_engines_padding(backend):
+@pytest.mark.parametrize("dummy_slots, dummy_pages", [
+    ([7 * PAGE, 8 * PAGE], [7, 8]),  # vLLM's dummy runs: slots of their own
+    ([0, 0], [-1, -1]),  # SGLang's capture batches: every row on its padding slot 0, no page
+])
+def test_requests_on_the_null_ring_row_are_the_engines_padding(backend, dummy_slots, dummy_pages):
     """An engine's padding requests with rows on the planner's null_ring_row (vLLM's dummy runs
-    give every request its null block): their rows are inert (output 0, no cache write, though
-    they carry slots) and flag nothing, and the other requests run as without them, on CPU
-    (value checks) and with the device guards alone. Without a null ring row the step is refused."""
+    give every request its null block, SGLang's capture batches its request-pool row 0): their
+    rows are inert (output 0, no cache write, though they carry slots, even one slot for all)
+    and none of their values is checked or flagged, and the other requests run as without them,
+    on CPU (value checks) and with the device guards alone. Without a null ring row the step is
+    refused."""
     null = 1
     dummies = dict(query_start_loc=torch.tensor([0, 4, 5, 6, 12], dtype=I32),
                    seq_lens=torch.tensor([4, 1, 1, 6], dtype=I32),
-                   block_table=torch.tensor([[4, -1], [7, -1], [8, -1], [2, -1]], dtype=I32),
-                   slot_mapping=torch.tensor(A_SLOTS + [7 * PAGE, 8 * PAGE] + B_SLOTS, dtype=I64),
+                   block_table=torch.tensor([[4, -1], [dummy_pages[0], -1], [dummy_pages[1], -1], [2, -1]], dtype=I32),
+                   slot_mapping=torch.tensor(A_SLOTS + dummy_slots + B_SLOTS, dtype=I64),
                    ring_index=torch.tensor([0, null, null, 2], dtype=I32), num_padding_rows=0)
     with pytest.raises(ValueError, match=r"ring_index\[1\] = ring_index\[2\] = 1: requests 1 and 2 both have rows"):
         planner("cpu", backend="reference").plan(step("cpu", **dummies))

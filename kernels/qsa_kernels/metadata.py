@@ -10,7 +10,8 @@ from T and R only, no host reads, batch-varying ints not specialized), no memset
 2. (p < row blocks) derives the fields of rows [p * BLOCK, (p + 1) * BLOCK): each row finds
    its request by a binary search of `query_start_loc`; live rows no request owns are flagged;
    rows of a request on the null ring row (NULL_RING >= 0: the engine's padding requests, such
-   as vLLM's dummy runs on its null block) are inert and flag nothing.
+   as vLLM's dummy runs on its null block and SGLang's capture batches on its request-pool
+   row 0) are inert, and such a request flags nothing, whatever its values.
    With a slot-claim table each live row writing a slot exchanges its claim (step counter,
    row) into the slot's entry; an entry already claimed in this step calls for the check below
    (the counter only keeps that check out of well-formed steps: the check alone decides).
@@ -100,7 +101,10 @@ def _request_flag(
         slot = tl.load(slot_ptr + rows, mask=rows < hi, other=-1)
         bad = bad | (((slot < -1) | (slot >= num_slots)) & (rows < hi)).to(tl.int32)
         r0 += BLOCK_S
-    return flag | tl.max(bad, 0) * SLOT
+    flag = flag | tl.max(bad, 0) * SLOT
+    if NULL_RING >= 0:  # the engine's padding request: inert whatever its values, unchecked
+        flag = tl.where(ring == NULL_RING, 0, flag)
+    return flag
 
 
 @triton.jit

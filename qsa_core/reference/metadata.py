@@ -84,9 +84,10 @@ def qsa_build_metadata(
     bit is OR-ed into guard int32 [1] (sticky; never cleared here).
     request_flags int32 [>= R] gets each request's bits. slot_claims int64 [num_slots + 1]:
     the Triton build's scratch for the shared-slot guard (unread here); None: no such guard.
-    null_ring_row >= 0: a ring row no request owns (vLLM's null block): a request on it is
-    padding the engine added (a dummy run's): its rows are inert, and it shares that row with
-    other such requests unflagged; -1: none.
+    null_ring_row >= 0: a ring row no request owns (vLLM's null block, SGLang's request-pool
+    row 0): a request on it is padding the engine added (a dummy run's, a graph capture's): its
+    rows are inert and none of its values is checked (it reads and writes nothing), so it
+    flags nothing; -1: none.
     """
     T = slot_mapping.shape[0]
     R = seq_lens.shape[0]
@@ -127,17 +128,19 @@ def qsa_build_metadata(
     req = torch.searchsorted(ends, rows, right=True)
     live = (rows < qsl[-1]) & (rows < live_bound)
     req = torch.where(live, req, 0).clamp_(max=R - 1)
-    bad_slot = live & ((slot_mapping < -1) | (slot_mapping >= num_slots))
-    flags = flags | _rows_to_requests(req, bad_slot, R, GUARD_SLOT)
+    # The engine's padding requests (on the null ring row) are inert whatever their values:
+    # none of their rows' slots is checked or claimed, and they flag nothing.
     pad = ring == null_ring_row if null_ring_row >= 0 else torch.zeros_like(ring, dtype=torch.bool)
-    # requests with rows (a CUDA-graph padding request has none and may share a ring row), but
-    # for the engine's padding requests on the null ring row
+    checked = live & ~pad[req]
+    bad_slot = checked & ((slot_mapping < -1) | (slot_mapping >= num_slots))
+    flags = flags | _rows_to_requests(req, bad_slot, R, GUARD_SLOT)
+    # requests with rows (a CUDA-graph padding request has none and may share a ring row)
     runs = (ends > starts) & ~pad
     shared_ring = runs[:, None] & runs[None, :] & (ring[:, None] == ring[None, :])
     flags = flags | torch.where(shared_ring.sum(1) > 1, GUARD_SHARED_RING, 0)
     if slot_claims is not None:
         # Rows writing one slot sit side by side once sorted by slot (others: distinct keys < 0).
-        writes = live & (slot_mapping >= 0) & (slot_mapping < num_slots)
+        writes = checked & (slot_mapping >= 0) & (slot_mapping < num_slots)
         key = torch.where(writes, slot_mapping, -1 - rows)
         order = torch.argsort(key, stable=True)
         same = key[order][1:] == key[order][:-1]
@@ -146,6 +149,7 @@ def qsa_build_metadata(
         shared[:-1] |= same
         shared = torch.zeros_like(shared).scatter_(0, order, shared)
         flags = flags | _rows_to_requests(req, shared, R, GUARD_SHARED_SLOT)
+    flags = torch.where(pad, 0, flags)
     stray = (rows >= qsl[-1]) & (rows < num_live_rows)  # live rows no request owns
     bits = torch.where(live, flags[req], 0)
     bits_any = torch.zeros((), dtype=torch.int64, device=dev)

@@ -255,6 +255,55 @@ def test_null_ring_row_requests_are_inert_and_unflagged(qlens, rings, null, flag
     assert (positions[:live][~inert] >= 0).all() and (kv_slot[:live][~inert] >= 0).all()
 
 
+# (query lengths, seq_lens, ring_index, live rows' slots): requests on ring row 0, the null ring
+# row, carrying values every guard refuses elsewhere. SGLang's prefill-graph capture: one request
+# on its request-pool row 0, every row writing its padding slot 0; dummies writing one slot with
+# each other and with a live request; a dummy whose seq_len is below its query length and whose
+# slots leave the cache (64 slots).
+PAD_VALUE_STEPS = [
+    ([6], [6], [0], [0] * 6),
+    ([2, 2, 2], [9, 4, 9], [0, 3, 0], [9, 9, 9, 10, 9, 9]),
+    ([3, 1], [1, 5], [0, 2], [-5, 70, 1, 11]),
+]
+
+
+@interp
+@pytest.mark.parametrize("qlens,seqs,rings,live_slots", PAD_VALUE_STEPS)
+def test_null_ring_row_requests_are_not_checked(qlens, seqs, rings, live_slots):
+    """The engine's padding requests are inert whatever their values: no guard looks at them
+    (slot claims included), so they flag nothing and the live requests run; kernel as reference.
+    The same step without a null ring row is flagged."""
+    num_slots, pad = 64, 2
+    R = len(qlens)
+    qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
+    seq = torch.tensor(seqs, dtype=torch.int32)
+    slots = torch.tensor(live_slots + [-1] * pad, dtype=torch.int64)
+    ring = torch.tensor(rings, dtype=torch.int32)
+    T = slots.shape[0]
+    req = torch.repeat_interleave(torch.tensor(qlens))
+    dummy = ring[req] == 0
+    for null in (0, -1):
+        outs = {}
+        for name, fn, claims in (("kernel", qsa_build_metadata, torch.zeros(num_slots + 1, dtype=torch.int64)),
+                                 ("reference", reference_build, torch.zeros(1, dtype=torch.int64))):
+            bufs = [torch.full((T,), 7, dtype=dt) for dt in (torch.int32, torch.int64, torch.int32, torch.int64,
+                                                             torch.int64, torch.int64)]
+            extra = dict(guard_args(qsl, seq, slots), num_slots=num_slots, num_ring_rows=64, slot_claims=claims,
+                         null_ring_row=null, num_live_rows=T - pad)
+            guard = build(fn, qsl, seq, slots, ring, 4, 8, bufs, **extra)
+            outs[name] = bufs + [guard, extra["request_flags"][:R].clone()]
+        assert_same(outs["kernel"][:7], outs["reference"][:7])
+        assert torch.equal(outs["kernel"][7], outs["reference"][7]), (outs["kernel"][7], outs["reference"][7])
+        positions, kv_slot, guard, flags = outs["kernel"][1], outs["kernel"][5], outs["kernel"][6], outs["kernel"][7]
+        if null < 0:
+            assert guard.item() != 0 and bool(flags.ne(0).any())
+            continue
+        assert guard.item() == 0 and not bool(flags.ne(0).any())
+        live = T - pad
+        assert (positions[:live][dummy] == -1).all() and (kv_slot[:live][dummy] == -1).all()
+        assert (positions[:live][~dummy] >= 0).all() and torch.equal(kv_slot[:live][~dummy], slots[:live][~dummy])
+
+
 @interp
 def test_planner_persistent_buffers(monkeypatch):
     """The planner path (ops dispatch to Triton) fills its persistent buffers in place."""

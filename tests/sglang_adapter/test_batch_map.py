@@ -146,3 +146,31 @@ def test_a_request_the_device_guards_flag_is_logged_at_the_next_step(env, monkey
     (report,) = logged
     assert "slot_mapping entry (>= 0) of a live row was another live row's too" in report
     assert "request 'a'" in report and "request 'b'" in report
+
+
+def test_a_capture_batch_on_request_slot_0_is_inert_and_unflagged(env, monkeypatch):
+    """SGLang's prefill-graph capture runs the eager metadata path on a dummy batch: one request
+    on request slot 0 (which its ReqToTokenPool never allocates), every row writing the padding
+    slot 0. Its rows are inert and it is neither refused (host value checks, the CPU default)
+    nor flagged (device guards alone); the requests served next run and nothing is logged."""
+    logged = []
+    monkeypatch.setattr(env.backend.guard_watch, "log", logged.append)
+    n = 96
+    pos = torch.arange(n)
+    cap = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.zeros(n, dtype=torch.int64),
+        req_pool_indices=torch.tensor([0]), seq_lens=torch.tensor([n]), out_cache_loc=torch.zeros(n, dtype=torch.int64),
+        seq_lens_sum=n, seq_lens_cpu=torch.tensor([n]), positions=pos, extend_num_tokens=n,
+        extend_seq_lens=torch.tensor([n], dtype=torch.int32), extend_prefix_lens=torch.tensor([0], dtype=torch.int32),
+        extend_start_loc=torch.tensor([0], dtype=torch.int32), extend_seq_lens_cpu=[n], extend_prefix_lens_cpu=[0],
+        mrope_positions=pos.expand(3, n) if env.backend.mrope else None,
+    )
+    for read_values in (True, False):
+        monkeypatch.setattr(env.backend.planner, "_read_values", read_values)
+        meta = meta_of(env, cap)
+        assert (meta.positions == -1).all() and (meta.slot_mapping == -1).all()
+    env.admit("a")
+    meta = meta_of(env, env.extend({"a": 5}))
+    assert torch.equal(meta.positions, torch.arange(5))
+    meta_of(env, env.decode(["a"]))
+    assert logged == []

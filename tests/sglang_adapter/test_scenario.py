@@ -137,6 +137,8 @@ def replay_padded_decode(env, real, hidden, bs):
     the capture built, which is what a graph replays: its tensors must hold the new step.
     """
     be, raw = env.backend, real.batch_size
+    logged = []
+    be.guard_watch.log = logged.append
     be.init_cuda_graph_state(max_bs=8, max_num_tokens=8)
     buf = static_buffers(8)
     cap = ForwardBatch(
@@ -179,6 +181,10 @@ def replay_padded_decode(env, real, hidden, bs):
     changed_kv = (after["k"] != before["k"]).flatten(1).any(1).nonzero().flatten().tolist()
     assert set(changed_kv) <= written, "padding rows wrote K/V"
     assert torch.equal(after["ring"][0], before["ring"][0]), "padding rows wrote the ring rows of request slot 0"
+    # The capture batch (every request on request slot 0, every row on slot 0) flagged nothing:
+    # the next poll reports the replay's flags and whatever the capture left in the guard.
+    be.guard_watch.poll(be.graph.planner, 0)
+    assert logged == [], logged
     return out[:raw]
 
 

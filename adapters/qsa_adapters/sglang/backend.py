@@ -39,6 +39,9 @@ from .ring_guard import RingContinuity
 
 logger = logging.getLogger(__name__)
 
+# SGLang's ReqToTokenPool keeps request slot 0 for padding (its free slots start at 1).
+PADDING_REQUEST_SLOT = 0
+
 
 @dataclass(frozen=True)
 class QSALayerInputs:
@@ -125,9 +128,12 @@ class QSACoreBackend(AttentionBackend):
 
     def _planner(self, max_num_tokens: int, max_num_reqs: int | None = None) -> QSAPlanner:
         """Main slots: the pool's `size` plus the reserved page 0; the ring: the adapter's C rows
-        per request slot. A planner for CUDA graphs (max_num_reqs: the graphs' batch bound, which
-        the start-up warm-up's static steps need) never reads values back at a replay refresh
-        (the device guards stand in for the host value checks, as on a GPU)."""
+        per request slot. The null ring row is request slot 0, which SGLang's `ReqToTokenPool`
+        never allocates: its CUDA-graph capture batches and padding requests sit there (writing
+        the padding slot 0), inert and unflagged. A planner for CUDA graphs (max_num_reqs: the
+        graphs' batch bound, which the start-up warm-up's static steps need) never reads values
+        back at a replay refresh (the device guards stand in for the host value checks, as on a
+        GPU)."""
         graphs = max_num_reqs is not None
         pool = self.token_to_kv_pool
         return QSAPlanner(
@@ -135,7 +141,7 @@ class QSACoreBackend(AttentionBackend):
             max_num_tokens=max_num_tokens, max_model_len=self.max_seq_len, max_num_reqs=max_num_reqs,
             device=self.device,
             num_slots=pool.size + self.page_size, num_ring_rows=pool.qsa_num_request_slots,
-            value_checks=False if graphs else None,
+            null_ring_row=PADDING_REQUEST_SLOT, value_checks=False if graphs else None,
         )
 
     def _caches(self) -> list[QSALayerCache]:
