@@ -42,7 +42,8 @@ rejected window, design.md §6.7; it shows in the tokens only where the wrong gr
 group across a later row's top-k boundary). The random MTP layer drafts right some of the time
 (`qwen4_checkpoint.add_mtp_layer`), so windows are both accepted and rejected; the summary gives
 SGLang's verify steps and accepted drafts. Each server's log must name the backend that served
-it (qsa_core's plugin line and its 8-row ring with NEXTN; SGLang's QSA line).
+it (qsa_core's plugin line and its 8-row ring with NEXTN; SGLang's QSA line) and hold no guard
+report (requests whose rows the device guards made inert: `qsa_core.guard`).
 
 Every run's JSON (`<run>.json`) and log (`<run>.log`) land in OUT_DIR as soon as it ends, and
 OUT_DIR/summary.md is rewritten after each run. A run whose JSON is already there without an
@@ -91,6 +92,7 @@ CAPTURED = re.compile(r"Capture ([\w ]+?) CUDA graph end")  # SGLang's line afte
 SITE = os.path.join(TESTS, "sglang_adapter", "server_site")  # the server tests' CPU patch for SGLang's own qsa
 CORE_LINE = "QSA layers run on qsa_core"  # the plugin's line when qsa_core builds its backend
 QSA_LINE = "Using QSA for sparse full-attention layers"  # SGLang's line for its own QSA backend
+GUARD_REPORT = "qsa_core: malformed step metadata"  # qsa_core.guard.GuardWatch: rows made inert
 RING_LINE = f"raw-key ring {4 * -(-(4 + DRAFTS) // 4)} rows per request"  # C = r * ceil((r + drafts) / r)
 
 # The production attention geometry (design.md §1) on a few layers; the rest as the tests' model.
@@ -271,15 +273,27 @@ def serve(out: str, folder: str, run: Run, profile: Profile, smoke: bool) -> dic
     text = server.log_text()
     result["captured"] = sorted(set(CAPTURED.findall(text)))
     result["wall_s"] = round(time.monotonic() - t0, 1)
-    missing = [line for line in expected_lines(run) if line not in text]
-    if missing and "error" not in result:
-        result["error"] = f"the log lacks {missing}: the server did not run what this run names"
+    error = log_error(run, text)
+    if error and "error" not in result:
+        result["error"] = error
     decode_graphs = any("decode" in c or "verify" in c for c in result["captured"])
     if "error" not in result and decode_graphs != (run.mode != "eager"):
         result["error"] = f"{run.mode} run, but the graphs SGLang captured are {result['captured']}"
     if "error" in result:
         result["tail"] = server.log_tail(40).splitlines()
     return result
+
+
+def log_error(run: Run, text: str) -> str | None:
+    """What a run's server log shows went wrong: a line naming the backend it must show is
+    missing, or a guard report (requests whose rows the device guards made inert); else None."""
+    missing = [line for line in expected_lines(run) if line not in text]
+    if missing:
+        return f"the log lacks {missing}: the server did not run what this run names"
+    reports = [line for line in text.splitlines() if GUARD_REPORT in line]
+    if reports:
+        return f"{len(reports)} guard report(s) in the log (requests made inert): {reports[0][-300:]}"
+    return None
 
 
 def expected_lines(run: Run) -> list[str]:

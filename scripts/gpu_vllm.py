@@ -28,7 +28,8 @@ floats its kernels take). Upstream serves fp8 only as e4m3: with `fp8_e5m2` run
 checkpoint plus one MTP layer (`add_mtp_layer`: a drafter that is right some of the time), and
 reports each run's acceptance.
 
-Checks (exit 1 on any failure): QSA_CORE's tokens equal upstream's in each mode, eager equals
+Checks (exit 1 on any failure): no run's log holds a guard report (requests whose rows the
+device guards made inert: `qsa_core.guard`), QSA_CORE's tokens equal upstream's in each mode, eager equals
 CUDA graphs, the server equals `LLM.generate`, a run with MTP equals the one without; token for
 token, except where both runs stand at a bf16 tie of their two likeliest tokens, or where every
 QSA_CORE token there is within two bf16 steps of the likeliest by transformers' fp32 model, the
@@ -147,19 +148,25 @@ def hf_logprobs(folder: str, ids: list[int]) -> torch.Tensor:
 
 
 WARMED = re.compile(r"QSA: warmed (\d+) kernel variants over \d+ step shapes in ([\d.]+) s")
+GUARD_REPORT = "qsa_core: malformed step metadata"  # qsa_core.guard.GuardWatch: rows made inert
 
 
 def finished(res: str, log: str, wall: float) -> dict:
     """A finished run's JSON result, its wall seconds, its count of vLLM's JIT warnings and
     QSA_CORE's start-up warm-up (the "QSA: warmed" lines of its log: variants, seconds; part of
-    vLLM's init; the first run on a machine also compiles the model's other Triton kernels cold)."""
+    vLLM's init; the first run on a machine also compiles the model's other Triton kernels cold).
+    A log with a guard report (requests the device guards made inert) makes the run an error."""
     with open(log) as f:
         text = f.read()
     jit = text.count("JIT compilation during inference")
     warmed = [(int(n), float(sec)) for n, sec in WARMED.findall(text)]
     with open(res) as f:
-        return {**json.load(f), "wall": wall, "jit": jit,
-                "warmup": [sum(n for n, _ in warmed), sum(sec for _, sec in warmed)] if warmed else None}
+        result = {**json.load(f), "wall": wall, "jit": jit,
+                  "warmup": [sum(n for n, _ in warmed), sum(sec for _, sec in warmed)] if warmed else None}
+    reports = [line for line in text.splitlines() if GUARD_REPORT in line]
+    if reports:
+        result.update(error=f"{len(reports)} guard report(s) in the log", tail=reports[0][-3000:])
+    return result
 
 
 @contextlib.contextmanager

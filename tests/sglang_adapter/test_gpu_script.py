@@ -47,6 +47,17 @@ def test_plan_puts_qsa_core_first_and_nextn_after_the_graphs_run():
     assert [r.name for r in g.plan(["qsa"], ["eager", "decodegraphs"], spec=False)] == ["qsa-eager", "qsa-decodegraphs"]
 
 
+def test_a_server_log_must_name_its_backend_and_hold_no_guard_report():
+    run = g.plan(["qsa_core"], ["graphs"], True)[1]  # qsa_core-graphs-nextn3
+    served = f"x\n[t] qsa_core: {g.CORE_LINE} (ratio 4, ..., {g.RING_LINE}, ...)\nCapture target verify CUDA graph end\n"
+    assert g.log_error(run, served) is None
+    assert "lacks" in g.log_error(run, served.replace(g.RING_LINE, "raw-key ring 4 rows per request"))
+    report = ("[t] qsa_core: malformed step metadata: the rows of the requests concerned were made inert (output 0, "
+              "no cache write) instead of giving a wrong answer: a ring_index entry was another request's with rows too")
+    error = g.log_error(run, served + "\rCapturing prefill shape (num_tokens=64)" + report + "\n")
+    assert error.startswith("1 guard report(s) in the log") and "ring_index entry" in error
+
+
 def test_summary_checks_what_ran_and_leaves_the_rest_pending(tmp_path):
     runs = g.plan(["qsa_core", "qsa"], ["eager", "graphs"], spec=True)
     tokens = [[1, 2, 3]] * len(g.GPU.lengths)
