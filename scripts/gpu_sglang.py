@@ -30,25 +30,29 @@ wheel) when it captures draft graphs on CUDA, for any attention backend: the hos
 prefill eager (a fallback should the breakable prefill graphs fail). A graphs run must log a
 captured decode graph, an eager run none.
 
-Each server gets six prompts of 40 to 8000 tokens at once (`input_ids` on /generate, chunked
-prefill of 2048 tokens, so long prompts prefill beside decodes), greedy, 16 tokens, ignore_eos,
-with the top-2 log-probs of every token (not for the NEXTN run). Checks (exit 1 on a failure):
-qsa_core equals qsa in each mode, qsa_core's graphs equal its eager run, and NEXTN equals
-qsa_core without speculation; token for token, except where the runs part at a bf16 tie of the
-two likeliest tokens (log-prob margin <= 2^-6 in each run that has log-probs: random weights make
-such ties common). Reported, not checked: qsa's graphs against its eager run, and qsa's NEXTN run
-against qsa without it (with 3 drafts SGLang's ring of r rows can lose a committed raw key after a
-rejected window, design.md §6.7; it shows in the tokens only where the wrong group key moves a
-group across a later row's top-k boundary). The random MTP layer drafts right some of the time
-(`qwen4_checkpoint.add_mtp_layer`), so windows are both accepted and rejected; the summary gives
-SGLang's verify steps and accepted drafts. Each server's log must name the backend that served
-it (qsa_core's plugin line and its 8-row ring with NEXTN; SGLang's QSA line) and hold no guard
-report (requests whose rows the device guards made inert: `qsa_core.guard`).
+Each server gets two waves of six prompts of 40 to 8000 tokens, each wave at once (`input_ids` on
+/generate, chunked prefill of 2048 tokens, so long prompts prefill beside decodes), greedy, 16
+tokens, ignore_eos, with the top-2 log-probs of every token (not for the NEXTN run). The second
+wave's prompts have the first's lengths and other tokens (another seed, no first token in common, so
+nothing of the first wave is reused): the first wave's time (`generate_s`) includes the kernel
+compiles left after start-up, the second's (`warm_s`) is the same work served warm. Checks (exit 1
+on a failure), on every prompt of both waves: qsa_core equals qsa in each mode, qsa_core's graphs
+equal its eager run, and NEXTN equals qsa_core without speculation; token for token, except where
+the runs part at a bf16 tie of the two likeliest tokens (log-prob margin <= 2^-6 in each run that
+has log-probs: random weights make such ties common). Reported, not checked: qsa's graphs against
+its eager run, and qsa's NEXTN run against qsa without it (with 3 drafts SGLang's ring of r rows can
+lose a committed raw key after a rejected window, design.md §6.7; it shows in the tokens only where
+the wrong group key moves a group across a later row's top-k boundary). The random MTP layer drafts
+right some of the time (`qwen4_checkpoint.add_mtp_layer`), so windows are both accepted and
+rejected; the summary gives SGLang's verify steps and accepted drafts. Each server's log must name
+the backend that served it (qsa_core's plugin line and its 8-row ring with NEXTN; SGLang's QSA line)
+and hold no guard report (requests whose rows the device guards made inert: `qsa_core.guard`).
 
 Every run's JSON (`<run>.json`) and log (`<run>.log`) land in OUT_DIR as soon as it ends, and
-OUT_DIR/summary.md is rewritten after each run. A run whose JSON is already there without an
-error is kept (give --redo to run it again), so a call cut by a time limit, or calls split by --backends / --modes,
-continue in the same OUT_DIR and the summary compares everything there.
+OUT_DIR/summary.md is rewritten after each run. A run whose JSON is already there with both waves'
+times and no error is kept (give --redo to run it again), so a call cut by a time limit, or calls
+split by --backends / --modes, continue in the same OUT_DIR and the summary compares everything
+there; a JSON with neither `warm_s` nor an error counts as not run.
 
 A server starts in about 1-2.5 minutes on the GPU host (start-up kernel warm-up, Triton and JIT
 compiles, graph capture; estimated, not measured), so the default set (6 runs) takes about 10-12
@@ -56,9 +60,9 @@ minutes: split it in calls of at most 9 minutes, `--backends qsa_core` then `--b
 under `timeout -s TERM` (the script then stops its server by pid and exits).
 
 --smoke: the same script on the CPU through SGLang's CPU build (device cpu, eager only, the
-tests' tiny geometry: hidden 256, 4 / 2 heads of 64, budget 2048, every layer QSA; prompts of 40,
-300 and 2200 tokens, 6 tokens each) to prove it end to end; SGLang's own qsa runs there with the
-server tests' CPU patch (tests/sglang_adapter/server_site).
+tests' tiny geometry: hidden 256, 4 / 2 heads of 64, budget 2048, every layer QSA; two waves of
+prompts of 40, 300 and 2200 tokens, 6 tokens each) to prove it end to end; SGLang's own qsa runs
+there with the server tests' CPU patch (tests/sglang_adapter/server_site).
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ from server_process import ServerProcess  # noqa: E402
 
 TIE = 2**-6  # two bf16 steps of a logit in [1, 2)
 SEED = 7
+WAVE_SEEDS = (5, 6)  # the prompts of each wave: the same lengths, no first token in common
 DRAFTS = 3  # NEXTN as the released model runs: 3 draft steps, chain drafts
 NEXTN = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", str(DRAFTS), "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", str(DRAFTS + 1)]
@@ -201,12 +206,18 @@ def write_checkpoint(folder: str, profile: Profile) -> str:
     return folder
 
 
-def prompts(profile: Profile) -> list[list[int]]:
+def prompts(profile: Profile, seed: int) -> list[list[int]]:
+    """One wave: a random prompt of each of the profile's lengths."""
     import torch
     from tiny_checkpoint import VOCAB_WORDS
 
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB_WORDS, (n,), generator=g).tolist() for n in profile.lengths]
+
+
+def prompt_count(profile: Profile) -> int:
+    """The prompts a run serves: every wave's."""
+    return len(WAVE_SEEDS) * len(profile.lengths)
 
 
 # -- one server -----------------------------------------------------------------------------
@@ -247,8 +258,17 @@ def generate(url: str, ids: list[int], profile: Profile, logprobs: bool) -> dict
             "spec": {k: v for k, v in meta.items() if k.startswith("spec_")}}
 
 
+def wave(pool: ThreadPoolExecutor, url: str, batch: list[list[int]], profile: Profile,
+         logprobs: bool) -> tuple[list[dict], float]:
+    """Send every prompt of `batch` at once; their outputs and the wave's seconds."""
+    t0 = time.monotonic()
+    done = list(pool.map(lambda ids: generate(url, ids, profile, logprobs), batch))
+    return done, round(time.monotonic() - t0, 2)
+
+
 def serve(out: str, folder: str, run: Run, profile: Profile, smoke: bool) -> dict:
-    """Start the server of `run`, send every prompt at once, stop it; the result (or its error)."""
+    """Start the server of `run`, send each wave's prompts at once, one wave after the other, stop
+    it; the result (or its error)."""
     log = os.path.join(out, f"{run.name}.log")
     t0 = time.monotonic()
     result: dict = {"backend": run.backend, "mode": run.mode, "drafts": run.drafts}
@@ -260,9 +280,10 @@ def serve(out: str, folder: str, run: Run, profile: Profile, smoke: bool) -> dic
         return {**result, "error": f"start: {lines[0]}", "tail": lines[1:], "wall_s": round(time.monotonic() - t0, 1)}
     pool = ThreadPoolExecutor(len(profile.lengths))
     try:
-        t1 = time.monotonic()
-        done = list(pool.map(lambda ids: generate(server.url, ids, profile, not run.drafts), prompts(profile)))
-        result.update(start_s=round(server.start_s, 1), generate_s=round(time.monotonic() - t1, 2),
+        first, cold_s = wave(pool, server.url, prompts(profile, WAVE_SEEDS[0]), profile, not run.drafts)
+        second, warm_s = wave(pool, server.url, prompts(profile, WAVE_SEEDS[1]), profile, not run.drafts)
+        done = first + second
+        result.update(start_s=round(server.start_s, 1), generate_s=cold_s, warm_s=warm_s,
                       tokens=[d["ids"] for d in done], margins=[d["margins"] for d in done],
                       spec=[d["spec"] for d in done])
     except Exception as e:  # noqa: BLE001  (any failure of a request is this run's result)
@@ -305,8 +326,11 @@ def expected_lines(run: Run) -> list[str]:
 # -- comparisons and the summary ---------------------------------------------------------------
 
 def compare(a: dict, b: dict) -> tuple[bool, str]:
-    """Token for token; where the two runs part, every run with log-probs must stand at a bf16 tie
-    of its two likeliest tokens there (margin <= TIE), and at least one must have log-probs."""
+    """Prompt for prompt (the same number of them), token for token; where the two runs part, every
+    run with log-probs must stand at a bf16 tie of its two likeliest tokens there (margin <= TIE),
+    and at least one must have log-probs."""
+    if len(a["tokens"]) != len(b["tokens"]):
+        return False, f"{len(a['tokens'])} against {len(b['tokens'])} prompts"
     notes, ok = [], True
     for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])):
         j = next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), None)
@@ -343,15 +367,17 @@ def comparisons(runs: list[Run]) -> list[tuple[str, Run, Run, bool]]:
 def summarize(out: str, runs: list[Run], profile: Profile) -> list[str]:
     """Rewrite OUT/summary.md from every run JSON in OUT; the failures."""
     results = {r.name: load(out, r) for r in runs}
-    lines = [f"Prompts of {', '.join(map(str, profile.lengths))} tokens at once, {profile.new_tokens} greedy tokens "
+    n, count = len(profile.lengths), prompt_count(profile)
+    lines = [f"Two waves of prompts of {', '.join(map(str, profile.lengths))} tokens, each wave at once (prompts "
+             f"0-{n - 1}, then {n}-{count - 1}: other tokens, the same lengths), {profile.new_tokens} greedy tokens "
              f"each; tie margin {TIE}.", "",
-             "| run | start s | generate s | CUDA graphs captured | NEXTN (verify steps, accepted / proposed) "
-             "| result |", "|---|---|---|---|---|---|"]
+             "| run | start s | first wave s (compiles included) | second wave s | CUDA graphs captured "
+             "| NEXTN (verify steps, accepted / proposed) | result |", "|---|---|---|---|---|---|---|"]
     failures = []
     for r in runs:
         res = results[r.name]
         if res is None:
-            lines.append(f"| {r.name} | | | | | not run |")
+            lines.append(f"| {r.name} | | | | | | not run |")
             continue
         spec = "-"
         if r.drafts and res.get("spec"):
@@ -361,7 +387,7 @@ def summarize(out: str, runs: list[Run], profile: Profile) -> list[str]:
             spec = f"{verify}, {right} / {proposed}"
             if verify == 0 and "error" not in res:
                 res["error"] = "no verify step: speculation did not run"
-        lines.append(f"| {r.name} | {res.get('start_s', '')} | {res.get('generate_s', '')} | "
+        lines.append(f"| {r.name} | {res.get('start_s', '')} | {res.get('generate_s', '')} | {res.get('warm_s', '')} | "
                      f"{', '.join(res.get('captured', [])) or '-'} | {spec} | {res.get('error', 'ok')} |")
         if "error" in res:
             failures.append(f"{r.name}: {res['error']}")
@@ -375,7 +401,7 @@ def summarize(out: str, runs: list[Run], profile: Profile) -> list[str]:
         ok, notes = compare(ra, rb)
         same = sum(x == y for x, y in zip(ra["tokens"], rb["tokens"]))
         verdict = "ok" if ok else ("FAILED" if checked else "differs (reported)")
-        lines.append(f"| {label} | {same}/{len(profile.lengths)} | {notes} | {verdict} |")
+        lines.append(f"| {label} | {same}/{count} | {notes} | {verdict} |")
         if checked and not ok:
             failures.append(label)
     lines += ["", f"failures: {failures or 'none'}"]
@@ -385,11 +411,19 @@ def summarize(out: str, runs: list[Run], profile: Profile) -> list[str]:
 
 
 def load(out: str, run: Run) -> dict | None:
+    """The run's JSON in OUT; None where there is none or it does not count (`counts`)."""
     path = os.path.join(out, f"{run.name}.json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        result = json.load(f)
+    return result if counts(result) else None
+
+
+def counts(result: dict) -> bool:
+    """Whether a run's JSON stands for the run: an error, or both waves' times (`warm_s`); one
+    with neither is not this script's result, so the run counts as not run."""
+    return "error" in result or "warm_s" in result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -437,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         result = serve(args.out, folder, run, profile, args.smoke)
         with open(os.path.join(args.out, f"{run.name}.json"), "w") as f:
             json.dump(result, f)
-        print(f"{run.name}: {result.get('error', 'ok')} (start {result.get('start_s')} s, generate "
-              f"{result.get('generate_s')} s, wall {result['wall_s']} s)", flush=True)
+        print(f"{run.name}: {result.get('error', 'ok')} (start {result.get('start_s')} s, first wave "
+              f"{result.get('generate_s')} s, second wave {result.get('warm_s')} s, wall {result['wall_s']} s)",
+              flush=True)
         if "error" in result:
             print("\n".join(f"    {line}" for line in result.get("tail", [])), flush=True)
         summarize(args.out, everything, profile)

@@ -1,5 +1,5 @@
 """The GPU scripts' own logic on the CPU (no server): scripts/gpu_sglang.py's tie-aware comparison,
-run plan and summary, and bench_serving.py's table. The scripts themselves run on a GPU host
+run plan, two waves of prompts, kept results and summary, and bench_serving.py's table. The scripts themselves run on a GPU host
 (`--smoke` / `--dry-run` run them end to end through SGLang's CPU build)."""
 
 from __future__ import annotations
@@ -35,6 +35,28 @@ def test_compare_passes_equal_runs_and_bf16_ties_only():
     assert not g.compare(result([[1, 2]]), result([[1, 3]]))[0]
     # A shorter output is a difference too.
     assert not g.compare(result([[1, 2]], [[1.0, 1.0]]), result([[1]], [[1.0]]))[0]
+    # So is a run with fewer prompts, even where those it has are equal.
+    assert g.compare(result([[1, 2]] * 2), result([[1, 2]])) == (False, "2 against 1 prompts")
+
+
+def test_the_second_wave_has_the_first_wave_lengths_and_nothing_in_common():
+    for profile in (g.GPU, g.SMOKE):
+        first, second = (g.prompts(profile, seed) for seed in g.WAVE_SEEDS)
+        assert [len(p) for p in first] == [len(p) for p in second] == list(profile.lengths)
+        # No second-wave prompt starts as any first-wave prompt: no prefix to reuse.
+        assert not {p[0] for p in first} & {p[0] for p in second}
+        assert g.prompt_count(profile) == 2 * len(profile.lengths)
+
+
+def test_a_result_without_the_second_wave_counts_as_not_run(tmp_path):
+    run = g.Run("qsa_core", "eager")
+    one_wave = result([[1, 2, 3]] * 6, generate_s=27.2)
+    assert not g.counts(one_wave)
+    assert g.counts(dict(one_wave, warm_s=1.5)) and g.counts({"error": "start: exited"})
+    (tmp_path / f"{run.name}.json").write_text(json.dumps(one_wave))
+    assert g.load(str(tmp_path), run) is None  # so main runs it again and the summary shows it not run
+    g.summarize(str(tmp_path), [run], g.GPU)
+    assert f"| {run.name} | | | | | | not run |" in (tmp_path / "summary.md").read_text()
 
 
 def test_plan_puts_qsa_core_first_and_nextn_after_the_graphs_run():
@@ -60,23 +82,29 @@ def test_a_server_log_must_name_its_backend_and_hold_no_guard_report():
 
 def test_summary_checks_what_ran_and_leaves_the_rest_pending(tmp_path):
     runs = g.plan(["qsa_core", "qsa"], ["eager", "graphs"], spec=True)
-    tokens = [[1, 2, 3]] * len(g.GPU.lengths)
-    margins = [[1.0, 1.0, 1.0]] * len(g.GPU.lengths)
-    write = lambda name, r: (tmp_path / f"{name}.json").write_text(json.dumps(r))  # noqa: E731
-    write("qsa_core-eager", result(tokens, margins))
+    n = g.prompt_count(g.GPU)  # both waves
+    tokens = [[1, 2, 3]] * n
+    margins = [[1.0, 1.0, 1.0]] * n
+    write = lambda name, r: (tmp_path / f"{name}.json").write_text(json.dumps(dict(r, warm_s=1.5)))  # noqa: E731
+    write("qsa_core-eager", result(tokens, margins, start_s=90.0, generate_s=27.2))
     write("qsa-eager", result(tokens, margins))
     assert g.summarize(str(tmp_path), runs, g.GPU) == []
     text = (tmp_path / "summary.md").read_text()
-    assert "| eager: qsa_core vs qsa | 6/6 | - | ok |" in text
-    assert "| qsa_core: graphs vs eager | | | pending |" in text and "| qsa-graphs | | | | | not run |" in text
-    # qsa_core's graphs part from its eager run beyond a tie: a failure; qsa's own parting is reported only.
-    other = [[1, 9, 9]] + tokens[1:]
+    assert "| run | start s | first wave s (compiles included) | second wave s | CUDA graphs captured |" in text
+    assert "| qsa_core-eager | 90.0 | 27.2 | 1.5 | - | - | ok |" in text
+    assert "| eager: qsa_core vs qsa | 12/12 | - | ok |" in text
+    assert "| qsa_core: graphs vs eager | | | pending |" in text and "| qsa-graphs | | | | | | not run |" in text
+    # qsa_core's graphs part from its eager run beyond a tie in the second wave (prompt 7): a failure;
+    # qsa's own parting is reported only.
+    other = tokens[:7] + [[1, 9, 9]] + tokens[8:]
     write("qsa_core-graphs", result(other, margins))
     write("qsa-graphs", result(other, margins))
-    write("qsa_core-graphs-nextn3", result(other, None, spec=[{"spec_verify_ct": 0}] * 6))
-    write("qsa-graphs-nextn3", result(tokens, None, spec=[{"spec_verify_ct": 2}] * 6))
+    write("qsa_core-graphs-nextn3", result(other, None, spec=[{"spec_verify_ct": 0}] * n))
+    write("qsa-graphs-nextn3", result(tokens, None, spec=[{"spec_verify_ct": 2}] * n))
     failures = g.summarize(str(tmp_path), runs, g.GPU)
     assert "qsa_core: graphs vs eager" in failures and "qsa: graphs vs eager (reported)" not in failures
+    assert "| qsa_core: graphs vs eager | 11/12 | prompt 7 at token 1: margins [1.0, 1.0] (not a tie) | FAILED |" \
+        in (tmp_path / "summary.md").read_text()
     assert "qsa_core-graphs-nextn3: no verify step: speculation did not run" in failures
     assert not any(f.startswith("qsa graphs: NEXTN") or f.startswith("qsa-graphs-nextn3") for f in failures)
     assert "differs (reported)" in (tmp_path / "summary.md").read_text()
