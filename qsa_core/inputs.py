@@ -197,10 +197,10 @@ class QSAStepInputs:
         pages, the block_table pages a request's seq_len uses; num_ring_rows bounds
         ring_index. Live rows write distinct slots (-1 aside) and requests with rows have
         distinct ring_index (prefix caching shares read pages only). A live row's slot, unless
-        -1, must be its position's slot through the block table (host only: the device guards
-        do not check it). Requests without rows in the step (CUDA-graph padding) are not checked
-        for a ring row of their own, and the engine's padding requests on null_ring_row
-        (`QSAPlanner`) not at all: their rows are inert whatever their values.
+        -1, must be its position's slot through the block table. Requests without rows in the
+        step (CUDA-graph padding) are not checked for a ring row of their own, and the engine's
+        padding requests on null_ring_row (`QSAPlanner`) not at all: their rows are inert
+        whatever their values.
         """
         qsl = self.query_start_loc.cpu().long()
         seq = self.seq_lens.cpu().long()

@@ -440,4 +440,7 @@ _GUARD_REASONS = (
      "a slot_mapping entry (>= 0) of a live row was another live row's too: expected distinct write slots"),
     (reference_metadata.GUARD_SHARED_RING,
      "a ring_index entry was another request's with rows too: expected a ring row per live request"),
+    (reference_metadata.GUARD_SLOT_TABLE,
+     "a slot_mapping entry (>= 0) of a live row was not its position's slot through its request's block_table "
+     "row: expected block_table[req, pos // page_size] * page_size + pos % page_size (or -1)"),
 )

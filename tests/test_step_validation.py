@@ -77,16 +77,14 @@ BAD = {
         r"block_table\[0, 0\] = 12 is outside the cache: request 0 uses its first 1 pages, expected pages in \[0, 12\)",
         guards.GUARD_PAGE, "a",
     ),
-    "slot_mapping_vs_block_table": (  # row 5 (b's position 1) writes into a's page 4
-        with_entry("slot_mapping", 5, 4 * PAGE + 1),
-        r"slot_mapping\[5\] = 33 disagrees with the block table: row 5 is request 1's position 1, in its page "
+    "slot_mapping_vs_block_table": (  # row 5 (b's position 1) writes into a's page 4, past a's rows
+        with_entry("slot_mapping", 5, 4 * PAGE + 5),
+        r"slot_mapping\[5\] = 37 disagrees with the block table: row 5 is request 1's position 1, in its page "
         r"block_table\[1, 0\] = 2, expected slot 17 \(or -1\)",
-        None, None,  # host checks only: no device guard (see GUARDED)
+        guards.GUARD_SLOT_TABLE, "b",
     ),
 }
-# The device guards check ranges, not a slot against the block table (the Triton metadata
-# kernel is left as it is): that entry is caught on CPU steps and under QSA_DEBUG only.
-GUARDED = [field for field, (_, _, bit, _) in BAD.items() if bit is not None]
+GUARDED = list(BAD)
 ROWS = {"a": slice(0, 4), "b": slice(4, 10)}
 REASON = {
     guards.GUARD_SEQ_LEN: "seq_lens entry was below",
@@ -95,6 +93,7 @@ REASON = {
     guards.GUARD_SLOT: "slot_mapping entry was outside",
     guards.GUARD_RING_INDEX: "ring_index entry was outside",
     guards.GUARD_PAGE: "block_table page",
+    guards.GUARD_SLOT_TABLE: "was not its position's slot through its request's block_table row",
 }
 
 

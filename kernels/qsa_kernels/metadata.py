@@ -5,8 +5,8 @@ from T and R only, no host reads, batch-varying ints not specialized), no memset
 1. (p < R) computes request p's guard bits (seq_len bounds, its query length against
    max_query_len, rows past the live rows, ring_index, the block-table pages it uses, the
    slots of its rows, a decode request's rows against decode_query_len, its ring_index against
-   the other requests with rows) into request_flags[p], and marks the step as having a
-   flagged request;
+   the other requests with rows, its rows' slots against its block-table row) into
+   request_flags[p], and marks the step as having a flagged request;
 2. (p < row blocks) derives the fields of rows [p * BLOCK, (p + 1) * BLOCK): each row finds
    its request by a binary search of `query_start_loc`; live rows no request owns are flagged;
    rows of a request on the null ring row (NULL_RING >= 0: the engine's padding requests, such
@@ -50,7 +50,7 @@ def _request_flag(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
     SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr, SHARED_RING: tl.constexpr,
-    NULL_RING: tl.constexpr,
+    SLOT_TABLE: tl.constexpr, NULL_RING: tl.constexpr,
 ):
     """Request i's guard bits (int32 scalar)."""
     seq = tl.load(seq_ptr + i).to(tl.int64)
@@ -91,17 +91,24 @@ def _request_flag(
         c0 += BLOCK_P
     flag = flag | tl.max(bad, 0) * PAGE
     # The slots of its rows: those a search of query_start_loc[1:] maps to it (request 0 also
-    # owns rows before query_start_loc[0]), live (< query_start_loc[R], num_live and T).
+    # owns rows before query_start_loc[0]), live (< query_start_loc[R], num_live and T). Each
+    # in [0, num_slots) must be its position's slot through the request's block-table row.
     lo = tl.where(i == 0, 0, start)
     hi = tl.minimum(tl.minimum(end, tl.load(qsl_ptr + R).to(tl.int64)), tl.minimum(num_live, T))
     bad = tl.zeros([BLOCK_S], dtype=tl.int32)
+    off = tl.zeros([BLOCK_S], dtype=tl.int32)
     r0 = lo
     while r0 < hi:
         rows = r0 + tl.arange(0, BLOCK_S)
         slot = tl.load(slot_ptr + rows, mask=rows < hi, other=-1)
         bad = bad | (((slot < -1) | (slot >= num_slots)) & (rows < hi)).to(tl.int32)
+        pos = seq - n_rows + (rows - start)
+        col = pos // page_size  # pos >= 0 where it is used
+        look = (rows < hi) & (rows >= start) & (slot >= 0) & (slot < num_slots) & (pos >= 0) & (col < P)
+        page = tl.load(bt_ptr + i * stride_bt0 + col * stride_bt1, mask=look, other=0).to(tl.int64)
+        off = off | (look & (slot != page * page_size + pos % page_size)).to(tl.int32)
         r0 += BLOCK_S
-    flag = flag | tl.max(bad, 0) * SLOT
+    flag = flag | tl.max(bad, 0) * SLOT | tl.max(off, 0) * SLOT_TABLE
     if NULL_RING >= 0:  # the engine's padding request: inert whatever its values, unchecked
         flag = tl.where(ring == NULL_RING, 0, flag)
     return flag
@@ -238,8 +245,8 @@ def _metadata_kernel(
     BLOCK_P: tl.constexpr, BLOCK_S: tl.constexpr,
     MAX_SEQ: tl.constexpr, SEQ: tl.constexpr, QSL: tl.constexpr, RING: tl.constexpr, PAGE: tl.constexpr,
     SLOT: tl.constexpr, MAX_QUERY: tl.constexpr, DEC: tl.constexpr, SHARED_RING: tl.constexpr,
-    SHARED_SLOT: tl.constexpr, CLAIMS: tl.constexpr, ROW_BITS: tl.constexpr, NULL_RING: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    SHARED_SLOT: tl.constexpr, SLOT_TABLE: tl.constexpr, CLAIMS: tl.constexpr, ROW_BITS: tl.constexpr,
+    NULL_RING: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """arrive int32 [2], zero between launches: [arrived programs, a request was flagged].
     With CLAIMS, claims int64 [num_slots + 1]: each slot's last claim (step counter << ROW_BITS
@@ -253,7 +260,7 @@ def _metadata_kernel(
         flag = _request_flag(p, qsl_ptr, seq_ptr, ring_index_ptr, slot_ptr, bt_ptr, stride_bt0, stride_bt1,
                              R, T, P, max_seq_len, max_query_len, num_live, num_pages, num_slots, num_ring_rows,
                              page_size, num_decodes, decode_query_len, BLOCK_P, BLOCK_S, MAX_SEQ, SEQ, QSL, RING,
-                             PAGE, SLOT, MAX_QUERY, DEC, SHARED_RING, NULL_RING)
+                             PAGE, SLOT, MAX_QUERY, DEC, SHARED_RING, SLOT_TABLE, NULL_RING)
         tl.store(flags_ptr + p, flag)
         if flag != 0:
             tl.atomic_or(arrive_ptr + 1, 1, sem="relaxed")
@@ -293,6 +300,7 @@ class GuardBits:
     decode_rows: int
     shared_slot: int
     shared_ring: int
+    slot_table: int
     claim_row_bits: int
 
     def __post_init__(self) -> None:
@@ -374,6 +382,7 @@ class MetadataBuild:
             r=self.r, C=self.C, BLOCK=BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=BLOCK_PAGES, BLOCK_S=BLOCK_SLOTS,
             MAX_SEQ=g.max_seq_len, SEQ=g.seq_len, QSL=g.query_start_loc, RING=g.ring_index, PAGE=g.page, SLOT=g.slot,
             MAX_QUERY=g.max_query_len, DEC=g.decode_rows, SHARED_RING=g.shared_ring, SHARED_SLOT=g.shared_slot,
+            SLOT_TABLE=g.slot_table,
             CLAIMS=int(self.slot_claims is not None), ROW_BITS=g.claim_row_bits, NULL_RING=self.null_ring_row,
         )
         if len(self._bound) >= _CACHE:

@@ -18,6 +18,10 @@ GUARD_MAX_QUERY_LEN = 64  # a request's query length > max_query_len (the step's
 GUARD_DECODE_ROWS = 128
 GUARD_SHARED_SLOT = 256  # a live row's slot (>= 0) is also another live row's: K/V written twice
 GUARD_SHARED_RING = 512  # two requests with rows in the step have the same ring_index
+# A live row's slot in [0, num_slots) is not its position's slot through the request's block
+# table (block_table[req, pos // page_size] * page_size + pos % page_size): its K/V would land
+# where the attention never reads it, or in another request's page.
+GUARD_SLOT_TABLE = 1024
 # A slot claim packs the step counter above the row (`slot_claims`): rows per step < 2**24.
 CLAIM_ROW_BITS = 24
 # The bits above by the field names of `qsa_kernels.metadata.GuardBits`: the Triton build
@@ -25,7 +29,8 @@ CLAIM_ROW_BITS = 24
 GUARD_BITS = dict(
     max_seq_len=GUARD_MAX_SEQ_LEN, seq_len=GUARD_SEQ_LEN, query_start_loc=GUARD_QUERY_START_LOC, slot=GUARD_SLOT,
     ring_index=GUARD_RING_INDEX, page=GUARD_PAGE, max_query_len=GUARD_MAX_QUERY_LEN, decode_rows=GUARD_DECODE_ROWS,
-    shared_slot=GUARD_SHARED_SLOT, shared_ring=GUARD_SHARED_RING, claim_row_bits=CLAIM_ROW_BITS,
+    shared_slot=GUARD_SHARED_SLOT, shared_ring=GUARD_SHARED_RING, slot_table=GUARD_SLOT_TABLE,
+    claim_row_bits=CLAIM_ROW_BITS,
 )
 
 
@@ -80,7 +85,8 @@ def qsa_build_metadata(
     page_size) outside [0, num_slots / page_size), one of the first num_decodes requests with
     neither decode_query_len nor 0 rows or whose rows do not start at a multiple of
     decode_query_len, two requests with rows sharing a ring_index, a live row whose slot in
-    [0, num_slots) is another live row's) is made inert the same way, and the reason's GUARD_*
+    [0, num_slots) is another live row's or not its position's slot through its block-table row)
+    is made inert the same way, and the reason's GUARD_*
     bit is OR-ed into guard int32 [1] (sticky; never cleared here).
     request_flags int32 [>= R] gets each request's bits. slot_claims int64 [num_slots + 1]:
     the Triton build's scratch for the shared-slot guard (unread here); None: no such guard.
@@ -134,6 +140,13 @@ def qsa_build_metadata(
     checked = live & ~pad[req]
     bad_slot = checked & ((slot_mapping < -1) | (slot_mapping >= num_slots))
     flags = flags | _rows_to_requests(req, bad_slot, R, GUARD_SLOT)
+    if table.shape[1]:  # a slot must be its position's through the block table (where reads go)
+        pos = (seq - (ends - starts))[req] + rows - starts[req]
+        col = torch.div(pos, page_size, rounding_mode="floor")
+        in_table = checked & (slot_mapping >= 0) & (slot_mapping < num_slots) & (pos >= 0) & (col < table.shape[1])
+        page = table[req, col.clamp(0, table.shape[1] - 1)]
+        off_table = in_table & (slot_mapping != page * page_size + pos % page_size)
+        flags = flags | _rows_to_requests(req, off_table, R, GUARD_SLOT_TABLE)
     # requests with rows (a CUDA-graph padding request has none and may share a ring row)
     runs = (ends > starts) & ~pad
     shared_ring = runs[:, None] & runs[None, :] & (ring[:, None] == ring[None, :])
@@ -154,7 +167,7 @@ def qsa_build_metadata(
     bits = torch.where(live, flags[req], 0)
     bits_any = torch.zeros((), dtype=torch.int64, device=dev)
     for bit in (GUARD_MAX_SEQ_LEN, GUARD_SEQ_LEN, GUARD_QUERY_START_LOC, GUARD_SLOT, GUARD_RING_INDEX, GUARD_PAGE,
-                GUARD_MAX_QUERY_LEN, GUARD_DECODE_ROWS, GUARD_SHARED_SLOT, GUARD_SHARED_RING):
+                GUARD_MAX_QUERY_LEN, GUARD_DECODE_ROWS, GUARD_SHARED_SLOT, GUARD_SHARED_RING, GUARD_SLOT_TABLE):
         bits_any = bits_any | torch.where(((bits & bit) != 0).any(), bit, 0)
     bits_any = bits_any | torch.where(stray.any(), GUARD_QUERY_START_LOC, 0)
     guard.copy_(guard | bits_any.to(guard.dtype).view(1))

@@ -34,16 +34,26 @@ def make_step(qlens, context, num_pad, gen, device, num_slots=10_000, ring_rows=
     return [t.to(device) for t in (qsl, seq, slots, ring)]
 
 
-def guard_args(qsl, seq, slots, page_size=8):
-    """Guard inputs of a well-formed step: a block table of valid pages for every request's
-    seq_len (so no guard trips), loose bounds. Reads the step on the host."""
+def guard_args(qsl, seq, slots, width=None):
+    """Guard inputs of a well-formed step: pages of one slot, and a block table whose entry at
+    each live row's position is that row's slot (so any slot agrees with it) and page 0
+    elsewhere, `width` (default the longest seq_len) columns; loose bounds. Reads the step on
+    the host."""
     dev = slots.device
-    max_pages = max(1, -(-int(seq.max()) // page_size)) if seq.numel() else 1
+    R = seq.shape[0]
+    width = width or (max(1, int(seq.max())) if R else 1)
+    table = torch.zeros(R, width, dtype=torch.int32)
+    qlens = (qsl[1:] - qsl[:-1]).long().cpu()
+    n = int(qlens.sum())
+    req = torch.repeat_interleave(torch.arange(R), qlens)
+    pos = (seq.long().cpu() - qlens)[req] + torch.arange(n) - qsl[:-1].long().cpu()[req]
+    live = slots[:n].cpu()
+    put = (live >= 0) & (pos >= 0) & (pos < width)
+    table[req[put], pos[put]] = live[put].to(torch.int32)
     return dict(
-        block_table=torch.zeros(seq.shape[0], max_pages, dtype=torch.int32, device=dev),
-        page_size=page_size, num_live_rows=int(qsl[-1]), num_slots=1 << 40, num_ring_rows=1 << 40,
-        kv_slot=torch.empty(slots.shape[0], dtype=torch.int64, device=dev),
-        request_flags=torch.zeros(max(seq.shape[0], 1), dtype=torch.int32, device=dev),
+        block_table=table.to(dev), page_size=1, num_live_rows=int(qsl[-1]), num_slots=1 << 31,
+        num_ring_rows=1 << 40, kv_slot=torch.empty(slots.shape[0], dtype=torch.int64, device=dev),
+        request_flags=torch.zeros(max(R, 1), dtype=torch.int32, device=dev),
     )
 
 
@@ -304,6 +314,49 @@ def test_null_ring_row_requests_are_not_checked(qlens, seqs, rings, live_slots):
         assert (positions[:live][~dummy] >= 0).all() and torch.equal(kv_slot[:live][~dummy], slots[:live][~dummy])
 
 
+SLOT_TABLE = 1024
+
+
+@interp
+@pytest.mark.parametrize("row, change, flagged", [
+    (None, 0, []),  # every slot its position's through the block table
+    (5, 1, [1]),  # request 1's third row one slot along its page
+    (5, 8, [1]),  # the same offset in the next page
+    (0, 1, [0]),  # request 0's first row
+    (5, None, []),  # -1: no write, nothing to agree with
+])
+def test_a_slot_off_its_block_table_position_is_flagged(row, change, flagged):
+    """A live row whose slot is not block_table[req, pos // page_size] * page_size + pos %
+    page_size (its K/V would land where no read of the request looks) makes its request inert
+    with GUARD_SLOT_TABLE, kernel as reference; request flags included."""
+    page, qlens, ctx, pad = 8, [3, 4, 2], [5, 12, 0], 2
+    R = len(qlens)
+    qsl = torch.tensor([0] + qlens).cumsum(0).to(torch.int32)
+    seq = torch.tensor([c + q for c, q in zip(ctx, qlens)], dtype=torch.int32)
+    table = torch.tensor([[7, 2, 0], [4, 9, 5], [11, 0, 0]], dtype=torch.int32)
+    req = torch.repeat_interleave(torch.tensor(qlens))
+    pos = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, qlens)])
+    slots = torch.cat([table[req, pos // page].long() * page + pos % page, torch.full((pad,), -1)])
+    if row is not None:
+        slots[row] = -1 if change is None else slots[row] + change
+    T = slots.shape[0]
+    outs = {}
+    for name, fn in (("kernel", qsa_build_metadata), ("reference", reference_build)):
+        bufs = [torch.full((T,), 7, dtype=dt) for dt in (torch.int32, torch.int64, torch.int32, torch.int64,
+                                                         torch.int64, torch.int64)]
+        extra = dict(guard_args(qsl, seq, slots), block_table=table, page_size=page, num_slots=16 * page,
+                     num_live_rows=T - pad)
+        guard = build(fn, qsl, seq, slots, torch.arange(R, dtype=torch.int32), 4, 8, bufs, **extra)
+        outs[name] = bufs + [guard, extra["request_flags"][:R].clone()]
+    assert_same(outs["kernel"][:7], outs["reference"][:7])
+    assert torch.equal(outs["kernel"][7], outs["reference"][7]), (outs["kernel"][7], outs["reference"][7])
+    positions, guard, flags = outs["kernel"][1], outs["kernel"][6], outs["kernel"][7]
+    assert guard.item() == (SLOT_TABLE if flagged else 0)
+    assert [i for i in range(R) if flags[i] != 0] == flagged
+    inert = torch.isin(req, torch.tensor(flagged, dtype=torch.long))
+    assert (positions[: len(req)][inert] == -1).all() and (positions[: len(req)][~inert] >= 0).all()
+
+
 @interp
 def test_planner_persistent_buffers(monkeypatch):
     """The planner path (ops dispatch to Triton) fills its persistent buffers in place."""
@@ -364,7 +417,7 @@ def test_cuda_graph_replay_gpu():
     T = static[2].shape[0]
     dtypes = (torch.int32, torch.int64, torch.int32, torch.int64, torch.int64)
     outs = [torch.empty(T, dtype=d, device="cuda") for d in dtypes]
-    extra = guard_args(*static[:3])  # host reads and allocations stay outside the capture
+    extra = guard_args(*static[:3], width=1024)  # host reads and allocations stay outside the capture
     build(qsa_build_metadata, *static, 4, 8, outs, **extra)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -374,6 +427,7 @@ def test_cuda_graph_replay_gpu():
         fresh = make_step(qlens, ctx, 11, gen, "cuda")
         for dst, src in zip(static, fresh):
             dst.copy_(src)
+        extra["block_table"].copy_(guard_args(*fresh[:3], width=1024)["block_table"])
         graph.replay()
         want = [torch.empty_like(o) for o in outs]
         build(reference_build, *fresh, 4, 8, want)
@@ -427,9 +481,10 @@ from qsa_core.reference import metadata as g
 consts = dict(r=4, C=8, BLOCK=m.BLOCK_ROWS, SEARCH_STEPS=31, BLOCK_P=m.BLOCK_PAGES, BLOCK_S=m.BLOCK_SLOTS,
               MAX_SEQ=g.GUARD_MAX_SEQ_LEN, SEQ=g.GUARD_SEQ_LEN, QSL=g.GUARD_QUERY_START_LOC, RING=g.GUARD_RING_INDEX,
               PAGE=g.GUARD_PAGE, SLOT=g.GUARD_SLOT, MAX_QUERY=g.GUARD_MAX_QUERY_LEN, DEC=g.GUARD_DECODE_ROWS,
-              SHARED_RING=g.GUARD_SHARED_RING, SHARED_SLOT=g.GUARD_SHARED_SLOT, ROW_BITS=g.CLAIM_ROW_BITS, PDL=2)
+              SHARED_RING=g.GUARD_SHARED_RING, SHARED_SLOT=g.GUARD_SHARED_SLOT, SLOT_TABLE=g.GUARD_SLOT_TABLE,
+              ROW_BITS=g.CLAIM_ROW_BITS, PDL=2)
 i64 = ("slot_ptr", "pos_ptr", "ring_slot_ptr", "comp_slot_ptr", "kv_slot_ptr", "claims_ptr")
-# without and with the shared-slot claim table; with vLLM's null ring row
+# without and with the shared-slot claim table; with a null ring row (vLLM's, SGLang's)
 for claims, null in ((0, -1), (1, -1), (1, 0)):
     k = compile_sm90(m._metadata_kernel, dict(consts, CLAIMS=claims, NULL_RING=null), dict.fromkeys(i64, "*i64"),
                      launch_pdl=True)
