@@ -4,8 +4,9 @@ The sample-bounded prefill top-k (`qsa_kernels.select_prefill`) bounds a row's K
 score from below by the Kb-th largest of its samples (maxima of S-column subsets, to `lbits`
 high key bits), compacts the columns at or above the bound, resolves a row of more than `cap`
 candidates in a wider second tier (`lists` entries, rows from 8192 columns) and a row of more than
-`lists` in the exact whole-row resolve (one program a row, 16 sweeps of its scores): exact, much
-slower. Random scores, the benchmark's default data, rarely overflow; scores
+`lists` in the exact whole-row resolve (one program a row: one sweep of its scores compacts its
+candidates, 16 sweeps of those follow, or of its scores where they overflow its list scratch):
+exact, much slower. Random scores, the benchmark's default data, rarely overflow; scores
 whose top groups cluster, as a recency bias makes them, do (`bench_qsa.py --prefill-data recency`
 makes such data).
 

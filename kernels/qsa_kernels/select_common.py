@@ -199,10 +199,26 @@ def samples_bound(samples, KB: tl.constexpr, SBITS: tl.constexpr, SLACK: tl.cons
 
 
 @triton.jit
+def _row_block(s_row, l_idx, l_key, start, ar, n, LISTED: tl.constexpr):
+    """Columns and keys of a row's entries [start, start + BLOCK) below n (others key -1): its
+    scores' (n = visible), or (LISTED) a compacted candidate list's (n entries, ascending column)."""
+    i = start + ar
+    if LISTED:
+        cols = tl.load(l_idx + i, mask=i < n, other=0)
+        key = tl.load(l_key + i, mask=i < n, other=-1)
+    else:
+        cols = i
+        key = score_keys(s_row, i, i < n)
+    return cols, key
+
+
+@triton.jit
 def resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                 PACKED: tl.constexpr, R: tl.constexpr):
+                PACKED: tl.constexpr, R: tl.constexpr, l_idx=None, l_key=None, LISTED: tl.constexpr = 0):
     """Exact top-k of a whole row by sweeps over its scores (the overflow route): the
-    threshold's bits by counts (`kth_key` with the keys streamed), then the emit."""
+    threshold's bits by counts (`kth_key` with the keys streamed), then the emit. LISTED: over
+    the row's candidates compacted into l_idx / l_key (vis of them, ascending column: every key
+    of the row at or above a lower bound of its Kb-th) instead, the same result."""
     ar = tl.arange(0, BLOCK)
     j = tl.arange(0, 1 << BITS)
     prefix = vis * 0
@@ -214,7 +230,7 @@ def resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.const
         cnt = tl.zeros((1 << BITS,), tl.int32)
         start = vis * 0
         while start < vis:
-            key = score_keys(s_row, start + ar, start + ar < vis)
+            key = _row_block(s_row, l_idx, l_key, start, ar, vis, LISTED)[1]
             cnt += tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
             start += BLOCK
         ok = (cnt >= KB) & (j < jmax)
@@ -222,7 +238,7 @@ def resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.const
     above_all = vis * 0
     start = vis * 0
     while start < vis:
-        key = score_keys(s_row, start + ar, start + ar < vis)
+        key = _row_block(s_row, l_idx, l_key, start, ar, vis, LISTED)[1]
         above_all += tl.sum((key > prefix).to(tl.int32), 0)
         start += BLOCK
     need = KB - above_all
@@ -230,8 +246,7 @@ def resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.const
     ties = vis * 0
     start = vis * 0
     while start < vis:
-        cols = start + ar
-        key = score_keys(s_row, cols, cols < vis)
+        cols, key = _row_block(s_row, l_idx, l_key, start, ar, vis, LISTED)
         above = (key > prefix).to(tl.int32)
         equal = (key == prefix).to(tl.int32)
         rank = ties + tl.cumsum(equal, 0) - equal

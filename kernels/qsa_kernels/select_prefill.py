@@ -17,7 +17,9 @@ that completes the row (its only one, or the last to arrive at the row's counter
 gathers the lists in column order and resolves them exactly in registers
 (`select_topk._kth_key`, `emit`). More than CAP candidates (keys crowded near the threshold,
 or rows too short to have Kb samples) send the row to the exact whole-row resolve
-(`select_topk._resolve_row`): slower, same result; a second tier (`SampleTiles.cap2`) first
+(`select_common.resolve_row`: slower, same result), which first compacts the row's candidates
+into its list scratch in one sweep of its scores where they fit and are at most half the row,
+and sweeps those; a second tier (`SampleTiles.cap2`) first
 takes rows of up to cap2 candidates from their lists in a wider tile. With `defer`, the lists of
 several chunks' rows stay (under CAND_BYTES) and one `_resolve_prefill_kernel` launch (a tier)
 after the group's last chunk resolves them, many rows at once (a chunk has few rows at long
@@ -190,8 +192,10 @@ def _topk_prefill_kernel(
     LS] (LS = LIST, 0: CAP; the chunk's at crow0; list s at s * LS, at most LS entries stored), their lengths
     cnt int32 [rows, SEGP]; arrive int32 [chunk rows] zero between calls (the last arriver
     resets it). The last arriver resolves the row from its lists in a CAP-wide tile or, more
-    than CAP candidates, from its scores (`resolve_row`); CAP2 > CAP (no DEFER): rows of at most
-    CAP2 candidates, no list past LS, from their lists in a CAP2-wide tile instead. DEFER: only
+    than CAP candidates, by sweeps (`resolve_row`) over its candidates compacted anew into its
+    list scratch where they fit (SEGP * LS) and are at most half its columns, else over its
+    scores; CAP2 > CAP (no DEFER): rows of
+    at most CAP2 candidates, no list past LS, from their lists in a CAP2-wide tile instead. DEFER: only
     the rows past CAP, `_resolve_prefill_kernel` does the rest after the chunk's scores are gone.
     ROW_SAMPLES = WBITS > 0 (decode; no DEFER): a row's samples are one per 2^`sample_shift(vis,
     WBITS, LOG_G)` columns (the decode score launch's or, MTP rows, `_row_samples_kernel`'s), not
@@ -267,6 +271,12 @@ def _topk_prefill_kernel(
                     # `kth_key`: RSBITS' 2^RSBITS counts a step over CAP2 keys would double the registers
                     _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP2, LS, PACKED,
                                    R)
+                elif (total <= SEGP * LS) & (2 * total <= vis):
+                    # Every key >= bound, compacted from the scores into the row's list scratch
+                    # in one sweep, and resolved there: the row's sweeps then read `total` keys,
+                    # not `vis` scores (at most half as many, or the sweep does not pay).
+                    compact_segment(s_row, 0, vis, bound, c_idx, c_key, SEGP * LS, BLOCK)
+                    resolve_row(s_row, total, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R, c_idx, c_key, 1)
                 else:
                     resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
         elif WARM_K:

@@ -270,6 +270,41 @@ def test_clustered_rows_resolve_in_the_second_tier_or_the_whole_row(monkeypatch,
 
 
 @small_tiles
+def test_the_whole_row_resolve_sweeps_the_candidates_compacted_anew(monkeypatch, skip):
+    """A row past the second tier (more than cap2 candidates) whose candidates fit its list
+    scratch (8 segments x 32 entries) is resolved by sweeps over them, compacted anew from its
+    scores in one sweep; a row whose candidates do not fit, by sweeps over its scores. Winners
+    at the row's first and last columns, ties at the threshold in every segment (the lowest
+    columns win): every row equals the reference."""
+    T, G = 8, 512
+    g = torch.Generator().manual_seed(4)
+    cols = torch.arange(G)
+    fit = torch.where(cols % 3 == 0, 0.5, 0.0)  # 171 tied candidates, about 21 a segment
+    fit[0], fit[G - 1], fit[200] = 0.9, 0.9, 0.8
+    many = torch.where(cols % 5 != 0, 0.5, 0.0)  # 409 tied candidates
+    many[G - 1] = 0.9
+    s = torch.stack([fit, many] + [torch.rand(G, generator=g) for _ in range(T - 2)])
+    vis = torch.full((T,), G, dtype=torch.int32)
+    monkeypatch.setattr(ker, "ScoreLaunch", InjectedScores(s))
+    # MTP rows (4 a request): their samples come from the route's sample launch over the scores
+    sched = ker.plan_select(T, G, KB, decode=True, device=DEV, rows_per_request=4, options=ON)
+    t = sched.decode_samples_tiles
+    segp = triton.next_power_of_2(-(-G // t.seg))
+    assert sched.route == "dsamp" and (t.seg, t.cap2, t.lists, segp) == (64, 128, 32, 8)
+    pages = G * R // PAGE + 1
+    q, table = torch.zeros(T, 1, 16, device=DEV), torch.arange(pages, dtype=torch.int32, device=DEV)[None, :]
+    out = torch.full((T, KB), 7, dtype=torch.int32, device=DEV)
+    launch = ker.SelectLaunch(sched, q, torch.zeros(pages, PAGE // R, 16, device=DEV), table,
+                              torch.zeros(T, dtype=torch.int32, device=DEV), vis.to(DEV), out, **KW)
+    launch(q, table, out)
+    want = ref.topk_groups(s, vis, KB)
+    assert torch.equal(out.cpu(), want)
+    assert want[0].tolist() == [0, 3, 6, 9, 12, 15, 200, G - 1] and want[1].tolist() == [1, 2, 3, 4, 6, 7, 8, G - 1]
+    totals = sched.decode_samples.counts[: T * segp].view(T, segp).sum(1).cpu()
+    assert t.cap2 < totals[0] <= segp * t.lists < totals[1]
+
+
+@small_tiles
 @pytest.mark.parametrize("bound", [1, 2, 3])
 def test_bound_launch_and_bracket_search_per_row_strides(nan_scratch, monkeypatch, bound):
     # Tile bound (`select_prefill.prefill_tiles`) on per-row sample strides: 1 / 3 the chunk's
