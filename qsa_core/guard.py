@@ -21,6 +21,9 @@ from .planner import QSAPlanner, guard_message
 
 logger = logging.getLogger(__name__)
 
+# How every report's log line starts (GPU scripts fail a run whose server log holds one).
+REPORT_PREFIX = "qsa_core: malformed step metadata"
+
 
 class _Copy:
     """One step's flags in pinned host memory (int32 [1 + R]: the guard flag, then each
@@ -66,7 +69,7 @@ class GuardWatch:
                 names = done.labels if done.labels is not None else [f"#{i} of step {done.step}"
                                                                       for i in range(len(flags))]
                 reports.append(guard_message(bits, list(zip(names, flags))))
-                self.log("qsa_core: " + reports[-1])
+                self.log("qsa_core: " + reports[-1])  # starts with REPORT_PREFIX
             self._free.append(done)
         self._steps += 1
         if len(self._pending) < self.depth:

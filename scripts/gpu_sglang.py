@@ -80,6 +80,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 sys.path[:0] = [os.path.join(TESTS, "sglang_adapter"), os.path.join(TESTS, "vllm_adapter"), TESTS]
+from qsa_core.guard import REPORT_PREFIX  # noqa: E402  (a guard report's log line)
 from server_process import ServerProcess  # noqa: E402
 
 TIE = 2**-6  # two bf16 steps of a logit in [1, 2)
@@ -97,7 +98,6 @@ CAPTURED = re.compile(r"Capture ([\w ]+?) CUDA graph end")  # SGLang's line afte
 SITE = os.path.join(TESTS, "sglang_adapter", "server_site")  # the server tests' CPU patch for SGLang's own qsa
 CORE_LINE = "QSA layers run on qsa_core"  # the plugin's line when qsa_core builds its backend
 QSA_LINE = "Using QSA for sparse full-attention layers"  # SGLang's line for its own QSA backend
-GUARD_REPORT = "qsa_core: malformed step metadata"  # qsa_core.guard.GuardWatch: rows made inert
 RING_LINE = f"raw-key ring {4 * -(-(4 + DRAFTS) // 4)} rows per request"  # C = r * ceil((r + drafts) / r)
 
 # The production attention geometry (design.md §1) on a few layers; the rest as the tests' model.
@@ -311,7 +311,7 @@ def log_error(run: Run, text: str) -> str | None:
     missing = [line for line in expected_lines(run) if line not in text]
     if missing:
         return f"the log lacks {missing}: the server did not run what this run names"
-    reports = [line for line in text.splitlines() if GUARD_REPORT in line]
+    reports = [line for line in text.splitlines() if REPORT_PREFIX in line]
     if reports:
         return f"{len(reports)} guard report(s) in the log (requests made inert): {reports[0][-300:]}"
     return None

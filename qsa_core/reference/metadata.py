@@ -135,15 +135,14 @@ def qsa_build_metadata(
     live = (rows < qsl[-1]) & (rows < live_bound)
     req = torch.where(live, req, 0).clamp_(max=R - 1)
     # The engine's padding requests (on the null ring row) are inert whatever their values:
-    # none of their rows' slots is checked or claimed, and they flag nothing.
+    # they claim no slot and flag nothing (their flags are cleared below).
     pad = ring == null_ring_row if null_ring_row >= 0 else torch.zeros_like(ring, dtype=torch.bool)
-    checked = live & ~pad[req]
-    bad_slot = checked & ((slot_mapping < -1) | (slot_mapping >= num_slots))
+    bad_slot = live & ((slot_mapping < -1) | (slot_mapping >= num_slots))
     flags = flags | _rows_to_requests(req, bad_slot, R, GUARD_SLOT)
     if table.shape[1]:  # a slot must be its position's through the block table (where reads go)
         pos = (seq - (ends - starts))[req] + rows - starts[req]
         col = torch.div(pos, page_size, rounding_mode="floor")
-        in_table = checked & (slot_mapping >= 0) & (slot_mapping < num_slots) & (pos >= 0) & (col < table.shape[1])
+        in_table = live & (slot_mapping >= 0) & (slot_mapping < num_slots) & (pos >= 0) & (col < table.shape[1])
         page = table[req, col.clamp(0, table.shape[1] - 1)]
         off_table = in_table & (slot_mapping != page * page_size + pos % page_size)
         flags = flags | _rows_to_requests(req, off_table, R, GUARD_SLOT_TABLE)
@@ -153,7 +152,7 @@ def qsa_build_metadata(
     flags = flags | torch.where(shared_ring.sum(1) > 1, GUARD_SHARED_RING, 0)
     if slot_claims is not None:
         # Rows writing one slot sit side by side once sorted by slot (others: distinct keys < 0).
-        writes = checked & (slot_mapping >= 0) & (slot_mapping < num_slots)
+        writes = live & ~pad[req] & (slot_mapping >= 0) & (slot_mapping < num_slots)
         key = torch.where(writes, slot_mapping, -1 - rows)
         order = torch.argsort(key, stable=True)
         same = key[order][1:] == key[order][:-1]
