@@ -318,6 +318,28 @@ def test_a_request_without_rows_may_share_a_ring_row(backend):
     p.check_guard()  # nothing flagged
 
 
+@pytest.mark.parametrize("change", [
+    dict(ring_index=torch.tensor([0, RING_ROWS, 2], dtype=I32)),
+    dict(block_table=torch.tensor([[4, -1], [NUM_PAGES, -1], [2, -1]], dtype=I32)),
+], ids=["ring_index", "block_table"])
+def test_a_request_without_rows_reads_nothing_and_is_not_checked(backend, change):
+    """A request without rows reads and writes nothing, so its ring row and pages are not
+    checked: the value checks accept it out of range, the device guards report nothing, and the
+    other requests run as without it (host and device agree)."""
+    padded = dict(query_start_loc=torch.tensor([0, 4, 4, 10], dtype=I32), seq_lens=torch.tensor([4, 4, 6], dtype=I32),
+                  block_table=torch.tensor([[4, -1], [7, -1], [2, -1]], dtype=I32),
+                  ring_index=torch.tensor([0, 1, 2], dtype=I32))
+    padded.update(change)
+    planner("cpu", backend="reference").plan(step("cpu", **padded))  # the value checks
+    want, _, want_after, _ = run_step(step(), planner(value_checks=False))
+    p = planner(value_checks=False)
+    out, _, after, _ = run_step(step(**padded), p)
+    assert torch.equal(out, want)
+    for name, got, expected in zip(("k", "v", "compressed", "ring"), after, want_after):
+        assert torch.equal(got, expected), name
+    p.check_guard()  # nothing reported
+
+
 @pytest.mark.parametrize("dummy_slots, dummy_pages", [
     ([7 * PAGE, 8 * PAGE], [7, 8]),  # vLLM's dummy runs: slots of their own
     ([0, 0], [-1, -1]),  # SGLang's capture batches: every row on its padding slot 0, no page
