@@ -55,6 +55,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests"), str(ROOT / "tests" / "vllm_adapter")]
 
+from qsa_core.guard import REPORT_PREFIX  # noqa: E402
+
 BACKENDS = {"vllm": ("QSA_CORE", "upstream"), "sglang": ("qsa_core", "qsa")}  # (ours, the engine's own)
 CHUNK = 8192  # SGLang's --chunked-prefill-size, the same for both backends
 QUICK = dict(prompt_lens="8192,32768", concurrency="1,8", output_tokens=64)
@@ -126,6 +128,12 @@ def wave(stream: Callable, url: str, model: str, vocab: int, prompt_len: int, co
 
 
 JIT_LINE = re.compile(r"JIT compilation during inference: (\S+?)\.")
+
+
+def guard_reports(log: str) -> list[str]:
+    """The device guards' reports in a server log (requests whose rows were made inert): a
+    serving figure from such a run is not of the model served as asked, so the run fails."""
+    return [line for line in log.splitlines() if REPORT_PREFIX in line]
 
 
 def engine_jit(log: str) -> list[str]:
@@ -316,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
                     (out / "serving.md").write_text(tables(results, args.engine))
         except (RuntimeError, TimeoutError, OSError) as e:  # this backend's server or a request failed: go on
             failed.append(f"{backend}: {type(e).__name__}: {str(e)[:2000]}")
+            print(failed[-1], flush=True)
+        if engine.log_path(backend).exists() and (reports := guard_reports(engine.log_text(backend, 0))):
+            failed.append(f"{backend}: {len(reports)} guard report(s) in its server log (requests made inert): "
+                          f"{reports[0][-300:]}")
             print(failed[-1], flush=True)
     text = tables(results, args.engine)
     (out / "serving.md").write_text(text)

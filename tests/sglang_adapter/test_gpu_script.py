@@ -131,3 +131,12 @@ def test_serving_table_names_the_engine_kernels_compiled_in_a_timed_wave():
     text = bench_serving.tables(results, "vllm")
     assert "| 32768 | 8 | 64 | QSA_CORE | 410 | 20.20 | 296.0 | 920 | fused_moe_kernel |" in text
     assert "| 32768 | 8 | 64 | upstream | 410 | 20.20 | 296.0 | 920 | none |" in text
+
+
+def test_serving_fails_a_run_whose_server_log_holds_a_guard_report():
+    from qsa_core.guard import REPORT_PREFIX
+    log = ("INFO 12-07 11:20:29 served\n"
+           f"ERROR 12-07 11:20:30 {REPORT_PREFIX}: the rows of the requests concerned were made inert\n")
+    assert bench_serving.guard_reports(log) == [log.splitlines()[1]]
+    assert bench_serving.guard_reports("INFO served\n") == []
+
