@@ -121,6 +121,15 @@ def stride_class(row_stride: int) -> int:
     return 1 if row_stride == 1 else 0 if row_stride % 16 == 0 else 3
 
 
+def aligned_pages(pages: int) -> int:
+    """pages rounded up to a multiple of 16: the width of a block table an engine sizes per
+    step. Every such table's row stride specializes the kernels alike (`stride_class` 0), so
+    its start-up warm-up covers them with block_table_strides=(16,): one class of the
+    stride-specialized variants (scores, top-k, attention) instead of three for tables of
+    ceil(max_seq_len / page_size) columns (8192 rows / 128K context: 73 variants against 111)."""
+    return -(-pages // 16) * 16
+
+
 def warm_block_table(rows: int, pages: int, row_stride: int, device: torch.device) -> torch.Tensor:
     """A block table int32 [rows, pages] of zeros (every request's pages page 0) whose row
     stride specializes as `row_stride` does (`stride_class`: all a kernel's variant depends on)

@@ -9,11 +9,13 @@ then random valid steps are planned, bound and run through the layer's prepare, 
 attention calls with every binding and every call recorded; each one's Triton key
 (`sm90.spec_key`) must be one the warm-up compiled. Configurations: the H100 runs' 8K context
 / 2048 rows and 128K / 8192 rows, 256 requests, static steps (CUDA graphs); and eager steps
-(`plan(static=False)`) at 8K on the engine's own block tables, sized per step as SGLang's are
+(`plan(static=False)`) at 8K on an engine's own block tables sized per step
 (ceil(max_seq_len / page_size) pages: any row stride, 1 included), with the warm-up told so
 (`block_table_strides=(1, 16, 17)`). SGLang's steps never mix decodes and prefills, so its
 warm-ups leave the mixed shapes out (`mixed=False`): the "sglang" configurations warm so and
-plan only SGLang-shaped random steps, eager (decode-only DECODE / TARGET_VERIFY, or
+plan only SGLang-shaped random steps, eager on tables of that width rounded up to a multiple of
+16 as its adapter sizes them (`aligned_pages`, warmed with `block_table_strides=(16,)`:
+decode-only DECODE / TARGET_VERIFY, or
 prefill-only EXTEND / MIXED with the running decodes' 1-row requests among the prefills) and
 of its decode CUDA graphs (static, decode-only, padded requests last with no rows). Each process
 prints `<name> warm=<variants> seen=<keys> missed=<n>` and a `MISSED <kernel> ...` line per
@@ -41,6 +43,7 @@ def check(name: str) -> None:
 
     import sm90
     from qsa_core.layer import bind_layer
+    from qsa_core.warmup import aligned_pages
     from qsa_kernels import launch
     from test_compile_sm90 import _config, _norms, _planner, _random_step
 
@@ -48,8 +51,8 @@ def check(name: str) -> None:
     cfg = _config("bf16", "bf16")
     with sm90.recording() as found:
         planner, caches = _planner(cfg, 2, N, L, R)
-        planner.warm(caches, decode_query_lens=(1, 4), static=static, block_table_strides=() if static else (1, 16, 17),
-                     mixed=not sglang)
+        strides = () if static else (16,) if sglang else (1, 16, 17)
+        planner.warm(caches, decode_query_lens=(1, 4), static=static, block_table_strides=strides, mixed=not sglang)
         warmed = {sm90.spec_key(b) for b in found.bindings.values()}
         seen = sm90.Recording()
 
@@ -75,8 +78,9 @@ def check(name: str) -> None:
                 step = _sglang_step(rng, planner, table, rng.choice([1, 4]), static)
             else:
                 step = _random_step(rng, planner, table, rng.choice([1, 4]))
-            if not static:  # the engine's table of this step: ceil(max_seq_len / page_size) pages
-                step = _with_table(step, torch.zeros(R, -(-step.max_seq_len // 64), dtype=torch.int32))
+            if not static:  # the engine's table of this step: ceil(max_seq_len / page_size) pages (SGLang: aligned)
+                pages = -(-step.max_seq_len // 64)
+                step = _with_table(step, torch.zeros(R, aligned_pages(pages) if sglang else pages, dtype=torch.int32))
             plan = planner.plan(step, static=static)
             T, s = plan.num_tokens, plan.schedule
             proj = [torch.zeros(T, w, dtype=torch.bfloat16) for w in (640, 12288, 512, 512)]

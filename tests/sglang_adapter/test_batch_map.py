@@ -25,7 +25,12 @@ def meta_of(env, fb):
 def expect_common(env, fb, meta, rids):
     rows = torch.tensor([env.rows[r] for r in rids])
     table = env.r2t.req_to_token[rows, ::PAGE] // PAGE
-    assert torch.equal(meta.block_table, table[:, : meta.block_table.shape[1]].to(torch.int32))
+    # An eager step's table: ceil(max_seq_len / PAGE) pages rounded up to a multiple of 16 (one
+    # row-stride class for the kernels), columns past req_to_token's width repeating its last page.
+    pages = meta.block_table.shape[1]
+    assert pages % 16 == 0 and pages - 16 < -(-meta.max_seq_len // PAGE) <= pages
+    cols = torch.arange(pages).clamp(max=table.shape[1] - 1)
+    assert torch.equal(meta.block_table, table[:, cols].to(torch.int32))
     assert torch.equal(meta.slot_mapping, fb.out_cache_loc)
     assert torch.equal(meta.ring_index, rows.to(torch.int32))
     # The adapter's ring row req * C + p % C (C = r without speculation) for each request's last C

@@ -273,5 +273,5 @@ def test_cuda_graph_state_warms_the_graph_planner(layer, monkeypatch):
     env.admit("a")
     be = env.backend
     step = step_inputs(env.extend({"a": 8}), be.req_to_token, page_size=be.page_size, mrope=be.mrope,
-                       max_seq_len_bound=be.max_seq_len)
+                       max_seq_len_bound=be.max_seq_len, fixed_max_seq_len=True)  # as graph steps map
     assert planner.plan(step, static=True).num_tokens == 8

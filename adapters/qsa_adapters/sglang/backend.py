@@ -151,8 +151,9 @@ class QSACoreBackend(AttentionBackend):
 
     def _warm_eager(self, drafts: int, chunk: int | None, max_prefill: int) -> None:
         """Compile the eager planner's kernel variants at start-up: decode steps of 1 row (and
-        1 + drafts with speculation), prefills, on block tables of every row-stride class
-        (eager tables are ceil(step max_seq_len / page) pages wide); no mixed decode + prefill
+        1 + drafts with speculation), prefills, on block tables of a row stride of a multiple of
+        16 (`batch_map`: eager tables are ceil(step max_seq_len / page) pages wide, rounded up
+        to a multiple of 16, so one stride class covers them); no mixed decode + prefill
         shapes (`mixed=False`): an eager step is decode-only (DECODE, TARGET_VERIFY) or
         prefill-only (EXTEND, and MIXED, whose running decodes run as 1-row prefills:
         `batch_map`)."""
@@ -163,7 +164,7 @@ class QSACoreBackend(AttentionBackend):
         )
         lens = (1, 1 + drafts) if drafts else (1,)
         line = start_up_warm(self.planner, self._caches(), decode_query_lens=lens, static=False,
-                             block_table_strides=(1, 16, 17), mixed=False)
+                             block_table_strides=(16,), mixed=False)
         if line is not None:
             logger.info("%s (eager planner)", line)
 

@@ -12,7 +12,7 @@ Host ints come from SGLang's host lists only (no device reads). Mapping, per mod
 
 MIXED is prefill-first in SGLang; the core wants decodes first, so MIXED steps run every
 request (the running decodes too, one row each) through the prefill path, which serves any
-query length. `block_table = req_to_token[req, ::page_size] // page_size`,
+query length. `block_table = req_to_token[req, ::page_size] // page_size` (eager: 16-column aligned),
 `slot_mapping = out_cache_loc`, `ring_index = req_pool_indices` (SGLang's ring row
 `req_pool_idx * r + p % r`), rope positions = `mrope_positions` for MRoPE models, else
 `positions`.
@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from qsa_core import QSAStepInputs
+from qsa_core.warmup import aligned_pages
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 EXTEND_LIKE = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND_V2)
@@ -68,9 +69,11 @@ def _host_max_seq_len(forward_batch: Any, extra: int, bound: int) -> int:
 
 
 def block_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, page_size: int, pages: int) -> torch.Tensor:
-    """int32 [R, pages]: physical page of each request-relative page (stale past seq_len)."""
-    page_starts = req_to_token[:, : pages * page_size : page_size]
-    return (page_starts[req_pool_indices.long()] // page_size).to(torch.int32)
+    """int32 [R, pages]: physical page of each request-relative page (stale past seq_len;
+    columns past req_to_token's width repeat its last page)."""
+    width = -(-req_to_token.shape[1] // page_size)
+    cols = torch.arange(pages, device=req_to_token.device).clamp_(max=width - 1) * page_size
+    return (req_to_token[req_pool_indices.long()[:, None], cols[None, :]] // page_size).to(torch.int32)
 
 
 def rope_positions(forward_batch: Any, num_tokens: int, mrope: bool) -> torch.Tensor:
@@ -97,8 +100,11 @@ def step_inputs(
 ) -> QSAStepInputs:
     """Map one non-IDLE SGLang step. `fixed_max_seq_len` (CUDA graphs) uses the bound.
 
-    max_seq_len_bound: the longest context a request can have (the width of req_to_token);
-    the block table has ceil(max_seq_len / page_size) columns.
+    max_seq_len_bound: the longest context a request can have (the width of req_to_token).
+    The block table has ceil(max_seq_len / page_size) columns under CUDA graphs (the planner
+    copies it into its own table), else that rounded up to a multiple of 16
+    (`qsa_core.warmup.aligned_pages`): every eager step's table then specializes the kernels
+    alike, whatever its max_seq_len, and the eager warm-up compiles one stride class.
     """
     mode = forward_batch.forward_mode
     if mode not in SUPPORTED:
@@ -125,6 +131,7 @@ def step_inputs(
     bound = max_seq_len_bound
     max_seq = bound if fixed_max_seq_len else _host_max_seq_len(forward_batch, extra, bound)
     pages = max(1, math.ceil(max_seq / page_size))
+    pages = pages if fixed_max_seq_len else aligned_pages(pages)
     return QSAStepInputs(
         query_start_loc=qsl,
         seq_lens=seq,
