@@ -17,6 +17,7 @@ from .cache import QSACacheLayout, QSALayerCache
 from .inputs import QSAStepInputs
 from .layer import QSAAttention
 from .metadata import QSAForwardMetadata
+from .warmup import aligned_pages
 from .planner import QSAPlan, QSAPlanner
 
 
@@ -252,7 +253,8 @@ class Runner:
             positions.append(pos)
         num_pad = 0 if padding is None else padding.shape[0]
         slots.append(torch.full((num_pad,), -1, dtype=torch.int64))
-        max_pages = max([len(p) for p in pages_of] + [1])
+        # 16-column aligned: every step's table specializes the kernels alike (fewer compiles)
+        max_pages = aligned_pages(max([len(p) for p in pages_of] + [1]))
         table = torch.full((len(reqs), max_pages), -1, dtype=torch.int32)
         for i, owned in enumerate(pages_of):
             table[i, : len(owned)] = torch.tensor(owned, dtype=torch.int32)
