@@ -11,10 +11,11 @@ from sglang_harness import PAGE, Env, ensure_plugin
 R = 4  # indexer_compress_ratio of the tiny config
 
 
-@pytest.fixture
-def env():
+@pytest.fixture(params=[512, 20 * PAGE], ids=["8-pages", "20-pages"])
+def env(request):
+    """req_to_token 8 pages wide (an eager table's 16 columns repeat its last page) or 20 (a view)."""
     ensure_plugin()
-    return Env()
+    return Env(max_ctx=request.param)
 
 
 def meta_of(env, fb):

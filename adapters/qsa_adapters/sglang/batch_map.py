@@ -72,8 +72,11 @@ def block_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, page
     """int32 [R, pages]: physical page of each request-relative page (stale past seq_len;
     columns past req_to_token's width repeat its last page)."""
     width = -(-req_to_token.shape[1] // page_size)
+    req = req_pool_indices.long()
+    if pages <= width:  # a strided view of req_to_token, one gather
+        return (req_to_token[:, : pages * page_size : page_size][req] // page_size).to(torch.int32)
     cols = torch.arange(pages, device=req_to_token.device).clamp_(max=width - 1) * page_size
-    return (req_to_token[req_pool_indices.long()[:, None], cols[None, :]] // page_size).to(torch.int32)
+    return (req_to_token[req[:, None], cols[None, :]] // page_size).to(torch.int32)
 
 
 def rope_positions(forward_batch: Any, num_tokens: int, mrope: bool) -> torch.Tensor:
