@@ -17,8 +17,8 @@ from .cache import QSACacheLayout, QSALayerCache
 from .inputs import QSAStepInputs
 from .layer import QSAAttention
 from .metadata import QSAForwardMetadata
-from .warmup import aligned_pages
 from .planner import QSAPlan, QSAPlanner
+from .warmup import aligned_pages
 
 
 @dataclass
