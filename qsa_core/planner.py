@@ -38,6 +38,7 @@ from .inputs import QSAStepInputs
 from .metadata import QSAForwardMetadata
 from .options import QSAOptions
 from .reference import metadata as reference_metadata
+from .warmup import aligned_pages
 
 _DERIVED = ("token_to_req", "positions", "visible_blocks", "ring_slot", "compressed_slot", "kv_slot")
 _SCHEDULE_CACHE = 512
@@ -261,7 +262,9 @@ class QSAPlanner:
         self._attn_out = torch.empty(n, cfg.num_heads * cfg.head_dim, dtype=self.dtype, device=dev)
         self.static: dict[str, torch.Tensor] | None = None
         if max_num_reqs is not None:
-            pages = -(-self.max_model_len // self.page_size)
+            # 16-column aligned: its row stride specializes the kernels as an engine's aligned
+            # eager tables do (`warmup.aligned_pages`), whatever max_model_len
+            pages = aligned_pages(-(-self.max_model_len // self.page_size))
             self.static = dict(
                 query_start_loc=torch.zeros(max_num_reqs + 1, **i32),
                 seq_lens=torch.zeros(max_num_reqs, **i32),
@@ -311,11 +314,9 @@ class QSAPlanner:
         R = inputs.num_reqs
         if R > s["seq_lens"].shape[0]:
             raise ValueError(f"num_reqs ({R}) exceeds the planner's max_num_reqs ({s['seq_lens'].shape[0]})")
-        P = inputs.block_table.shape[1]
-        if P > s["block_table"].shape[1]:
-            raise ValueError(
-                f"block_table has {P} columns, more than max_model_len / page_size = {s['block_table'].shape[1]}"
-            )
+        P, limit = inputs.block_table.shape[1], -(-self.max_model_len // self.page_size)
+        if P > limit:
+            raise ValueError(f"block_table has {P} columns, more than ceil(max_model_len / page_size) = {limit}")
         rp = inputs.rope_positions
         if rp is not None and rp.dim() == 2 and s["rope_positions"].shape[0] != 3:
             raise ValueError("3-axis rope_positions need an MRoPE config (mrope_section)")
