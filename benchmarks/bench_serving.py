@@ -55,7 +55,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests"), str(ROOT / "tests" / "vllm_adapter")]
 
-from qsa_core.guard import REPORT_PREFIX  # noqa: E402
+from qsa_core.guard import guard_reports  # noqa: E402  (a run with any fails)
 
 BACKENDS = {"vllm": ("QSA_CORE", "upstream"), "sglang": ("qsa_core", "qsa")}  # (ours, the engine's own)
 CHUNK = 8192  # SGLang's --chunked-prefill-size, the same for both backends
@@ -128,12 +128,6 @@ def wave(stream: Callable, url: str, model: str, vocab: int, prompt_len: int, co
 
 
 JIT_LINE = re.compile(r"JIT compilation during inference: (\S+?)\.")
-
-
-def guard_reports(log: str) -> list[str]:
-    """The device guards' reports in a server log (requests whose rows were made inert): a
-    serving figure from such a run is not of the model served as asked, so the run fails."""
-    return [line for line in log.splitlines() if REPORT_PREFIX in line]
 
 
 def engine_jit(log: str) -> list[str]:

@@ -25,6 +25,11 @@ logger = logging.getLogger(__name__)
 REPORT_PREFIX = "qsa_core: malformed step metadata"
 
 
+def guard_reports(log: str) -> list[str]:
+    """The lines of a server log that are guard reports (requests whose rows were made inert)."""
+    return [line for line in log.splitlines() if REPORT_PREFIX in line]
+
+
 class _Copy:
     """One step's flags in pinned host memory (int32 [1 + R]: the guard flag, then each
     request's bits), the event that marks them landed, and the step's request labels."""

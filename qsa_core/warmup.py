@@ -122,9 +122,10 @@ def stride_class(row_stride: int) -> int:
 
 
 def aligned_pages(pages: int) -> int:
-    """pages rounded up to a multiple of 16: the width of a block table an engine sizes per
-    step. Every such table's row stride specializes the kernels alike (`stride_class` 0), so
-    its start-up warm-up covers them with block_table_strides=(16,): one class of the
+    """pages rounded up to a multiple of 16: the width of a block table the core or an adapter
+    sizes (a planner's static table, SGLang's eager tables, the Runner's). Every such table's
+    row stride specializes the kernels alike (`stride_class` 0), so a start-up warm-up covers
+    them with block_table_strides=(16,): one class of the
     stride-specialized variants (scores, top-k, attention) instead of three for tables of
     ceil(max_seq_len / page_size) columns (8192 rows / 128K context: 73 variants against 111)."""
     return -(-pages // 16) * 16

@@ -80,7 +80,7 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 sys.path[:0] = [os.path.join(TESTS, "sglang_adapter"), os.path.join(TESTS, "vllm_adapter"), TESTS]
-from qsa_core.guard import REPORT_PREFIX  # noqa: E402  (a guard report's log line)
+from qsa_core.guard import guard_reports  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 TIE = 2**-6  # two bf16 steps of a logit in [1, 2)
@@ -311,7 +311,7 @@ def log_error(run: Run, text: str) -> str | None:
     missing = [line for line in expected_lines(run) if line not in text]
     if missing:
         return f"the log lacks {missing}: the server did not run what this run names"
-    reports = [line for line in text.splitlines() if REPORT_PREFIX in line]
+    reports = guard_reports(text)
     if reports:
         return f"{len(reports)} guard report(s) in the log (requests made inert): {reports[0][-300:]}"
     return None

@@ -53,7 +53,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from qsa_core.guard import REPORT_PREFIX  # a guard report's log line
+from qsa_core.guard import guard_reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests", "vllm_adapter")
@@ -163,7 +163,7 @@ def finished(res: str, log: str, wall: float) -> dict:
     with open(res) as f:
         result = {**json.load(f), "wall": wall, "jit": jit,
                   "warmup": [sum(n for n, _ in warmed), sum(sec for _, sec in warmed)] if warmed else None}
-    reports = [line for line in text.splitlines() if REPORT_PREFIX in line]
+    reports = guard_reports(text)
     if reports:
         result.update(error=f"{len(reports)} guard report(s) in the log", tail=reports[0][-3000:])
     return result
