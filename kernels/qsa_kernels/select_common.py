@@ -199,11 +199,12 @@ def samples_bound(samples, KB: tl.constexpr, SBITS: tl.constexpr, SLACK: tl.cons
 
 
 @triton.jit
-def _row_block(s_row, l_idx, l_key, start, ar, n, LISTED: tl.constexpr):
+def _row_block(s_row, l_idx, l_key, start, ar, n, listed):
     """Columns and keys of a row's entries [start, start + BLOCK) below n (others key -1): its
-    scores' (n = visible), or (LISTED) a compacted candidate list's (n entries, ascending column)."""
+    scores' (n = visible), or (listed, a runtime flag) a compacted candidate list's (n entries,
+    ascending column)."""
     i = start + ar
-    if LISTED:
+    if listed:
         cols = tl.load(l_idx + i, mask=i < n, other=0)
         key = tl.load(l_key + i, mask=i < n, other=-1)
     else:
@@ -214,23 +215,26 @@ def _row_block(s_row, l_idx, l_key, start, ar, n, LISTED: tl.constexpr):
 
 @triton.jit
 def resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                PACKED: tl.constexpr, R: tl.constexpr, l_idx=None, l_key=None, LISTED: tl.constexpr = 0):
+                PACKED: tl.constexpr, R: tl.constexpr, l_idx, l_key, listed):
     """Exact top-k of a whole row by sweeps over its scores (the overflow route): the
-    threshold's bits by counts (`kth_key` with the keys streamed), then the emit. LISTED: over
-    the row's candidates compacted into l_idx / l_key (vis of them, ascending column: every key
-    of the row at or above a lower bound of its Kb-th) instead, the same result."""
+    threshold's bits by counts (`kth_key` with the keys streamed), then the emit. listed (a
+    runtime flag, so one copy of the sweeps serves both): over the row's candidates compacted
+    into l_idx / l_key (vis of them, ascending column: every key of the row at or above a lower
+    bound of its Kb-th) instead, the same result."""
     ar = tl.arange(0, BLOCK)
     j = tl.arange(0, 1 << BITS)
     prefix = vis * 0
-    for s in tl.static_range((31 + BITS - 1) // BITS):
+    # A runtime loop, not `static_range`: unrolled, each of the 31 / BITS steps would be a copy
+    # of the sweep in every kernel that carries this rare route (compile time, not speed).
+    for s in range((31 + BITS - 1) // BITS):
         hi = 31 - BITS * s
-        shift = hi - BITS if hi > BITS else 0
+        shift = tl.maximum(hi - BITS, 0)
         jmax = 1 << (hi - shift)
         t = prefix + (tl.minimum(j, jmax - 1) << shift)
         cnt = tl.zeros((1 << BITS,), tl.int32)
         start = vis * 0
         while start < vis:
-            key = _row_block(s_row, l_idx, l_key, start, ar, vis, LISTED)[1]
+            key = _row_block(s_row, l_idx, l_key, start, ar, vis, listed)[1]
             cnt += tl.sum((key[:, None] >= t[None, :]).to(tl.int32), 0)
             start += BLOCK
         ok = (cnt >= KB) & (j < jmax)
@@ -238,7 +242,7 @@ def resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.const
     above_all = vis * 0
     start = vis * 0
     while start < vis:
-        key = _row_block(s_row, l_idx, l_key, start, ar, vis, LISTED)[1]
+        key = _row_block(s_row, l_idx, l_key, start, ar, vis, listed)[1]
         above_all += tl.sum((key > prefix).to(tl.int32), 0)
         start += BLOCK
     need = KB - above_all
@@ -246,7 +250,7 @@ def resolve_row(s_row, vis, out_row, stride_oc, KB: tl.constexpr, BITS: tl.const
     ties = vis * 0
     start = vis * 0
     while start < vis:
-        cols, key = _row_block(s_row, l_idx, l_key, start, ar, vis, LISTED)
+        cols, key = _row_block(s_row, l_idx, l_key, start, ar, vis, listed)
         above = (key > prefix).to(tl.int32)
         equal = (key == prefix).to(tl.int32)
         rank = ties + tl.cumsum(equal, 0) - equal

@@ -271,14 +271,15 @@ def _topk_prefill_kernel(
                     # `kth_key`: RSBITS' 2^RSBITS counts a step over CAP2 keys would double the registers
                     _resolve_lists(c_idx, c_key, cnt_row, n_seg, out_row, stride_oc, KB, BITS, SEGP, CAP2, LS, PACKED,
                                    R)
-                elif (total <= SEGP * LS) & (2 * total <= vis):
-                    # Every key >= bound, compacted from the scores into the row's list scratch
-                    # in one sweep, and resolved there: the row's sweeps then read `total` keys,
-                    # not `vis` scores (at most half as many, or the sweep does not pay).
-                    compact_segment(s_row, 0, vis, bound, c_idx, c_key, SEGP * LS, BLOCK)
-                    resolve_row(s_row, total, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R, c_idx, c_key, 1)
                 else:
-                    resolve_row(s_row, vis, out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R)
+                    # Every key >= bound, compacted from the scores into the row's list scratch
+                    # in one sweep, and resolved there where they fit and are at most half the
+                    # row (the sweeps then read `total` keys, not `vis` scores), else the scores.
+                    listed = (total <= SEGP * LS) & (2 * total <= vis)
+                    if listed:
+                        compact_segment(s_row, 0, vis, bound, c_idx, c_key, SEGP * LS, BLOCK)
+                    resolve_row(s_row, tl.where(listed, total, vis), out_row, stride_oc, KB, BITS, RBLOCK, PACKED, R,
+                                c_idx, c_key, listed)
         elif WARM_K:
             j = tl.arange(0, CAP)  # the list's first CAP
             m = j < n
