@@ -11,7 +11,7 @@
 # interpreter is what CPU users run, and pip gives them the newest triton, .venv's.
 #
 # The sm_90 compile of every planned kernel variant (tests/kernels/test_compile_sm90.py, about
-# 12 core-minutes) runs once, in the run with the older triton: 3.6 is what the CUDA builds of
+# 7 core-minutes) runs once, in the run with the older triton: 3.6 is what the CUDA builds of
 # torch 2.10-2.11 pin (the GPU hosts' torch); no CUDA torch pins 3.9, the CPU venv's newest.
 #
 # Two cores run it in CI: the interpreter suites keep both busy (pytest -n 2), while the

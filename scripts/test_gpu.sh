@@ -66,10 +66,10 @@ xdist=()
 for suite in "${SUITES[@]}"; do
     case "$suite" in
         # Interpreter-only tests (marker `interpreter`) are deselected: they run in CI on the
-        # CPU; so is the sm_90 compile of every planned variant (about 12 core-minutes on the
-        # CPU, longer than the rest of the suite, and every kernel test here compiles its own
-        # variants for this GPU). Every other kernel test runs here on CUDA tensors, the gpu ones
-        # included (a skipif that holds here fails the suite like any skip).
+        # CPU; so is the sm_90 compile of every planned variant (a CPU compile of about 7
+        # core-minutes that holds one worker while the others finish; every kernel test here
+        # compiles its own variants for this GPU). Every other kernel test runs here on CUDA
+        # tensors, the gpu ones included (a skipif that holds here fails the suite like any skip).
         kernels) run kernels tests/kernels tests/test_negative_zero_ties.py -m "not interpreter" \
                      --deselect tests/kernels/test_compile_sm90.py::test_every_planned_variant_compiles_for_sm90 \
                      ${xdist[@]+"${xdist[@]}"} ;;
