@@ -214,6 +214,7 @@ class QSAPlanner:
         self.ring_capacity = ring_capacity
         self.max_num_tokens = max_num_tokens
         self.max_model_len = max_model_len
+        self.max_pages = -(-max_model_len // page_size)  # a request's pages at most: a block table's columns
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # tensors report cuda:N
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -264,7 +265,7 @@ class QSAPlanner:
         if max_num_reqs is not None:
             # 16-column aligned: its row stride specializes the kernels as an engine's aligned
             # eager tables do (`warmup.aligned_pages`), whatever max_model_len
-            pages = aligned_pages(-(-self.max_model_len // self.page_size))
+            pages = aligned_pages(self.max_pages)
             self.static = dict(
                 query_start_loc=torch.zeros(max_num_reqs + 1, **i32),
                 seq_lens=torch.zeros(max_num_reqs, **i32),
@@ -314,9 +315,9 @@ class QSAPlanner:
         R = inputs.num_reqs
         if R > s["seq_lens"].shape[0]:
             raise ValueError(f"num_reqs ({R}) exceeds the planner's max_num_reqs ({s['seq_lens'].shape[0]})")
-        P, limit = inputs.block_table.shape[1], -(-self.max_model_len // self.page_size)
-        if P > limit:
-            raise ValueError(f"block_table has {P} columns, more than ceil(max_model_len / page_size) = {limit}")
+        P = inputs.block_table.shape[1]
+        if P > self.max_pages:
+            raise ValueError(f"block_table has {P} columns, more than ceil(max_model_len / page_size) = {self.max_pages}")
         rp = inputs.rope_positions
         if rp is not None and rp.dim() == 2 and s["rope_positions"].shape[0] != 3:
             raise ValueError("3-axis rope_positions need an MRoPE config (mrope_section)")

@@ -182,7 +182,7 @@ def warm(planner: "QSAPlanner", caches: Iterable[QSALayerCache], *, decode_query
     norms = QSANormWeights(*(torch.zeros(d, dtype=dtype, device=dev) for d in (Di, Di, D, D)))
     # Every request's pages: page 0 (a table of every request's pages at 1M context would
     # take GBs; static plans copy it into the planner's own table).
-    pages = -(-L // planner.page_size)
+    pages = planner.max_pages
     strides = {stride_class(s) for s in block_table_strides or (pages,)} if not static else {0}
     tables = [warm_block_table(max(max_num_reqs or T, 2), pages, s, dev) for s in sorted(strides)]
     found: dict[tuple, tuple] = {}

@@ -116,7 +116,6 @@ class QSAMetadataMapper:
         int32 [>= R, 1]. rope_positions: int64 [T] or [3, T]; default common.positions, else
         the logical positions.
         """
-        g = self.geometry
         R, T = common.num_reqs, common.num_actual_tokens
         qsl_cpu = common.query_start_loc_cpu
         num_decodes, decode_query_len = uniform_decode_split(qsl_cpu, decode_threshold)
@@ -129,7 +128,7 @@ class QSAMetadataMapper:
             seq_lens=common.seq_lens,
             # vLLM sizes its table for the block size it started with: plan only the
             # columns max_model_len can use
-            block_table=common.block_table_tensor[:R, : -(-self.planner.max_model_len // g.page_size)],
+            block_table=common.block_table_tensor[:R, : self.planner.max_pages],
             slot_mapping=common.slot_mapping[:T],
             ring_index=core_ring_index(ring_block_table, R),
             rope_positions=rope_positions,
